@@ -1,0 +1,2 @@
+//! siesta-control: owns every engine on one GPU box.
+#![forbid(unsafe_code)]

@@ -1,0 +1,17 @@
+//! The `siesta.v1` gRPC contract: generated prost messages and tonic
+//! client/server for the `Control` service. The `.proto` files under
+//! `siesta/v1/` are the documentation.
+
+#![forbid(unsafe_code)]
+
+/// Generated code for package `siesta.v1`.
+#[allow(missing_docs, clippy::all, clippy::pedantic, missing_debug_implementations)]
+pub mod v1 {
+    tonic::include_proto!("siesta.v1");
+
+    /// The encoded file descriptor set, for gRPC reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/siesta_v1_descriptor.bin"));
+}
+
+pub use v1::*;

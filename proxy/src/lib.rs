@@ -1,0 +1,2 @@
+//! siesta-proxy: the OpenAI-compatible front door.
+#![forbid(unsafe_code)]

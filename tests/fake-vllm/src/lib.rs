@@ -1,0 +1,2 @@
+//! fake-vllm: a stand-in for `vllm serve`.
+#![forbid(unsafe_code)]
