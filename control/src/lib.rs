@@ -1,2 +1,21 @@
 //! siesta-control: owns every engine on one GPU box.
 #![forbid(unsafe_code)]
+
+pub mod config;
+pub mod reconciler;
+pub mod gpu;
+pub mod placement;
+mod error;
+pub mod engine;
+pub mod gpu_view;
+pub mod hub;
+pub mod models;
+pub mod runner;
+pub mod server;
+pub mod status;
+pub mod store;
+pub mod supervisor;
+
+pub use config::Config;
+pub use error::{Error, OpError};
+pub use server::{ServeOptions, Server};

@@ -1,1 +1,70 @@
-fn main() {}
+//! `siesta-control`: the control-plane daemon.
+#![forbid(unsafe_code)]
+
+use anyhow::Context;
+use clap::Parser;
+use siesta_control::{Config, ServeOptions, Server};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use tokio_util::sync::CancellationToken;
+
+/// siesta's control plane: runs, sleeps and wakes vLLM engines.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// The configuration file (TOML).
+    #[arg(long, env = "SIESTA_CONFIG")]
+    config: PathBuf,
+    /// gRPC listen address (overrides [control] listen; port 0 picks one).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// After binding, write `grpc=IP:PORT` to this file.
+    #[arg(long)]
+    addr_file: Option<PathBuf>,
+    /// Stop every engine on exit (default: leave them running).
+    #[arg(long)]
+    stop_engines_on_exit: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = Config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let opts = ServeOptions {
+        listen: args.listen,
+        stop_engines_on_exit: args.stop_engines_on_exit,
+        config_path: Some(args.config.clone()),
+    };
+    let server = Server::bind(config, opts).await?;
+    let addr = server.local_addr();
+    tracing::info!(%addr, "siesta-control listening");
+    if let Some(path) = &args.addr_file {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, format!("grpc={addr}\n")).context("writing addr file")?;
+        std::fs::rename(&tmp, path).context("writing addr file")?;
+    }
+    let shutdown = CancellationToken::new();
+    let signals = shutdown.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int)) =
+            (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+        else {
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+        }
+        signals.cancel();
+    });
+    server.run(shutdown).await?;
+    Ok(())
+}

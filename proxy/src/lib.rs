@@ -1,2 +1,43 @@
 //! siesta-proxy: the OpenAI-compatible front door.
+//!
+//! Routes requests by the `model` field of their JSON body to the engines that
+//! `siesta-control` publishes on `Watch`; holds requests for models that are
+//! not awake (sending one `Demand` per wait episode) and sheds with `503` and
+//! `Retry-After` when the wait would be too long. See DESIGN.md, data plane.
 #![forbid(unsafe_code)]
+
+mod activity;
+mod body;
+mod config;
+mod errors;
+mod forward;
+mod handler;
+mod hold;
+mod metrics;
+mod model_field;
+mod route_table;
+mod server;
+mod watch_client;
+
+pub use config::{DEFAULT_CONTROL, DEFAULT_MAX_BODY_BYTES, ProxyConfig};
+pub use server::Proxy;
+
+/// Errors that stop the proxy from starting or running.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    /// A `--control` value is not a usable URL.
+    #[error("invalid control plane URL {url:?}: {reason}")]
+    ControlUrl { url: String, reason: String },
+    /// The configuration is inconsistent.
+    #[error("invalid proxy configuration: {0}")]
+    Config(String),
+    /// An I/O error while serving.
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+}

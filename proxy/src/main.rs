@@ -1,1 +1,110 @@
-fn main() {}
+//! `siesta-proxy`: parse flags, init tracing, bind, serve until SIGINT/SIGTERM.
+#![forbid(unsafe_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use siesta_proxy::{Proxy, ProxyConfig};
+use tokio_util::sync::CancellationToken;
+
+/// siesta's OpenAI-compatible front door: route, hold, forward, shed.
+#[derive(Debug, Parser)]
+#[command(name = "siesta-proxy", version)]
+struct Args {
+    /// Control plane URL; repeat for several. A host name may resolve to
+    /// several addresses, each watched.
+    #[arg(
+        long = "control",
+        env = "SIESTA_CONTROL",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:50051"
+    )]
+    controls: Vec<String>,
+    /// Address for client traffic.
+    #[arg(long, env = "SIESTA_PROXY_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Address for /metrics, /healthz and /readyz.
+    #[arg(
+        long,
+        env = "SIESTA_PROXY_ADMIN_LISTEN",
+        default_value = "127.0.0.1:9090"
+    )]
+    admin_listen: SocketAddr,
+    /// After binding, write `http=IP:PORT` and `admin=IP:PORT` lines here.
+    #[arg(long)]
+    addr_file: Option<PathBuf>,
+    /// Bearer token for the control planes.
+    #[arg(long, env = "SIESTA_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// API key clients must send as `Authorization: Bearer KEY`; repeat or
+    /// comma-separate for several. None: no authentication.
+    #[arg(
+        long = "api-key",
+        env = "SIESTA_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    api_keys: Vec<String>,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, default_value_t = siesta_proxy::DEFAULT_MAX_BODY_BYTES)]
+    max_body: usize,
+    /// Time allowed for in-flight requests to finish on shutdown.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    drain_timeout: std::time::Duration,
+}
+
+fn write_addr_file(path: &PathBuf, proxy: &Proxy) -> anyhow::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let text = format!(
+        "http={}\nadmin={}\n",
+        proxy.local_addr(),
+        proxy.admin_addr()
+    );
+    std::fs::write(&tmp, text).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let cfg = ProxyConfig {
+        controls: args.controls,
+        listen: args.listen,
+        admin_listen: args.admin_listen,
+        token: args.token.filter(|t| !t.is_empty()),
+        api_keys: args
+            .api_keys
+            .into_iter()
+            .filter(|k| !k.is_empty())
+            .collect(),
+        max_body_bytes: args.max_body,
+        drain_timeout: args.drain_timeout,
+        ..ProxyConfig::default()
+    };
+    let proxy = Proxy::bind(cfg)?;
+    if let Some(path) = &args.addr_file {
+        write_addr_file(path, &proxy)?;
+    }
+    let shutdown = CancellationToken::new();
+    let signal = shutdown.clone();
+    tokio::spawn(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("signal received; shutting down");
+        signal.cancel();
+    });
+    proxy.run(shutdown).await?;
+    Ok(())
+}

@@ -1,2 +1,98 @@
-//! fake-vllm: a stand-in for `vllm serve`.
+//! fake-vllm: a stand-in for `vllm serve`, faithful on every path siesta uses: the same
+//! argv, the OpenAI endpoints and SSE chunk shapes, sleep mode at both levels behind
+//! `VLLM_SERVER_DEV_MODE=1`, `/metrics`, an engine-core child process, and knobs for timing
+//! and fault injection (see `fake-vllm serve --help`).
 #![forbid(unsafe_code)]
+
+pub mod cli;
+mod dev;
+pub mod engine;
+mod engine_core;
+mod http;
+pub mod memory;
+mod metrics;
+mod openai;
+pub mod server;
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+
+use tokio_util::sync::CancellationToken;
+
+/// Runs fake-vllm with `args` (argv including argv[0], e.g. `["fake-vllm", "serve", "m"]`);
+/// builds its own tokio runtime. Used by the `fake-vllm` binary and `siesta fake-vllm`.
+pub fn main_with_args<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let argv: Vec<OsString> = args.into_iter().map(Into::into).collect();
+    let cli = match cli::parse(argv.clone()) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    match cli.command {
+        cli::Command::EngineCore(a) => engine_core::run_child(&a),
+        cli::Command::Serve(a) => {
+            init_tracing();
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("fake-vllm: building the runtime: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+            rt.block_on(run(*a, &argv))
+        }
+    }
+}
+
+async fn run(args: cli::ServeArgs, argv: &[OsString]) -> ExitCode {
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            return;
+        };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("received SIGTERM"),
+            _ = int.recv() => tracing::info!("received SIGINT"),
+        }
+        token.cancel();
+    });
+    match server::serve(args, argv, shutdown).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "fake-vllm failed");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Logs to stdout like vLLM; filter from `FAKE_VLLM_LOG` (default `info`), not `RUST_LOG`, so
+/// a test's `RUST_LOG` does not flood engine logs.
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FAKE_VLLM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stdout)
+        .with_ansi(false)
+        .with_target(false)
+        .try_init();
+}

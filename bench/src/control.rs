@@ -1,0 +1,117 @@
+//! gRPC helpers against siesta-control, and process memory from /proc.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use siesta_proto::v1::control_client::ControlClient;
+use siesta_proto::v1::{GetModelRequest, ModelState, SleepRequest, WakeRequest};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::http::{Conn, proxy_state};
+
+pub type Client = ControlClient<Channel>;
+
+/// One HTTP/2 connection to the control plane.
+pub async fn connect(url: &str) -> Result<Client> {
+    let ch = Endpoint::from_shared(url.to_string())?
+        .tcp_nodelay(true)
+        .connect()
+        .await
+        .with_context(|| format!("connect to control at {url}"))?;
+    Ok(ControlClient::new(ch).max_decoding_message_size(256 << 20))
+}
+
+pub async fn state(c: &mut Client, name: &str) -> Result<ModelState> {
+    let r = c
+        .get_model(GetModelRequest {
+            name: name.to_string(),
+        })
+        .await?
+        .into_inner();
+    Ok(r.model
+        .map(|m| m.state())
+        .unwrap_or(ModelState::Unspecified))
+}
+
+/// Polls GetModel every 2 ms until the model is in `want`.
+pub async fn wait_state(
+    c: &mut Client,
+    name: &str,
+    want: ModelState,
+    limit: Duration,
+) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        let s = state(c, name).await?;
+        if s == want {
+            return Ok(());
+        }
+        if start.elapsed() > limit {
+            bail!("{name}: still {s:?} after {limit:?}, want {want:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Puts the model to sleep at level 1 and waits until control says asleep.
+pub async fn sleep_and_wait(c: &mut Client, name: &str) -> Result<()> {
+    c.sleep(SleepRequest {
+        name: name.to_string(),
+        level: 1,
+    })
+    .await
+    .with_context(|| format!("Sleep {name}"))?;
+    wait_state(c, name, ModelState::Asleep, Duration::from_secs(60)).await
+}
+
+/// Wakes the model and waits (server side) until it is awake.
+pub async fn wake_wait(c: &mut Client, name: &str) -> Result<()> {
+    c.wake(WakeRequest {
+        name: name.to_string(),
+        wait: true,
+        timeout_ms: 120_000,
+    })
+    .await
+    .with_context(|| format!("Wake {name}"))?;
+    wait_state(c, name, ModelState::Awake, Duration::from_secs(120)).await
+}
+
+/// Waits until the proxy's model listing no longer says the model is
+/// awake (it saw the Watch event). Falls back to a short pause when the
+/// listing carries no state.
+pub async fn wait_proxy_not_awake(proxy: &mut Conn, name: &str) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        match proxy_state(proxy, name).await? {
+            None => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                return Ok(());
+            }
+            Some(s) if s == "asleep" => return Ok(()),
+            Some(s) => {
+                if start.elapsed() > Duration::from_secs(10) {
+                    bail!("proxy still reports {name} as {s}");
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Resident set size of a process in bytes (VmRSS).
+pub fn rss_bytes(pid: u32) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("read /proc/{pid}/status"))?;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("VmRSS:") {
+            let kb: u64 = rest
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .context("VmRSS")?;
+            return Ok(kb * 1024);
+        }
+    }
+    bail!("no VmRSS for pid {pid}")
+}

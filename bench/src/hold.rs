@@ -1,0 +1,168 @@
+//! Scenario 4, hold capacity: N requests held at once by the proxy for one
+//! sleeping model whose wake is slow (fake-vllm's --wake-time), all on
+//! their own connections; then the wake releases them. Counts statuses and
+//! samples the proxy's VmRSS throughout.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use tokio::sync::Semaphore;
+
+use crate::control;
+use crate::http::{Conn, chat_body, socket_addr};
+use crate::stats::{Row, Target, print_table};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[arg(long)]
+    control: String,
+    #[arg(long)]
+    proxy: String,
+    /// The proxy's admin base URL (for the held-requests gauge on /metrics).
+    #[arg(long)]
+    proxy_admin: Option<String>,
+    /// The proxy's pid (for VmRSS).
+    #[arg(long)]
+    proxy_pid: u32,
+    #[arg(long, default_value = "bench-hold")]
+    model: String,
+    #[arg(long, default_value_t = 10_000)]
+    requests: usize,
+    /// Connections being opened at once (the listen backlog is finite).
+    #[arg(long, default_value_t = 200)]
+    connect_parallel: usize,
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    let mut ctl = control::connect(&a.control).await?;
+    let addr = socket_addr(&a.proxy)?;
+    let mut admin = Conn::connect(addr).await?;
+    let body = Arc::new(chat_body(&a.model, 4, false));
+    let s = "4";
+    let mut rows = vec![
+        Row::new(s, format!("requests answered 200 of {}", a.requests), "")
+            .target(Target::AtLeast(a.requests as f64)),
+        Row::new(s, "lost (error or non-200)", "").target(Target::AtMost(0.0)),
+        Row::new(s, "proxy RSS before", "MB"),
+        Row::new(s, "proxy RSS growth at peak", "MB").target(Target::AtMost(100.0)),
+        Row::new(s, "time to connect all", "s"),
+        Row::new(s, "held gauge on /metrics after connecting", ""),
+        Row::new(s, "all connected → last response", "s"),
+    ];
+    control::wake_wait(&mut ctl, &a.model).await?;
+    for rep in 0..a.repeats {
+        control::sleep_and_wait(&mut ctl, &a.model).await?;
+        control::wait_proxy_not_awake(&mut admin, &a.model).await?;
+        let rss0 = control::rss_bytes(a.proxy_pid)?;
+        let peak = Arc::new(AtomicU64::new(rss0));
+        let sampler = {
+            let peak = peak.clone();
+            let pid = a.proxy_pid;
+            tokio::spawn(async move {
+                loop {
+                    if let Ok(r) = control::rss_bytes(pid) {
+                        peak.fetch_max(r, Ordering::Relaxed);
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        };
+        let start = Instant::now();
+        let gate = Arc::new(Semaphore::new(a.connect_parallel));
+        let mut tasks = Vec::with_capacity(a.requests);
+        for _ in 0..a.requests {
+            let permit = gate.clone().acquire_owned().await?;
+            let body = body.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut c = Conn::connect(addr).await;
+                drop(permit);
+                let c = c.as_mut().map_err(|e| anyhow::anyhow!("{e:#}"))?;
+                let t = c
+                    .request("POST", "/v1/chat/completions", Some(&body))
+                    .await?;
+                Ok::<(u16, Instant), anyhow::Error>((t.status, Instant::now()))
+            }));
+        }
+        let sent = start.elapsed();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let held = match &a.proxy_admin {
+            Some(url) => held_gauge(url).await.unwrap_or(f64::NAN),
+            None => f64::NAN,
+        };
+        let (mut ok, mut lost, mut last) = (0usize, 0usize, start);
+        let mut first_err = None;
+        for t in tasks {
+            match t.await.context("join")? {
+                Ok((200, at)) => {
+                    ok += 1;
+                    last = last.max(at);
+                }
+                Ok((status, _)) => {
+                    lost += 1;
+                    first_err.get_or_insert_with(|| format!("status {status}"));
+                }
+                Err(e) => {
+                    lost += 1;
+                    first_err.get_or_insert_with(|| format!("{e:#}"));
+                }
+            }
+        }
+        sampler.abort();
+        let peak = peak.load(Ordering::Relaxed);
+        let st = control::state(&mut ctl, &a.model).await?;
+        let awake_at = last.duration_since(start).as_secs_f64();
+        let vals = [
+            ok as f64,
+            lost as f64,
+            rss0 as f64 / 1e6,
+            (peak.saturating_sub(rss0)) as f64 / 1e6,
+            sent.as_secs_f64(),
+            held,
+            awake_at - sent.as_secs_f64(),
+        ];
+        eprintln!(
+            "hold rep={rep}: ok {ok} lost {lost} ({}) rss {:.1} MB → peak {:.1} MB; connected in {:.2}s; held {held}; state now {st:?}",
+            first_err.unwrap_or_default(),
+            vals[2],
+            peak as f64 / 1e6,
+            vals[4]
+        );
+        for (row, v) in rows.iter_mut().zip(vals) {
+            row.push(v);
+        }
+    }
+    print_table(
+        &format!("4. Hold capacity ({} held requests)", a.requests),
+        &rows,
+    );
+    Ok(())
+}
+
+/// Sums the proxy's gauge(s) of held requests (any metric whose name has
+/// "held" or "queue" and is not a histogram/counter series).
+async fn held_gauge(admin: &str) -> Result<f64> {
+    let mut c = Conn::connect(socket_addr(admin)?).await?;
+    let t = c.request("GET", "/metrics", None).await?;
+    let text = String::from_utf8_lossy(&t.body);
+    let mut sum = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let name = line.split(['{', ' ']).next().unwrap_or("");
+        let gaugey = !(name.ends_with("_total")
+            || name.ends_with("_bucket")
+            || name.ends_with("_sum")
+            || name.ends_with("_count")
+            || name.ends_with("_created"));
+        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let (true, Some(v)) = (
+            gaugey && (name.contains("held") || name.contains("queue")),
+            value,
+        ) {
+            *sum.get_or_insert(0.0) += v;
+        }
+    }
+    sum.context("no held/queue gauge on /metrics")
+}

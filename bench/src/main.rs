@@ -1,0 +1,52 @@
+//! siesta-bench: the benchmark scenarios that need their own clients.
+//! `scripts/bench` starts the processes and runs every scenario; each
+//! subcommand prints a markdown table to stdout and progress to stderr.
+
+#![forbid(unsafe_code)]
+
+mod control;
+mod fwd;
+mod hold;
+mod http;
+mod release;
+mod scale;
+mod stats;
+mod stream;
+mod watch;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "siesta-bench", about = "siesta benchmark scenarios")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// 1. Forwarding overhead through wrk: direct, siesta, nginx, LiteLLM.
+    Fwd(fwd::Args),
+    /// 2. Streaming: time to first byte, total, chunks, direct vs proxy.
+    Stream(stream::Args),
+    /// 3. Release after wake: wake finished → held request at the engine.
+    Release(release::Args),
+    /// 4. Hold capacity: many requests held for one sleeping model.
+    Hold(hold::Args),
+    /// 5. Watch fan-out: many subscribers while models change state.
+    Watch(watch::Args),
+    /// 6. Control plane scale: ListModels and Watch snapshot with many models.
+    Scale(scale::Args),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Fwd(a) => fwd::run(a).await,
+        Cmd::Stream(a) => stream::run(a).await,
+        Cmd::Release(a) => release::run(a).await,
+        Cmd::Hold(a) => hold::run(a).await,
+        Cmd::Watch(a) => watch::run(a).await,
+        Cmd::Scale(a) => scale::run(a).await,
+    }
+}

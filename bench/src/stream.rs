@@ -1,0 +1,125 @@
+//! Scenario 2, streaming: a streamed chat completion of N tokens, direct vs
+//! through siesta-proxy, one keep-alive connection each, requests
+//! alternating between the two so noise hits both alike. Reports time to the
+//! first body byte, total time, body frames and SSE events per response.
+
+use anyhow::{Context, Result, bail};
+
+use crate::http::{Conn, chat_body, socket_addr, sse_events};
+use crate::stats::{Row, Target, median, percentile, print_table};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// fake-vllm's base URL.
+    #[arg(long)]
+    direct: String,
+    /// siesta-proxy's base URL.
+    #[arg(long)]
+    proxy: String,
+    #[arg(long, default_value = "bench")]
+    model: String,
+    #[arg(long, default_value_t = 256)]
+    tokens: u32,
+    /// Streamed requests per target per repeat.
+    #[arg(long, default_value_t = 200)]
+    requests: usize,
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Label for the table (e.g. "unpaced" or "paced 2000 tok/s").
+    #[arg(long, default_value = "")]
+    label: String,
+}
+
+#[derive(Debug, Default)]
+struct Sample {
+    ttfb_us: Vec<f64>,
+    total_us: Vec<f64>,
+    frames: Vec<f64>,
+    events: Vec<f64>,
+}
+
+pub async fn run(a: Args) -> Result<()> {
+    let body = chat_body(&a.model, a.tokens, true);
+    let mut direct = Conn::connect(socket_addr(&a.direct)?).await?;
+    let mut proxy = Conn::connect(socket_addr(&a.proxy)?).await?;
+    // Warm both paths (pools, caches).
+    for _ in 0..5 {
+        one(&mut direct, &body).await.context("direct")?;
+        one(&mut proxy, &body).await.context("proxy")?;
+    }
+    let s = if a.label.is_empty() {
+        "2".to_string()
+    } else {
+        format!("2 {}", a.label)
+    };
+    let mut rows = vec![
+        Row::new(&s, "direct TTFB p50", "µs"),
+        Row::new(&s, "siesta TTFB p50", "µs"),
+        Row::new(&s, "siesta − direct TTFB p50", "µs").target(Target::AtMost(100.0)),
+        Row::new(&s, "direct TTFB p99", "µs"),
+        Row::new(&s, "siesta TTFB p99", "µs"),
+        Row::new(&s, "direct total p50", "µs"),
+        Row::new(&s, "siesta total p50", "µs"),
+        Row::new(&s, "direct body frames / response", ""),
+        Row::new(&s, "siesta body frames / response", ""),
+        Row::new(&s, "direct SSE events / response", ""),
+        Row::new(&s, "siesta SSE events / response", ""),
+        Row::new(&s, "responses with fewer SSE events via siesta", "").target(Target::AtMost(0.0)),
+    ];
+    for rep in 0..a.repeats {
+        let (mut d, mut p) = (Sample::default(), Sample::default());
+        for _ in 0..a.requests {
+            record(&mut d, one(&mut direct, &body).await.context("direct")?);
+            record(&mut p, one(&mut proxy, &body).await.context("proxy")?);
+        }
+        let want = median(&d.events);
+        let short = p.events.iter().filter(|&&e| e < want).count() as f64;
+        let vals = [
+            median(&d.ttfb_us),
+            median(&p.ttfb_us),
+            median(&p.ttfb_us) - median(&d.ttfb_us),
+            percentile(&d.ttfb_us, 99.0),
+            percentile(&p.ttfb_us, 99.0),
+            median(&d.total_us),
+            median(&p.total_us),
+            mean(&d.frames),
+            mean(&p.frames),
+            mean(&d.events),
+            mean(&p.events),
+            short,
+        ];
+        for (row, v) in rows.iter_mut().zip(vals) {
+            row.push(v);
+        }
+        eprintln!(
+            "stream {} rep={rep}: ttfb direct {:.0}µs siesta {:.0}µs; frames {:.1}/{:.1}; events {:.1}/{:.1}",
+            a.label, vals[0], vals[1], vals[7], vals[8], vals[9], vals[10]
+        );
+    }
+    print_table(
+        &format!("2. Streaming {} tokens {}", a.tokens, a.label),
+        &rows,
+    );
+    Ok(())
+}
+
+async fn one(c: &mut Conn, body: &str) -> Result<crate::http::Timed> {
+    let t = c
+        .request("POST", "/v1/chat/completions", Some(body))
+        .await?;
+    if t.status != 200 {
+        bail!("status {}: {}", t.status, String::from_utf8_lossy(&t.body));
+    }
+    Ok(t)
+}
+
+fn record(s: &mut Sample, t: crate::http::Timed) {
+    s.ttfb_us.push(t.first_byte.as_secs_f64() * 1e6);
+    s.total_us.push(t.total.as_secs_f64() * 1e6);
+    s.frames.push(t.frames as f64);
+    s.events.push(sse_events(&t.body) as f64);
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}

@@ -1,0 +1,240 @@
+//! Scenario 5, Watch fan-out: N Watch subscribers spread over a few HTTP/2
+//! connections while models are put to sleep and woken. Measures the delay
+//! from each event's `at_unix_ms` to its arrival at every subscriber, and
+//! the transitions' own durations with and without the subscribers.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use siesta_proto::v1::WatchRequest;
+use siesta_proto::v1::watch_event::Kind;
+use tokio::task::JoinHandle;
+
+use crate::control::{self, Client};
+use crate::http::unix_us;
+use crate::stats::{Row, Target, median, percentile, print_table};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[arg(long)]
+    control: String,
+    /// Models to cycle through sleep and wake (comma separated).
+    #[arg(long, value_delimiter = ',', default_value = "bench")]
+    models: Vec<String>,
+    #[arg(long, default_value_t = 1000)]
+    subscribers: usize,
+    /// HTTP/2 connections the subscribers share.
+    #[arg(long, default_value_t = 8)]
+    connections: usize,
+    /// Sleep+wake cycles per model per phase.
+    #[arg(long, default_value_t = 10)]
+    cycles: usize,
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+}
+
+/// (revision, at_unix_ms, received unix µs) of each model event after the
+/// snapshot, and how many snapshots (resyncs included) arrived.
+type Seen = (Vec<(u64, i64, f64)>, usize);
+
+pub async fn run(a: Args) -> Result<()> {
+    let mut ctl = control::connect(&a.control).await?;
+    let mut chans = Vec::new();
+    for _ in 0..a.connections.max(1) {
+        chans.push(control::connect(&a.control).await?);
+    }
+    for m in &a.models {
+        control::wake_wait(&mut ctl, m).await?;
+    }
+    let s = "5";
+    let mut rows = vec![
+        Row::new(s, "event delay, all (event, subscriber) p50", "ms"),
+        Row::new(s, "event delay, all (event, subscriber) p99", "ms"),
+        Row::new(s, "event delay to every subscriber p99", "ms").target(Target::AtMost(50.0)),
+        Row::new(s, "event delay max", "ms"),
+        Row::new(s, "fan-out spread first→last subscriber p99", "ms"),
+        Row::new(s, "events missed (subscriber × revision)", "").target(Target::AtMost(0.0)),
+        Row::new(s, "all snapshots received", "ms"),
+        Row::new(s, "sleep transition p50, no subscribers", "ms"),
+        Row::new(s, "sleep transition p50, with subscribers", "ms"),
+        Row::new(s, "wake transition p50, no subscribers", "ms"),
+        Row::new(s, "wake transition p50, with subscribers", "ms"),
+        Row::new(s, "transition p50 with/without subscribers", "").target(Target::AtMost(1.25)),
+    ];
+    for rep in 0..a.repeats {
+        let (sleep0, wake0) = cycle(&mut ctl, &a).await?;
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let ready = Arc::new(AtomicUsize::new(0));
+        let t_open = Instant::now();
+        let mut subs: Vec<JoinHandle<Result<Seen>>> = Vec::new();
+        for i in 0..a.subscribers {
+            subs.push(tokio::spawn(subscriber(
+                chans[i % chans.len()].clone(),
+                ready.clone(),
+                stop.clone(),
+                i,
+            )));
+        }
+        while ready.load(Ordering::Relaxed) < a.subscribers {
+            if t_open.elapsed() > Duration::from_secs(60) {
+                bail!(
+                    "only {} of {} subscribers got a snapshot",
+                    ready.load(Ordering::Relaxed),
+                    a.subscribers
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let snap_ms = t_open.elapsed().as_secs_f64() * 1e3;
+        let (sleep1, wake1) = cycle(&mut ctl, &a).await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.notify_waiters();
+        let mut seen = Vec::new();
+        for h in subs {
+            seen.push(h.await.context("join")??);
+        }
+        let v = analyse(&seen);
+        let ratio = (median(&sleep1) + median(&wake1)) / (median(&sleep0) + median(&wake0));
+        let vals = [
+            v.p50,
+            v.p99,
+            v.every_p99,
+            v.max,
+            v.spread_p99,
+            v.missed,
+            snap_ms,
+            median(&sleep0),
+            median(&sleep1),
+            median(&wake0),
+            median(&wake1),
+            ratio,
+        ];
+        eprintln!(
+            "watch rep={rep}: {} events/subscriber, delay p50 {:.2} p99 {:.2} every-p99 {:.2} ms, missed {}, snapshots {:.0} ms, sleep {:.1}/{:.1} wake {:.1}/{:.1} ms",
+            v.events,
+            vals[0],
+            vals[1],
+            vals[2],
+            v.missed,
+            snap_ms,
+            vals[7],
+            vals[8],
+            vals[9],
+            vals[10]
+        );
+        for (row, x) in rows.iter_mut().zip(vals) {
+            row.push(x);
+        }
+    }
+    print_table(
+        &format!(
+            "5. Watch fan-out ({} subscribers on {} connections)",
+            a.subscribers, a.connections
+        ),
+        &rows,
+    );
+    Ok(())
+}
+
+/// Sleeps and wakes every model `cycles` times; returns the sleep durations
+/// (RPC → observed asleep) and wake durations (waited Wake RPC), in ms.
+async fn cycle(ctl: &mut Client, a: &Args) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (mut sl, mut wk) = (Vec::new(), Vec::new());
+    for _ in 0..a.cycles {
+        for m in &a.models {
+            let t = Instant::now();
+            control::sleep_and_wait(ctl, m).await?;
+            sl.push(t.elapsed().as_secs_f64() * 1e3);
+            let t = Instant::now();
+            control::wake_wait(ctl, m).await?;
+            wk.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    Ok((sl, wk))
+}
+
+async fn subscriber(
+    mut c: Client,
+    ready: Arc<AtomicUsize>,
+    stop: Arc<tokio::sync::Notify>,
+    i: usize,
+) -> Result<Seen> {
+    let mut stream = c
+        .watch(WatchRequest {
+            since_revision: 0,
+            client_id: format!("bench-{i}"),
+        })
+        .await?
+        .into_inner();
+    let mut events = Vec::new();
+    let mut snapshots = 0;
+    let stopped = stop.notified();
+    tokio::pin!(stopped);
+    loop {
+        tokio::select! {
+            _ = &mut stopped => break,
+            msg = stream.message() => {
+                let Some(ev) = msg? else { break };
+                let now = unix_us();
+                match ev.kind {
+                    Some(Kind::Snapshot(_)) => {
+                        snapshots += 1;
+                        if snapshots == 1 {
+                            ready.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Some(Kind::Model(_)) => events.push((ev.revision, ev.at_unix_ms, now)),
+                    _ => {}
+                }
+            }
+        }
+    }
+    Ok((events, snapshots))
+}
+
+#[derive(Debug, Default)]
+struct Analysis {
+    p50: f64,
+    p99: f64,
+    every_p99: f64,
+    max: f64,
+    spread_p99: f64,
+    missed: f64,
+    events: usize,
+}
+
+fn analyse(seen: &[Seen]) -> Analysis {
+    use std::collections::BTreeMap;
+    let mut all = Vec::new();
+    // revision → (at_ms, first arrival µs, last arrival µs, subscribers)
+    let mut by_rev: BTreeMap<u64, (i64, f64, f64, usize)> = BTreeMap::new();
+    for (events, _) in seen {
+        for &(rev, at, now) in events {
+            all.push(now / 1e3 - at as f64);
+            let e = by_rev.entry(rev).or_insert((at, now, now, 0));
+            e.1 = e.1.min(now);
+            e.2 = e.2.max(now);
+            e.3 += 1;
+        }
+    }
+    let every: Vec<f64> = by_rev
+        .values()
+        .map(|&(at, _, last, _)| last / 1e3 - at as f64)
+        .collect();
+    let spread: Vec<f64> = by_rev
+        .values()
+        .map(|&(_, first, last, _)| (last - first) / 1e3)
+        .collect();
+    let missed: usize = by_rev.values().map(|&(_, _, _, n)| seen.len() - n).sum();
+    Analysis {
+        p50: percentile(&all, 50.0),
+        p99: percentile(&all, 99.0),
+        every_p99: percentile(&every, 99.0),
+        max: percentile(&all, 100.0),
+        spread_p99: percentile(&spread, 99.0),
+        missed: missed as f64,
+        events: by_rev.len(),
+    }
+}

@@ -1,0 +1,48 @@
+//! `siesta pin MODEL [--for DUR]` and `siesta unpin MODEL`.
+
+use std::time::Duration;
+
+use siesta_proto::v1 as pb;
+
+use super::print_operation;
+use crate::args::Format;
+use crate::client::Conn;
+use crate::failure::Failure;
+use crate::render;
+
+pub async fn pin(
+    conn: Conn,
+    name: &str,
+    duration: Option<Duration>,
+    format: Format,
+) -> Result<(), Failure> {
+    let until_unix_ms = match duration {
+        None => 0,
+        Some(d) if d.is_zero() => {
+            return Err(Failure::Usage("--for must be longer than zero".into()));
+        }
+        Some(d) => render::now_ms().saturating_add(d.as_millis().min(i64::MAX as u128) as i64),
+    };
+    let resp = conn
+        .call(|mut c| async move {
+            c.pin(pb::PinRequest {
+                name: name.to_owned(),
+                until_unix_ms,
+            })
+            .await
+        })
+        .await?;
+    print_operation(name, &resp, format)
+}
+
+pub async fn unpin(conn: Conn, name: &str, format: Format) -> Result<(), Failure> {
+    let resp = conn
+        .call(|mut c| async move {
+            c.unpin(pb::ModelRequest {
+                name: name.to_owned(),
+            })
+            .await
+        })
+        .await?;
+    print_operation(name, &resp, format)
+}

@@ -1,0 +1,241 @@
+//! `siesta up`: control plane and proxy in one process until Ctrl-C. They
+//! still talk gRPC over loopback, so the split stays real.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use siesta_control::config::Config;
+use siesta_control::{ServeOptions, Server};
+use siesta_proto::v1 as pb;
+use siesta_proxy::{Proxy, ProxyConfig};
+use tokio_util::sync::CancellationToken;
+
+use crate::args::{DEFAULT_CONTROL, UpArgs};
+use crate::client::Conn;
+use crate::failure::Failure;
+use crate::render;
+
+/// How long both halves get to finish after Ctrl-C (engines stop meanwhile).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
+    let (config, config_path) = match &args.config {
+        Some(path) => {
+            let config = Config::load(path).map_err(|e| Failure::Failed(e.to_string()))?;
+            (config, Some(path.clone()))
+        }
+        None => {
+            let exe = std::env::current_exe()?;
+            (
+                Config::demo(vec![exe.to_string_lossy().into_owned(), "fake-vllm".into()]),
+                None,
+            )
+        }
+    };
+    let opts = ServeOptions {
+        listen: Some(args.control_listen),
+        stop_engines_on_exit: !args.keep_engines,
+        config_path,
+    };
+    let server = Server::bind(config, opts)
+        .await
+        .map_err(|e| Failure::Failed(format!("siesta-control: {e}")))?;
+    let grpc = server.local_addr();
+    let control_url = format!("http://{}", loopback_for(grpc));
+    let proxy = Proxy::bind(ProxyConfig {
+        controls: vec![control_url.clone()],
+        listen: args.listen,
+        admin_listen: args.admin_listen,
+        token: token.map(str::to_owned),
+        ..Default::default()
+    })
+    .map_err(|e| Failure::Failed(format!("siesta-proxy: {e}")))?;
+    let (http, admin) = (proxy.local_addr(), proxy.admin_addr());
+
+    let shutdown = CancellationToken::new();
+    let mut control_task = tokio::spawn(server.run(shutdown.child_token()));
+    let mut proxy_task = tokio::spawn(proxy.run(shutdown.child_token()));
+
+    if let Some(path) = &args.addr_file {
+        write_addr_file(path, http, admin, grpc)?;
+    }
+    let models = match Conn::connect(&control_url, token).await {
+        Ok(conn) => conn
+            .call_within(Duration::from_secs(5), |mut c| async move {
+                c.list_models(pb::ListModelsRequest {}).await
+            })
+            .await
+            .map(|r| r.models)
+            .unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    print!(
+        "{}",
+        banner(http, admin, &control_url, &models, args.config.as_deref())
+    );
+
+    let outcome = tokio::select! {
+        _ = shutdown_signal() => Ok(()),
+        r = &mut control_task => Err(Failure::Failed(format!("siesta-control stopped: {}", joined(r)))),
+        r = &mut proxy_task => Err(Failure::Failed(format!("siesta-proxy stopped: {}", joined(r)))),
+    };
+    eprintln!(
+        "siesta: shutting down{}",
+        if args.keep_engines {
+            " (engines left running)"
+        } else {
+            " and stopping engines"
+        }
+    );
+    shutdown.cancel();
+    let both = async {
+        if !proxy_task.is_finished() {
+            let _ = (&mut proxy_task).await;
+        }
+        if !control_task.is_finished() {
+            let _ = (&mut control_task).await;
+        }
+    };
+    if tokio::time::timeout(SHUTDOWN_GRACE, both).await.is_err() {
+        eprintln!(
+            "siesta: shutdown took longer than {}; exiting",
+            render::duration(SHUTDOWN_GRACE.as_millis() as u64)
+        );
+    }
+    outcome
+}
+
+/// Waits for Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+fn joined<E: std::fmt::Display>(r: Result<Result<(), E>, tokio::task::JoinError>) -> String {
+    match r {
+        Ok(Ok(())) => "finished early".into(),
+        Ok(Err(e)) => e.to_string(),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// A wildcard listen address is reached on loopback.
+fn loopback_for(addr: SocketAddr) -> SocketAddr {
+    let mut a = addr;
+    if a.ip().is_unspecified() {
+        a.set_ip(if a.is_ipv4() {
+            [127, 0, 0, 1].into()
+        } else {
+            std::net::Ipv6Addr::LOCALHOST.into()
+        });
+    }
+    a
+}
+
+/// `http=IP:PORT\nadmin=IP:PORT\ngrpc=IP:PORT\n`, written to PATH.tmp then renamed.
+fn write_addr_file(
+    path: &Path,
+    http: SocketAddr,
+    admin: SocketAddr,
+    grpc: SocketAddr,
+) -> Result<(), Failure> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, format!("http={http}\nadmin={admin}\ngrpc={grpc}\n"))?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// What `siesta up` prints once both halves listen.
+pub fn banner(
+    http: SocketAddr,
+    admin: SocketAddr,
+    control_url: &str,
+    models: &[pb::ModelStatus],
+    config: Option<&Path>,
+) -> String {
+    let http = loopback_for(http);
+    let source = match config {
+        Some(p) => format!("config {}", p.display()),
+        None => "built-in demo: fake-vllm engines, no GPU needed".into(),
+    };
+    let mut o = format!("siesta is up ({source})\n\n");
+    o += &format!("  OpenAI API   http://{http}/v1\n");
+    o += &format!("  metrics      http://{}/metrics\n", loopback_for(admin));
+    o += &format!("  control      {control_url} (gRPC)\n");
+    if !models.is_empty() {
+        let list: Vec<String> = models
+            .iter()
+            .map(|m| format!("{} ({})", m.name, render::state_label(m)))
+            .collect();
+        o += &format!("  models       {}\n", list.join(", "));
+    }
+    let model = models.first().map_or("MODEL", |m| m.name.as_str());
+    let flag = if control_url == DEFAULT_CONTROL {
+        String::new()
+    } else {
+        format!(" --control {control_url}")
+    };
+    o += "\nTry, in another terminal:\n";
+    o += &format!(
+        "  curl -s http://{http}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
+    );
+    o += &format!("  siesta{flag} status\n  siesta{flag} watch\n\nCtrl-C stops everything.\n");
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn banner_has_api_curl_and_status() {
+        let m = pb::ModelStatus {
+            name: "chat".into(),
+            state: pb::ModelState::Asleep as i32,
+            sleep_level: 1,
+            ..Default::default()
+        };
+        let b = banner(
+            "0.0.0.0:8080".parse().unwrap(),
+            "127.0.0.1:9090".parse().unwrap(),
+            "http://127.0.0.1:50051",
+            &[m],
+            None,
+        );
+        assert!(b.contains("OpenAI API   http://127.0.0.1:8080/v1"), "{b}");
+        assert!(b.contains("chat (asleep(l1))"), "{b}");
+        assert!(b.contains("\"model\": \"chat\""), "{b}");
+        assert!(b.contains("  siesta status\n"), "{b}");
+        let b = banner(
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+            "http://127.0.0.1:3",
+            &[],
+            None,
+        );
+        assert!(
+            b.contains("siesta --control http://127.0.0.1:3 status"),
+            "{b}"
+        );
+    }
+}

@@ -1,0 +1,249 @@
+//! `siesta watch`: live events; `-o json` prints one JSON object per line.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+use siesta_proto::v1 as pb;
+use siesta_proto::v1::watch_event::Kind;
+use tokio_stream::StreamExt;
+
+use super::print_json_line;
+use crate::args::Format;
+use crate::client::Conn;
+use crate::failure::Failure;
+use crate::render;
+use crate::view::{GpusView, ModelView, PlacementView};
+
+/// One event for `-o json`: `type` says which of the payload fields is set.
+#[derive(Debug, Serialize)]
+pub struct EventView {
+    pub revision: u64,
+    pub at_unix_ms: i64,
+    pub control_id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub models: Option<Vec<ModelView>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resync: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_removed: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpus: Option<GpusView>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementView>,
+}
+
+impl From<&pb::WatchEvent> for EventView {
+    fn from(ev: &pb::WatchEvent) -> Self {
+        let mut v = EventView {
+            revision: ev.revision,
+            at_unix_ms: ev.at_unix_ms,
+            control_id: ev.control_id.clone(),
+            kind: "unknown",
+            models: None,
+            resync: None,
+            model: None,
+            model_removed: None,
+            gpus: None,
+            placement: None,
+        };
+        match &ev.kind {
+            Some(Kind::Snapshot(s)) => {
+                v.kind = "snapshot";
+                v.models = Some(s.models.iter().map(ModelView::from).collect());
+                v.resync = Some(s.resync);
+                v.gpus = s.gpus.as_ref().map(GpusView::from);
+                v.placement = s.placement.as_ref().map(PlacementView::from);
+            }
+            Some(Kind::Model(m)) => {
+                v.kind = "model";
+                v.model = Some(ModelView::from(m));
+            }
+            Some(Kind::ModelRemoved(name)) => {
+                v.kind = "model_removed";
+                v.model_removed = Some(name.clone());
+            }
+            Some(Kind::Gpus(g)) => {
+                v.kind = "gpus";
+                v.gpus = Some(GpusView::from(g));
+            }
+            Some(Kind::Placement(p)) => {
+                v.kind = "placement";
+                v.placement = Some(PlacementView::from(p));
+            }
+            None => {}
+        }
+        v
+    }
+}
+
+pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
+    let mut events = conn
+        .call(|mut c| async move {
+            c.watch(pb::WatchRequest {
+                since_revision: 0,
+                client_id: "siesta watch".into(),
+            })
+            .await
+        })
+        .await?;
+    let mut text = TextWatch::default();
+    while let Some(ev) = events.next().await {
+        let ev = ev.map_err(|s| conn.err(s))?;
+        match format {
+            Format::Json => print_json_line(&EventView::from(&ev))?,
+            Format::Text => {
+                for line in text.lines(&ev) {
+                    println!("{line}");
+                }
+            }
+        }
+    }
+    Err(Failure::Failed(format!(
+        "siesta-control at {} ended the watch stream",
+        conn.url
+    )))
+}
+
+/// Human-readable event lines; remembers each model's last state to show
+/// transitions as `asleep(l1) → waking`.
+#[derive(Debug, Default)]
+pub struct TextWatch {
+    states: HashMap<String, String>,
+}
+
+impl TextWatch {
+    pub fn lines(&mut self, ev: &pb::WatchEvent) -> Vec<String> {
+        let at = clock(ev.at_unix_ms);
+        let rev = ev.revision;
+        match &ev.kind {
+            Some(Kind::Snapshot(s)) => {
+                self.states.clear();
+                let mut out = vec![format!(
+                    "{at} #{rev} snapshot{}: {} models",
+                    if s.resync { " (resync)" } else { "" },
+                    s.models.len()
+                )];
+                for m in &s.models {
+                    let state = render::state_label(m);
+                    out.push(format!("{at} #{rev}   {}: {state}{}", m.name, details(m)));
+                    self.states.insert(m.name.clone(), state);
+                }
+                out
+            }
+            Some(Kind::Model(m)) => {
+                let state = render::state_label(m);
+                let change = match self.states.insert(m.name.clone(), state.clone()) {
+                    Some(prev) if prev != state => format!("{prev} → {state}"),
+                    _ => state,
+                };
+                vec![format!("{at} #{rev} {}: {change}{}", m.name, details(m))]
+            }
+            Some(Kind::ModelRemoved(name)) => {
+                self.states.remove(name);
+                vec![format!(
+                    "{at} #{rev} {name}: removed from the configuration"
+                )]
+            }
+            Some(Kind::Gpus(g)) => vec![format!(
+                "{at} #{rev} gpus: {} GPUs, {} P2P results",
+                g.gpus.len(),
+                g.p2p.len()
+            )],
+            Some(Kind::Placement(p)) => {
+                let parts: Vec<String> = p
+                    .models
+                    .iter()
+                    .map(|m| format!("{} on {}", m.model, render::gpus(&m.gpus)))
+                    .collect();
+                vec![format!("{at} #{rev} placement: {}", parts.join(", "))]
+            }
+            None => vec![format!("{at} #{rev} (unknown event)")],
+        }
+    }
+}
+
+/// The extra facts worth a glance: in flight, pins, errors, waits.
+fn details(m: &pb::ModelStatus) -> String {
+    let mut d = Vec::new();
+    if m.in_flight > 0 {
+        d.push(format!("{} in flight", m.in_flight));
+    }
+    if m.pinned_until_unix_ms > 0 {
+        d.push("pinned".to_owned());
+    }
+    if !m.waiting_for.is_empty() {
+        d.push(format!("waiting for {}", m.waiting_for));
+    }
+    if !m.last_error.is_empty() {
+        d.push(format!(
+            "error: {}",
+            m.last_error.lines().next().unwrap_or("")
+        ));
+    }
+    if d.is_empty() {
+        String::new()
+    } else {
+        format!("  ({})", d.join("; "))
+    }
+}
+
+/// `HH:MM:SS.mmm` (UTC) of a Unix time in milliseconds.
+pub fn clock(unix_ms: i64) -> String {
+    let ms = unix_ms.rem_euclid(86_400_000);
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        ms / 3_600_000,
+        ms / 60_000 % 60,
+        ms / 1000 % 60,
+        ms % 1000
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model_event(rev: u64, name: &str, state: pb::ModelState) -> pb::WatchEvent {
+        pb::WatchEvent {
+            revision: rev,
+            at_unix_ms: 3_723_004,
+            kind: Some(Kind::Model(pb::ModelStatus {
+                name: name.into(),
+                state: state as i32,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn text_shows_transitions() {
+        let mut w = TextWatch::default();
+        assert_eq!(
+            w.lines(&model_event(1, "chat", pb::ModelState::Asleep)),
+            ["01:02:03.004 #1 chat: asleep"]
+        );
+        assert_eq!(
+            w.lines(&model_event(2, "chat", pb::ModelState::Waking)),
+            ["01:02:03.004 #2 chat: asleep → waking"]
+        );
+    }
+
+    #[test]
+    fn json_view_names_its_type() {
+        let v = serde_json::to_value(EventView::from(&model_event(
+            7,
+            "chat",
+            pb::ModelState::Awake,
+        )))
+        .unwrap();
+        assert_eq!(v["type"], "model");
+        assert_eq!(v["revision"], 7);
+        assert_eq!(v["model"]["state"], "awake");
+        assert!(v.get("gpus").is_none());
+    }
+}

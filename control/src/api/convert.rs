@@ -1,0 +1,156 @@
+//! Domain → `siesta.v1` messages, and refusals → `tonic::Status` (the one
+//! place errors are mapped).
+
+use crate::OpError;
+use crate::config::{IdleAction, IdleTier};
+use crate::hub::{Body, WatchItem};
+use crate::reconciler::{Calibration, Desired, Reason};
+use crate::status::{ModelStatus, State};
+use crate::supervisor::LogLine;
+use siesta_proto::v1 as pb;
+
+impl From<OpError> for tonic::Status {
+    fn from(e: OpError) -> Self {
+        let msg = e.to_string();
+        match e {
+            OpError::NotFound(_) => tonic::Status::not_found(msg),
+            OpError::InvalidArgument(_) => tonic::Status::invalid_argument(msg),
+            OpError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
+            OpError::Unimplemented(_) => tonic::Status::unimplemented(msg),
+            OpError::Unavailable(_) => tonic::Status::unavailable(msg),
+        }
+    }
+}
+
+fn state(s: State) -> pb::ModelState {
+    match s {
+        State::Stopped => pb::ModelState::Stopped,
+        State::Starting => pb::ModelState::Starting,
+        State::Awake => pb::ModelState::Awake,
+        State::Sleeping => pb::ModelState::Sleeping,
+        State::Asleep => pb::ModelState::Asleep,
+        State::Waking => pb::ModelState::Waking,
+        State::Stopping => pb::ModelState::Stopping,
+        State::Failed => pb::ModelState::Failed,
+    }
+}
+
+fn reason(r: Reason) -> pb::IntentReason {
+    match r {
+        Reason::Config => pb::IntentReason::Config,
+        Reason::Demand => pb::IntentReason::Demand,
+        Reason::Operator => pb::IntentReason::Operator,
+        Reason::Pin => pb::IntentReason::Pin,
+        Reason::IdleTier => pb::IntentReason::IdleTier,
+    }
+}
+
+fn tier(t: &IdleTier) -> pb::IdleTier {
+    let (action, level) = match t.action {
+        IdleAction::Sleep(l) => (pb::IdleAction::Sleep, u32::from(l)),
+        IdleAction::Stop => (pb::IdleAction::Stop, 0),
+    };
+    pb::IdleTier {
+        after_ms: t.after.as_millis() as u64,
+        action: action as i32,
+        level,
+    }
+}
+
+fn calibration(c: &Calibration) -> pb::Calibration {
+    pb::Calibration {
+        start_ms: c.start.millis(),
+        wake_l1_ms: c.wake[0].millis(),
+        wake_l2_ms: c.wake[1].millis(),
+        sleep_l1_ms: c.sleep[0].millis(),
+        sleep_l2_ms: c.sleep[1].millis(),
+        start_samples: c.start.samples,
+        wake_l1_samples: c.wake[0].samples,
+        wake_l2_samples: c.wake[1].samples,
+        sleep_l1_samples: c.sleep[0].samples,
+        sleep_l2_samples: c.sleep[1].samples,
+    }
+}
+
+pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
+    let (desired, level) = match s.intent.desired {
+        Desired::Stopped => (pb::DesiredState::Stopped, 0),
+        Desired::Awake => (pb::DesiredState::Awake, 0),
+        Desired::Asleep(l) => (pb::DesiredState::Asleep, u32::from(l)),
+    };
+    pb::ModelStatus {
+        name: s.name.clone(),
+        aliases: s.aliases.clone(),
+        model: s.model.clone(),
+        launch: s.launch.to_string(),
+        state: state(s.state) as i32,
+        sleep_level: u32::from(s.sleep_level),
+        state_since_unix_ms: s.state_since_unix_ms,
+        deadline_unix_ms: s.deadline_unix_ms,
+        endpoints: s
+            .endpoints
+            .iter()
+            .map(|e| pb::Endpoint {
+                url: e.url.clone(),
+                served_model_name: e.served_model_name.clone(),
+            })
+            .collect(),
+        gpus: s.gpus.clone(),
+        hold: Some(pb::HoldPolicy {
+            max_queue: s.max_queue,
+            max_hold_ms: s.max_hold_ms,
+        }),
+        calibration: Some(calibration(&s.calibration)),
+        last_activity_unix_ms: s.last_activity_unix_ms,
+        in_flight: s.in_flight,
+        next_tier: s.next_tier.as_ref().map(|(t, _)| tier(t)),
+        next_tier_unix_ms: s.next_tier.as_ref().map_or(0, |(_, at)| *at),
+        intent: Some(pb::Intent {
+            desired: desired as i32,
+            level,
+            reason: reason(s.intent.reason) as i32,
+            since_unix_ms: s.intent.since_unix_ms,
+            until_unix_ms: s.intent.until_unix_ms,
+        }),
+        pinned_until_unix_ms: s.pinned_until_unix_ms,
+        last_error: s.last_error.clone(),
+        failures: s.failures,
+        retry_at_unix_ms: s.retry_at_unix_ms,
+        waiting_for: s.waiting_for.clone(),
+        pid: s.pid,
+        restarts: s.restarts,
+        p2p_disabled: s.p2p_disabled,
+        control_id: s.control_id.clone(),
+    }
+}
+
+pub fn watch_event(item: &WatchItem, control_id: &str) -> pb::WatchEvent {
+    use pb::watch_event::Kind;
+    let kind = match &item.body {
+        Body::Snapshot(s) => Kind::Snapshot(pb::Snapshot {
+            models: s.models.iter().map(model_status).collect(),
+            gpus: s.gpus.as_deref().cloned(),
+            placement: s.placement.as_deref().cloned(),
+            resync: s.resync,
+        }),
+        Body::Model(m) => Kind::Model(model_status(m)),
+        Body::ModelRemoved(name) => Kind::ModelRemoved(name.clone()),
+        Body::Gpus(g) => Kind::Gpus((**g).clone()),
+        Body::Placement(p) => Kind::Placement((**p).clone()),
+    };
+    pb::WatchEvent {
+        revision: item.revision,
+        at_unix_ms: item.at_unix_ms,
+        control_id: control_id.to_string(),
+        kind: Some(kind),
+    }
+}
+
+pub fn log_line(l: &LogLine) -> pb::LogLine {
+    pb::LogLine {
+        seq: l.seq,
+        at_unix_ms: l.at_unix_ms,
+        stream: l.stream.to_string(),
+        line: l.line.clone(),
+    }
+}

@@ -1,0 +1,251 @@
+//! The control plane's configuration: one TOML file, validated in one place
+//! (shared by the daemon and `siesta config check`).
+
+mod demo;
+mod read;
+pub mod units;
+mod validate;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// The whole configuration, with `[defaults]` already applied to each model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Where the configuration came from (a file path, or `"<demo>"`).
+    pub origin: String,
+    /// The file it was read from (`None` for the built-in demo).
+    pub path: Option<PathBuf>,
+    pub control: ControlConfig,
+    pub defaults: Defaults,
+    /// GPUs listed by hand (`[[gpu]]`), for machines without NVML.
+    pub gpus: Vec<GpuConfig>,
+    pub models: Vec<ModelConfig>,
+}
+
+/// `[control]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ControlConfig {
+    pub listen: SocketAddr,
+    pub state_dir: PathBuf,
+    /// Bearer token required from clients (`SIESTA_TOKEN` also works).
+    pub token: Option<String>,
+    /// Identity of this control plane (host name unless configured).
+    pub control_id: String,
+}
+
+/// `[defaults]`: what each model gets unless it says otherwise.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Defaults {
+    pub idle: Vec<IdleTier>,
+    pub max_queue: u32,
+    pub max_hold: Duration,
+    pub timeouts: Timeouts,
+    pub backoff: Backoff,
+}
+
+/// Deadlines of each transition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Spawn until `/health` answers 200 (`start_timeout`).
+    pub start: Duration,
+    /// All wake calls (`wake_timeout`).
+    pub wake: Duration,
+    /// `POST /sleep` (`sleep_timeout`).
+    pub sleep: Duration,
+    /// SIGTERM until SIGKILL (`stop_grace`).
+    pub stop_grace: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            start: Duration::from_secs(900),
+            wake: Duration::from_secs(300),
+            sleep: Duration::from_secs(120),
+            stop_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Retry delays after a failure: doubling from `initial`, capped at `max`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_secs(2),
+            max: Duration::from_secs(300),
+        }
+    }
+}
+
+impl Backoff {
+    /// Delay before retry number `failures` (1-based).
+    pub fn delay(&self, failures: u32) -> Duration {
+        let shift = failures.saturating_sub(1).min(30);
+        self.initial
+            .checked_mul(1u32 << shift)
+            .unwrap_or(self.max)
+            .min(self.max)
+    }
+}
+
+/// `[[gpu]]`: a GPU listed by hand.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuConfig {
+    pub index: u32,
+    pub name: String,
+    pub memory_bytes: u64,
+}
+
+/// What an idle tier does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdleAction {
+    Sleep(u8),
+    Stop,
+}
+
+/// After `after` without activity, do `action`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdleTier {
+    pub after: Duration,
+    pub action: IdleAction,
+}
+
+/// What a model is at boot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Preload {
+    #[default]
+    None,
+    Asleep,
+    Awake,
+}
+
+/// How much of each GPU a model takes when awake.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GpuMemory {
+    Fraction(f64),
+    Bytes(u64),
+}
+
+/// How the engine is run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Launch {
+    /// siesta spawns `command... serve MODEL --host HOST --port PORT ...`.
+    Process {
+        command: Vec<String>,
+        host: String,
+        port: Option<u16>,
+    },
+    /// Someone else runs it at `url`; siesta only probes, sleeps and wakes it.
+    Attach {
+        url: String,
+        served_model_name: String,
+    },
+}
+
+/// `[[model]]` with defaults applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub name: String,
+    pub aliases: Vec<String>,
+    pub model: String,
+    pub launch: Launch,
+    pub args: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub gpus: u32,
+    pub gpu_memory: Option<GpuMemory>,
+    pub gpu_ids: Vec<u32>,
+    pub exclusive: bool,
+    pub idle: Vec<IdleTier>,
+    pub preload: Preload,
+    pub max_queue: u32,
+    pub max_hold: Duration,
+    pub timeouts: Timeouts,
+    pub backoff: Backoff,
+}
+
+impl ModelConfig {
+    pub fn is_attach(&self) -> bool {
+        matches!(self.launch, Launch::Attach { .. })
+    }
+
+    /// "process" or "attach".
+    pub fn launch_kind(&self) -> &'static str {
+        if self.is_attach() { "attach" } else { "process" }
+    }
+}
+
+/// One problem in a configuration file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Dotted key path, e.g. `model[1].idle[0].after`.
+    pub key: String,
+    pub message: String,
+}
+
+/// Every problem found in a configuration file. Display: one line per
+/// problem, `FILE: KEY: what is wrong`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigError {
+    pub origin: String,
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            if p.key.is_empty() {
+                write!(f, "{}: {}", self.origin, p.message)?;
+            } else {
+                write!(f, "{}: {}: {}", self.origin, p.key, p.message)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    /// Reads and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            origin: origin.clone(),
+            problems: vec![Problem {
+                key: String::new(),
+                message: format!("cannot read: {e}"),
+            }],
+        })?;
+        let mut cfg = Self::parse(&text, &origin)?;
+        cfg.path = Some(path.to_path_buf());
+        Ok(cfg)
+    }
+
+    /// Validates configuration text; `origin` names the file in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        validate::parse(text, origin)
+    }
+
+    /// The built-in demo: fake-vllm engines run as `command_prefix... serve ...`.
+    pub fn demo(command_prefix: Vec<String>) -> Config {
+        demo::demo(command_prefix)
+    }
+
+    /// A model by name or alias.
+    pub fn model(&self, name: &str) -> Option<&ModelConfig> {
+        self.models
+            .iter()
+            .find(|m| m.name == name || m.aliases.iter().any(|a| a == name))
+    }
+}

@@ -1,0 +1,106 @@
+//! Domain GPU types → `siesta_proto::v1` messages (for ListGpus, DiagP2p).
+
+use siesta_proto::v1 as pb;
+
+use super::p2p::{P2pHealth, P2pResult};
+use super::{GpuInfo, GpuLinkInfo};
+
+/// A GPU as `ListGpus` returns it. `model_of` names the model whose engine
+/// process (group) a pid belongs to, if it is one of siesta's.
+pub fn gpu_to_proto(g: &GpuInfo, model_of: impl Fn(u32) -> Option<String>) -> pb::Gpu {
+    pb::Gpu {
+        index: g.index,
+        uuid: g.uuid.clone(),
+        name: g.name.clone(),
+        memory_total_bytes: g.memory_total_bytes,
+        memory_used_bytes: g.memory_used_bytes,
+        pci_bus_id: g.pci_bus_id.clone(),
+        iommu_mode: g.iommu.as_str().to_string(),
+        nvlinks_active: g.nvlinks_active,
+        processes: g
+            .processes
+            .iter()
+            .map(|p| pb::GpuProcess {
+                pid: p.pid,
+                used_bytes: p.used_bytes,
+                model: model_of(p.pid).unwrap_or_default(),
+            })
+            .collect(),
+        links: g.links.iter().map(link_to_proto).collect(),
+    }
+}
+
+pub fn link_to_proto(l: &GpuLinkInfo) -> pb::GpuLink {
+    pb::GpuLink {
+        peer: l.peer,
+        kind: l.kind.as_str().to_string(),
+        driver_p2p: l.driver_p2p.clone(),
+    }
+}
+
+pub fn health_to_proto(h: P2pHealth) -> pb::P2pHealth {
+    match h {
+        P2pHealth::Ok => pb::P2pHealth::Ok,
+        P2pHealth::Corrupt => pb::P2pHealth::Corrupt,
+        P2pHealth::Unsupported => pb::P2pHealth::Unsupported,
+        P2pHealth::Hung => pb::P2pHealth::Hung,
+        P2pHealth::Error => pb::P2pHealth::Error,
+    }
+}
+
+pub fn p2p_to_proto(r: &P2pResult) -> pb::P2pResult {
+    pb::P2pResult {
+        src: r.src,
+        dst: r.dst,
+        health: health_to_proto(r.health) as i32,
+        elements: r.elements,
+        corrupt_elements: r.corrupt_elements,
+        bandwidth_gbps: r.bandwidth_gbps,
+        driver_says: r.driver_says.clone(),
+        detail: r.detail.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::{GpuProcessInfo, GpuSpec, IommuMode, LinkKind};
+
+    #[test]
+    fn gpu_converts_with_links_and_owned_processes() {
+        let mut g = GpuInfo::from_spec(&GpuSpec {
+            index: 1,
+            name: "H200".into(),
+            memory_bytes: 150_754_820_096,
+        });
+        g.iommu = IommuMode::Translated;
+        g.processes = vec![
+            GpuProcessInfo {
+                pid: 42,
+                used_bytes: 8 << 30,
+            },
+            GpuProcessInfo {
+                pid: 7,
+                used_bytes: 1,
+            },
+        ];
+        g.links = vec![GpuLinkInfo {
+            peer: 0,
+            kind: LinkKind::NvLink,
+            driver_p2p: "ok".into(),
+        }];
+        let p = gpu_to_proto(&g, |pid| (pid == 42).then(|| "text".to_string()));
+        assert_eq!(p.iommu_mode, "translated");
+        assert_eq!(p.processes[0].model, "text");
+        assert_eq!(p.processes[1].model, "");
+        assert_eq!(p.links[0].kind, "nvlink");
+    }
+
+    #[test]
+    fn p2p_result_converts() {
+        let r = P2pResult::missing(0, 1, P2pHealth::Hung, "killed");
+        let p = p2p_to_proto(&r);
+        assert_eq!(p.health(), pb::P2pHealth::Hung);
+        assert_eq!(p.detail, "killed");
+    }
+}

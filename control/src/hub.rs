@@ -1,0 +1,223 @@
+//! The Watch hub: a revision counter, the current picture, a bounded
+//! history of changes, and subscribers that each get a bounded channel. A
+//! subscriber that falls behind is cut off and resynced with a snapshot, so
+//! it never blocks the publisher or other subscribers.
+
+use crate::status::{Clock, ModelStatus};
+use siesta_proto::v1 as pb;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc;
+
+/// What changed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Body {
+    Snapshot(Snapshot),
+    Model(ModelStatus),
+    ModelRemoved(String),
+    Gpus(Arc<pb::ListGpusResponse>),
+    Placement(Arc<pb::GetPlacementResponse>),
+}
+
+/// The whole picture at a revision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub models: Vec<ModelStatus>,
+    pub gpus: Option<Arc<pb::ListGpusResponse>>,
+    pub placement: Option<Arc<pb::GetPlacementResponse>>,
+    pub resync: bool,
+}
+
+/// One Watch message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WatchItem {
+    pub revision: u64,
+    pub at_unix_ms: i64,
+    pub body: Body,
+}
+
+#[derive(Debug)]
+struct Inner {
+    revision: u64,
+    history: VecDeque<Arc<WatchItem>>,
+    models: BTreeMap<String, ModelStatus>,
+    gpus: Option<Arc<pb::ListGpusResponse>>,
+    placement: Option<Arc<pb::GetPlacementResponse>>,
+    subscribers: Vec<mpsc::Sender<Arc<WatchItem>>>,
+    closed: bool,
+}
+
+/// Shared by every model task and every Watch stream.
+#[derive(Debug)]
+pub struct Hub {
+    inner: Mutex<Inner>,
+    history_cap: usize,
+    channel_cap: usize,
+    clock: Clock,
+}
+
+/// One subscriber: catch-up items first, then the live channel; resynced
+/// with a fresh snapshot when the hub cut it off.
+#[derive(Debug)]
+pub struct Subscription {
+    hub: Arc<Hub>,
+    pending: VecDeque<Arc<WatchItem>>,
+    rx: mpsc::Receiver<Arc<WatchItem>>,
+}
+
+impl Subscription {
+    /// The next item; `None` once the hub is closed.
+    pub async fn next(&mut self) -> Option<Arc<WatchItem>> {
+        if let Some(item) = self.pending.pop_front() {
+            return Some(item);
+        }
+        match self.rx.recv().await {
+            Some(item) => Some(item),
+            None => {
+                // Cut off (fell behind) or closed.
+                let fresh = self.hub.subscribe_inner(None, true)?;
+                *self = fresh;
+                self.pending.pop_front()
+            }
+        }
+    }
+}
+
+impl Hub {
+    pub fn new(clock: Clock, history_cap: usize, channel_cap: usize) -> Arc<Hub> {
+        Arc::new(Hub {
+            inner: Mutex::new(Inner {
+                revision: 0,
+                history: VecDeque::new(),
+                models: BTreeMap::new(),
+                gpus: None,
+                placement: None,
+                subscribers: Vec::new(),
+                closed: false,
+            }),
+            history_cap: history_cap.max(1),
+            channel_cap: channel_cap.max(1),
+            clock,
+        })
+    }
+
+    fn publish(&self, inner: &mut Inner, body: Body) -> u64 {
+        inner.revision += 1;
+        let item = Arc::new(WatchItem {
+            revision: inner.revision,
+            at_unix_ms: self.clock.now_ms(),
+            body,
+        });
+        if inner.history.len() == self.history_cap {
+            inner.history.pop_front();
+        }
+        inner.history.push_back(item.clone());
+        // A full or closed channel drops the subscriber; a full one then
+        // resyncs from a snapshot when it has drained what it holds.
+        inner
+            .subscribers
+            .retain(|tx| tx.try_send(item.clone()).is_ok());
+        inner.revision
+    }
+
+    /// Publishes a model's status if it differs from the last one.
+    pub fn publish_model(&self, status: ModelStatus) {
+        let mut inner = self.inner.lock().unwrap();
+        if inner.closed || inner.models.get(&status.name) == Some(&status) {
+            return;
+        }
+        inner.models.insert(status.name.clone(), status.clone());
+        self.publish(&mut inner, Body::Model(status));
+    }
+
+    pub fn remove_model(&self, name: &str) {
+        let mut inner = self.inner.lock().unwrap();
+        if inner.models.remove(name).is_some() {
+            self.publish(&mut inner, Body::ModelRemoved(name.to_string()));
+        }
+    }
+
+    pub fn set_gpus(&self, gpus: pb::ListGpusResponse) {
+        let mut inner = self.inner.lock().unwrap();
+        if inner.gpus.as_deref() != Some(&gpus) {
+            let gpus = Arc::new(gpus);
+            inner.gpus = Some(gpus.clone());
+            self.publish(&mut inner, Body::Gpus(gpus));
+        }
+    }
+
+    pub fn set_placement(&self, placement: pb::GetPlacementResponse) {
+        let mut inner = self.inner.lock().unwrap();
+        if inner.placement.as_deref() != Some(&placement) {
+            let p = Arc::new(placement);
+            inner.placement = Some(p.clone());
+            self.publish(&mut inner, Body::Placement(p));
+        }
+    }
+
+    /// Current statuses and the revision they are consistent with.
+    pub fn models(&self) -> (Vec<ModelStatus>, u64) {
+        let inner = self.inner.lock().unwrap();
+        (inner.models.values().cloned().collect(), inner.revision)
+    }
+
+    pub fn model(&self, name: &str) -> Option<ModelStatus> {
+        self.inner.lock().unwrap().models.get(name).cloned()
+    }
+
+    pub fn revision(&self) -> u64 {
+        self.inner.lock().unwrap().revision
+    }
+
+    /// Ends every subscription.
+    pub fn close(&self) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.closed = true;
+        inner.subscribers.clear();
+    }
+
+    /// Subscribes: `since_revision` 0 starts with a snapshot; otherwise the
+    /// events after it, or a resync snapshot when they are gone.
+    pub fn subscribe(self: &Arc<Self>, since_revision: u64) -> Option<Subscription> {
+        self.subscribe_inner((since_revision > 0).then_some(since_revision), false)
+    }
+
+    fn subscribe_inner(self: &Arc<Self>, since: Option<u64>, resync: bool) -> Option<Subscription> {
+        let mut inner = self.inner.lock().unwrap();
+        if inner.closed {
+            return None;
+        }
+        let oldest = inner.history.front().map_or(inner.revision + 1, |i| i.revision);
+        let pending: VecDeque<Arc<WatchItem>> = match since {
+            Some(s) if s <= inner.revision && s + 1 >= oldest => inner
+                .history
+                .iter()
+                .filter(|i| i.revision > s)
+                .cloned()
+                .collect(),
+            _ => {
+                let resync = resync || since.is_some();
+                VecDeque::from([Arc::new(WatchItem {
+                    revision: inner.revision,
+                    at_unix_ms: self.clock.now_ms(),
+                    body: Body::Snapshot(Snapshot {
+                        models: inner.models.values().cloned().collect(),
+                        gpus: inner.gpus.clone(),
+                        placement: inner.placement.clone(),
+                        resync,
+                    }),
+                })])
+            }
+        };
+        let (tx, rx) = mpsc::channel(self.channel_cap);
+        inner.subscribers.push(tx);
+        Some(Subscription {
+            hub: self.clone(),
+            pending,
+            rx,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,138 @@
+use super::*;
+use crate::config::Config;
+use crate::reconciler::{ModelState, Settings};
+use crate::status::{EngineFacts, Endpoint, model_status};
+use tokio::time::Instant;
+
+fn status(name: &str, restarts: u32) -> ModelStatus {
+    let cfg = Config::demo(vec!["fake-vllm".into()]);
+    let mut m = cfg.models[0].clone();
+    m.name = name.into();
+    let facts = EngineFacts {
+        endpoint: Endpoint { url: "http://x".into(), served_model_name: name.into() },
+        gpus: vec![],
+        p2p_disabled: false,
+        control_id: "t".into(),
+    };
+    let now = Instant::now();
+    let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);
+    st.restarts = restarts;
+    model_status(&m, &facts, &st, &Clock::new(), now)
+}
+
+fn revision_of_model(item: &WatchItem) -> Option<u32> {
+    match &item.body {
+        Body::Model(s) => Some(s.restarts),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn snapshot_first_then_events() {
+    let hub = Hub::new(Clock::new(), 100, 16);
+    hub.publish_model(status("a", 0));
+    let mut sub = hub.subscribe(0).unwrap();
+    let first = sub.next().await.unwrap();
+    assert_eq!(first.revision, 1);
+    let Body::Snapshot(s) = &first.body else { panic!() };
+    assert_eq!(s.models.len(), 1);
+    assert!(!s.resync);
+    hub.publish_model(status("a", 1));
+    hub.publish_model(status("a", 1)); // unchanged: not published
+    hub.publish_model(status("a", 2));
+    assert_eq!(sub.next().await.unwrap().revision, 2);
+    assert_eq!(sub.next().await.unwrap().revision, 3);
+    assert_eq!(hub.revision(), 3);
+}
+
+#[tokio::test]
+async fn since_revision_resumes_or_resyncs() {
+    let hub = Hub::new(Clock::new(), 4, 16);
+    for i in 0..6 {
+        hub.publish_model(status("a", i));
+    }
+    // Kept: revisions 3..=6. Resume after 4: 5 and 6.
+    let mut sub = hub.subscribe(4).unwrap();
+    assert_eq!(sub.next().await.unwrap().revision, 5);
+    assert_eq!(sub.next().await.unwrap().revision, 6);
+    // Up to date: nothing pending, next live event follows.
+    let mut current = hub.subscribe(6).unwrap();
+    hub.publish_model(status("a", 99));
+    assert_eq!(current.next().await.unwrap().revision, 7);
+    // Gone (or from a previous life): a resync snapshot.
+    for since in [1, 100] {
+        let mut old = hub.subscribe(since).unwrap();
+        let item = old.next().await.unwrap();
+        let Body::Snapshot(s) = &item.body else { panic!() };
+        assert!(s.resync);
+        assert_eq!(item.revision, 7);
+    }
+}
+
+#[tokio::test]
+async fn slow_subscriber_is_resynced_and_blocks_nobody() {
+    let hub = Hub::new(Clock::new(), 1000, 4);
+    let mut slow = hub.subscribe(0).unwrap();
+    let mut fast = hub.subscribe(0).unwrap();
+    fast.next().await.unwrap();
+    let mut last = 0;
+    for i in 0..50 {
+        hub.publish_model(status("a", i));
+        let item = fast.next().await.unwrap();
+        assert!(item.revision > last);
+        last = item.revision;
+    }
+    // The slow one gets its snapshot, what fit in its channel, then a resync.
+    let mut revs = vec![];
+    loop {
+        let item = slow.next().await.unwrap();
+        revs.push(item.revision);
+        if let Body::Snapshot(s) = &item.body
+            && s.resync
+        {
+            assert_eq!(item.revision, 50);
+            break;
+        }
+    }
+    assert!(revs.windows(2).all(|w| w[0] < w[1]), "{revs:?}");
+}
+
+#[tokio::test]
+async fn hundred_subscribers_see_every_event_in_order() {
+    let hub = Hub::new(Clock::new(), 1000, 256);
+    let subs: Vec<_> = (0..100).map(|_| hub.subscribe(0).unwrap()).collect();
+    let readers: Vec<_> = subs
+        .into_iter()
+        .map(|mut s| {
+            tokio::spawn(async move {
+                let mut got = vec![];
+                while got.len() < 200 {
+                    let item = s.next().await.unwrap();
+                    if let Some(r) = revision_of_model(&item) {
+                        got.push(r);
+                    }
+                }
+                got
+            })
+        })
+        .collect();
+    for i in 0..200 {
+        hub.publish_model(status("a", i));
+        if i % 50 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    for r in readers {
+        assert_eq!(r.await.unwrap(), (0..200).collect::<Vec<_>>());
+    }
+}
+
+#[tokio::test]
+async fn close_ends_subscriptions() {
+    let hub = Hub::new(Clock::new(), 10, 4);
+    let mut sub = hub.subscribe(0).unwrap();
+    sub.next().await.unwrap();
+    hub.close();
+    assert!(sub.next().await.is_none());
+    assert!(hub.subscribe(0).is_none());
+}

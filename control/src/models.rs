@@ -1,0 +1,296 @@
+//! The set of model tasks and the operations on them by name or alias: what
+//! the gRPC layer calls. Answers in domain types; refusals are [`OpError`].
+
+use crate::OpError;
+use crate::config::{Config, ModelConfig};
+use crate::reconciler::{Command, Desired, Event, Reason};
+use crate::runner::{ModelHandle, Placed, Shared, spawn_model};
+use crate::status::{ModelStatus, State};
+use crate::supervisor::LogRing;
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// A proxy's activity for one model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Activity {
+    pub model: String,
+    pub started: u32,
+    pub finished: u32,
+    pub in_flight: u32,
+    pub last_finished_unix_ms: i64,
+}
+
+/// What a reload changed, by model name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReloadSummary {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    pub changed: Vec<String>,
+    pub unchanged: Vec<String>,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    models: BTreeMap<String, Arc<ModelHandle>>,
+    /// Name or alias → name.
+    names: BTreeMap<String, String>,
+}
+
+/// Every model of this control plane.
+#[derive(Debug)]
+pub struct Models {
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    registry: RwLock<Registry>,
+}
+
+/// Where a model runs until placement says otherwise: its pinned GPUs, or
+/// the first `gpus` indices.
+pub fn default_placement(m: &ModelConfig) -> Placed {
+    let gpus = if !m.gpu_ids.is_empty() {
+        m.gpu_ids.clone()
+    } else {
+        (0..m.gpus).collect()
+    };
+    Placed {
+        gpus,
+        ..Placed::default()
+    }
+}
+
+impl Models {
+    /// Starts a task per model.
+    pub fn start(
+        config: &Config,
+        placements: &BTreeMap<String, Placed>,
+        shared: Arc<Shared>,
+        cancel: CancellationToken,
+    ) -> std::io::Result<Models> {
+        let models = Models {
+            shared,
+            cancel,
+            registry: RwLock::new(Registry::default()),
+        };
+        for m in &config.models {
+            models.add(m.clone(), placements.get(&m.name).cloned())?;
+        }
+        Ok(models)
+    }
+
+    fn add(&self, cfg: ModelConfig, placed: Option<Placed>) -> std::io::Result<()> {
+        let placed = placed.unwrap_or_else(|| default_placement(&cfg));
+        let handle = spawn_model(cfg.clone(), placed, self.shared.clone(), self.cancel.child_token())?;
+        let mut reg = self.registry.write().unwrap();
+        for alias in &cfg.aliases {
+            reg.names.insert(alias.clone(), cfg.name.clone());
+        }
+        reg.names.insert(cfg.name.clone(), cfg.name.clone());
+        reg.models.insert(cfg.name.clone(), Arc::new(handle));
+        Ok(())
+    }
+
+    async fn remove(&self, name: &str) {
+        let handle = {
+            let mut reg = self.registry.write().unwrap();
+            reg.names.retain(|_, n| n != name);
+            reg.models.remove(name)
+        };
+        if let Some(h) = handle {
+            h.shutdown(true).await;
+        }
+        self.shared.hub.remove_model(name);
+        self.shared.store.remove(name);
+    }
+
+    /// A model by name or alias.
+    pub fn resolve(&self, name: &str) -> Result<Arc<ModelHandle>, OpError> {
+        let reg = self.registry.read().unwrap();
+        reg.names
+            .get(name)
+            .and_then(|n| reg.models.get(n))
+            .cloned()
+            .ok_or_else(|| OpError::NotFound(name.to_string()))
+    }
+
+    /// Every model's current status.
+    pub fn list(&self) -> Vec<ModelStatus> {
+        let reg = self.registry.read().unwrap();
+        reg.models.values().map(|h| h.status.borrow().clone()).collect()
+    }
+
+    pub fn status(&self, name: &str) -> Result<ModelStatus, OpError> {
+        Ok(self.resolve(name)?.status.borrow().clone())
+    }
+
+    pub fn logs(&self, name: &str) -> Result<Arc<LogRing>, OpError> {
+        Ok(self.resolve(name)?.logs.clone())
+    }
+
+    async fn send(&self, h: &ModelHandle, event: Event) -> Result<ModelStatus, OpError> {
+        h.send(event)
+            .await
+            .ok_or_else(|| OpError::Unavailable("the control plane is shutting down".into()))
+    }
+
+    /// Operator command; returns the status once accepted and a short account.
+    pub async fn command(&self, name: &str, cmd: Command) -> Result<(ModelStatus, String), OpError> {
+        let h = self.resolve(name)?;
+        let before = h.status.borrow().clone();
+        let attach = h.cfg.is_attach();
+        match cmd {
+            Command::Sleep(0 | 3..) => {
+                return Err(OpError::InvalidArgument("sleep level must be 1 or 2".into()));
+            }
+            Command::Sleep(_) if before.state == State::Stopped => {
+                return Err(OpError::FailedPrecondition(format!(
+                    "{} is stopped: start it first",
+                    before.name
+                )));
+            }
+            Command::Stop | Command::Restart if attach => {
+                return Err(OpError::FailedPrecondition(format!(
+                    "{} is an attach engine run by someone else: siesta can only sleep and wake it",
+                    before.name
+                )));
+            }
+            _ => {}
+        }
+        let after = self.send(&h, Event::Command(cmd)).await?;
+        let msg = account(&before, &after, cmd);
+        Ok((after, msg))
+    }
+
+    /// Wake, optionally waiting until awake or failed (or `timeout`).
+    pub async fn wake(
+        &self,
+        name: &str,
+        wait: bool,
+        timeout: Option<Duration>,
+    ) -> Result<(ModelStatus, String), OpError> {
+        let (status, msg) = self.command(name, Command::Wake).await?;
+        if !wait || status.state == State::Awake {
+            return Ok((status, msg));
+        }
+        let h = self.resolve(name)?;
+        let timeout = timeout.unwrap_or(h.cfg.timeouts.start + h.cfg.timeouts.wake);
+        let mut rx = h.status.clone();
+        let waited = tokio::time::timeout(
+            timeout,
+            rx.wait_for(|s| matches!(s.state, State::Awake | State::Failed)),
+        )
+        .await;
+        let status = h.status.borrow().clone();
+        let msg = match waited {
+            Ok(_) if status.state == State::Awake => "awake".to_string(),
+            Ok(_) => format!("failed: {}", status.last_error),
+            Err(_) => format!("still {:?} after {timeout:?}; the wake goes on", status.state).to_lowercase(),
+        };
+        Ok((status, msg))
+    }
+
+    pub async fn pin(&self, name: &str, until_unix_ms: i64) -> Result<(ModelStatus, String), OpError> {
+        let h = self.resolve(name)?;
+        let now = self.shared.clock.now_ms();
+        let until = match until_unix_ms {
+            0 => None,
+            t if t <= now => {
+                return Err(OpError::InvalidArgument(format!(
+                    "pin until {t} is in the past (now {now})"
+                )));
+            }
+            t => Some(self.shared.clock.instant(t)),
+        };
+        let status = self.send(&h, Event::Pin(until)).await?;
+        let msg = match until {
+            None => "pinned awake until unpinned".to_string(),
+            Some(_) => format!("pinned awake for {}s", (until_unix_ms - now) / 1000),
+        };
+        Ok((status, msg))
+    }
+
+    pub async fn unpin(&self, name: &str) -> Result<(ModelStatus, String), OpError> {
+        let h = self.resolve(name)?;
+        let status = self.send(&h, Event::Unpin).await?;
+        Ok((status, "unpinned; idle tiers count from the last activity".into()))
+    }
+
+    /// A proxy's demand: (status, accepted, message).
+    pub async fn demand(&self, name: &str) -> Result<(ModelStatus, bool, String), OpError> {
+        let h = self.resolve(name)?;
+        let status = self.send(&h, Event::Demand).await?;
+        if status.intent.desired == Desired::Stopped && status.intent.reason == Reason::Operator {
+            let msg = format!("{} was stopped by an operator; Start or Wake it first", status.name);
+            return Ok((status, false, msg));
+        }
+        let msg = match status.state {
+            State::Awake => "awake".to_string(),
+            State::Failed => format!("failed; retrying at {}", status.retry_at_unix_ms),
+            s => format!("{s:?}").to_lowercase(),
+        };
+        Ok((status, true, msg))
+    }
+
+    /// Activity reports from a proxy (unknown models are skipped).
+    pub fn activity(&self, proxy: &str, reports: &[Activity]) {
+        for r in reports {
+            let Ok(h) = self.resolve(&r.model) else {
+                continue;
+            };
+            h.notify(Event::Activity {
+                proxy: proxy.to_string(),
+                in_flight: r.in_flight,
+                active: r.started > 0 || r.finished > 0,
+                last_finished: (r.last_finished_unix_ms > 0)
+                    .then(|| self.shared.clock.instant(r.last_finished_unix_ms)),
+            });
+        }
+    }
+
+    /// Applies a new configuration: removed models are stopped, changed
+    /// ones restarted with the new settings, added ones started.
+    pub async fn reload(&self, config: &Config) -> std::io::Result<ReloadSummary> {
+        let current: BTreeMap<String, Arc<ModelConfig>> = {
+            let reg = self.registry.read().unwrap();
+            reg.models.iter().map(|(n, h)| (n.clone(), h.cfg.clone())).collect()
+        };
+        let mut s = ReloadSummary::default();
+        for name in current.keys() {
+            if !config.models.iter().any(|m| &m.name == name) {
+                self.remove(name).await;
+                s.removed.push(name.clone());
+            }
+        }
+        for m in &config.models {
+            match current.get(&m.name) {
+                Some(old) if **old == *m => s.unchanged.push(m.name.clone()),
+                Some(_) => {
+                    self.remove(&m.name).await;
+                    self.add(m.clone(), None)?;
+                    s.changed.push(m.name.clone());
+                }
+                None => {
+                    self.add(m.clone(), None)?;
+                    s.added.push(m.name.clone());
+                }
+            }
+        }
+        Ok(s)
+    }
+}
+
+fn account(before: &ModelStatus, after: &ModelStatus, cmd: Command) -> String {
+    let state = format!("{:?}", after.state).to_lowercase();
+    match (cmd, before.state) {
+        (Command::Wake | Command::Start, State::Awake) => "already awake".into(),
+        (Command::Stop, State::Stopped) => "already stopped".into(),
+        (Command::Sleep(l), State::Asleep) if before.sleep_level >= l => {
+            format!("already asleep at level {}", before.sleep_level)
+        }
+        (Command::Sleep(_), _) if after.in_flight > 0 && after.state == State::Awake => {
+            format!("will sleep once {} request(s) in flight finish", after.in_flight)
+        }
+        _ => state,
+    }
+}

@@ -1,0 +1,236 @@
+//! Placement: which GPUs each model runs on, what the engine is told
+//! (`CUDA_VISIBLE_DEVICES`, `--tensor-parallel-size`,
+//! `--gpu-memory-utilization`, P2P switches), and, at run time, which idle
+//! models to put to sleep so another can wake.
+//!
+//! Pure: no I/O, no clocks. [`place`] runs once per config (and again when
+//! the inventory or P2P matrix changes); [`plan_wake`] before every wake.
+//!
+//! Memory model: an awake (or starting, waking, sleeping, stopping) model
+//! takes its full share of each of its GPUs; an asleep one a residual
+//! ([`Policy::residual_bytes`], vLLM measures 1–7 GiB per GPU asleep); a
+//! stopped one nothing. Statically, every model must fit awake on its GPUs
+//! while all the others placed there are asleep, so more models may be
+//! placed than fit awake at once.
+
+mod assign;
+mod evict;
+
+pub use assign::{PlacementError, PlacementErrors, place};
+pub use evict::{GpuBudget, ModelRuntime, RunState, WakePlan, budgets, plan_wake};
+
+use std::collections::BTreeMap;
+
+use siesta_proto::v1 as pb;
+
+use crate::gpu::p2p::P2pMatrix;
+use crate::gpu::{Inventory, LinkKind};
+
+/// 1.5 GiB: what an asleep model is assumed to keep on each GPU.
+pub const DEFAULT_RESIDUAL_BYTES: u64 = 3 << 29;
+
+/// Knobs of placement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Policy {
+    /// GPU memory an asleep model still holds per GPU.
+    pub residual_bytes: u64,
+    /// Treat GPU pairs the probe never checked as healthy (default false:
+    /// a tensor-parallel group with an unprobed pair runs with P2P off).
+    pub trust_unprobed_p2p: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            residual_bytes: DEFAULT_RESIDUAL_BYTES,
+            trust_unprobed_p2p: false,
+        }
+    }
+}
+
+/// One GPU as placement sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuCapacity {
+    pub index: u32,
+    pub total_bytes: u64,
+}
+
+/// The box: GPUs, how they are linked, and the P2P verdicts.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Machine {
+    pub gpus: Vec<GpuCapacity>,
+    /// Link kind per unordered pair (key: (low, high)); missing = unknown.
+    pub links: BTreeMap<(u32, u32), LinkKind>,
+    pub p2p: P2pMatrix,
+}
+
+impl Machine {
+    /// GPUs of equal size, no topology, no P2P results.
+    pub fn uniform(count: u32, total_bytes: u64) -> Self {
+        Self {
+            gpus: (0..count)
+                .map(|index| GpuCapacity { index, total_bytes })
+                .collect(),
+            ..Self::default()
+        }
+    }
+
+    pub fn from_inventory(inv: &Inventory, p2p: P2pMatrix) -> Self {
+        let mut links = BTreeMap::new();
+        for g in &inv.gpus {
+            for l in &g.links {
+                let key = (g.index.min(l.peer), g.index.max(l.peer));
+                links
+                    .entry(key)
+                    .and_modify(|k: &mut LinkKind| *k = (*k).min(l.kind))
+                    .or_insert(l.kind);
+            }
+        }
+        Self {
+            gpus: inv
+                .gpus
+                .iter()
+                .map(|g| GpuCapacity {
+                    index: g.index,
+                    total_bytes: g.memory_total_bytes,
+                })
+                .collect(),
+            links,
+            p2p,
+        }
+    }
+
+    pub fn gpu(&self, index: u32) -> Option<&GpuCapacity> {
+        self.gpus.iter().find(|g| g.index == index)
+    }
+
+    pub fn link(&self, a: u32, b: u32) -> LinkKind {
+        self.links
+            .get(&(a.min(b), a.max(b)))
+            .copied()
+            .unwrap_or(LinkKind::Unknown)
+    }
+}
+
+/// How much of each GPU a model takes awake.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum MemoryNeed {
+    /// A fraction of each GPU's total, as vLLM's `--gpu-memory-utilization`.
+    Fraction(f64),
+    /// Bytes per GPU.
+    Bytes(u64),
+}
+
+/// What a model asks of the GPUs (from its `[[model]]` table).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelNeeds {
+    pub name: String,
+    /// GPU count (the tensor-parallel size); 0: needs no GPU.
+    pub gpus: u32,
+    pub memory: MemoryNeed,
+    /// Only these GPUs may be used (empty: any).
+    pub pinned_gpus: Vec<u32>,
+    /// No other model may share its GPUs.
+    pub exclusive: bool,
+}
+
+/// Where a model runs and what its engine is told.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Placement {
+    pub model: String,
+    /// GPU indices, ascending (empty: needs no GPU).
+    pub gpus: Vec<u32>,
+    /// Bytes taken awake on each GPU of `gpus`, same order.
+    pub awake_bytes: Vec<u64>,
+    /// Passed as `--gpu-memory-utilization` (0: not set).
+    pub gpu_memory_utilization: f64,
+    /// A pair in the set is not known `ok`: NCCL P2P off, no custom all-reduce.
+    pub p2p_disabled: bool,
+    pub exclusive: bool,
+    /// Why this set, for humans (`siesta placement`).
+    pub reason: String,
+}
+
+impl Placement {
+    /// `CUDA_VISIBLE_DEVICES`, e.g. "0,1". Indices are NVML's (PCI bus
+    /// order): launch engines with `CUDA_DEVICE_ORDER=PCI_BUS_ID`.
+    pub fn cuda_visible_devices(&self) -> String {
+        let v: Vec<String> = self.gpus.iter().map(u32::to_string).collect();
+        v.join(",")
+    }
+
+    pub fn tensor_parallel_size(&self) -> u32 {
+        self.gpus.len() as u32
+    }
+
+    /// Memory taken awake on `gpu` (0 if not placed there).
+    pub fn awake_on(&self, gpu: u32) -> u64 {
+        self.gpus
+            .iter()
+            .position(|&g| g == gpu)
+            .map_or(0, |i| self.awake_bytes[i])
+    }
+
+    /// `vllm serve` arguments siesta adds (empty for a model without GPUs).
+    pub fn engine_args(&self) -> Vec<String> {
+        if self.gpus.is_empty() {
+            return Vec::new();
+        }
+        let mut args = vec![
+            "--tensor-parallel-size".to_string(),
+            self.tensor_parallel_size().to_string(),
+            "--gpu-memory-utilization".to_string(),
+            format!("{}", self.gpu_memory_utilization),
+        ];
+        if self.p2p_disabled {
+            args.push("--disable-custom-all-reduce".to_string());
+        }
+        args
+    }
+
+    /// Environment siesta sets for the engine.
+    pub fn engine_env(&self) -> Vec<(String, String)> {
+        if self.gpus.is_empty() {
+            return Vec::new();
+        }
+        let mut env = vec![
+            ("CUDA_DEVICE_ORDER".to_string(), "PCI_BUS_ID".to_string()),
+            (
+                "CUDA_VISIBLE_DEVICES".to_string(),
+                self.cuda_visible_devices(),
+            ),
+        ];
+        if self.p2p_disabled {
+            env.push(("NCCL_P2P_DISABLE".to_string(), "1".to_string()));
+        }
+        env
+    }
+
+    pub fn to_proto(&self) -> pb::ModelPlacement {
+        pb::ModelPlacement {
+            model: self.model.clone(),
+            gpus: self.gpus.clone(),
+            awake_bytes_per_gpu: self.awake_bytes.iter().copied().max().unwrap_or(0),
+            gpu_memory_utilization: self.gpu_memory_utilization,
+            p2p_disabled: self.p2p_disabled,
+            reason: self.reason.clone(),
+            exclusive: self.exclusive,
+        }
+    }
+}
+
+/// Bytes as GiB with one decimal, e.g. "80.0 GiB".
+pub fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// "0, 1, 2".
+pub(crate) fn list(gpus: &[u32]) -> String {
+    let v: Vec<String> = gpus.iter().map(u32::to_string).collect();
+    v.join(", ")
+}
+
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod tests_evict;

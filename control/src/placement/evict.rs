@@ -1,0 +1,267 @@
+//! Run time: GPU budgets from models' states, and what must sleep before a
+//! model can wake.
+
+use std::collections::BTreeMap;
+
+use super::{Machine, Placement, Policy, gib};
+
+/// A model's lifecycle state as far as GPU memory goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunState {
+    Stopped,
+    Starting,
+    Awake,
+    /// Going to sleep: still holds its memory until confirmed.
+    Sleeping,
+    Asleep,
+    Waking,
+    /// Exiting: holds its memory until the process group is gone.
+    Stopping,
+    Failed,
+}
+
+impl RunState {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Stopped => "stopped",
+            Self::Starting => "starting",
+            Self::Awake => "awake",
+            Self::Sleeping => "going to sleep",
+            Self::Asleep => "asleep",
+            Self::Waking => "waking",
+            Self::Stopping => "stopping",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// What the reconciler knows of a model right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelRuntime {
+    pub state: RunState,
+    /// Requests in flight (proxies' count and the engine's own gauge).
+    pub in_flight: u32,
+    /// End of the last request, unix ms (smaller: idle longer).
+    pub last_activity_ms: i64,
+    /// Pinned awake by an operator: never evicted.
+    pub pinned_awake: bool,
+}
+
+impl ModelRuntime {
+    pub fn new(state: RunState) -> Self {
+        Self {
+            state,
+            in_flight: 0,
+            last_activity_ms: 0,
+            pinned_awake: false,
+        }
+    }
+}
+
+/// What must happen before a model may wake (or start).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WakePlan {
+    /// It fits now.
+    Ready,
+    /// Put these to sleep first (least recently used first); then it fits.
+    Evict(Vec<String>),
+    /// Nothing can be evicted now; the reason says what it waits for.
+    Wait(String),
+}
+
+/// One GPU's memory as placement sees it (for GetPlacement).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuBudget {
+    pub index: u32,
+    pub total_bytes: u64,
+    pub awake_bytes: u64,
+    pub asleep_bytes: u64,
+    pub free_bytes: u64,
+    pub models: Vec<String>,
+}
+
+impl GpuBudget {
+    pub fn to_proto(&self) -> siesta_proto::v1::GpuBudget {
+        siesta_proto::v1::GpuBudget {
+            index: self.index,
+            total_bytes: self.total_bytes,
+            awake_bytes: self.awake_bytes,
+            asleep_bytes: self.asleep_bytes,
+            free_bytes: self.free_bytes,
+            models: self.models.clone(),
+        }
+    }
+}
+
+/// (awake-class bytes, residual bytes) a model holds on `gpu` in `state`.
+fn usage(p: &Placement, gpu: u32, state: RunState, residual: u64) -> (u64, u64) {
+    let awake = p.awake_on(gpu);
+    match state {
+        RunState::Starting
+        | RunState::Awake
+        | RunState::Sleeping
+        | RunState::Waking
+        | RunState::Stopping => (awake, 0),
+        RunState::Asleep => (0, awake.min(residual)),
+        RunState::Stopped | RunState::Failed => (0, 0),
+    }
+}
+
+fn state_of(runtime: &BTreeMap<String, ModelRuntime>, name: &str) -> ModelRuntime {
+    runtime
+        .get(name)
+        .copied()
+        .unwrap_or(ModelRuntime::new(RunState::Stopped))
+}
+
+/// Every GPU's budget given the models' states (missing models: stopped).
+pub fn budgets(
+    machine: &Machine,
+    placements: &[Placement],
+    runtime: &BTreeMap<String, ModelRuntime>,
+    policy: &Policy,
+) -> Vec<GpuBudget> {
+    machine
+        .gpus
+        .iter()
+        .map(|g| {
+            let mut b = GpuBudget {
+                index: g.index,
+                total_bytes: g.total_bytes,
+                awake_bytes: 0,
+                asleep_bytes: 0,
+                free_bytes: 0,
+                models: Vec::new(),
+            };
+            for p in placements.iter().filter(|p| p.gpus.contains(&g.index)) {
+                let (a, r) = usage(
+                    p,
+                    g.index,
+                    state_of(runtime, &p.model).state,
+                    policy.residual_bytes,
+                );
+                b.awake_bytes += a;
+                b.asleep_bytes += r;
+                b.models.push(p.model.clone());
+            }
+            b.free_bytes = g.total_bytes.saturating_sub(b.awake_bytes + b.asleep_bytes);
+            b
+        })
+        .collect()
+}
+
+/// Can `target` wake now, after evicting some idle models, or must it wait?
+///
+/// Victims: awake, no requests in flight, not pinned, sharing a GPU with
+/// the target; least recently active first, and only as many as needed.
+pub fn plan_wake(
+    target: &str,
+    machine: &Machine,
+    placements: &[Placement],
+    runtime: &BTreeMap<String, ModelRuntime>,
+    policy: &Policy,
+) -> WakePlan {
+    let Some(me) = placements.iter().find(|p| p.model == target) else {
+        return WakePlan::Wait(format!("\"{target}\" has no placement"));
+    };
+    let res = policy.residual_bytes;
+    // Deficit per GPU of the target: held by others + its awake share − total.
+    let mut deficit: BTreeMap<u32, i128> = BTreeMap::new();
+    for &g in &me.gpus {
+        let total = machine.gpu(g).map_or(0, |c| c.total_bytes);
+        let held: u64 = placements
+            .iter()
+            .filter(|p| p.model != target && p.gpus.contains(&g))
+            .map(|p| {
+                let (a, r) = usage(p, g, state_of(runtime, &p.model).state, res);
+                a + r
+            })
+            .sum();
+        deficit.insert(
+            g,
+            i128::from(held) + i128::from(me.awake_on(g)) - i128::from(total),
+        );
+    }
+    let fits = |d: &BTreeMap<u32, i128>| d.values().all(|&x| x <= 0);
+    if fits(&deficit) {
+        return WakePlan::Ready;
+    }
+
+    let freed =
+        |p: &Placement, g: u32| i128::from(p.awake_on(g)) - i128::from(p.awake_on(g).min(res));
+    let mut candidates: Vec<(&Placement, ModelRuntime)> = placements
+        .iter()
+        .filter(|p| p.model != target && p.gpus.iter().any(|g| me.gpus.contains(g)))
+        .map(|p| (p, state_of(runtime, &p.model)))
+        .filter(|(_, s)| s.state == RunState::Awake && s.in_flight == 0 && !s.pinned_awake)
+        .collect();
+    candidates.sort_by(|a, b| {
+        a.1.last_activity_ms
+            .cmp(&b.1.last_activity_ms)
+            .then(a.0.model.cmp(&b.0.model))
+    });
+
+    let mut victims: Vec<&Placement> = Vec::new();
+    let mut d = deficit.clone();
+    for (p, _) in &candidates {
+        if fits(&d) {
+            break;
+        }
+        let helps = me.gpus.iter().any(|&g| d[&g] > 0 && p.gpus.contains(&g));
+        if helps {
+            for &g in me.gpus.iter().filter(|g| p.gpus.contains(g)) {
+                *d.get_mut(&g).unwrap() -= freed(p, g);
+            }
+            victims.push(p);
+        }
+    }
+    if fits(&d) {
+        // Drop victims that turned out unnecessary, most recent first.
+        for i in (0..victims.len()).rev() {
+            let v = victims[i];
+            let mut without = d.clone();
+            for &g in me.gpus.iter().filter(|g| v.gpus.contains(g)) {
+                *without.get_mut(&g).unwrap() += freed(v, g);
+            }
+            if fits(&without) {
+                d = without;
+                victims.remove(i);
+            }
+        }
+        return WakePlan::Evict(victims.iter().map(|p| p.model.clone()).collect());
+    }
+
+    // Say what holds the memory on the first GPU still short.
+    let (&g, &short) = d.iter().find(|(_, x)| **x > 0).unwrap();
+    let total = machine.gpu(g).map_or(0, |c| c.total_bytes);
+    let free_after = i128::from(me.awake_on(g)) - short;
+    let holders: Vec<String> = placements
+        .iter()
+        .filter(|p| p.model != target && p.gpus.contains(&g))
+        .filter_map(|p| {
+            let s = state_of(runtime, &p.model);
+            let why = match s.state {
+                RunState::Awake if s.pinned_awake => "pinned awake".to_string(),
+                RunState::Awake if s.in_flight > 0 => {
+                    format!("{} request(s) in flight", s.in_flight)
+                }
+                RunState::Awake | RunState::Asleep | RunState::Stopped | RunState::Failed => {
+                    return None;
+                }
+                other => other.as_str().to_string(),
+            };
+            Some(format!("\"{}\" ({why})", p.model))
+        })
+        .collect();
+    WakePlan::Wait(format!(
+        "room on GPU {g}: needs {} of {}, {} free even after sleeping idle models; held by {}",
+        gib(me.awake_on(g)),
+        gib(total),
+        gib(free_after.max(0) as u64),
+        if holders.is_empty() {
+            "asleep residuals".to_string()
+        } else {
+            holders.join(", ")
+        }
+    ))
+}

@@ -1,0 +1,299 @@
+//! The per-model state machine: a pure `step(state, event, now)` returning
+//! the new state and the effects to carry out. No I/O here.
+
+mod calibration;
+mod step;
+#[cfg(test)]
+mod tests;
+mod tiers;
+
+pub use calibration::{Average, Calibration};
+pub use step::step;
+pub use tiers::{due_tier, next_tier};
+
+use crate::config::{Backoff, IdleTier, ModelConfig, Preload, Timeouts};
+use std::collections::BTreeMap;
+use tokio::time::{Duration, Instant};
+
+/// What the reconciler works towards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Desired {
+    Stopped,
+    Awake,
+    Asleep(u8),
+}
+
+impl Desired {
+    /// How far from serving: awake 0, asleep 1 or 2, stopped 3.
+    pub fn depth(self) -> u8 {
+        match self {
+            Desired::Awake => 0,
+            Desired::Asleep(l) => l,
+            Desired::Stopped => 3,
+        }
+    }
+}
+
+/// Why the intent holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Config,
+    Demand,
+    Operator,
+    Pin,
+    IdleTier,
+}
+
+/// The intent: desired state, why, since when, until when.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Intent {
+    pub desired: Desired,
+    pub reason: Reason,
+    pub since: Instant,
+    pub until: Option<Instant>,
+}
+
+/// Observed lifecycle state, with the data each state needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Stopped,
+    /// `spawned`: false while waiting for the per-GPU start lock.
+    Starting { deadline: Instant, spawned: bool },
+    Awake,
+    Sleeping { level: u8, deadline: Instant },
+    Asleep { level: u8 },
+    /// `step` indexes [`wake_calls`]`(from_level)`.
+    Waking { from_level: u8, step: usize, deadline: Instant },
+    /// `killed`: SIGKILL already sent.
+    Stopping { deadline: Instant, killed: bool },
+    Failed { retry_at: Option<Instant> },
+}
+
+impl Phase {
+    pub fn deadline(&self) -> Option<Instant> {
+        match *self {
+            Phase::Starting { deadline, .. }
+            | Phase::Sleeping { deadline, .. }
+            | Phase::Waking { deadline, .. }
+            | Phase::Stopping { deadline, .. } => Some(deadline),
+            _ => None,
+        }
+    }
+}
+
+/// One call of a wake sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WakeCall {
+    /// `POST /wake_up` (all tags).
+    WakeUp,
+    /// `POST /wake_up?tags=weights`.
+    WakeWeights,
+    /// `POST /collective_rpc {"method":"reload_weights"}`.
+    ReloadWeights,
+    /// `POST /wake_up?tags=kv_cache`.
+    WakeKvCache,
+    /// `POST /reset_prefix_cache`.
+    ResetPrefixCache,
+}
+
+/// The calls that wake an engine asleep at `level`.
+pub fn wake_calls(level: u8) -> &'static [WakeCall] {
+    if level >= 2 {
+        &[
+            WakeCall::WakeWeights,
+            WakeCall::ReloadWeights,
+            WakeCall::WakeKvCache,
+            WakeCall::ResetPrefixCache,
+        ]
+    } else {
+        &[WakeCall::WakeUp]
+    }
+}
+
+/// Operator commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Command {
+    Wake,
+    Sleep(u8),
+    Start,
+    Stop,
+    Restart,
+}
+
+/// Everything that can happen to a model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Command(Command),
+    /// A proxy holds requests for the model.
+    Demand,
+    /// Keep awake until (None: until Unpin).
+    Pin(Option<Instant>),
+    Unpin,
+    /// A proxy's report: its requests in flight now and whether any
+    /// started or finished since its last report.
+    Activity {
+        proxy: String,
+        in_flight: u32,
+        active: bool,
+        last_finished: Option<Instant>,
+    },
+    /// The engine's own `vllm:num_requests_running`.
+    EngineMetrics { running: u32 },
+    Spawned { proc_gen: u64, pid: u32 },
+    SpawnFailed { proc_gen: u64, error: String },
+    ChildExited { proc_gen: u64, status: String },
+    /// `/health` answered 200 (`asleep`: the engine says it sleeps, at that level).
+    HealthOk { epoch: u64, asleep: Option<u8> },
+    HealthFailed { epoch: u64, error: String },
+    SleepDone { epoch: u64 },
+    SleepFailed { epoch: u64, error: String },
+    WakeStepDone { epoch: u64, step: usize },
+    WakeFailed { epoch: u64, error: String },
+    /// A timer fired (deadlines, retries, tiers, pin expiry are checked).
+    Tick,
+}
+
+/// Signals to the engine's process group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Signal {
+    Term,
+    Kill,
+}
+
+/// What the model's task must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// Take the start lock of the model's GPUs, make sure no old process is
+    /// left, spawn; answer `Spawned` or `SpawnFailed`.
+    Spawn { proc_gen: u64 },
+    /// Probe `/health` until it answers 200; answer `HealthOk` (tagged `epoch`).
+    ProbeHealth { epoch: u64 },
+    Sleep { epoch: u64, level: u8 },
+    Wake { epoch: u64, step: usize, call: WakeCall },
+    Signal(Signal),
+    /// Drop the per-GPU start lock if held.
+    ReleaseStartLock,
+    /// Wake the task at this time (None: no timer needed).
+    Timer(Option<Instant>),
+    /// A line for the model's log ("siesta" stream).
+    Log(String),
+    /// The intent changed: persist it.
+    Persist,
+}
+
+/// Pin state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pin {
+    None,
+    Until(Instant),
+    Forever,
+}
+
+/// Per-model settings the state machine needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    pub attach: bool,
+    pub tiers: Vec<IdleTier>,
+    pub timeouts: Timeouts,
+    pub backoff: Backoff,
+}
+
+impl Settings {
+    pub fn from_config(m: &ModelConfig) -> Self {
+        Self {
+            attach: m.is_attach(),
+            tiers: m.idle.clone(),
+            timeouts: m.timeouts,
+            backoff: m.backoff,
+        }
+    }
+}
+
+/// A model's whole state as the reconciler sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelState {
+    pub settings: Settings,
+    pub phase: Phase,
+    /// When `phase` was entered.
+    pub since: Instant,
+    /// Incremented on every phase change; results of older effects are ignored.
+    pub epoch: u64,
+    /// Incremented on every spawn; exits of older processes are ignored.
+    pub proc_gen: u64,
+    pub intent: Intent,
+    pub pin: Pin,
+    /// End of the last request seen.
+    pub last_activity: Option<Instant>,
+    /// Idle time never counts from before this (becoming awake, operator wake).
+    pub idle_floor: Instant,
+    /// Requests in flight per proxy.
+    pub proxies: BTreeMap<String, u32>,
+    /// The engine's own running-requests gauge.
+    pub engine_running: u32,
+    pub failures: u32,
+    pub last_error: Option<String>,
+    pub pid: Option<u32>,
+    pub restarts: u32,
+    /// When the transition under way started (for calibration).
+    pub transition_start: Instant,
+    pub calibration: Calibration,
+}
+
+impl ModelState {
+    /// The state at boot: stopped, with the configured preload as intent.
+    pub fn new(settings: Settings, preload: Preload, now: Instant) -> Self {
+        let desired = match (preload, settings.attach) {
+            (Preload::Awake, _) | (Preload::None, true) => Desired::Awake,
+            (Preload::Asleep, _) => Desired::Asleep(1),
+            (Preload::None, false) => Desired::Stopped,
+        };
+        Self {
+            settings,
+            phase: Phase::Stopped,
+            since: now,
+            epoch: 0,
+            proc_gen: 0,
+            intent: Intent {
+                desired,
+                reason: Reason::Config,
+                since: now,
+                until: None,
+            },
+            pin: Pin::None,
+            last_activity: None,
+            idle_floor: now,
+            proxies: BTreeMap::new(),
+            engine_running: 0,
+            failures: 0,
+            last_error: None,
+            pid: None,
+            restarts: 0,
+            transition_start: now,
+            calibration: Calibration::default(),
+        }
+    }
+
+    /// Requests in flight: all proxies plus the engine's gauge.
+    pub fn in_flight(&self) -> u32 {
+        self.proxies.values().sum::<u32>() + self.engine_running
+    }
+
+    pub fn pinned(&self, now: Instant) -> bool {
+        match self.pin {
+            Pin::None => false,
+            Pin::Forever => true,
+            Pin::Until(t) => t > now,
+        }
+    }
+
+    /// When idle time starts counting.
+    pub fn idle_start(&self) -> Instant {
+        self.last_activity
+            .map_or(self.idle_floor, |a| a.max(self.idle_floor))
+    }
+
+    /// Retry delay after `failures` failures.
+    pub fn backoff(&self) -> Duration {
+        self.settings.backoff.delay(self.failures)
+    }
+}

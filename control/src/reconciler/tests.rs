@@ -1,0 +1,292 @@
+//! Transition tests (pure; time is passed in).
+
+use super::*;
+use crate::config::{IdleAction, IdleTier};
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn settings(attach: bool) -> Settings {
+    Settings {
+        attach,
+        tiers: vec![
+            IdleTier { after: secs(10), action: IdleAction::Sleep(1) },
+            IdleTier { after: secs(20), action: IdleAction::Sleep(2) },
+            IdleTier { after: secs(30), action: IdleAction::Stop },
+        ],
+        timeouts: Timeouts {
+            start: secs(60),
+            wake: secs(5),
+            sleep: secs(5),
+            stop_grace: secs(3),
+        },
+        backoff: Backoff { initial: secs(1), max: secs(8) },
+    }
+}
+
+struct Sim {
+    m: ModelState,
+    now: Instant,
+    fx: Vec<Effect>,
+}
+
+impl Sim {
+    fn new(preload: Preload) -> Self {
+        let now = Instant::now();
+        let mut s = Sim { m: ModelState::new(settings(false), preload, now), now, fx: vec![] };
+        s.ev(Event::Tick);
+        s
+    }
+    fn ev(&mut self, e: Event) -> &[Effect] {
+        let (m, fx) = step(self.m.clone(), e, self.now);
+        self.m = m;
+        self.fx = fx;
+        &self.fx
+    }
+    fn advance(&mut self, d: Duration) {
+        self.now += d;
+        self.ev(Event::Tick);
+    }
+    fn has(&self, f: impl Fn(&Effect) -> bool) -> bool {
+        self.fx.iter().any(f)
+    }
+    fn timer(&self) -> Option<Instant> {
+        self.fx.iter().find_map(|f| match f {
+            Effect::Timer(t) => *t,
+            _ => None,
+        })
+    }
+    /// Drives spawn + health to Awake.
+    fn boot(&mut self) {
+        self.ev(Event::Spawned { proc_gen: self.m.proc_gen, pid: 42 });
+        assert!(self.has(|f| matches!(f, Effect::ProbeHealth { .. })));
+        self.now += secs(2);
+        self.ev(Event::HealthOk { epoch: self.m.epoch, asleep: None });
+    }
+    fn wake_all(&mut self) {
+        while let Phase::Waking { step, .. } = self.m.phase {
+            self.ev(Event::WakeStepDone { epoch: self.m.epoch, step });
+        }
+    }
+}
+
+#[test]
+fn start_to_awake_and_calibrates() {
+    let mut s = Sim::new(Preload::None);
+    assert_eq!(s.m.phase, Phase::Stopped);
+    s.ev(Event::Demand);
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
+    s.boot();
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert_eq!(s.m.calibration.start.millis(), 2000);
+    assert_eq!(s.m.restarts, 1);
+}
+
+#[test]
+fn preload_asleep_starts_then_sleeps_level_1() {
+    let mut s = Sim::new(Preload::Asleep);
+    assert!(matches!(s.m.phase, Phase::Starting { .. }));
+    s.boot();
+    assert!(s.has(|f| matches!(f, Effect::Sleep { level: 1, .. })));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+}
+
+#[test]
+fn tiers_fire_in_order() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    assert_eq!(s.timer(), Some(s.now + secs(10)));
+    s.advance(secs(10));
+    assert!(s.has(|f| matches!(f, Effect::Sleep { level: 1, .. })));
+    assert_eq!(s.m.intent.reason, Reason::IdleTier);
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.timer(), Some(s.m.idle_floor + secs(20)));
+    s.advance(secs(10));
+    // Level 1 -> 2: wake then sleep at level 2.
+    assert!(s.has(|f| matches!(f, Effect::Wake { call: WakeCall::WakeUp, .. })));
+    s.wake_all();
+    assert!(s.has(|f| matches!(f, Effect::Sleep { level: 2, .. })));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 2 });
+    s.advance(secs(10));
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen, status: "exit 0".into() });
+    assert_eq!(s.m.phase, Phase::Stopped);
+    assert_eq!(s.timer(), None);
+}
+
+#[test]
+fn never_sleeps_with_requests_in_flight() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Activity { proxy: "p".into(), in_flight: 1, active: true, last_finished: None });
+    s.advance(secs(100));
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert_eq!(s.timer(), None);
+    // The engine's own gauge counts too.
+    s.ev(Event::Activity { proxy: "p".into(), in_flight: 0, active: true, last_finished: Some(s.now) });
+    s.ev(Event::EngineMetrics { running: 2 });
+    s.advance(secs(100));
+    assert_eq!(s.m.phase, Phase::Awake);
+    // Operator sleep waits for in-flight requests too.
+    s.ev(Event::Command(Command::Sleep(1)));
+    assert_eq!(s.m.phase, Phase::Awake);
+    s.ev(Event::EngineMetrics { running: 0 });
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+}
+
+#[test]
+fn level_2_wake_is_four_calls_in_order() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Command(Command::Sleep(2)));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.ev(Event::Demand);
+    let mut calls = vec![];
+    while let Phase::Waking { step, .. } = s.m.phase {
+        calls.extend(s.fx.iter().filter_map(|f| match f {
+            Effect::Wake { call, .. } => Some(*call),
+            _ => None,
+        }));
+        s.ev(Event::WakeStepDone { epoch: s.m.epoch, step });
+    }
+    assert_eq!(calls, wake_calls(2));
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert_eq!(s.m.calibration.wake[1].samples, 1);
+}
+
+#[test]
+fn every_transition_has_a_deadline() {
+    // Start.
+    let mut s = Sim::new(Preload::Awake);
+    s.ev(Event::Spawned { proc_gen: s.m.proc_gen, pid: 1 });
+    assert_eq!(s.timer(), Some(s.now + secs(60)));
+    s.advance(secs(60));
+    assert!(matches!(s.m.phase, Phase::Failed { .. }));
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    // Wake.
+    let mut s = Sim::new(Preload::Asleep);
+    s.boot();
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.ev(Event::Demand);
+    s.advance(secs(5));
+    assert!(matches!(s.m.phase, Phase::Failed { .. }));
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    // Sleep.
+    let mut s = Sim::new(Preload::Asleep);
+    s.boot();
+    s.advance(secs(5));
+    assert!(matches!(s.m.phase, Phase::Failed { .. }));
+    // Stop: TERM, grace, KILL.
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Command(Command::Stop));
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    s.advance(secs(3));
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen, status: "killed".into() });
+    assert_eq!(s.m.phase, Phase::Stopped);
+}
+
+#[test]
+fn backoff_doubles_and_is_capped() {
+    let mut s = Sim::new(Preload::Awake);
+    let mut delays = vec![];
+    for _ in 0..6 {
+        s.ev(Event::SpawnFailed { proc_gen: s.m.proc_gen, error: "nope".into() });
+        let Phase::Failed { retry_at: Some(t) } = s.m.phase else { panic!("{:?}", s.m.phase) };
+        delays.push((t - s.now).as_secs());
+        s.advance(t - s.now);
+        assert!(matches!(s.m.phase, Phase::Starting { .. }));
+    }
+    assert_eq!(delays, [1, 2, 4, 8, 8, 8]);
+    s.boot();
+    assert_eq!(s.m.failures, 0);
+    assert_eq!(s.m.last_error, None);
+}
+
+#[test]
+fn crash_goes_failed_then_restarts() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen, status: "exit 1".into() });
+    assert!(matches!(s.m.phase, Phase::Failed { retry_at: Some(_) }));
+    assert!(s.m.last_error.as_deref().unwrap().contains("exit 1"));
+    s.advance(secs(1));
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
+    // An exit of the old process is ignored.
+    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen - 1, status: "late".into() });
+    assert!(matches!(s.m.phase, Phase::Starting { .. }));
+}
+
+#[test]
+fn demands_coalesce_and_operator_stop_wins() {
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Demand);
+    let spawns = s.fx.iter().filter(|f| matches!(f, Effect::Spawn { .. })).count();
+    for _ in 0..5 {
+        s.ev(Event::Demand);
+        assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })));
+    }
+    assert_eq!(spawns, 1);
+    s.boot();
+    s.ev(Event::Command(Command::Stop));
+    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen, status: "0".into() });
+    s.ev(Event::Demand);
+    assert_eq!(s.m.phase, Phase::Stopped);
+    assert_eq!(s.m.intent.reason, Reason::Operator);
+}
+
+#[test]
+fn pin_blocks_tiers_until_it_expires() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Pin(Some(s.now + secs(100))));
+    assert_eq!(s.timer(), Some(s.now + secs(100)));
+    s.advance(secs(50));
+    assert_eq!(s.m.phase, Phase::Awake);
+    s.advance(secs(50));
+    // Idle for 100 s: the deepest due tier (stop) fires at once.
+    assert!(matches!(s.m.phase, Phase::Stopping { .. }));
+}
+
+#[test]
+fn operator_wake_restarts_idle_count() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.advance(secs(10));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.now += secs(5);
+    s.ev(Event::Command(Command::Wake));
+    s.wake_all();
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert_eq!(s.m.intent.reason, Reason::Operator);
+    assert_eq!(s.timer(), Some(s.now + secs(10)));
+}
+
+#[test]
+fn stale_results_are_ignored() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    let old = s.m.epoch - 1;
+    s.ev(Event::HealthFailed { epoch: old, error: "old".into() });
+    assert_eq!(s.m.phase, Phase::Awake);
+}
+
+#[test]
+fn attach_never_spawns_and_stop_tier_sleeps_deepest() {
+    let now = Instant::now();
+    let mut s = Sim { m: ModelState::new(settings(true), Preload::None, now), now, fx: vec![] };
+    s.ev(Event::Tick);
+    assert!(s.has(|f| matches!(f, Effect::ProbeHealth { .. })));
+    s.ev(Event::HealthOk { epoch: s.m.epoch, asleep: None });
+    assert_eq!(s.m.phase, Phase::Awake);
+    s.advance(secs(40));
+    assert!(s.has(|f| matches!(f, Effect::Sleep { level: 2, .. })));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert!(!s.has(|f| matches!(f, Effect::Signal(_) | Effect::Spawn { .. })));
+    s.ev(Event::Command(Command::Restart));
+    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+}

@@ -1,0 +1,323 @@
+//! One task per model: owns its [`ModelState`], feeds events to
+//! [`step`](crate::reconciler::step) and carries out the effects (I/O at the edges).
+
+mod effects;
+
+use crate::config::{Launch, ModelConfig};
+use crate::engine::EngineClient;
+use crate::hub::Hub;
+use crate::reconciler::{Event, ModelState, Phase, Settings, step};
+use crate::status::{Clock, Endpoint, EngineFacts, ModelStatus, model_status};
+use crate::store::{IntentRecord, Store};
+use crate::supervisor::{LogRing, ProcHandle, StartLocks, free_port};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// What every model task shares.
+#[derive(Debug)]
+pub struct Shared {
+    pub hub: Arc<Hub>,
+    pub clock: Clock,
+    pub locks: StartLocks,
+    pub store: Arc<Store>,
+    pub log_dir: PathBuf,
+    pub control_id: String,
+    /// How often an awake or asleep engine is probed.
+    pub poll_every: Duration,
+    /// Stop engines when the server shuts down.
+    pub stop_engines_on_exit: bool,
+}
+
+/// Where a model runs (placement's answer).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Placed {
+    pub gpus: Vec<u32>,
+    pub p2p_disabled: bool,
+    /// `--gpu-memory-utilization` (0: from the model's `gpu_memory` fraction, if any).
+    pub gpu_memory_utilization: f64,
+}
+
+pub(crate) enum Msg {
+    Event(Event, Option<oneshot::Sender<ModelStatus>>),
+    Spawned(ProcHandle),
+    Poll {
+        epoch: u64,
+        result: Result<Option<u32>, String>,
+    },
+    /// Stop the engine (if `stop_engine`) and end the task.
+    Shutdown { stop_engine: bool, done: oneshot::Sender<()> },
+}
+
+/// The API's handle on a model task.
+#[derive(Debug)]
+pub struct ModelHandle {
+    pub cfg: Arc<ModelConfig>,
+    tx: mpsc::UnboundedSender<Msg>,
+    pub status: watch::Receiver<ModelStatus>,
+    pub logs: Arc<LogRing>,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Msg::Event(e, _) => write!(f, "Event({e:?})"),
+            Msg::Spawned(h) => write!(f, "Spawned({})", h.pid),
+            Msg::Poll { epoch, result } => write!(f, "Poll({epoch}, {result:?})"),
+            Msg::Shutdown { stop_engine, .. } => write!(f, "Shutdown({stop_engine})"),
+        }
+    }
+}
+
+impl ModelHandle {
+    /// Sends an event; returns the status right after it was applied.
+    pub async fn send(&self, event: Event) -> Option<ModelStatus> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Msg::Event(event, Some(tx))).ok()?;
+        rx.await.ok()
+    }
+
+    /// Sends an event without waiting.
+    pub fn notify(&self, event: Event) {
+        let _ = self.tx.send(Msg::Event(event, None));
+    }
+
+    /// Ends the task, stopping the engine first when asked.
+    pub async fn shutdown(&self, stop_engine: bool) {
+        let (done, rx) = oneshot::channel();
+        if self.tx.send(Msg::Shutdown { stop_engine, done }).is_ok() {
+            let _ = rx.await;
+        }
+    }
+}
+
+/// Starts a model's task.
+pub fn spawn_model(
+    cfg: ModelConfig,
+    placed: Placed,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+) -> std::io::Result<ModelHandle> {
+    let now = Instant::now();
+    let (base_url, served, port) = match &cfg.launch {
+        Launch::Process { host, port, .. } => {
+            let port = match port {
+                Some(p) => *p,
+                None => free_port(host)?,
+            };
+            (format!("http://{host}:{port}"), cfg.name.clone(), port)
+        }
+        Launch::Attach {
+            url,
+            served_model_name,
+        } => (url.clone(), served_model_name.clone(), 0),
+    };
+    let mut state = ModelState::new(Settings::from_config(&cfg), cfg.preload, now);
+    if let Some(rec) = shared.store.get(&cfg.name) {
+        rec.restore(&mut state, &shared.clock);
+    }
+    let facts = EngineFacts {
+        endpoint: Endpoint {
+            url: base_url.clone(),
+            served_model_name: served,
+        },
+        gpus: placed.gpus.clone(),
+        p2p_disabled: placed.p2p_disabled,
+        control_id: shared.control_id.clone(),
+    };
+    let status = model_status(&cfg, &facts, &state, &shared.clock, now);
+    let (status_tx, status_rx) = watch::channel(status.clone());
+    shared.hub.publish_model(status);
+    let logs = Arc::new(LogRing::new(2000));
+    let (tx, rx) = mpsc::unbounded_channel();
+    let cfg = Arc::new(cfg);
+    let runner = Runner {
+        cfg: cfg.clone(),
+        client: EngineClient::new(&base_url),
+        facts,
+        port,
+        placed,
+        shared,
+        state,
+        tx: tx.clone(),
+        status_tx,
+        logs: logs.clone(),
+        proc: None,
+        lock_release: None,
+        spawn_cancel: CancellationToken::new(),
+        ops: Vec::new(),
+        timer: None,
+        polling: false,
+        poll_failures: 0,
+    };
+    tokio::spawn(runner.run(rx, cancel));
+    Ok(ModelHandle {
+        cfg,
+        tx,
+        status: status_rx,
+        logs,
+    })
+}
+
+struct Runner {
+    cfg: Arc<ModelConfig>,
+    client: EngineClient,
+    facts: EngineFacts,
+    port: u16,
+    placed: Placed,
+    shared: Arc<Shared>,
+    state: ModelState,
+    tx: mpsc::UnboundedSender<Msg>,
+    status_tx: watch::Sender<ModelStatus>,
+    logs: Arc<LogRing>,
+    proc: Option<ProcHandle>,
+    lock_release: Option<oneshot::Sender<()>>,
+    spawn_cancel: CancellationToken,
+    /// Effect tasks of the current epoch (aborted when it changes).
+    ops: Vec<AbortHandle>,
+    timer: Option<Instant>,
+    polling: bool,
+    poll_failures: u32,
+}
+
+impl Runner {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Msg>, cancel: CancellationToken) {
+        self.apply(Event::Tick);
+        let mut poll = tokio::time::interval(self.shared.poll_every);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let timer = self.timer;
+            tokio::select! {
+                _ = cancel.cancelled() => {
+                    let stop = self.shared.stop_engines_on_exit;
+                    self.finish(stop).await;
+                    return;
+                }
+                msg = rx.recv() => match msg {
+                    None => return,
+                    Some(Msg::Shutdown { stop_engine, done }) => {
+                        self.finish(stop_engine).await;
+                        let _ = done.send(());
+                        return;
+                    }
+                    Some(msg) => self.on_msg(msg),
+                },
+                _ = tokio::time::sleep_until(timer.unwrap_or_else(Instant::now)), if timer.is_some() => {
+                    self.timer = None;
+                    self.apply(Event::Tick);
+                }
+                _ = poll.tick() => self.poll(),
+            }
+        }
+    }
+
+    fn on_msg(&mut self, msg: Msg) {
+        match msg {
+            Msg::Event(event, reply) => {
+                self.apply(event);
+                if let Some(reply) = reply {
+                    let _ = reply.send(self.status_tx.borrow().clone());
+                }
+            }
+            Msg::Spawned(handle) => {
+                let current = handle.proc_gen == self.state.proc_gen
+                    && matches!(self.state.phase, Phase::Starting { spawned: false, .. });
+                if current {
+                    let (proc_gen, pid) = (handle.proc_gen, handle.pid);
+                    self.proc = Some(handle);
+                    self.apply(Event::Spawned { proc_gen, pid });
+                } else {
+                    tracing::info!(model = %self.cfg.name, pid = handle.pid, "killing an engine spawned for a start no longer wanted");
+                    handle.signal(nix::sys::signal::Signal::SIGKILL);
+                }
+            }
+            Msg::Poll { epoch, result } => {
+                self.polling = false;
+                if epoch != self.state.epoch {
+                    return;
+                }
+                match result {
+                    Ok(running) => {
+                        self.poll_failures = 0;
+                        if let Some(running) = running
+                            && (running > 0 || running != self.state.engine_running)
+                        {
+                            self.apply(Event::EngineMetrics { running });
+                        }
+                    }
+                    Err(error) => {
+                        self.poll_failures += 1;
+                        tracing::warn!(model = %self.cfg.name, failures = self.poll_failures, %error, "engine probe failed");
+                        if self.poll_failures >= 3 {
+                            self.poll_failures = 0;
+                            self.apply(Event::HealthFailed { epoch, error });
+                        }
+                    }
+                }
+            }
+            Msg::Shutdown { .. } => {}
+        }
+    }
+
+    /// One step of the state machine, its effects, and the new status.
+    fn apply(&mut self, event: Event) {
+        let now = Instant::now();
+        let epoch = self.state.epoch;
+        let (state, effects) = step(self.state.clone(), event, now);
+        self.state = state;
+        if self.state.epoch != epoch {
+            for op in self.ops.drain(..) {
+                op.abort();
+            }
+            self.poll_failures = 0;
+            if !matches!(self.state.phase, Phase::Starting { .. }) {
+                self.spawn_cancel.cancel();
+            }
+        }
+        for effect in effects {
+            self.perform(effect);
+        }
+        self.publish(now);
+    }
+
+    fn publish(&mut self, now: Instant) {
+        let status = model_status(&self.cfg, &self.facts, &self.state, &self.shared.clock, now);
+        if *self.status_tx.borrow() != status {
+            self.status_tx.send_replace(status.clone());
+            self.shared.hub.publish_model(status);
+        }
+    }
+
+    fn persist(&self) {
+        let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
+        self.shared.store.set(&self.cfg.name, rec);
+    }
+
+    /// Stops the engine if asked (SIGTERM, grace, SIGKILL), then ends.
+    async fn finish(&mut self, stop_engine: bool) {
+        for op in self.ops.drain(..) {
+            op.abort();
+        }
+        self.spawn_cancel.cancel();
+        let Some(proc) = self.proc.take() else {
+            return;
+        };
+        if !stop_engine || proc.has_exited() {
+            if !proc.has_exited() {
+                tracing::info!(model = %self.cfg.name, pid = proc.pid, "leaving engine running");
+            }
+            return;
+        }
+        tracing::info!(model = %self.cfg.name, pid = proc.pid, "stopping engine");
+        proc.signal(nix::sys::signal::Signal::SIGTERM);
+        let mut exited = proc.exited.clone();
+        let grace = self.cfg.timeouts.stop_grace;
+        if tokio::time::timeout(grace, exited.wait_for(|e| *e)).await.is_err() {
+            proc.kill_and_wait().await;
+        }
+    }
+}

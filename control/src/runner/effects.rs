@@ -1,0 +1,186 @@
+//! Carrying out the reconciler's effects: each I/O runs in its own task and
+//! reports back as an event tagged with the epoch (or process generation).
+
+use super::{Msg, Runner};
+use crate::config::Launch;
+use crate::reconciler::{Effect, Event, Phase, Signal};
+use crate::supervisor::{self, free_port, spawn_spec};
+use nix::sys::signal::Signal as NixSignal;
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+/// Per-probe timeout: engines accept the connection but answer nothing
+/// until start-up is done.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+const PROBE_EVERY: Duration = Duration::from_millis(200);
+/// Extra time HTTP calls get beyond the transition deadline (the deadline
+/// itself is enforced by the state machine).
+const CALL_SLACK: Duration = Duration::from_secs(5);
+
+impl Runner {
+    fn event_sender(&self) -> impl Fn(Event) + Send + 'static {
+        let tx = self.tx.clone();
+        move |e| {
+            let _ = tx.send(Msg::Event(e, None));
+        }
+    }
+
+    fn op<F>(&mut self, fut: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        self.ops.push(tokio::spawn(fut).abort_handle());
+    }
+
+    pub(super) fn perform(&mut self, effect: Effect) {
+        match effect {
+            Effect::Spawn { proc_gen } => self.spawn_engine(proc_gen),
+            Effect::ProbeHealth { epoch } => {
+                let client = self.client.clone();
+                let attach = self.cfg.is_attach();
+                let send = self.event_sender();
+                self.op(async move {
+                    loop {
+                        if client.health(PROBE_TIMEOUT).await.is_ok() {
+                            let mut asleep = None;
+                            if attach && client.is_sleeping(PROBE_TIMEOUT).await.unwrap_or(false) {
+                                let level = client.metrics(PROBE_TIMEOUT).await.ok().and_then(|m| m.sleep_level);
+                                asleep = Some(level.filter(|l| *l > 0).unwrap_or(1));
+                            }
+                            send(Event::HealthOk { epoch, asleep });
+                            return;
+                        }
+                        tokio::time::sleep(PROBE_EVERY).await;
+                    }
+                });
+            }
+            Effect::Sleep { epoch, level } => {
+                let client = self.client.clone();
+                let send = self.event_sender();
+                let timeout = self.cfg.timeouts.sleep + CALL_SLACK;
+                self.op(async move {
+                    send(match client.sleep(level, timeout).await {
+                        Ok(()) => Event::SleepDone { epoch },
+                        Err(error) => Event::SleepFailed { epoch, error },
+                    });
+                });
+            }
+            Effect::Wake { epoch, step, call } => {
+                let client = self.client.clone();
+                let send = self.event_sender();
+                let timeout = self.cfg.timeouts.wake + CALL_SLACK;
+                self.op(async move {
+                    send(match client.wake(call, timeout).await {
+                        Ok(()) => Event::WakeStepDone { epoch, step },
+                        Err(error) => Event::WakeFailed { epoch, error },
+                    });
+                });
+            }
+            Effect::Signal(sig) => {
+                if let Some(p) = &self.proc {
+                    let sig = match sig {
+                        Signal::Term => NixSignal::SIGTERM,
+                        Signal::Kill => NixSignal::SIGKILL,
+                    };
+                    tracing::info!(model = %self.cfg.name, pid = p.pid, ?sig, "signalling process group");
+                    p.signal(sig);
+                }
+            }
+            Effect::ReleaseStartLock => {
+                self.lock_release.take();
+            }
+            Effect::Timer(t) => self.timer = t,
+            Effect::Log(line) => {
+                tracing::info!(model = %self.cfg.name, "{line}");
+                self.logs.push("siesta", line);
+            }
+            Effect::Persist => self.persist(),
+        }
+    }
+
+    /// Kills what is left of the previous process, takes the GPUs' start
+    /// lock, spawns; the lock is held until `ReleaseStartLock`.
+    fn spawn_engine(&mut self, proc_gen: u64) {
+        if let Launch::Process { host, port: None, .. } = &self.cfg.launch
+            && self.state.failures > 0
+            && let Ok(p) = free_port(host)
+        {
+            // A fresh port after a failure, in case the old one is taken.
+            self.port = p;
+            self.facts.endpoint.url = format!("http://{host}:{p}");
+            self.client = crate::engine::EngineClient::new(&self.facts.endpoint.url);
+        }
+        let spec = spawn_spec(&self.cfg, self.port, &self.placed);
+        let old = self.proc.take();
+        let (release_tx, release_rx) = oneshot::channel::<()>();
+        self.lock_release = Some(release_tx);
+        self.spawn_cancel = CancellationToken::new();
+        let cancel = self.spawn_cancel.clone();
+        let shared = self.shared.clone();
+        let name = self.cfg.name.clone();
+        let gpus = self.placed.gpus.clone();
+        let logs = self.logs.clone();
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            if let Some(old) = old {
+                old.kill_and_wait().await;
+            }
+            let guards = tokio::select! {
+                g = shared.locks.acquire(&gpus) => g,
+                _ = cancel.cancelled() => return,
+            };
+            if cancel.is_cancelled() {
+                return;
+            }
+            let exit_tx = tx.clone();
+            let on_exit = move |status: String| {
+                let _ = exit_tx.send(Msg::Event(Event::ChildExited { proc_gen, status }, None));
+            };
+            logs.push("siesta", format!("spawning: {} {}", spec.program, spec.args.join(" ")));
+            match supervisor::spawn(&name, &spec, &shared.log_dir, proc_gen, logs, on_exit) {
+                Ok(handle) => {
+                    let _ = tx.send(Msg::Spawned(handle));
+                }
+                Err(e) => {
+                    let error = format!("{}: {e}", spec.program);
+                    let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
+                    return;
+                }
+            }
+            // Hold the GPUs' start lock until start-up is over.
+            let _ = release_rx.await;
+            drop(guards);
+        });
+    }
+
+    /// Periodic probe of an awake or asleep engine: `/health`, and while
+    /// awake `/metrics` for its running requests.
+    pub(super) fn poll(&mut self) {
+        let awake = match self.state.phase {
+            Phase::Awake => true,
+            Phase::Asleep { .. } => false,
+            _ => return,
+        };
+        if self.polling {
+            return;
+        }
+        self.polling = true;
+        let client = self.client.clone();
+        let tx = self.tx.clone();
+        let epoch = self.state.epoch;
+        let timeout = PROBE_TIMEOUT * 2;
+        tokio::spawn(async move {
+            let result = async {
+                client.health(timeout).await?;
+                if awake {
+                    Ok(Some(client.metrics(timeout).await?.running))
+                } else {
+                    Ok(None)
+                }
+            }
+            .await;
+            let _ = tx.send(Msg::Poll { epoch, result });
+        });
+    }
+}

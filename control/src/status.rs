@@ -1,0 +1,196 @@
+//! A model's published status (domain form of `siesta.v1.ModelStatus`).
+
+use crate::config::{IdleTier, ModelConfig};
+use crate::reconciler::{Calibration, Desired, ModelState, Phase, Pin, Reason, next_tier};
+use std::time::{SystemTime, UNIX_EPOCH};
+use tokio::time::Instant;
+
+/// Maps tokio instants to Unix milliseconds (works under paused time).
+#[derive(Debug, Clone, Copy)]
+pub struct Clock {
+    base: Instant,
+    base_unix_ms: i64,
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock {
+    pub fn new() -> Self {
+        let unix = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
+        Self {
+            base: Instant::now(),
+            base_unix_ms: unix,
+        }
+    }
+
+    pub fn unix_ms(&self, t: Instant) -> i64 {
+        if t >= self.base {
+            self.base_unix_ms + (t - self.base).as_millis() as i64
+        } else {
+            self.base_unix_ms - (self.base - t).as_millis() as i64
+        }
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        self.unix_ms(Instant::now())
+    }
+
+    /// The instant of a Unix time (clamped to a century ahead).
+    pub fn instant(&self, unix_ms: i64) -> Instant {
+        let delta = unix_ms - self.base_unix_ms;
+        if delta >= 0 {
+            self.base + std::time::Duration::from_millis(delta.min(3_153_600_000_000) as u64)
+        } else {
+            self.base
+                .checked_sub(std::time::Duration::from_millis((-delta) as u64))
+                .unwrap_or(self.base)
+        }
+    }
+}
+
+/// Observed state names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Stopped,
+    Starting,
+    Awake,
+    Sleeping,
+    Asleep,
+    Waking,
+    Stopping,
+    Failed,
+}
+
+/// Where a proxy forwards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub url: String,
+    pub served_model_name: String,
+}
+
+/// The intent, in Unix time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IntentView {
+    pub desired: Desired,
+    pub reason: Reason,
+    pub since_unix_ms: i64,
+    pub until_unix_ms: i64,
+}
+
+/// Everything published about one model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelStatus {
+    pub name: String,
+    pub aliases: Vec<String>,
+    pub model: String,
+    pub launch: &'static str,
+    pub state: State,
+    pub sleep_level: u8,
+    pub state_since_unix_ms: i64,
+    pub deadline_unix_ms: i64,
+    pub endpoints: Vec<Endpoint>,
+    pub gpus: Vec<u32>,
+    pub max_queue: u32,
+    pub max_hold_ms: u64,
+    pub calibration: Calibration,
+    pub last_activity_unix_ms: i64,
+    pub in_flight: u32,
+    pub next_tier: Option<(IdleTier, i64)>,
+    pub intent: IntentView,
+    pub pinned_until_unix_ms: i64,
+    pub last_error: String,
+    pub failures: u32,
+    pub retry_at_unix_ms: i64,
+    pub waiting_for: String,
+    pub pid: u32,
+    pub restarts: u32,
+    pub p2p_disabled: bool,
+    pub control_id: String,
+}
+
+/// Static facts about a model's engine that the state does not hold.
+#[derive(Debug, Clone)]
+pub struct EngineFacts {
+    pub endpoint: Endpoint,
+    pub gpus: Vec<u32>,
+    pub p2p_disabled: bool,
+    pub control_id: String,
+}
+
+/// Builds the status from config, facts and state.
+pub fn model_status(
+    cfg: &ModelConfig,
+    facts: &EngineFacts,
+    m: &ModelState,
+    clock: &Clock,
+    now: Instant,
+) -> ModelStatus {
+    let ms = |t: Instant| clock.unix_ms(t);
+    let (state, sleep_level) = match m.phase {
+        Phase::Stopped => (State::Stopped, 0),
+        Phase::Starting { .. } => (State::Starting, 0),
+        Phase::Awake => (State::Awake, 0),
+        Phase::Sleeping { level, .. } => (State::Sleeping, level),
+        Phase::Asleep { level } => (State::Asleep, level),
+        Phase::Waking { .. } => (State::Waking, 0),
+        Phase::Stopping { .. } => (State::Stopping, 0),
+        Phase::Failed { .. } => (State::Failed, 0),
+    };
+    let retry_at = match m.phase {
+        Phase::Failed { retry_at: Some(t) } => ms(t),
+        _ => 0,
+    };
+    let waiting_for = match m.phase {
+        Phase::Starting { spawned: false, .. } => {
+            format!("start lock of GPUs {:?} (engines sharing a GPU start one at a time)", facts.gpus)
+        }
+        Phase::Awake if m.intent.desired != Desired::Awake && m.in_flight() > 0 => {
+            format!("{} request(s) in flight to finish", m.in_flight())
+        }
+        _ => String::new(),
+    };
+    ModelStatus {
+        name: cfg.name.clone(),
+        aliases: cfg.aliases.clone(),
+        model: cfg.model.clone(),
+        launch: cfg.launch_kind(),
+        state,
+        sleep_level,
+        state_since_unix_ms: ms(m.since),
+        deadline_unix_ms: m.phase.deadline().map_or(0, ms),
+        endpoints: vec![facts.endpoint.clone()],
+        gpus: facts.gpus.clone(),
+        max_queue: cfg.max_queue,
+        max_hold_ms: cfg.max_hold.as_millis() as u64,
+        calibration: m.calibration,
+        last_activity_unix_ms: m.last_activity.map_or(0, ms),
+        in_flight: m.in_flight(),
+        next_tier: next_tier(m, now).map(|(t, at)| (t, ms(at))),
+        intent: IntentView {
+            desired: m.intent.desired,
+            reason: m.intent.reason,
+            since_unix_ms: ms(m.intent.since),
+            until_unix_ms: m.intent.until.map_or(0, ms),
+        },
+        pinned_until_unix_ms: match m.pin {
+            Pin::None => 0,
+            Pin::Forever => i64::MAX,
+            Pin::Until(t) => ms(t),
+        },
+        last_error: m.last_error.clone().unwrap_or_default(),
+        failures: m.failures,
+        retry_at_unix_ms: retry_at,
+        waiting_for,
+        pid: m.pid.unwrap_or(0),
+        restarts: m.restarts,
+        p2p_disabled: facts.p2p_disabled,
+        control_id: facts.control_id.clone(),
+    }
+}

@@ -1,0 +1,278 @@
+//! Engine processes: argv, spawn in their own process group with output to
+//! files tailed into the log ring, signals to the group, per-GPU start locks.
+
+mod logs;
+
+pub use logs::{LogLine, LogRing};
+
+use crate::config::{GpuMemory, Launch, ModelConfig};
+use crate::runner::Placed;
+use nix::sys::signal::{Signal as NixSignal, killpg};
+use nix::unistd::Pid;
+use std::collections::BTreeMap;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{OwnedMutexGuard, watch};
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpawnSpec {
+    pub program: String,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
+/// `<command...> serve MODEL --host H --port P --served-model-name NAME
+/// --enable-sleep-mode [...] <args...>` with its environment.
+pub fn spawn_spec(cfg: &ModelConfig, port: u16, placed: &Placed) -> SpawnSpec {
+    let (gpus, p2p_disabled) = (&placed.gpus, placed.p2p_disabled);
+    let (command, host) = match &cfg.launch {
+        Launch::Process { command, host, .. } => (command.clone(), host.clone()),
+        Launch::Attach { .. } => (vec!["true".into()], "127.0.0.1".into()),
+    };
+    let mut args: Vec<String> = command[1..].to_vec();
+    args.extend(
+        [
+            "serve",
+            &cfg.model,
+            "--host",
+            &host,
+            "--port",
+            &port.to_string(),
+            "--served-model-name",
+            &cfg.name,
+            "--enable-sleep-mode",
+        ]
+        .map(String::from),
+    );
+    if gpus.len() > 1 {
+        args.extend(["--tensor-parallel-size".into(), gpus.len().to_string()]);
+    }
+    let util = match cfg.gpu_memory {
+        _ if placed.gpu_memory_utilization > 0.0 => Some(placed.gpu_memory_utilization),
+        Some(GpuMemory::Fraction(f)) => Some(f),
+        _ => None,
+    };
+    if let Some(f) = util.filter(|_| !gpus.is_empty()) {
+        args.extend(["--gpu-memory-utilization".into(), format!("{f}")]);
+    }
+    if p2p_disabled {
+        args.push("--disable-custom-all-reduce".into());
+    }
+    args.extend(cfg.args.iter().cloned());
+    let mut env = vec![("VLLM_SERVER_DEV_MODE".to_string(), "1".to_string())];
+    if !gpus.is_empty() {
+        let ids: Vec<String> = gpus.iter().map(u32::to_string).collect();
+        env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
+        env.push(("CUDA_VISIBLE_DEVICES".into(), ids.join(",")));
+    }
+    if p2p_disabled {
+        env.push(("NCCL_P2P_DISABLE".into(), "1".into()));
+    }
+    env.extend(cfg.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    SpawnSpec {
+        program: command[0].clone(),
+        args,
+        env,
+    }
+}
+
+/// A free TCP port on `host` (bound and released).
+pub fn free_port(host: &str) -> std::io::Result<u16> {
+    let l = std::net::TcpListener::bind((host, 0))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// A running (or exited) engine process group.
+#[derive(Debug, Clone)]
+pub struct ProcHandle {
+    pub pid: u32,
+    pub proc_gen: u64,
+    /// Becomes true once the leader has exited and the group was swept.
+    pub exited: watch::Receiver<bool>,
+}
+
+impl ProcHandle {
+    pub fn signal(&self, sig: NixSignal) {
+        signal_group(self.pid, sig);
+    }
+
+    pub fn has_exited(&self) -> bool {
+        *self.exited.borrow()
+    }
+
+    /// SIGKILL to the group, then wait until the leader is reaped.
+    pub async fn kill_and_wait(&self) {
+        if !self.has_exited() {
+            self.signal(NixSignal::SIGKILL);
+            let mut rx = self.exited.clone();
+            let _ = tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|e| *e)).await;
+        }
+    }
+}
+
+/// Sends `sig` to the process group led by `pid` (errors such as "no such
+/// process" are ignored: the group is gone).
+pub fn signal_group(pid: u32, sig: NixSignal) {
+    if pid > 1 {
+        let _ = killpg(Pid::from_raw(pid as i32), sig);
+    }
+}
+
+fn file_name(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+        .collect()
+}
+
+/// Spawns the engine in its own process group. Output goes to
+/// `log_dir/NAME.{stdout,stderr}.log` (so an engine left running outlives
+/// siesta without a broken pipe), tailed into `logs` and tracing.
+/// `on_exit` runs with the exit status once the leader is reaped and the
+/// rest of its group killed.
+pub fn spawn(
+    name: &str,
+    spec: &SpawnSpec,
+    log_dir: &Path,
+    proc_gen: u64,
+    logs: Arc<LogRing>,
+    on_exit: impl FnOnce(String) + Send + 'static,
+) -> std::io::Result<ProcHandle> {
+    std::fs::create_dir_all(log_dir)?;
+    let out_path = log_dir.join(format!("{}.stdout.log", file_name(name)));
+    let err_path = log_dir.join(format!("{}.stderr.log", file_name(name)));
+    let out = std::fs::File::create(&out_path)?;
+    let err = std::fs::File::create(&err_path)?;
+    let mut cmd = tokio::process::Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdin(std::process::Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .kill_on_drop(false);
+    let mut child = cmd.spawn()?;
+    let pid = child.id().unwrap_or(0);
+    let (exited_tx, exited) = watch::channel(false);
+    tokio::spawn(async move {
+        let status = match child.wait().await {
+            Ok(s) => s.to_string(),
+            Err(e) => format!("wait failed: {e}"),
+        };
+        // The leader is gone; nothing of its group may stay behind.
+        signal_group(pid, NixSignal::SIGKILL);
+        let _ = exited_tx.send(true);
+        on_exit(status);
+    });
+    for (path, stream) in [(out_path, "stdout"), (err_path, "stderr")] {
+        tokio::spawn(tail(path, stream, name.to_string(), logs.clone(), exited.clone()));
+    }
+    Ok(ProcHandle {
+        pid,
+        proc_gen,
+        exited,
+    })
+}
+
+/// Follows a log file line by line until the process has exited.
+async fn tail(
+    path: PathBuf,
+    stream: &'static str,
+    model: String,
+    logs: Arc<LogRing>,
+    exited: watch::Receiver<bool>,
+) {
+    let Ok(mut file) = std::fs::File::open(&path) else {
+        return;
+    };
+    let mut pos = 0u64;
+    let mut partial = Vec::new();
+    loop {
+        let done = *exited.borrow();
+        let mut buf = Vec::new();
+        if file.seek(SeekFrom::Start(pos)).is_ok()
+            && let Ok(n) = file.read_to_end(&mut buf)
+        {
+            pos += n as u64;
+            partial.extend_from_slice(&buf);
+            while let Some(i) = partial.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = partial.drain(..=i).collect();
+                let text = String::from_utf8_lossy(&line[..line.len() - 1]).trim_end().to_string();
+                tracing::info!(target: "siesta::engine", model = %model, stream, "{text}");
+                logs.push(stream, text);
+            }
+        }
+        if done {
+            if !partial.is_empty() {
+                logs.push(stream, String::from_utf8_lossy(&partial).to_string());
+            }
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Engines sharing a GPU start one after another: one lock per GPU.
+#[derive(Debug, Default)]
+pub struct StartLocks {
+    locks: Mutex<BTreeMap<u32, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl StartLocks {
+    /// Takes the locks of `gpus` in index order (no deadlock).
+    pub async fn acquire(&self, gpus: &[u32]) -> Vec<OwnedMutexGuard<()>> {
+        let mut sorted = gpus.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let locks: Vec<_> = {
+            let mut map = self.locks.lock().unwrap();
+            sorted
+                .iter()
+                .map(|g| map.entry(*g).or_default().clone())
+                .collect()
+        };
+        let mut guards = Vec::new();
+        for l in locks {
+            guards.push(l.lock_owned().await);
+        }
+        guards
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    #[test]
+    fn argv_matches_the_contract() {
+        let cfg = Config::demo(vec!["/bin/siesta".into(), "fake-vllm".into()]);
+        let mut m = cfg.models[0].clone();
+        m.gpu_memory = Some(GpuMemory::Fraction(0.45));
+        let placed = Placed { gpus: vec![2, 3], ..Placed::default() };
+        let spec = spawn_spec(&m, 8101, &placed);
+        assert_eq!(spec.program, "/bin/siesta");
+        let argv = spec.args.join(" ");
+        assert!(argv.starts_with(
+            "fake-vllm serve Qwen/Qwen3-8B --host 127.0.0.1 --port 8101 --served-model-name chat --enable-sleep-mode --tensor-parallel-size 2 --gpu-memory-utilization 0.45 --startup-time"
+        ), "{argv}");
+        assert!(spec.env.contains(&("CUDA_VISIBLE_DEVICES".into(), "2,3".into())));
+        assert!(spec.env.contains(&("VLLM_SERVER_DEV_MODE".into(), "1".into())));
+    }
+
+    #[tokio::test]
+    async fn start_locks_serialise_per_gpu() {
+        let locks = Arc::new(StartLocks::default());
+        let g = locks.acquire(&[0, 1]).await;
+        let l2 = locks.clone();
+        let waiter = tokio::spawn(async move { l2.acquire(&[1]).await.len() });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        // Another GPU is free.
+        assert_eq!(locks.acquire(&[2]).await.len(), 1);
+        drop(g);
+        assert_eq!(waiter.await.unwrap(), 1);
+    }
+}

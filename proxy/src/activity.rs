@@ -1,0 +1,179 @@
+//! Activity reports to control planes: requests started and finished per
+//! model, in batches (one `ReportActivity` per control plane per tick, so at
+//! most about one RPC per model per 100 ms), plus endpoints that refused
+//! connections while believed awake.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use siesta_proto::v1::{EndpointFailure, ModelActivity, ReportActivityRequest};
+use tokio_util::sync::CancellationToken;
+
+use crate::route_table::SourceId;
+use crate::watch_client::Controls;
+
+/// How often batches are sent.
+pub const TICK: Duration = Duration::from_millis(100);
+/// A model with requests in flight but none started or finished is still
+/// reported this often, so long streams count as activity.
+const IN_FLIGHT_EVERY_TICKS: u32 = 10;
+
+/// Counters of one model as served through one control plane.
+#[derive(Debug)]
+pub struct ActivityCounters {
+    source: SourceId,
+    model: Arc<str>,
+    started: AtomicU32,
+    finished: AtomicU32,
+    in_flight: AtomicU32,
+    last_finished_unix_ms: AtomicI64,
+    quiet_ticks: AtomicU32,
+}
+
+impl ActivityCounters {
+    pub fn start(&self) {
+        self.started.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn finish(&self) {
+        self.finished.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.last_finished_unix_ms
+            .store(now_unix_ms(), Ordering::Relaxed);
+    }
+
+    /// Takes what accumulated since the last report, if worth reporting.
+    fn take(&self) -> Option<ModelActivity> {
+        let started = self.started.swap(0, Ordering::Relaxed);
+        let finished = self.finished.swap(0, Ordering::Relaxed);
+        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        let last = self.last_finished_unix_ms.swap(0, Ordering::Relaxed);
+        if started == 0 && finished == 0 {
+            if in_flight == 0 {
+                return None;
+            }
+            let q = self.quiet_ticks.fetch_add(1, Ordering::Relaxed) + 1;
+            if q < IN_FLIGHT_EVERY_TICKS {
+                return None;
+            }
+        }
+        self.quiet_ticks.store(0, Ordering::Relaxed);
+        Some(ModelActivity {
+            model: self.model.to_string(),
+            started,
+            finished,
+            in_flight,
+            last_finished_unix_ms: last,
+        })
+    }
+}
+
+pub fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// All counters and pending failure reports.
+#[derive(Debug, Default)]
+pub struct Activity {
+    counters: Mutex<HashMap<(SourceId, Arc<str>), Arc<ActivityCounters>>>,
+    failures: Mutex<Vec<(SourceId, EndpointFailure)>>,
+}
+
+impl Activity {
+    /// The counters for `model` served through `source` (created once).
+    pub fn counters(&self, source: &SourceId, model: &Arc<str>) -> Arc<ActivityCounters> {
+        let mut map = self.counters.lock().unwrap();
+        map.entry((source.clone(), model.clone()))
+            .or_insert_with(|| {
+                Arc::new(ActivityCounters {
+                    source: source.clone(),
+                    model: model.clone(),
+                    started: AtomicU32::new(0),
+                    finished: AtomicU32::new(0),
+                    in_flight: AtomicU32::new(0),
+                    last_finished_unix_ms: AtomicI64::new(0),
+                    quiet_ticks: AtomicU32::new(0),
+                })
+            })
+            .clone()
+    }
+
+    /// Records an endpoint that refused a connection while believed awake.
+    pub fn endpoint_failed(&self, source: &SourceId, model: &str, url: &str, error: String) {
+        let mut f = self.failures.lock().unwrap();
+        if f.len() < 1024 {
+            f.push((
+                source.clone(),
+                EndpointFailure {
+                    model: model.to_owned(),
+                    url: url.to_owned(),
+                    error,
+                },
+            ));
+        }
+    }
+
+    /// One batch per control plane with something to say.
+    pub fn drain(&self) -> HashMap<SourceId, ReportActivityRequest> {
+        let mut out: HashMap<SourceId, ReportActivityRequest> = HashMap::new();
+        {
+            let map = self.counters.lock().unwrap();
+            for c in map.values() {
+                if let Some(m) = c.take() {
+                    out.entry(c.source.clone()).or_default().models.push(m);
+                }
+            }
+        }
+        for (src, f) in self.failures.lock().unwrap().drain(..) {
+            out.entry(src).or_default().failures.push(f);
+        }
+        out
+    }
+
+    /// Sends batches every [`TICK`] until `shutdown`, then a last one.
+    pub async fn run(
+        self: Arc<Self>,
+        controls: Arc<Controls>,
+        proxy_id: String,
+        shutdown: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let last = tokio::select! {
+                _ = tick.tick() => false,
+                _ = shutdown.cancelled() => true,
+            };
+            for (src, mut req) in self.drain() {
+                let Some(mut client) = controls.client(&src) else {
+                    continue;
+                };
+                req.proxy_id = proxy_id.clone();
+                let send = async move {
+                    match tokio::time::timeout(Duration::from_secs(2), client.report_activity(req))
+                        .await
+                    {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(status)) => {
+                            tracing::debug!(control = %src, error = %status, "activity report failed")
+                        }
+                        Err(_) => tracing::debug!(control = %src, "activity report timed out"),
+                    }
+                };
+                if last {
+                    send.await;
+                } else {
+                    tokio::spawn(send);
+                }
+            }
+            if last {
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! The response body type: either a small body the proxy wrote itself or an
+//! engine's body streamed through frame by frame (never buffered).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+
+use crate::forward::InFlightGuard;
+
+/// Body of every response the proxy sends.
+#[derive(Debug)]
+pub enum ProxyBody {
+    /// A body written by the proxy (errors, `/v1/models`, `/metrics`).
+    Full(Option<Bytes>),
+    /// An engine's body; the guard records completion when the body ends or
+    /// is dropped (client gone), which also drops the upstream connection.
+    Upstream {
+        inner: Incoming,
+        guard: Option<InFlightGuard>,
+    },
+}
+
+impl ProxyBody {
+    pub fn full(bytes: impl Into<Bytes>) -> Self {
+        ProxyBody::Full(Some(bytes.into()))
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            ProxyBody::Upstream { inner, guard } => {
+                let res = Pin::new(inner).poll_frame(cx);
+                match &res {
+                    Poll::Ready(None) => {
+                        if let Some(g) = guard.take() {
+                            g.finish(true);
+                        }
+                    }
+                    Poll::Ready(Some(Err(_))) => {
+                        if let Some(g) = guard.take() {
+                            g.finish(false);
+                        }
+                    }
+                    _ => {}
+                }
+                res
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            ProxyBody::Full(b) => b.is_none(),
+            ProxyBody::Upstream { inner, .. } => inner.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            ProxyBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            ProxyBody::Full(None) => SizeHint::with_exact(0),
+            ProxyBody::Upstream { inner, .. } => inner.size_hint(),
+        }
+    }
+}

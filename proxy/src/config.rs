@@ -1,0 +1,78 @@
+//! The proxy's configuration, filled by `main.rs` from flags or by the CLI.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+/// Default control plane URL.
+pub const DEFAULT_CONTROL: &str = "http://127.0.0.1:50051";
+/// Default body limit: 32 MiB.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
+/// Everything `Proxy::bind` needs. Construct with `..Default::default()`.
+#[derive(Clone)]
+pub struct ProxyConfig {
+    /// Control plane URLs (`http://host:port`); a host name may resolve to
+    /// several addresses, each watched. Empty means [`DEFAULT_CONTROL`].
+    pub controls: Vec<String>,
+    /// The OpenAI-compatible listener (port 0: any free port).
+    pub listen: SocketAddr,
+    /// The admin listener (`/metrics`, `/healthz`, `/readyz`).
+    pub admin_listen: SocketAddr,
+    /// Bearer token sent to control planes.
+    pub token: Option<String>,
+    /// API keys clients must present (`Authorization: Bearer KEY`); empty: no auth.
+    pub api_keys: Vec<String>,
+    /// Largest request body accepted (413 above).
+    pub max_body_bytes: usize,
+    /// Largest request head (request line and headers) accepted.
+    pub max_header_bytes: usize,
+    /// Time allowed to receive a request's headers.
+    pub header_timeout: Duration,
+    /// Time allowed to receive a request's body.
+    pub body_timeout: Duration,
+    /// How often control plane host names are re-resolved.
+    pub resolve_interval: Duration,
+    /// How long in-flight requests may take to finish on shutdown.
+    pub drain_timeout: Duration,
+    /// Identity sent to control planes ("proxy@host:port"); derived if `None`.
+    pub proxy_id: Option<String>,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            controls: vec![DEFAULT_CONTROL.to_owned()],
+            listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 8080)),
+            admin_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 9090)),
+            token: None,
+            api_keys: Vec::new(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_header_bytes: 64 * 1024,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
+            resolve_interval: Duration::from_secs(30),
+            drain_timeout: Duration::from_secs(30),
+            proxy_id: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for ProxyConfig {
+    // Hand-written so secrets never reach logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProxyConfig")
+            .field("controls", &self.controls)
+            .field("listen", &self.listen)
+            .field("admin_listen", &self.admin_listen)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("api_keys", &self.api_keys.len())
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("max_header_bytes", &self.max_header_bytes)
+            .field("header_timeout", &self.header_timeout)
+            .field("body_timeout", &self.body_timeout)
+            .field("resolve_interval", &self.resolve_interval)
+            .field("drain_timeout", &self.drain_timeout)
+            .field("proxy_id", &self.proxy_id)
+            .finish()
+    }
+}

@@ -1,0 +1,166 @@
+//! Every error the proxy answers itself, and the ONE place they become HTTP
+//! responses: OpenAI-shaped `{"error": {"message", "type", "code"}}` bodies.
+
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::body::ProxyBody;
+
+/// Why a request for a model is shed with 503.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShedReason {
+    /// The model's hold queue is full.
+    QueueFull,
+    /// The expected wake or start time exceeds the hold limit.
+    WaitTooLong,
+    /// Held for the whole hold limit.
+    HoldTimeout,
+    /// The model failed and backs off until its next retry.
+    Failed,
+    /// The control plane will not wake the model (stopped by an operator).
+    Refused,
+}
+
+impl ShedReason {
+    pub fn code(self) -> &'static str {
+        match self {
+            ShedReason::QueueFull => "queue_full",
+            ShedReason::WaitTooLong => "wait_too_long",
+            ShedReason::HoldTimeout => "hold_timeout",
+            ShedReason::Failed => "model_failed",
+            ShedReason::Refused => "model_unavailable",
+        }
+    }
+}
+
+/// An error answered by the proxy itself.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ApiError {
+    #[error("no route for {0}")]
+    NoRoute(String),
+    #[error("The model `{0}` does not exist.")]
+    UnknownModel(String),
+    #[error("the request body must be a JSON object with a string `model` field")]
+    MissingModel,
+    #[error("the `model` field must be a non-empty string")]
+    InvalidModel,
+    #[error("malformed JSON body: {0}")]
+    MalformedJson(String),
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("request body not received in time")]
+    BodyTimeout,
+    #[error("error reading the request body: {0}")]
+    BodyRead(String),
+    #[error("missing or invalid API key")]
+    Unauthorized,
+    #[error("{message}")]
+    Shed {
+        reason: ShedReason,
+        retry_after_s: Option<u64>,
+        message: String,
+    },
+    #[error("upstream error: {0}")]
+    Upstream(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::NoRoute(_) | ApiError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            ApiError::MissingModel
+            | ApiError::InvalidModel
+            | ApiError::MalformedJson(_)
+            | ApiError::BodyRead(_) => StatusCode::BAD_REQUEST,
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    fn kind_and_code(&self) -> (&'static str, &'static str) {
+        match self {
+            ApiError::NoRoute(_) => ("invalid_request_error", "not_found"),
+            ApiError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
+            ApiError::MissingModel => ("invalid_request_error", "missing_model"),
+            ApiError::InvalidModel => ("invalid_request_error", "invalid_model"),
+            ApiError::MalformedJson(_) => ("invalid_request_error", "invalid_json"),
+            ApiError::BodyTooLarge { .. } => ("invalid_request_error", "request_too_large"),
+            ApiError::BodyTimeout => ("invalid_request_error", "request_timeout"),
+            ApiError::BodyRead(_) => ("invalid_request_error", "invalid_body"),
+            ApiError::Unauthorized => ("invalid_request_error", "invalid_api_key"),
+            ApiError::Shed { reason, .. } => ("server_error", reason.code()),
+            ApiError::Upstream(_) => ("server_error", "upstream_error"),
+        }
+    }
+
+    /// The response for this error.
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let status = self.status();
+        let (kind, code) = self.kind_and_code();
+        let body = serde_json::json!({
+            "error": { "message": self.to_string(), "type": kind, "code": code }
+        });
+        let mut resp = Response::new(ProxyBody::full(body.to_string()));
+        *resp.status_mut() = status;
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let ApiError::Shed {
+            retry_after_s: Some(s),
+            ..
+        } = self
+        {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        resp
+    }
+}
+
+/// A small JSON response written by the proxy.
+pub fn json_response(status: StatusCode, body: impl Into<bytes::Bytes>) -> Response<ProxyBody> {
+    let mut resp = Response::new(ProxyBody::full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shed_carries_retry_after_and_openai_shape() {
+        let resp = ApiError::Shed {
+            reason: ShedReason::QueueFull,
+            retry_after_s: Some(7),
+            message: "queue full".into(),
+        }
+        .into_response();
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "7");
+        let ProxyBody::Full(Some(b)) = resp.into_body() else {
+            panic!("full body expected")
+        };
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["error"]["code"], "queue_full");
+        assert_eq!(v["error"]["type"], "server_error");
+        assert_eq!(v["error"]["message"], "queue full");
+    }
+
+    #[test]
+    fn unknown_model_names_it() {
+        let e = ApiError::UnknownModel("llama-9".into());
+        assert_eq!(e.status(), StatusCode::NOT_FOUND);
+        assert!(e.to_string().contains("llama-9"));
+    }
+}

@@ -1,0 +1,227 @@
+//! Forwarding to engines over a pooled hyper client: the request body is
+//! already buffered (the model was inside it); the response streams through.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, Uri, Version};
+use http_body_util::Full;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use crate::body::ProxyBody;
+use crate::metrics::{Metrics, ModelLabels};
+use crate::route_table::Upstream;
+
+/// Why a forward failed.
+#[derive(Debug)]
+pub enum ForwardError {
+    /// The engine could not be connected to: the request was not sent, so it
+    /// may go elsewhere.
+    Connect(String),
+    /// Anything after the request may have reached the engine.
+    Other(String),
+}
+
+/// The pooled client to engines.
+#[derive(Debug, Clone)]
+pub struct Forwarder {
+    client: Client<HttpConnector, Full<Bytes>>,
+    metrics: Arc<Metrics>,
+    /// Drop the client's Authorization header (it carries the proxy's API key).
+    strip_authorization: bool,
+}
+
+static HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+/// Removes hop-by-hop headers, including those the Connection header names.
+pub fn strip_hop_by_hop(h: &mut HeaderMap) {
+    if let Some(conn) = h.get(header::CONNECTION) {
+        let named: Vec<HeaderName> = conn
+            .to_str()
+            .unwrap_or("")
+            .split(',')
+            .filter_map(|s| HeaderName::from_bytes(s.trim().as_bytes()).ok())
+            .collect();
+        for n in named {
+            h.remove(n);
+        }
+    }
+    for n in &HOP_BY_HOP {
+        h.remove(n);
+    }
+    h.remove(header::UPGRADE);
+}
+
+/// Tracks one request at an engine: outstanding count, activity, metrics.
+/// Completion is recorded once, when the response body ends or is dropped.
+#[derive(Debug)]
+pub struct InFlightGuard {
+    up: Arc<Upstream>,
+    metrics: Arc<Metrics>,
+    started: Instant,
+    done: bool,
+}
+
+impl InFlightGuard {
+    fn new(up: Arc<Upstream>, metrics: Arc<Metrics>) -> Self {
+        up.outstanding.fetch_add(1, Ordering::Relaxed);
+        up.activity.start();
+        InFlightGuard {
+            up,
+            metrics,
+            started: Instant::now(),
+            done: false,
+        }
+    }
+
+    /// Records the end of the exchange (`complete`: the body ended normally).
+    pub fn finish(mut self, complete: bool) {
+        self.record(complete);
+    }
+
+    fn record(&mut self, complete: bool) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        self.up.outstanding.fetch_sub(1, Ordering::Relaxed);
+        self.up.activity.finish();
+        if complete {
+            self.metrics
+                .upstream_duration
+                .get_or_create(&ModelLabels {
+                    model: self.up.model.clone(),
+                })
+                .observe(self.started.elapsed().as_secs_f64());
+        }
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.record(false);
+    }
+}
+
+impl Forwarder {
+    pub fn new(metrics: Arc<Metrics>, strip_authorization: bool) -> Self {
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(Duration::from_secs(3)));
+        http.set_keepalive(Some(Duration::from_secs(60)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(http);
+        Forwarder {
+            client,
+            metrics,
+            strip_authorization,
+        }
+    }
+
+    /// Sends the request to `up` and returns its response, body streaming.
+    pub async fn forward(
+        &self,
+        up: &Arc<Upstream>,
+        parts: &http::request::Parts,
+        body: Bytes,
+    ) -> Result<Response<ProxyBody>, ForwardError> {
+        let mut uri = http::uri::Parts::default();
+        uri.scheme = Some(up.scheme.clone());
+        uri.authority = Some(up.authority.clone());
+        uri.path_and_query = parts.uri.path_and_query().cloned();
+        let uri = Uri::from_parts(uri).map_err(|e| ForwardError::Other(e.to_string()))?;
+
+        let len = body.len();
+        let mut req = Request::new(Full::new(body));
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = uri;
+        *req.version_mut() = Version::HTTP_11;
+        let h = req.headers_mut();
+        *h = parts.headers.clone();
+        strip_hop_by_hop(h);
+        h.remove(header::HOST);
+        if self.strip_authorization {
+            h.remove(header::AUTHORIZATION);
+        }
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+
+        let guard = InFlightGuard::new(up.clone(), self.metrics.clone());
+        match self.client.request(req).await {
+            Ok(resp) => {
+                self.metrics
+                    .upstream_ttfb
+                    .get_or_create(&ModelLabels {
+                        model: up.model.clone(),
+                    })
+                    .observe(guard.started.elapsed().as_secs_f64());
+                let (mut head, inner) = resp.into_parts();
+                strip_hop_by_hop(&mut head.headers);
+                Ok(Response::from_parts(
+                    head,
+                    ProxyBody::Upstream {
+                        inner,
+                        guard: Some(guard),
+                    },
+                ))
+            }
+            Err(e) if e.is_connect() => {
+                guard.finish(false);
+                Err(ForwardError::Connect(error_chain(&e)))
+            }
+            Err(e) => Err(ForwardError::Other(error_chain(&e))),
+        }
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key(header::CONTENT_TYPE));
+    }
+}

@@ -1,0 +1,325 @@
+//! Request handling: which path goes where, the API key check, reading the
+//! body, and the route → hold → forward loop for model requests.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+use crate::activity::Activity;
+use crate::body::ProxyBody;
+use crate::errors::{ApiError, ShedReason};
+use crate::forward::{ForwardError, Forwarder};
+use crate::hold::{self, Holds, Release, Ticket, Wait};
+use crate::metrics::{Metrics, ModelLabels, ShedLabels, no_model};
+use crate::model_field::{find_model, rewrite_model};
+use crate::route_table::{ModelRoute, RouteTable};
+
+/// How long an endpoint that refused a connection is avoided.
+const SUSPECT_MS: u64 = 1_000;
+/// How often a request held because every endpoint refused re-checks.
+const SUSPECT_POLL: Duration = Duration::from_millis(250);
+
+/// Everything request handling needs.
+#[derive(Debug)]
+pub struct Shared {
+    pub table: Arc<RouteTable>,
+    pub holds: Arc<Holds>,
+    pub forwarder: Forwarder,
+    pub metrics: Arc<Metrics>,
+    pub activity: Arc<Activity>,
+    pub api_keys: Vec<Vec<u8>>,
+    pub max_body_bytes: usize,
+    pub body_timeout: Duration,
+}
+
+fn text(status: StatusCode, body: &'static str) -> Response<ProxyBody> {
+    let mut r = Response::new(ProxyBody::full(Bytes::from_static(body.as_bytes())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+fn health(shared: &Shared, path: &str) -> Option<Response<ProxyBody>> {
+    match path {
+        "/healthz" => Some(text(StatusCode::OK, "ok\n")),
+        "/readyz" if shared.table.view().ready => Some(text(StatusCode::OK, "ready\n")),
+        "/readyz" => Some(text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no snapshot from any control plane yet\n",
+        )),
+        _ => None,
+    }
+}
+
+/// The admin listener: `/metrics`, `/healthz`, `/readyz`.
+pub async fn handle_admin(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBody> {
+    if req.method() == Method::GET {
+        if let Some(r) = health(&shared, req.uri().path()) {
+            return r;
+        }
+        if req.uri().path() == "/metrics" {
+            let mut r = Response::new(ProxyBody::full(shared.metrics.encode()));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            return r;
+        }
+    }
+    ApiError::NoRoute(format!("{} {}", req.method(), req.uri().path())).into_response()
+}
+
+/// The OpenAI-compatible listener.
+pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let path = req.uri().path();
+    let (model, resp) = if req.method() == Method::GET {
+        if let Some(r) = health(&shared, path) {
+            return r;
+        }
+        if !authorized(&shared, &req) {
+            (no_model(), ApiError::Unauthorized.into_response())
+        } else if path == "/v1/models" || path == "/v1/models/" {
+            (no_model(), crate::handler::models::list(&shared))
+        } else if let Some(id) = path.strip_prefix("/v1/models/") {
+            (no_model(), models::one(&shared, id))
+        } else {
+            let e = ApiError::NoRoute(format!("GET {path}"));
+            (no_model(), e.into_response())
+        }
+    } else if req.method() == Method::POST && path.starts_with("/v1/") {
+        if authorized(&shared, &req) {
+            model_request(&shared, req).await
+        } else {
+            (no_model(), ApiError::Unauthorized.into_response())
+        }
+    } else {
+        let e = ApiError::NoRoute(format!("{} {path}", req.method()));
+        (no_model(), e.into_response())
+    };
+    shared.metrics.request(&model, resp.status());
+    resp
+}
+
+mod models;
+
+fn authorized(shared: &Shared, req: &Request<Incoming>) -> bool {
+    if shared.api_keys.is_empty() {
+        return true;
+    }
+    let Some(v) = req.headers().get(header::AUTHORIZATION) else {
+        return false;
+    };
+    let v = v.as_bytes();
+    if v.len() < 7 || !v[..7].eq_ignore_ascii_case(b"bearer ") {
+        return false;
+    }
+    let key = v[7..].trim_ascii();
+    // Compare against every key without stopping early.
+    shared
+        .api_keys
+        .iter()
+        .fold(false, |ok, k| ok | constant_time_eq(k, key))
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn read_body(
+    shared: &Shared,
+    body: Incoming,
+    content_length: Option<usize>,
+) -> Result<Bytes, ApiError> {
+    let limit = shared.max_body_bytes;
+    if content_length.is_some_and(|n| n > limit) {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
+    let read = async {
+        let mut body = body;
+        let mut first: Option<Bytes> = None;
+        let mut buf: Option<BytesMut> = None;
+        let mut total = 0usize;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| ApiError::BodyRead(e.to_string()))?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            total += data.len();
+            if total > limit {
+                return Err(ApiError::BodyTooLarge { limit });
+            }
+            match (&mut first, &mut buf) {
+                (_, Some(b)) => b.extend_from_slice(&data),
+                (None, None) => first = Some(data),
+                (Some(f), None) => {
+                    let cap = content_length.unwrap_or(0).max(f.len() + data.len());
+                    let mut b = BytesMut::with_capacity(cap);
+                    b.extend_from_slice(f);
+                    b.extend_from_slice(&data);
+                    buf = Some(b);
+                }
+            }
+        }
+        Ok(match buf {
+            Some(b) => b.freeze(),
+            None => first.unwrap_or_default(),
+        })
+    };
+    tokio::time::timeout(shared.body_timeout, read)
+        .await
+        .map_err(|_| ApiError::BodyTimeout)?
+}
+
+/// A POST to a `/v1` path: find the model, then forward or hold.
+async fn model_request(shared: &Shared, req: Request<Incoming>) -> (Arc<str>, Response<ProxyBody>) {
+    let (parts, body) = req.into_parts();
+    let content_length = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    let body = match read_body(shared, body, content_length).await {
+        Ok(b) => b,
+        Err(e) => return (no_model(), e.into_response()),
+    };
+    let field = match find_model(&body) {
+        Ok(f) => f,
+        Err(e) => return (no_model(), e.into_response()),
+    };
+    let view = shared.table.view();
+    let Some(route) = view.by_name.get(&*field.name) else {
+        return (
+            no_model(),
+            ApiError::UnknownModel(field.name.into_owned()).into_response(),
+        );
+    };
+    let model = route.name.clone();
+    let span = field.span.clone();
+    let requested = field.name.into_owned();
+    drop(view);
+    let resp = route_loop(shared, &model, &requested, &parts, &body, span)
+        .await
+        .unwrap_or_else(|e| {
+            if let ApiError::Shed { reason, .. } = &e {
+                shared
+                    .metrics
+                    .shed
+                    .get_or_create(&ShedLabels {
+                        model: model.clone(),
+                        reason: reason.code(),
+                    })
+                    .inc();
+            }
+            e.into_response()
+        });
+    (model, resp)
+}
+
+/// Forward when an endpoint is up, hold otherwise, until answered or shed.
+async fn route_loop(
+    shared: &Shared,
+    model: &Arc<str>,
+    requested: &str,
+    parts: &http::request::Parts,
+    body: &Bytes,
+    span: std::ops::Range<usize>,
+) -> Result<Response<ProxyBody>, ApiError> {
+    let mut held_since: Option<Instant> = None;
+    let mut ticket: Option<Ticket> = None;
+    loop {
+        let view = shared.table.view();
+        let Some(route) = view.by_name.get(&**model).cloned() else {
+            return Err(ApiError::UnknownModel(requested.to_owned()));
+        };
+        drop(view);
+        if route.is_awake()
+            && let Some(up) = route.pick().cloned()
+        {
+            ticket = None; // leaves the queue
+            observe_hold(shared, model, held_since);
+            let out = if up.served_name.as_bytes() == &body[span.start + 1..span.end - 1]
+                || up.served_name == requested
+            {
+                body.clone()
+            } else {
+                rewrite_model(body, span.clone(), &up.served_name)
+            };
+            match shared.forwarder.forward(&up, parts, out).await {
+                Ok(resp) => return Ok(resp),
+                Err(ForwardError::Connect(err)) => {
+                    tracing::warn!(model = %model, url = %up.url, error = %err, "engine refused connection; trying elsewhere");
+                    up.mark_suspect(SUSPECT_MS);
+                    shared
+                        .metrics
+                        .upstream_failures
+                        .get_or_create(&ModelLabels {
+                            model: model.clone(),
+                        })
+                        .inc();
+                    shared
+                        .activity
+                        .endpoint_failed(&up.source, model, &up.url, err);
+                    continue;
+                }
+                Err(ForwardError::Other(err)) => {
+                    tracing::warn!(model = %model, url = %up.url, error = %err, "upstream error");
+                    return Err(ApiError::Upstream(err));
+                }
+            }
+        }
+        let since = *held_since.get_or_insert_with(Instant::now);
+        let deadline = since + Duration::from_millis(route.max_hold_ms);
+        if ticket.is_none() {
+            ticket = Some(shared.holds.admit(&route, since)?);
+        }
+        let poll = route.is_awake().then_some(SUSPECT_POLL);
+        let t = ticket.as_mut().expect("ticket just set");
+        match t.wait(deadline, poll).await {
+            Wait::Released(Release::Go) => ticket = None,
+            Wait::Poll => {}
+            Wait::Released(Release::Gone) => {
+                return Err(ApiError::UnknownModel(requested.to_owned()));
+            }
+            Wait::Released(Release::Fail(e)) => return Err(e),
+            Wait::Timeout => return Err(hold_timeout(shared, &route)),
+        }
+    }
+}
+
+fn observe_hold(shared: &Shared, model: &Arc<str>, held_since: Option<Instant>) {
+    if let Some(since) = held_since {
+        shared
+            .metrics
+            .hold_wait
+            .get_or_create(&ModelLabels {
+                model: model.clone(),
+            })
+            .observe(since.elapsed().as_secs_f64());
+    }
+}
+
+fn hold_timeout(shared: &Shared, route: &ModelRoute) -> ApiError {
+    let est = hold::estimate(route, crate::activity::now_unix_ms());
+    let depth = shared.holds.depth(&route.name);
+    ApiError::Shed {
+        reason: ShedReason::HoldTimeout,
+        retry_after_s: Some(hold::retry_after_s(est.ms, depth)),
+        message: format!(
+            "model `{}` did not become ready within {} ms",
+            route.name, route.max_hold_ms
+        ),
+    }
+}

@@ -1,0 +1,368 @@
+//! Holding requests for models that are not awake: one bounded FIFO queue per
+//! model, one `Demand` per wait episode (the queue going from empty to
+//! non-empty), release on the `awake` event, and the Retry-After estimates
+//! used when shedding.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use siesta_proto::v1::{DemandRequest, ModelState};
+use tokio::sync::{oneshot, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::activity::now_unix_ms;
+use crate::errors::{ApiError, ShedReason};
+use crate::metrics::{Metrics, ModelLabels};
+use crate::route_table::{ModelRoute, RouteTable, View};
+use crate::watch_client::{Controls, backoff};
+
+mod estimate;
+pub use estimate::{estimate, retry_after_s};
+
+/// What ends a hold.
+#[derive(Debug)]
+pub enum Release {
+    /// The model is awake: route again.
+    Go,
+    /// The model was removed.
+    Gone,
+    /// Give up with this error.
+    Fail(ApiError),
+}
+
+/// How a wait ended.
+#[derive(Debug)]
+pub enum Wait {
+    Released(Release),
+    /// The hold limit passed.
+    Timeout,
+    /// The poll interval passed (re-check the route).
+    Poll,
+}
+
+#[derive(Debug, Default)]
+struct QueueInner {
+    waiters: VecDeque<(u64, oneshot::Sender<Release>)>,
+    next_id: u64,
+    /// A wait episode is under way (its Demand was or is being sent).
+    episode: bool,
+}
+
+#[derive(Debug)]
+struct HoldQueue {
+    model: Arc<str>,
+    inner: Mutex<QueueInner>,
+}
+
+impl HoldQueue {
+    fn release_all(&self, mut f: impl FnMut() -> Release) -> usize {
+        let mut q = self.inner.lock().unwrap();
+        q.episode = false;
+        let n = q.waiters.len();
+        for (_, tx) in q.waiters.drain(..) {
+            let _ = tx.send(f());
+        }
+        n
+    }
+}
+
+/// All hold queues.
+#[derive(Debug)]
+pub struct Holds {
+    queues: Mutex<HashMap<Arc<str>, Arc<HoldQueue>>>,
+    table: Arc<RouteTable>,
+    controls: Arc<Controls>,
+    metrics: Arc<Metrics>,
+    proxy_id: String,
+}
+
+/// A place in a model's queue; leaving (drop) frees it at once.
+#[derive(Debug)]
+pub struct Ticket {
+    queue: Arc<HoldQueue>,
+    id: u64,
+    rx: oneshot::Receiver<Release>,
+    metrics: Arc<Metrics>,
+}
+
+impl Ticket {
+    pub async fn wait(&mut self, deadline: Instant, poll: Option<Duration>) -> Wait {
+        let poll = async {
+            match poll {
+                Some(d) => tokio::time::sleep(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            r = &mut self.rx => Wait::Released(r.unwrap_or(Release::Gone)),
+            _ = tokio::time::sleep_until(deadline) => Wait::Timeout,
+            _ = poll => Wait::Poll,
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut q = self.queue.inner.lock().unwrap();
+        if let Some(i) = q.waiters.iter().position(|(id, _)| *id == self.id) {
+            q.waiters.remove(i);
+        }
+        if q.waiters.is_empty() {
+            q.episode = false;
+        }
+        drop(q);
+        self.metrics
+            .held
+            .get_or_create(&ModelLabels {
+                model: self.queue.model.clone(),
+            })
+            .dec();
+    }
+}
+
+fn shed(reason: ShedReason, retry_after_s: Option<u64>, message: String) -> ApiError {
+    ApiError::Shed {
+        reason,
+        retry_after_s,
+        message,
+    }
+}
+
+impl Holds {
+    pub fn new(
+        table: Arc<RouteTable>,
+        controls: Arc<Controls>,
+        metrics: Arc<Metrics>,
+        proxy_id: String,
+    ) -> Self {
+        Holds {
+            queues: Mutex::new(HashMap::new()),
+            table,
+            controls,
+            metrics,
+            proxy_id,
+        }
+    }
+
+    fn queue(&self, model: &Arc<str>) -> Arc<HoldQueue> {
+        let mut map = self.queues.lock().unwrap();
+        map.entry(model.clone())
+            .or_insert_with(|| {
+                Arc::new(HoldQueue {
+                    model: model.clone(),
+                    inner: Mutex::new(QueueInner::default()),
+                })
+            })
+            .clone()
+    }
+
+    /// Queue depth now (for tests and Retry-After).
+    pub fn depth(&self, model: &str) -> usize {
+        let map = self.queues.lock().unwrap();
+        map.get(model)
+            .map_or(0, |q| q.inner.lock().unwrap().waiters.len())
+    }
+
+    /// Admits a request into `route`'s queue, or sheds it. `held_since` is when
+    /// the request started waiting (the hold limit counts from there).
+    pub fn admit(
+        self: &Arc<Self>,
+        route: &ModelRoute,
+        held_since: Instant,
+    ) -> Result<Ticket, ApiError> {
+        let now_ms = now_unix_ms();
+        let status = &route.status;
+        if route.state == ModelState::Failed && status.retry_at_unix_ms > now_ms {
+            let wait = (status.retry_at_unix_ms - now_ms) as u64;
+            return Err(shed(
+                ShedReason::Failed,
+                Some(wait.div_ceil(1000).max(1)),
+                format!(
+                    "model `{}` failed ({}); next attempt in {} ms",
+                    route.name, status.last_error, wait
+                ),
+            ));
+        }
+        let est = estimate(route, now_ms);
+        let hold_left = Duration::from_millis(route.max_hold_ms)
+            .saturating_sub(held_since.elapsed())
+            .as_millis() as u64;
+        let queue = self.queue(&route.name);
+        let mut q = queue.inner.lock().unwrap();
+        let depth = q.waiters.len();
+        if est.calibrated && est.ms > hold_left {
+            return Err(shed(
+                ShedReason::WaitTooLong,
+                Some(retry_after_s(est.ms, depth)),
+                format!(
+                    "model `{}` is {}; it needs about {} ms, longer than the hold limit",
+                    route.name,
+                    state_name(route.state),
+                    est.ms
+                ),
+            ));
+        }
+        if depth >= route.max_queue as usize {
+            return Err(shed(
+                ShedReason::QueueFull,
+                Some(retry_after_s(est.ms, depth)),
+                format!(
+                    "model `{}` is {} and {} requests are already waiting",
+                    route.name,
+                    state_name(route.state),
+                    depth
+                ),
+            ));
+        }
+        let id = q.next_id;
+        q.next_id += 1;
+        let (tx, rx) = oneshot::channel();
+        q.waiters.push_back((id, tx));
+        let start_episode = !q.episode;
+        q.episode = true;
+        drop(q);
+        self.metrics
+            .held
+            .get_or_create(&ModelLabels {
+                model: route.name.clone(),
+            })
+            .inc();
+        if start_episode {
+            tokio::spawn(self.clone().demand_episode(queue.clone()));
+        }
+        Ok(Ticket {
+            queue,
+            id,
+            rx,
+            metrics: self.metrics.clone(),
+        })
+    }
+
+    /// Sends one Demand for a wait episode, retrying only while the control
+    /// plane cannot be reached and requests are still waiting.
+    async fn demand_episode(self: Arc<Self>, queue: Arc<HoldQueue>) {
+        let mut attempt = 0u32;
+        loop {
+            let queued = {
+                let q = queue.inner.lock().unwrap();
+                if !q.episode || q.waiters.is_empty() {
+                    return;
+                }
+                q.waiters.len() as u32
+            };
+            let view = self.table.view();
+            let Some(route) = view.by_name.get(&*queue.model) else {
+                return;
+            };
+            let res = match self.controls.client(&route.source) {
+                Some(mut client) => {
+                    let req = DemandRequest {
+                        model: route.name.to_string(),
+                        proxy_id: self.proxy_id.clone(),
+                        queued,
+                    };
+                    match tokio::time::timeout(Duration::from_secs(5), client.demand(req)).await {
+                        Ok(r) => r.map(|r| r.into_inner()),
+                        Err(_) => Err(tonic::Status::deadline_exceeded("Demand timed out")),
+                    }
+                }
+                None => Err(tonic::Status::unavailable("no client for control plane")),
+            };
+            match res {
+                Ok(resp) if resp.accepted => {
+                    tracing::debug!(model = %queue.model, queued, "demand accepted");
+                    return;
+                }
+                Ok(resp) => {
+                    tracing::info!(model = %queue.model, message = %resp.message, "demand refused");
+                    let msg = format!(
+                        "model `{}` will not be woken: {}",
+                        queue.model, resp.message
+                    );
+                    queue.release_all(|| {
+                        Release::Fail(shed(ShedReason::Refused, None, msg.clone()))
+                    });
+                    return;
+                }
+                Err(status) => {
+                    attempt += 1;
+                    tracing::debug!(model = %queue.model, error = %status, attempt, "demand failed; retrying");
+                    tokio::time::sleep(backoff(attempt)).await;
+                }
+            }
+        }
+    }
+
+    /// Releases or sheds held requests as the table changes, until `shutdown`.
+    pub async fn run(
+        self: Arc<Self>,
+        mut rx: watch::Receiver<Arc<View>>,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return },
+                _ = shutdown.cancelled() => return,
+            }
+            let view = rx.borrow_and_update().clone();
+            self.on_view(&view);
+        }
+    }
+
+    fn on_view(&self, view: &View) {
+        let queues: Vec<Arc<HoldQueue>> = {
+            let mut map = self.queues.lock().unwrap();
+            map.retain(|name, q| {
+                view.by_name.contains_key(&**name) || !q.inner.lock().unwrap().waiters.is_empty()
+            });
+            map.values().cloned().collect()
+        };
+        let now_ms = now_unix_ms();
+        for q in queues {
+            if q.inner.lock().unwrap().waiters.is_empty() {
+                continue;
+            }
+            match view.by_name.get(&*q.model) {
+                None => {
+                    q.release_all(|| Release::Gone);
+                }
+                Some(r) if r.is_awake() => {
+                    let n = q.release_all(|| Release::Go);
+                    tracing::debug!(model = %q.model, released = n, "model awake; releasing held requests");
+                }
+                Some(r) if r.state == ModelState::Failed && r.status.retry_at_unix_ms > now_ms => {
+                    let wait = (r.status.retry_at_unix_ms - now_ms) as u64;
+                    let msg = format!(
+                        "model `{}` failed ({}); next attempt in {} ms",
+                        r.name, r.status.last_error, wait
+                    );
+                    q.release_all(|| {
+                        Release::Fail(shed(
+                            ShedReason::Failed,
+                            Some(wait.div_ceil(1000).max(1)),
+                            msg.clone(),
+                        ))
+                    });
+                }
+                Some(_) => {}
+            }
+        }
+    }
+}
+
+/// The lower-case state name used in messages and `/v1/models`.
+pub fn state_name(s: ModelState) -> &'static str {
+    match s {
+        ModelState::Unspecified => "unknown",
+        ModelState::Stopped => "stopped",
+        ModelState::Starting => "starting",
+        ModelState::Awake => "awake",
+        ModelState::Sleeping => "sleeping",
+        ModelState::Asleep => "asleep",
+        ModelState::Waking => "waking",
+        ModelState::Stopping => "stopping",
+        ModelState::Failed => "failed",
+    }
+}

@@ -1,0 +1,135 @@
+//! Prometheus metrics served on the admin listener's `/metrics`.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicI64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub model: Arc<str>,
+    pub status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: Arc<str>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ShedLabels {
+    pub model: Arc<str>,
+    pub reason: &'static str,
+}
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms .. ~4.6 min
+    Histogram::new(exponential_buckets(0.0005, 2.5, 15))
+}
+
+/// All metrics of one proxy.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub held: Family<ModelLabels, Gauge<i64, AtomicI64>>,
+    pub hold_wait: Family<ModelLabels, Histogram, fn() -> Histogram>,
+    pub shed: Family<ShedLabels, Counter>,
+    pub upstream_duration: Family<ModelLabels, Histogram, fn() -> Histogram>,
+    pub upstream_ttfb: Family<ModelLabels, Histogram, fn() -> Histogram>,
+    pub upstream_failures: Family<ModelLabels, Counter>,
+}
+
+/// Label for requests that name no known model.
+pub fn no_model() -> Arc<str> {
+    static NONE: std::sync::OnceLock<Arc<str>> = std::sync::OnceLock::new();
+    NONE.get_or_init(|| Arc::from("")).clone()
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("siesta_proxy");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Requests answered, by model and HTTP status",
+            requests.clone(),
+        );
+        let held = Family::<ModelLabels, Gauge<i64, AtomicI64>>::default();
+        registry.register(
+            "held_requests",
+            "Requests held now while their model wakes",
+            held.clone(),
+        );
+        let hold_wait: Family<ModelLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register_with_unit(
+            "hold_wait",
+            "Time requests spent held",
+            Unit::Seconds,
+            hold_wait.clone(),
+        );
+        let shed = Family::<ShedLabels, Counter>::default();
+        registry.register("shed", "Requests shed with 503, by reason", shed.clone());
+        let upstream_duration: Family<ModelLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register_with_unit(
+            "upstream_duration",
+            "Time from sending a request to an engine to the end of its response",
+            Unit::Seconds,
+            upstream_duration.clone(),
+        );
+        let upstream_ttfb: Family<ModelLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register_with_unit(
+            "upstream_ttfb",
+            "Time from sending a request to an engine to its response headers",
+            Unit::Seconds,
+            upstream_ttfb.clone(),
+        );
+        let upstream_failures = Family::<ModelLabels, Counter>::default();
+        registry.register(
+            "upstream_connect_failures",
+            "Engines that refused a connection while believed awake",
+            upstream_failures.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            held,
+            hold_wait,
+            shed,
+            upstream_duration,
+            upstream_ttfb,
+            upstream_failures,
+        }
+    }
+
+    pub fn request(&self, model: &Arc<str>, status: http::StatusCode) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                model: model.clone(),
+                status: status.as_u16(),
+            })
+            .inc();
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(4096);
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

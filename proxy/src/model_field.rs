@@ -1,0 +1,120 @@
+//! Finds the `model` field of a JSON request body without building a DOM, and
+//! rewrites it in place (a splice of the raw bytes) when the engine serves
+//! the model under another name.
+
+use std::borrow::Cow;
+use std::ops::Range;
+
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::errors::ApiError;
+
+#[derive(Deserialize)]
+struct Probe<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+}
+
+/// The `model` field found in a body.
+#[derive(Debug)]
+pub struct ModelField<'a> {
+    /// The model name, unescaped.
+    pub name: Cow<'a, str>,
+    /// Byte range of the JSON string (quotes included) in the body.
+    pub span: Range<usize>,
+}
+
+/// Validates the body as one JSON object and finds its top-level `model`.
+pub fn find_model(body: &[u8]) -> Result<ModelField<'_>, ApiError> {
+    // serde would accept a struct from an array too; only an object will do.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(
+            match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                Ok(_) => ApiError::MissingModel,
+                Err(e) => ApiError::MalformedJson(e.to_string()),
+            },
+        );
+    }
+    let probe: Probe<'_> = serde_json::from_slice(body).map_err(|e| {
+        if e.is_data() {
+            // Valid JSON but not an object, or a duplicate `model` key.
+            ApiError::MissingModel
+        } else {
+            ApiError::MalformedJson(e.to_string())
+        }
+    })?;
+    let raw = probe.model.ok_or(ApiError::MissingModel)?;
+    let text = raw.get();
+    let name: Cow<'_, str> = serde_json::from_str(text).map_err(|_| ApiError::InvalidModel)?;
+    if name.is_empty() {
+        return Err(ApiError::InvalidModel);
+    }
+    // `text` borrows from `body`: its offset is the distance between them.
+    let start = text.as_ptr() as usize - body.as_ptr() as usize;
+    Ok(ModelField {
+        name,
+        span: start..start + text.len(),
+    })
+}
+
+/// The body with the model string at `span` replaced by `served` (JSON-encoded).
+pub fn rewrite_model(body: &Bytes, span: Range<usize>, served: &str) -> Bytes {
+    let mut out = Vec::with_capacity(body.len() - span.len() + served.len() + 8);
+    out.extend_from_slice(&body[..span.start]);
+    // Writing a &str to a Vec cannot fail.
+    serde_json::to_writer(&mut out, served).expect("serialize str");
+    out.extend_from_slice(&body[span.end..]);
+    Bytes::from(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_model_among_other_fields() {
+        let body = br#"{"messages":[{"role":"user","content":"hi \"model\""}], "model" : "qwen", "stream":true}"#;
+        let f = find_model(body).unwrap();
+        assert_eq!(f.name, "qwen");
+        assert_eq!(&body[f.span.clone()], br#""qwen""#);
+    }
+
+    #[test]
+    fn unescapes_and_rewrites() {
+        let body = Bytes::from_static(br#"{"model":"a\u0062c","x":1}"#);
+        let f = find_model(&body).unwrap();
+        assert_eq!(f.name, "abc");
+        let out = rewrite_model(&body, f.span, "served/\"name\"");
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["model"], "served/\"name\"");
+        assert_eq!(v["x"], 1);
+    }
+
+    #[test]
+    fn errors_are_classified() {
+        assert!(matches!(
+            find_model(b"{\"model\":"),
+            Err(ApiError::MalformedJson(_))
+        ));
+        assert!(matches!(
+            find_model(b"not json"),
+            Err(ApiError::MalformedJson(_))
+        ));
+        assert!(matches!(find_model(b"[1,2]"), Err(ApiError::MissingModel)));
+        assert!(matches!(find_model(b"{}"), Err(ApiError::MissingModel)));
+        assert!(matches!(
+            find_model(br#"{"model":3}"#),
+            Err(ApiError::InvalidModel)
+        ));
+        assert!(matches!(
+            find_model(br#"{"model":""}"#),
+            Err(ApiError::InvalidModel)
+        ));
+        assert!(matches!(
+            find_model(br#"{"model":"a","model":"b"}"#),
+            Err(ApiError::MissingModel)
+        ));
+    }
+}

@@ -1,0 +1,362 @@
+//! The route table: what every control plane last said about its models,
+//! merged into one immutable [`View`] that requests read without locking.
+//! A snapshot replaces one control plane's part, events update it; a model
+//! served by several control planes gets the endpoints of all of them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use http::uri::{Authority, Scheme};
+use siesta_proto::v1::{HoldPolicy, ModelState, ModelStatus, WatchEvent, watch_event};
+use tokio::sync::watch;
+
+use crate::activity::{Activity, ActivityCounters};
+
+/// Identity of one watched control plane address, e.g. "http://10.0.0.5:50051".
+pub type SourceId = Arc<str>;
+
+/// Hold policy used when a control plane sends none.
+pub const DEFAULT_MAX_QUEUE: u32 = 128;
+pub const DEFAULT_MAX_HOLD_MS: u64 = 60_000;
+
+/// One engine endpoint requests can go to. Lives across table rebuilds so its
+/// outstanding-request count stays right.
+#[derive(Debug)]
+pub struct Upstream {
+    pub url: String,
+    pub scheme: Scheme,
+    pub authority: Authority,
+    pub served_name: String,
+    pub model: Arc<str>,
+    pub source: SourceId,
+    pub outstanding: AtomicU32,
+    /// Monotonic ms (since `epoch()`) until which the endpoint is avoided
+    /// after refusing a connection; 0: fine.
+    suspect_until_ms: AtomicU64,
+    pub activity: Arc<ActivityCounters>,
+}
+
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn mono_ms() -> u64 {
+    epoch().elapsed().as_millis() as u64 + 1
+}
+
+impl Upstream {
+    pub fn is_suspect(&self) -> bool {
+        let until = self.suspect_until_ms.load(Ordering::Relaxed);
+        until != 0 && mono_ms() < until
+    }
+
+    /// Avoid this endpoint for `ms` after a refused connection.
+    pub fn mark_suspect(&self, ms: u64) {
+        self.suspect_until_ms
+            .store(mono_ms() + ms, Ordering::Relaxed);
+    }
+}
+
+/// Everything the proxy knows about one model, merged over control planes.
+#[derive(Debug)]
+pub struct ModelRoute {
+    pub name: Arc<str>,
+    pub aliases: Vec<String>,
+    /// AWAKE when any control plane has it awake with endpoints; otherwise
+    /// the state of `status`.
+    pub state: ModelState,
+    /// Endpoints of the control planes that have the model awake.
+    pub endpoints: Vec<Arc<Upstream>>,
+    pub max_queue: u32,
+    pub max_hold_ms: u64,
+    /// The status of the control plane best placed to serve the model soon
+    /// (awake, then waking, starting, asleep L1, ...): Demand goes there.
+    pub status: ModelStatus,
+    pub source: SourceId,
+    rr: AtomicUsize,
+}
+
+impl ModelRoute {
+    pub fn is_awake(&self) -> bool {
+        self.state == ModelState::Awake && !self.endpoints.is_empty()
+    }
+
+    /// The endpoint with the fewest outstanding requests, skipping suspects;
+    /// ties go round-robin.
+    pub fn pick(&self) -> Option<&Arc<Upstream>> {
+        let n = self.endpoints.len();
+        if n == 1 {
+            let e = &self.endpoints[0];
+            return (!e.is_suspect()).then_some(e);
+        }
+        let start = self.rr.fetch_add(1, Ordering::Relaxed);
+        let mut best: Option<(&Arc<Upstream>, u32)> = None;
+        for i in 0..n {
+            let e = &self.endpoints[(start + i) % n];
+            if e.is_suspect() {
+                continue;
+            }
+            let o = e.outstanding.load(Ordering::Relaxed);
+            if best.is_none_or(|(_, b)| o < b) {
+                best = Some((e, o));
+            }
+        }
+        best.map(|(e, _)| e)
+    }
+}
+
+/// One immutable picture of all models; replaced on every change.
+#[derive(Debug, Default)]
+pub struct View {
+    /// At least one snapshot has been applied.
+    pub ready: bool,
+    /// Names and aliases to routes.
+    pub by_name: HashMap<String, Arc<ModelRoute>>,
+    /// Every model once, sorted by name.
+    pub models: Vec<Arc<ModelRoute>>,
+}
+
+#[derive(Debug, Default)]
+struct SourceState {
+    models: BTreeMap<String, ModelStatus>,
+    revision: u64,
+    synced: bool,
+    /// (`--control` value, control_id, started_unix_ms): two addresses of one
+    /// name that reach the same process count once.
+    identity: Option<(String, String, i64)>,
+}
+
+#[derive(Debug, Default)]
+struct TableState {
+    sources: BTreeMap<SourceId, SourceState>,
+    upstreams: HashMap<(SourceId, String, String), Arc<Upstream>>,
+}
+
+/// The mutable side of the table; publishes [`View`]s on a watch channel.
+#[derive(Debug)]
+pub struct RouteTable {
+    state: Mutex<TableState>,
+    view: watch::Sender<Arc<View>>,
+    activity: Arc<Activity>,
+}
+
+fn rank(s: &ModelStatus) -> u32 {
+    match s.state() {
+        ModelState::Awake if !s.endpoints.is_empty() => 0,
+        ModelState::Waking => 1,
+        ModelState::Starting => 2,
+        ModelState::Asleep if s.sleep_level <= 1 => 3,
+        ModelState::Asleep => 4,
+        ModelState::Sleeping => 5,
+        ModelState::Awake => 6,
+        ModelState::Stopped => 7,
+        ModelState::Stopping => 8,
+        ModelState::Failed => 9,
+        ModelState::Unspecified => 10,
+    }
+}
+
+impl RouteTable {
+    pub fn new(activity: Arc<Activity>) -> Self {
+        let (view, _) = watch::channel(Arc::new(View::default()));
+        RouteTable {
+            state: Mutex::new(TableState::default()),
+            view,
+            activity,
+        }
+    }
+
+    /// The current view (cheap: one lock and one `Arc` clone).
+    pub fn view(&self) -> Arc<View> {
+        self.view.borrow().clone()
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Arc<View>> {
+        self.view.subscribe()
+    }
+
+    /// The last revision applied from `source` (0: none).
+    pub fn revision(&self, source: &SourceId) -> u64 {
+        let st = self.state.lock().unwrap();
+        st.sources.get(source).map_or(0, |s| s.revision)
+    }
+
+    /// Applies one Watch message from `source`. Returns false for an event
+    /// that is older than what was already applied (ignored).
+    pub fn apply(&self, source: &SourceId, ev: WatchEvent) -> bool {
+        let mut st = self.state.lock().unwrap();
+        let src = st.sources.entry(source.clone()).or_default();
+        match ev.kind {
+            Some(watch_event::Kind::Snapshot(snap)) => {
+                src.models = snap
+                    .models
+                    .into_iter()
+                    .map(|m| (m.name.clone(), m))
+                    .collect();
+                src.synced = true;
+                src.revision = ev.revision;
+            }
+            Some(kind) => {
+                if !src.synced || ev.revision <= src.revision {
+                    return false;
+                }
+                src.revision = ev.revision;
+                match kind {
+                    watch_event::Kind::Model(m) => {
+                        src.models.insert(m.name.clone(), m);
+                    }
+                    watch_event::Kind::ModelRemoved(name) => {
+                        src.models.remove(&name);
+                    }
+                    // GPU inventory and placement do not affect routing.
+                    _ => return true,
+                }
+            }
+            None => return true,
+        }
+        self.rebuild(&mut st);
+        true
+    }
+
+    /// Records which control plane process answers at `source`.
+    pub fn set_identity(&self, source: &SourceId, identity: (String, String, i64)) {
+        let mut st = self.state.lock().unwrap();
+        st.sources.entry(source.clone()).or_default().identity = Some(identity);
+    }
+
+    /// Forgets a control plane (its address left DNS).
+    pub fn remove_source(&self, source: &SourceId) {
+        let mut st = self.state.lock().unwrap();
+        if st.sources.remove(source).is_some() {
+            self.rebuild(&mut st);
+        }
+    }
+
+    fn rebuild(&self, st: &mut TableState) {
+        let ready = st.sources.values().any(|s| s.synced);
+        // Group statuses by model name over all control planes.
+        let mut grouped: BTreeMap<&str, Vec<(&SourceId, &ModelStatus)>> = BTreeMap::new();
+        let mut seen = std::collections::HashSet::new();
+        for (id, src) in &st.sources {
+            if let Some(ident) = &src.identity
+                && src.synced
+                && !seen.insert(ident)
+            {
+                continue; // another address of a control plane already counted
+            }
+            for (name, m) in &src.models {
+                grouped.entry(name.as_str()).or_default().push((id, m));
+            }
+        }
+        let mut upstreams = HashMap::new();
+        let mut by_name = HashMap::new();
+        let mut models = Vec::with_capacity(grouped.len());
+        for (name, mut statuses) in grouped {
+            statuses.sort_by_key(|(id, s)| (rank(s), (*id).clone()));
+            let name: Arc<str> = Arc::from(name);
+            let mut endpoints = Vec::new();
+            let mut aliases: Vec<String> = Vec::new();
+            for (id, s) in &statuses {
+                for a in &s.aliases {
+                    if !aliases.contains(a) {
+                        aliases.push(a.clone());
+                    }
+                }
+                if s.state() != ModelState::Awake {
+                    continue;
+                }
+                for ep in &s.endpoints {
+                    let served = if ep.served_model_name.is_empty() {
+                        name.to_string()
+                    } else {
+                        ep.served_model_name.clone()
+                    };
+                    let key = ((*id).clone(), ep.url.clone(), served);
+                    let up = st
+                        .upstreams
+                        .get(&key)
+                        .cloned()
+                        .or_else(|| new_upstream(&key, &name, &self.activity).map(Arc::new));
+                    if let Some(up) = up {
+                        upstreams.insert(key, up.clone());
+                        endpoints.push(up);
+                    }
+                }
+            }
+            let (best_src, best) = statuses[0];
+            let hold = best.hold.unwrap_or(HoldPolicy::default());
+            let state = if !endpoints.is_empty() {
+                ModelState::Awake
+            } else if best.state() == ModelState::Awake {
+                // Awake without endpoints: nothing to forward to yet.
+                ModelState::Starting
+            } else {
+                best.state()
+            };
+            let route = Arc::new(ModelRoute {
+                name: name.clone(),
+                aliases,
+                state,
+                endpoints,
+                max_queue: if hold.max_queue == 0 {
+                    DEFAULT_MAX_QUEUE
+                } else {
+                    hold.max_queue
+                },
+                max_hold_ms: if hold.max_hold_ms == 0 {
+                    DEFAULT_MAX_HOLD_MS
+                } else {
+                    hold.max_hold_ms
+                },
+                status: best.clone(),
+                source: best_src.clone(),
+                rr: AtomicUsize::new(0),
+            });
+            for a in &route.aliases {
+                by_name.entry(a.clone()).or_insert_with(|| route.clone());
+            }
+            by_name.insert(name.to_string(), route.clone());
+            models.push(route);
+        }
+        st.upstreams = upstreams;
+        self.view.send_replace(Arc::new(View {
+            ready,
+            by_name,
+            models,
+        }));
+    }
+}
+
+fn new_upstream(
+    key: &(SourceId, String, String),
+    model: &Arc<str>,
+    activity: &Activity,
+) -> Option<Upstream> {
+    let (source, url, served) = key;
+    let uri: http::Uri = match url.parse() {
+        Ok(u) => u,
+        Err(e) => {
+            tracing::warn!(%url, error = %e, "ignoring endpoint with invalid URL");
+            return None;
+        }
+    };
+    let parts = uri.into_parts();
+    let (Some(scheme), Some(authority)) = (parts.scheme, parts.authority) else {
+        tracing::warn!(%url, "ignoring endpoint URL without scheme and host");
+        return None;
+    };
+    Some(Upstream {
+        url: url.clone(),
+        scheme,
+        authority,
+        served_name: served.clone(),
+        model: model.clone(),
+        source: source.clone(),
+        outstanding: AtomicU32::new(0),
+        suspect_until_ms: AtomicU64::new(0),
+        activity: activity.counters(source, model),
+    })
+}

@@ -1,0 +1,18 @@
+//! Component tests: the proxy in-process against a scripted control plane
+//! (a real tonic server) and tiny in-process engines.
+
+#[path = "component/control.rs"]
+mod control;
+#[path = "component/engine.rs"]
+mod engine;
+#[path = "component/support.rs"]
+mod support;
+
+#[path = "component/errors_test.rs"]
+mod errors_test;
+#[path = "component/forward_test.rs"]
+mod forward_test;
+#[path = "component/hold_test.rs"]
+mod hold_test;
+#[path = "component/watch_test.rs"]
+mod watch_test;

@@ -1,0 +1,144 @@
+//! What the proxy answers itself: 404, 400, 413, 401, /v1/models, health.
+
+use siesta_proto::v1::ModelState;
+
+use crate::control::{ScriptedControl, model};
+use crate::engine::Engine;
+use crate::support::*;
+
+#[tokio::test]
+async fn readyz_waits_for_the_first_snapshot() {
+    // No control plane listening yet: not ready, but alive.
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let url = format!("http://127.0.0.1:{port}");
+    let p = start_proxy(vec![url.clone()], |_| {}).await;
+    assert_eq!(get(&p.url("/readyz")).await.status, 503);
+    assert_eq!(get(&p.url("/healthz")).await.status, 200);
+    assert_eq!(get(&p.admin_url("/readyz")).await.status, 503);
+    let _c = ScriptedControl::start_on(url.trim_start_matches("http://").parse().unwrap(), vec![]);
+    wait_until("ready", || async {
+        get(&p.url("/readyz")).await.status == 200
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn errors_are_openai_shaped_and_admin_paths_unreachable() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| cfg.max_body_bytes = 1024).await;
+
+    let r = post(&p.url("/v1/chat/completions"), &chat("nope")).await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("nope")
+    );
+
+    let r = post(&p.url("/v1/chat/completions"), "{\"model\": \"m\",").await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    let r = post(&p.url("/v1/chat/completions"), "{\"messages\": []}").await;
+    assert_eq!(r.status, 400);
+    let r = post(&p.url("/v1/chat/completions"), "{\"model\": 7}").await;
+    assert_eq!(r.status, 400);
+
+    let big = format!("{{\"model\":\"m\",\"pad\":\"{}\"}}", "x".repeat(2048));
+    let r = post(&p.url("/v1/chat/completions"), &big).await;
+    assert_eq!(r.status, 413);
+    assert_eq!(r.json()["error"]["code"], "request_too_large");
+
+    for path in [
+        "/sleep?level=1",
+        "/wake_up",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/is_sleeping",
+        "/metrics",
+        "/health",
+    ] {
+        let r = post(&p.url(path), &chat("m")).await;
+        assert_eq!(r.status, 404, "POST {path}");
+        let r = get(&p.url(path)).await;
+        assert_eq!(r.status, 404, "GET {path}");
+    }
+    let r = get(&p.url("/v1/chat/completions")).await;
+    assert_eq!(r.status, 404);
+    assert_eq!(
+        e.count(),
+        0,
+        "nothing reached the engine: {:?}",
+        e.received()
+    );
+
+    let m = p.metrics().await;
+    assert!(
+        m.contains("siesta_proxy_requests_total{model=\"\",status=\"404\"}"),
+        "{m}"
+    );
+}
+
+#[tokio::test]
+async fn models_list_has_aliases_and_state() {
+    let mut m1 = model("m1", ModelState::Awake, &["http://127.0.0.1:1"]);
+    m1.aliases = vec!["alias-1".into()];
+    let c = ScriptedControl::start(vec![m1, model("m2", ModelState::Asleep, &[])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let r = get(&p.url("/v1/models")).await;
+    assert_eq!(r.status, 200);
+    let v = r.json();
+    assert_eq!(v["object"], "list");
+    let ids: Vec<(&str, &str)> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            (
+                d["id"].as_str().unwrap(),
+                d["siesta_state"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ids,
+        [("m1", "awake"), ("alias-1", "awake"), ("m2", "asleep")]
+    );
+    let r = get(&p.url("/v1/models/alias-1")).await;
+    assert_eq!(r.json()["siesta_alias_of"], "m1");
+    assert_eq!(get(&p.url("/v1/models/zzz")).await.status, 404);
+}
+
+#[tokio::test]
+async fn api_keys_are_required_when_configured() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.api_keys = vec!["k1".into(), "k2".into()]
+    })
+    .await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+    let r = post_with(
+        &p.url("/v1/chat/completions"),
+        &[("authorization", "Bearer k3")],
+        &chat("m"),
+    )
+    .await;
+    assert_eq!(r.status, 401);
+    assert_eq!(get(&p.url("/v1/models")).await.status, 401);
+    let r = post_with(
+        &p.url("/v1/chat/completions"),
+        &[("authorization", "Bearer k2")],
+        &chat("m"),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(get(&p.url("/healthz")).await.status, 200);
+}

@@ -1,0 +1,214 @@
+//! Forwarding to awake models: rewrite, streaming, headers, balancing,
+//! cancellation, refused connections, activity.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Method;
+use http_body_util::BodyExt;
+use siesta_proto::v1::{Endpoint, ModelState};
+
+use crate::control::{ScriptedControl, model};
+use crate::engine::Engine;
+use crate::support::*;
+
+#[tokio::test]
+async fn forwards_and_rewrites_alias_to_served_name() {
+    let e = Engine::start("e1").await;
+    let mut m = model("m", ModelState::Awake, &[&e.url]);
+    m.aliases = vec!["short".into()];
+    m.endpoints[0].served_model_name = "org/served".into();
+    let c = ScriptedControl::start(vec![m]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+
+    let body = r#"{"messages":[{"role":"user","content":"hi"}],"model":"short","max_tokens":3}"#;
+    let r = post(&p.url("/v1/chat/completions?x=1"), body).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(r.json()["model"], "org/served");
+    assert_eq!(r.headers["x-engine"], "e1");
+    assert!(
+        !r.headers.contains_key("x-hop"),
+        "hop-by-hop header named in Connection leaked"
+    );
+    let (path, got) = e.received().pop().unwrap();
+    assert_eq!(path, "/v1/chat/completions");
+    assert_eq!(got["model"], "org/served");
+    assert_eq!(got["max_tokens"], 3);
+
+    let r = post(&p.url("/v1/embeddings"), r#"{"model":"m","input":"x"}"#).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["data"][0]["embedding"][1], 0.2);
+}
+
+#[tokio::test]
+async fn streams_without_buffering() {
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    e.set_gate(false);
+    let resp = send(
+        Method::POST,
+        &p.url("/v1/chat/completions"),
+        &[("content-type", "application/json")],
+        Bytes::from(chat_stream("m")),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut body = resp.into_body();
+    // The first chunk arrives while the engine still holds the rest.
+    let first = tokio::time::timeout(DEADLINE, body.frame())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let first = first.into_data().unwrap();
+    assert!(std::str::from_utf8(&first).unwrap().contains("tok1"));
+    e.set_gate(true);
+    let rest = body.collect().await.unwrap().to_bytes();
+    let rest = std::str::from_utf8(&rest).unwrap();
+    assert!(
+        rest.contains("tok2") && rest.ends_with("data: [DONE]\n\n"),
+        "{rest}"
+    );
+}
+
+#[tokio::test]
+async fn client_disconnect_cancels_upstream() {
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    e.set_gate(false);
+    // A streaming request, dropped after the first chunk.
+    let resp = send(
+        Method::POST,
+        &p.url("/v1/chat/completions"),
+        &[],
+        Bytes::from(chat_stream("m")),
+    )
+    .await;
+    let mut body = resp.into_body();
+    body.frame().await.unwrap().unwrap();
+    drop(body);
+    wait_until("stream cancelled at the engine", || async {
+        e.state.cancelled.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // A whole request, dropped while the engine works on it.
+    let url = p.url("/v1/chat/completions");
+    let req = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("request at the engine", || async {
+        e.state.in_flight.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    req.abort();
+    wait_until("request cancelled at the engine", || async {
+        e.state.cancelled.load(Ordering::SeqCst) == 2
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn least_outstanding_requests_wins() {
+    let slow = Engine::start("slow").await;
+    let fast = Engine::start("fast").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&slow.url, &fast.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    slow.set_gate(false);
+    fast.set_gate(false);
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let url = p.url("/v1/chat/completions");
+        tasks.push(tokio::spawn(async move { post(&url, &chat("m")).await }));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    wait_until("4 requests at the engines", || async {
+        slow.state.in_flight.load(Ordering::SeqCst) + fast.state.in_flight.load(Ordering::SeqCst)
+            == 4
+    })
+    .await;
+    assert_eq!(slow.state.in_flight.load(Ordering::SeqCst), 2);
+    assert_eq!(fast.state.in_flight.load(Ordering::SeqCst), 2);
+    fast.set_gate(true);
+    wait_until("fast ones done", || async {
+        fast.state.in_flight.load(Ordering::SeqCst) == 0
+    })
+    .await;
+    // Now the fast engine has fewer outstanding: it gets the next ones.
+    for _ in 0..3 {
+        let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+        assert_eq!(r.headers["x-engine"], "fast");
+    }
+    slow.set_gate(true);
+    for t in tasks {
+        assert_eq!(t.await.unwrap().status, 200);
+    }
+}
+
+#[tokio::test]
+async fn refused_connection_goes_elsewhere_and_is_reported() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let e = Engine::start("live").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&dead, &e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    for _ in 0..4 {
+        let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.headers["x-engine"], "live");
+    }
+    wait_until("failure reported", || async {
+        c.reports()
+            .iter()
+            .any(|r| r.failures.iter().any(|f| f.url == dead && f.model == "m"))
+    })
+    .await;
+    wait_until("activity reported", || async {
+        let started: u32 = c
+            .reports()
+            .iter()
+            .flat_map(|r| &r.models)
+            .filter(|m| m.model == "m")
+            .map(|m| m.started)
+            .sum();
+        let finished: u32 = c
+            .reports()
+            .iter()
+            .flat_map(|r| &r.models)
+            .filter(|m| m.model == "m")
+            .map(|m| m.finished)
+            .sum();
+        started >= 4 && finished >= 4
+    })
+    .await;
+    assert!(c.reports().iter().all(|r| r.proxy_id.starts_with("proxy@")));
+}
+
+#[tokio::test]
+async fn refused_connection_everywhere_holds_until_a_new_endpoint() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&dead])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let url = p.url("/v1/chat/completions");
+    let req = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("failure reported", || async {
+        c.reports().iter().any(|r| !r.failures.is_empty())
+    })
+    .await;
+    let e = Engine::start("new").await;
+    let mut m = model("m", ModelState::Awake, &[]);
+    m.endpoints = vec![Endpoint {
+        url: e.url.clone(),
+        served_model_name: "m".into(),
+    }];
+    c.set(m);
+    let r = req.await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["x-engine"], "new");
+}

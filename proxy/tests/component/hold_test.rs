@@ -1,0 +1,244 @@
+//! Holding requests for models that are not awake, and shedding.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Method;
+use http_body_util::BodyExt;
+use siesta_proto::v1::{Calibration, HoldPolicy, ModelState};
+
+use crate::control::{ScriptedControl, model, now_ms};
+use crate::engine::Engine;
+use crate::support::*;
+
+fn held(m: &str, max_queue: u32, max_hold_ms: u64) -> siesta_proto::v1::ModelStatus {
+    let mut s = model(m, ModelState::Asleep, &[]);
+    s.hold = Some(HoldPolicy {
+        max_queue,
+        max_hold_ms,
+    });
+    s
+}
+
+async fn held_now(p: &TestProxy, m: &str) -> f64 {
+    metric(
+        &p.metrics().await,
+        &format!("siesta_proxy_held_requests{{model=\"{m}\"}}"),
+    )
+    .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn held_during_wake_then_answered_with_one_demand() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![held("m", 8, 20_000)]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let mut tasks = Vec::new();
+    for i in 0..3 {
+        let url = p.url("/v1/chat/completions");
+        let body = if i == 0 { chat_stream("m") } else { chat("m") };
+        tasks.push(tokio::spawn(async move { post(&url, &body).await }));
+    }
+    wait_until("3 held", || async { held_now(&p, "m").await == 3.0 }).await;
+    wait_until("demand", || async { !c.demands().is_empty() }).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(c.demands().len(), 1, "one Demand per wait episode");
+    assert_eq!(c.demands()[0].model, "m");
+    assert!(c.demands()[0].proxy_id.starts_with("proxy@"));
+    assert_eq!(e.count(), 0);
+    c.set(model("m", ModelState::Waking, &[&e.url]));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(e.count(), 0, "nothing forwarded before awake");
+    c.set(model("m", ModelState::Awake, &[&e.url]));
+    let mut bodies = Vec::new();
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert_eq!(r.status, 200);
+        bodies.push(String::from_utf8(r.body.to_vec()).unwrap());
+    }
+    assert!(bodies[0].contains("[DONE]"), "streamed: {}", bodies[0]);
+    assert!(bodies[1].contains("chat.completion"));
+    assert_eq!(held_now(&p, "m").await, 0.0);
+    let m = p.metrics().await;
+    assert!(
+        m.contains("siesta_proxy_hold_wait_seconds_count{model=\"m\"} 3"),
+        "{m}"
+    );
+    // A new episode gets a new Demand.
+    c.set(held("m", 8, 20_000));
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("second demand", || async { c.demands().len() == 2 }).await;
+    c.set(model("m", ModelState::Awake, &[&e.url]));
+    assert_eq!(t.await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn queue_overflow_sheds_with_retry_after_growing_with_depth() {
+    let mut small = held("small", 1, 20_000);
+    let mut deep = held("deep", 6, 20_000);
+    for s in [&mut small, &mut deep] {
+        s.calibration = Some(Calibration {
+            wake_l1_ms: 2_000,
+            wake_l1_samples: 3,
+            ..Default::default()
+        });
+    }
+    let c = ScriptedControl::start(vec![small, deep]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let mut tasks = Vec::new();
+    for (m, n) in [("small", 1), ("deep", 6)] {
+        for _ in 0..n {
+            let url = p.url("/v1/chat/completions");
+            tasks.push(tokio::spawn(async move { post(&url, &chat(m)).await }));
+        }
+    }
+    wait_until("queues full", || async {
+        held_now(&p, "small").await == 1.0 && held_now(&p, "deep").await == 6.0
+    })
+    .await;
+    let r1 = post(&p.url("/v1/chat/completions"), &chat("small")).await;
+    assert_eq!(r1.status, 503);
+    assert_eq!(r1.json()["error"]["code"], "queue_full");
+    let r6 = post(&p.url("/v1/chat/completions"), &chat("deep")).await;
+    assert_eq!(r6.status, 503);
+    let (a, b) = (r1.retry_after().unwrap(), r6.retry_after().unwrap());
+    assert!(
+        a >= 2 && b > a,
+        "Retry-After {a} (depth 1) vs {b} (depth 6)"
+    );
+    assert!(
+        p.metrics()
+            .await
+            .contains("siesta_proxy_shed_total{model=\"deep\",reason=\"queue_full\"} 1")
+    );
+    for t in tasks {
+        t.abort();
+    }
+}
+
+#[tokio::test]
+async fn held_past_max_hold_gets_503() {
+    let c = ScriptedControl::start(vec![held("m", 8, 300)]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let t0 = Instant::now();
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["code"], "hold_timeout");
+    assert!(r.retry_after().unwrap() >= 1);
+}
+
+#[tokio::test]
+async fn wait_longer_than_max_hold_is_shed_at_once() {
+    let mut m = held("m", 8, 1_000);
+    m.calibration = Some(Calibration {
+        wake_l1_ms: 10_000,
+        wake_l1_samples: 1,
+        ..Default::default()
+    });
+    let c = ScriptedControl::start(vec![m]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["code"], "wait_too_long");
+    assert_eq!(r.retry_after(), Some(10));
+}
+
+#[tokio::test]
+async fn failed_model_backing_off_gets_retry_after() {
+    let mut m = model("m", ModelState::Failed, &[]);
+    m.retry_at_unix_ms = now_ms() + 7_500;
+    m.last_error = "engine exited".into();
+    let c = ScriptedControl::start(vec![m]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["code"], "model_failed");
+    let ra = r.retry_after().unwrap();
+    assert!((7..=8).contains(&ra), "Retry-After {ra}");
+    assert!(c.demands().is_empty());
+}
+
+#[tokio::test]
+async fn disconnect_while_held_frees_the_slot() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![held("m", 1, 20_000)]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let url = p.url("/v1/chat/completions");
+    let first = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("held", || async { held_now(&p, "m").await == 1.0 }).await;
+    first.abort();
+    wait_until("slot freed", || async { held_now(&p, "m").await == 0.0 }).await;
+    let url = p.url("/v1/chat/completions");
+    let second = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("second held", || async { held_now(&p, "m").await == 1.0 }).await;
+    c.set(model("m", ModelState::Awake, &[&e.url]));
+    assert_eq!(second.await.unwrap().status, 200);
+    assert_eq!(
+        e.count(),
+        1,
+        "the abandoned request never reached the engine"
+    );
+}
+
+#[tokio::test]
+async fn refused_demand_sheds_held_requests() {
+    let c = ScriptedControl::start(vec![model("m", ModelState::Stopped, &[])]);
+    c.state.lock().unwrap().refuse_demands = Some("stopped by an operator".into());
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 503);
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("stopped by an operator")
+    );
+}
+
+#[tokio::test]
+async fn model_removed_while_held_is_404() {
+    let c = ScriptedControl::start(vec![held("m", 8, 20_000), held("other", 8, 20_000)]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("held", || async { held_now(&p, "m").await == 1.0 }).await;
+    {
+        let mut s = c.state.lock().unwrap();
+        s.revision += 1;
+        let ev = siesta_proto::v1::WatchEvent {
+            revision: s.revision,
+            kind: Some(siesta_proto::v1::watch_event::Kind::ModelRemoved(
+                "m".into(),
+            )),
+            ..Default::default()
+        };
+        s.models.remove("m");
+        s.watchers.retain(|w| w.try_send(Ok(ev.clone())).is_ok());
+    }
+    let r = t.await.unwrap();
+    assert_eq!(r.status, 404);
+}
+
+#[tokio::test]
+async fn held_streaming_request_streams_after_wake() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![held("m", 8, 20_000)]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    e.set_gate(false);
+    let url = p.url("/v1/chat/completions");
+    let t =
+        tokio::spawn(
+            async move { send(Method::POST, &url, &[], Bytes::from(chat_stream("m"))).await },
+        );
+    wait_until("held", || async { held_now(&p, "m").await == 1.0 }).await;
+    c.set(model("m", ModelState::Awake, &[&e.url]));
+    let resp = t.await.unwrap();
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert!(std::str::from_utf8(&first).unwrap().contains("tok1"));
+    e.set_gate(true);
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert!(std::str::from_utf8(&rest).unwrap().contains("[DONE]"));
+}

@@ -1,0 +1,175 @@
+//! Starting an in-process proxy and talking HTTP to it.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use siesta_proxy::{Proxy, ProxyConfig};
+use tokio_util::sync::CancellationToken;
+
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+#[derive(Debug)]
+pub struct TestProxy {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<Result<(), siesta_proxy::Error>>,
+}
+
+impl Drop for TestProxy {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl TestProxy {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.admin)
+    }
+
+    pub async fn metrics(&self) -> String {
+        let r = get(&self.admin_url("/metrics")).await;
+        String::from_utf8(r.body.to_vec()).unwrap()
+    }
+}
+
+pub async fn start_proxy(controls: Vec<String>, tweak: impl FnOnce(&mut ProxyConfig)) -> TestProxy {
+    let mut cfg = ProxyConfig {
+        controls,
+        listen: "127.0.0.1:0".parse().unwrap(),
+        admin_listen: "127.0.0.1:0".parse().unwrap(),
+        ..ProxyConfig::default()
+    };
+    tweak(&mut cfg);
+    let proxy = Proxy::bind(cfg).unwrap();
+    let (addr, admin) = (proxy.local_addr(), proxy.admin_addr());
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(proxy.run(shutdown.clone()));
+    TestProxy {
+        addr,
+        admin,
+        shutdown,
+        task,
+    }
+}
+
+/// Starts a proxy and waits until it has a snapshot.
+pub async fn ready_proxy(controls: Vec<String>, tweak: impl FnOnce(&mut ProxyConfig)) -> TestProxy {
+    let p = start_proxy(controls, tweak).await;
+    let url = p.url("/readyz");
+    wait_until("proxy ready", || async {
+        get(&url).await.status == StatusCode::OK
+    })
+    .await;
+    p
+}
+
+pub async fn wait_until<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !f().await {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn retry_after(&self) -> Option<u64> {
+        self.headers
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().parse().unwrap())
+    }
+}
+
+fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub async fn send(
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> http::Response<Incoming> {
+    let mut req = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body)).unwrap();
+    tokio::time::timeout(DEADLINE, client().request(req))
+        .await
+        .expect("request timed out")
+        .expect("request failed")
+}
+
+pub async fn reply(resp: http::Response<Incoming>) -> Reply {
+    let (parts, body) = resp.into_parts();
+    let body = tokio::time::timeout(DEADLINE, body.collect())
+        .await
+        .expect("body timed out")
+        .expect("body failed")
+        .to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+pub async fn get(url: &str) -> Reply {
+    reply(send(Method::GET, url, &[], Bytes::new()).await).await
+}
+
+pub async fn post(url: &str, body: &str) -> Reply {
+    post_with(url, &[], body).await
+}
+
+pub async fn post_with(url: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    let h: Vec<(&str, &str)> = [("content-type", "application/json")]
+        .into_iter()
+        .chain(headers.iter().copied())
+        .collect();
+    reply(send(Method::POST, url, &h, Bytes::from(body.to_owned())).await).await
+}
+
+pub fn chat(model: &str) -> String {
+    serde_json::json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}).to_string()
+}
+
+pub fn chat_stream(model: &str) -> String {
+    serde_json::json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "hi"}]}).to_string()
+}
+
+/// The value of a metric line that starts with `prefix` (labels included).
+pub fn metric(text: &str, prefix: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}

@@ -1,0 +1,170 @@
+//! The route table from Watch: resync after a control plane restart, serving
+//! from the last table while it is gone, several control planes, DNS names.
+
+use std::time::Duration;
+
+use siesta_proto::v1::ModelState;
+
+use crate::control::{ScriptedControl, model};
+use crate::engine::Engine;
+use crate::support::*;
+
+#[tokio::test]
+async fn control_killed_then_restarted() {
+    let e = Engine::start("e").await;
+    let mut asleep = model("sleepy", ModelState::Asleep, &[]);
+    asleep.hold = Some(siesta_proto::v1::HoldPolicy {
+        max_queue: 4,
+        max_hold_ms: 500,
+    });
+    let mut c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url]), asleep]);
+    let p = ready_proxy(vec![c.url()], |cfg| cfg.token = Some("s3cret".into())).await;
+    assert_eq!(
+        c.state.lock().unwrap().bearer[0].as_deref(),
+        Some("Bearer s3cret")
+    );
+    c.kill();
+    // Awake models are still served from the last table; sleeping ones are
+    // held, then shed at max_hold.
+    for _ in 0..3 {
+        assert_eq!(
+            post(&p.url("/v1/chat/completions"), &chat("m"))
+                .await
+                .status,
+            200
+        );
+    }
+    let r = post(&p.url("/v1/chat/completions"), &chat("sleepy")).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["code"], "hold_timeout");
+    assert_eq!(get(&p.url("/readyz")).await.status, 200);
+
+    // Changed while the proxy could not see it; the restart is a new process.
+    c.set_quietly(model("sleepy", ModelState::Awake, &[&e.url]));
+    c.restart();
+    wait_until("resynced", || async {
+        post(&p.url("/v1/chat/completions"), &chat("sleepy"))
+            .await
+            .status
+            == 200
+    })
+    .await;
+    let reqs = c.state.lock().unwrap().watch_requests.clone();
+    assert!(reqs.len() >= 2);
+    assert_eq!(
+        reqs.last().unwrap().since_revision,
+        0,
+        "new incarnation: fresh snapshot"
+    );
+    assert!(reqs[0].client_id.starts_with("proxy@"));
+}
+
+#[tokio::test]
+async fn reconnect_resumes_from_last_revision() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Asleep, &[])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    c.set(model("m", ModelState::Awake, &[&e.url]));
+    wait_until("awake", || async {
+        post(&p.url("/v1/chat/completions"), &chat("m"))
+            .await
+            .status
+            == 200
+    })
+    .await;
+    let rev = c.state.lock().unwrap().revision;
+    // End the stream (not the process): the proxy resumes where it was.
+    c.state.lock().unwrap().watchers.clear();
+    wait_until("rewatch", || async {
+        c.state.lock().unwrap().watch_requests.len() == 2
+    })
+    .await;
+    assert_eq!(
+        c.state.lock().unwrap().watch_requests[1].since_revision,
+        rev
+    );
+}
+
+#[tokio::test]
+async fn union_of_control_planes() {
+    let e1 = Engine::start("box1").await;
+    let e2 = Engine::start("box2").await;
+    let c1 = ScriptedControl::start(vec![
+        model("shared", ModelState::Awake, &[&e1.url]),
+        model("only1", ModelState::Awake, &[&e1.url]),
+    ]);
+    let c2 = ScriptedControl::start(vec![
+        model("shared", ModelState::Awake, &[&e2.url]),
+        model("only2", ModelState::Asleep, &[]),
+    ]);
+    let p = start_proxy(vec![c1.url(), c2.url()], |_| {}).await;
+    wait_until("both tables", || async {
+        let v = get(&p.url("/v1/models")).await.json();
+        v["data"].as_array().is_some_and(|d| d.len() == 3)
+    })
+    .await;
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..6 {
+        let r = post(&p.url("/v1/chat/completions"), &chat("shared")).await;
+        seen.insert(r.headers["x-engine"].to_str().unwrap().to_owned());
+    }
+    assert_eq!(seen.len(), 2, "both boxes serve `shared`: {seen:?}");
+    assert_eq!(
+        post(&p.url("/v1/chat/completions"), &chat("only1"))
+            .await
+            .status,
+        200
+    );
+    // Demand for a model only box 2 has goes to box 2.
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("only2")).await });
+    wait_until("demand at box 2", || async { c2.demands().len() == 1 }).await;
+    assert!(c1.demands().is_empty());
+    c2.set(model("only2", ModelState::Awake, &[&e2.url]));
+    assert_eq!(t.await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn dns_name_is_resolved_and_watched() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let url = format!("http://localhost:{}", c.addr.port());
+    let p = ready_proxy(vec![url], |cfg| {
+        cfg.resolve_interval = Duration::from_millis(200)
+    })
+    .await;
+    assert_eq!(
+        post(&p.url("/v1/chat/completions"), &chat("m"))
+            .await
+            .status,
+        200
+    );
+    // Re-resolution does not disturb the table.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        post(&p.url("/v1/chat/completions"), &chat("m"))
+            .await
+            .status,
+        200
+    );
+}
+
+#[tokio::test]
+async fn shutdown_drains_in_flight_requests() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let mut p = ready_proxy(vec![c.url()], |_| {}).await;
+    e.set_gate(false);
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("in flight", || async {
+        e.state.in_flight.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    p.shutdown.cancel();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    e.set_gate(true);
+    assert_eq!(t.await.unwrap().status, 200);
+    let stopped = tokio::time::timeout(DEADLINE, &mut p.task).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+}

@@ -1,0 +1,125 @@
+//! `GET /metrics` (Prometheus text, vLLM's names and labels) and `GET /fake/stats`.
+
+use std::fmt::Write;
+use std::sync::atomic::Ordering;
+
+use http::StatusCode;
+use serde_json::json;
+
+use crate::http::{Resp, full, json};
+use crate::server::App;
+
+/// Prometheus text exposition of the engine's gauges and counters.
+pub fn metrics(app: &App) -> Resp {
+    let e = &app.engine;
+    let model = e.args.served_names()[0]
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"");
+    let labels = format!("model_name=\"{model}\",engine=\"0\"");
+    let running = e.running.load(Ordering::SeqCst);
+    let waiting = e.waiting.load(Ordering::SeqCst);
+    let st = e.sleep_state();
+    let kv = if st.is_sleeping() {
+        0.0
+    } else {
+        (running as f64 * 0.05).min(1.0)
+    };
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, samples: &[(String, f64)]| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for (l, v) in samples {
+            let _ = writeln!(out, "{name}{{{l}}} {v:?}");
+        }
+    };
+    gauge(
+        "vllm:num_requests_running",
+        "Number of requests in model execution batches.",
+        &[(labels.clone(), running as f64)],
+    );
+    gauge(
+        "vllm:num_requests_waiting",
+        "Number of requests waiting to be processed.",
+        &[(labels.clone(), waiting as f64)],
+    );
+    gauge(
+        "vllm:kv_cache_usage_perc",
+        "KV-cache usage. 1 means 100 percent usage.",
+        &[(labels.clone(), kv)],
+    );
+    let state = |s: &str, on: bool| {
+        (
+            format!("{labels},sleep_state=\"{s}\""),
+            if on { 1.0 } else { 0.0 },
+        )
+    };
+    gauge(
+        "vllm:engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; \
+         weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        &[
+            state("awake", !st.is_sleeping()),
+            state("weights_offloaded", st.is_sleeping() && st.level == 1),
+            state("discard_all", st.is_sleeping() && st.level == 2),
+        ],
+    );
+    let mut counter = |name: &str, help: &str, v: u64| {
+        let _ = writeln!(
+            out,
+            "# HELP {name}_total {help}\n# TYPE {name}_total counter"
+        );
+        let _ = writeln!(out, "{name}_total{{{labels}}} {:?}", v as f64);
+    };
+    counter(
+        "vllm:prompt_tokens",
+        "Number of prefill tokens processed.",
+        e.prompt_tokens.load(Ordering::SeqCst),
+    );
+    counter(
+        "vllm:generation_tokens",
+        "Number of generation tokens processed.",
+        e.generation_tokens.load(Ordering::SeqCst),
+    );
+    counter(
+        "vllm:request_success",
+        "Count of successfully processed requests.",
+        e.served.load(Ordering::SeqCst),
+    );
+    full(
+        StatusCode::OK,
+        "text/plain; version=0.0.4; charset=utf-8",
+        out,
+    )
+}
+
+/// `GET /fake/stats`: fake-only numbers for tests and benchmarks.
+pub fn stats(app: &App) -> Resp {
+    let e = &app.engine;
+    let st = e.sleep_state();
+    let state = match (st.is_sleeping(), st.level) {
+        (false, _) => "awake",
+        (true, 1) => "weights_offloaded",
+        (true, _) => "discard_all",
+    };
+    let last_wake = e.last_wake_finished_ns.load(Ordering::SeqCst);
+    json(
+        StatusCode::OK,
+        &json!({
+            "state": state,
+            "is_sleeping": st.is_sleeping(),
+            "sleep_level": st.level,
+            "weights_asleep": st.weights_asleep,
+            "kv_cache_asleep": st.kv_asleep,
+            "weights_intact": e.weights_intact(),
+            "requests_arrived": e.arrived.load(Ordering::SeqCst),
+            "requests_served": e.served.load(Ordering::SeqCst),
+            "running": e.running.load(Ordering::SeqCst),
+            "waiting": e.waiting.load(Ordering::SeqCst),
+            "sleeps": e.sleeps.load(Ordering::SeqCst),
+            "wakes": e.wakes.load(Ordering::SeqCst),
+            "last_wake_finished_unix_ns": (last_wake > 0).then_some(last_wake),
+            "device_bytes": e.device_bytes(),
+            "engine_core_pid": app.core.as_ref().and_then(|c| c.pid()),
+            "pid": std::process::id(),
+        }),
+    )
+}

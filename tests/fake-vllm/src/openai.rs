@@ -1,0 +1,401 @@
+//! The OpenAI-compatible endpoints, in vLLM's response and SSE chunk shapes.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Response, StatusCode, header};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::http::{ApiError, Resp, json, read_json};
+use crate::server::App;
+
+/// What a correct model answers, one word per token.
+const ANSWER: &[&str] = &[
+    "Hello!",
+    " I",
+    " am",
+    " a",
+    " fake",
+    " model",
+    " served",
+    " by",
+    " fake-vllm,",
+    " a",
+    " stand-in",
+    " for",
+    " vLLM",
+    " that",
+    " lets",
+    " siesta",
+    " be",
+    " tested",
+    " without",
+    " a",
+    " GPU.",
+];
+
+/// What weights left as garbage answer (zeroed weights pick token 0, `!`, every time).
+const GARBAGE: &str = "!";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+#[derive(Debug)]
+struct Gen {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    prompt_tokens: u64,
+    max_tokens: u64,
+    ignore_eos: bool,
+    include_usage: bool,
+    continuous_usage: bool,
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(app: Arc<App>, body: Incoming) -> Resp {
+    generate(app, body, Kind::Chat).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(app: Arc<App>, body: Incoming) -> Resp {
+    generate(app, body, Kind::Completion).await
+}
+
+/// `GET /v1/models`.
+pub fn models(app: &App) -> Resp {
+    let root = app.engine.args.model();
+    let data: Vec<Value> = app
+        .engine
+        .args
+        .served_names()
+        .iter()
+        .map(|name| {
+            json!({
+                "id": name, "object": "model", "created": app.created, "owned_by": "vllm",
+                "root": root, "parent": null, "max_model_len": app.engine.args.max_model_len,
+                "permission": [{
+                    "id": format!("modelperm-{}", random_hex()), "object": "model_permission",
+                    "created": app.created, "allow_create_engine": false, "allow_sampling": true,
+                    "allow_logprobs": true, "allow_search_indices": false, "allow_view": true,
+                    "allow_fine_tuning": false, "organization": "*", "group": null,
+                    "is_blocking": false,
+                }],
+            })
+        })
+        .collect();
+    json(StatusCode::OK, &json!({"object": "list", "data": data}))
+}
+
+/// `POST /v1/embeddings`: deterministic unit vectors, held while asleep like generation.
+pub async fn embeddings(app: Arc<App>, body: Incoming) -> Resp {
+    let v = match read_json(body).await {
+        Ok(v) => v,
+        Err(e) => return e.resp(),
+    };
+    let model = match resolve_model(&app, &v) {
+        Ok(m) => m,
+        Err(e) => return e.resp(),
+    };
+    let inputs: Vec<String> = match &v["input"] {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) if a.iter().all(Value::is_string) => a
+            .iter()
+            .filter_map(|s| s.as_str().map(str::to_string))
+            .collect(),
+        Value::Array(a) if a.iter().all(Value::is_number) => {
+            vec![Value::Array(a.clone()).to_string()]
+        }
+        Value::Array(a) => a.iter().map(Value::to_string).collect(),
+        _ => return bad_request("`input` must be a string or an array"),
+    };
+    if let Err(e) = app.arrive() {
+        return e.resp();
+    }
+    app.engine.admit().await;
+    let prompt_tokens: u64 = inputs.iter().map(|s| count_tokens(s)).sum();
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| json!({"index": i, "object": "embedding", "embedding": embed(s)}))
+        .collect();
+    app.engine
+        .prompt_tokens
+        .fetch_add(prompt_tokens, Ordering::SeqCst);
+    app.engine.served.fetch_add(1, Ordering::SeqCst);
+    json(
+        StatusCode::OK,
+        &json!({
+            "id": format!("embd-{}", random_hex()), "object": "list", "created": now_s(),
+            "model": model, "data": data,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+                      "completion_tokens": 0, "prompt_tokens_details": null},
+        }),
+    )
+}
+
+async fn generate(app: Arc<App>, body: Incoming, kind: Kind) -> Resp {
+    let v = match read_json(body).await {
+        Ok(v) => v,
+        Err(e) => return e.resp(),
+    };
+    let model = match resolve_model(&app, &v) {
+        Ok(m) => m,
+        Err(e) => return e.resp(),
+    };
+    let prompt_tokens = match kind {
+        Kind::Chat => match v["messages"].as_array() {
+            Some(msgs) => msgs
+                .iter()
+                .map(|m| 4 + count_tokens(&content_text(&m["content"])))
+                .sum(),
+            None => return bad_request("`messages` is required"),
+        },
+        Kind::Completion => match &v["prompt"] {
+            Value::String(s) => count_tokens(s),
+            Value::Array(a) => a.len() as u64,
+            _ => return bad_request("`prompt` is required"),
+        },
+    };
+    let max_tokens = v["max_completion_tokens"]
+        .as_u64()
+        .or_else(|| v["max_tokens"].as_u64())
+        .unwrap_or(app.engine.args.sim.max_tokens_default);
+    let stream = v["stream"].as_bool().unwrap_or(false);
+    let opts = &v["stream_options"];
+    let job = Gen {
+        kind,
+        id: match kind {
+            Kind::Chat => format!("chatcmpl-{}", random_hex()),
+            Kind::Completion => format!("cmpl-{}", random_hex()),
+        },
+        created: now_s(),
+        model,
+        prompt_tokens,
+        max_tokens,
+        ignore_eos: v["ignore_eos"].as_bool().unwrap_or(false),
+        include_usage: opts["include_usage"].as_bool().unwrap_or(false),
+        continuous_usage: opts["continuous_usage_stats"].as_bool().unwrap_or(false),
+    };
+    if let Err(e) = app.arrive() {
+        return e.resp();
+    }
+    if stream {
+        let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+        tokio::spawn(run_stream(app, job, tx));
+        let body = StreamBody::new(UnboundedReceiverStream::new(rx).map(|b| Ok(Frame::data(b))));
+        return Response::builder()
+            .status(StatusCode::OK)
+            .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+            .body(body.boxed())
+            .expect("valid response");
+    }
+    let mut text = String::new();
+    let (n, finish) = run_tokens(&app, &job, |t| {
+        text.push_str(t);
+        true
+    })
+    .await;
+    let usage = usage(&job, n);
+    let choice = match kind {
+        Kind::Chat => json!({
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": null, "annotations": null,
+                        "audio": null, "function_call": null, "tool_calls": [], "reasoning_content": null},
+            "logprobs": null, "finish_reason": finish, "stop_reason": null,
+        }),
+        Kind::Completion => json!({
+            "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
+            "stop_reason": null, "prompt_logprobs": null,
+        }),
+    };
+    let object = if kind == Kind::Chat {
+        "chat.completion"
+    } else {
+        "text_completion"
+    };
+    json(
+        StatusCode::OK,
+        &json!({
+            "id": job.id, "object": object, "created": job.created, "model": job.model,
+            "choices": [choice], "service_tier": null, "system_fingerprint": null,
+            "usage": usage, "prompt_logprobs": null, "kv_transfer_params": null,
+        }),
+    )
+}
+
+/// Waits for admission, then produces tokens through `emit` (false: the client is gone).
+/// Returns the number of tokens and the finish reason.
+async fn run_tokens(
+    app: &App,
+    job: &Gen,
+    mut emit: impl FnMut(&str) -> bool,
+) -> (u64, &'static str) {
+    let engine = &app.engine;
+    let epoch = engine.admit().await;
+    engine.running.fetch_add(1, Ordering::SeqCst);
+    let garbage = !engine.weights_intact();
+    let natural = ANSWER.len() as u64;
+    let (n, mut finish) = if garbage || job.ignore_eos || job.max_tokens < natural {
+        (job.max_tokens, "length")
+    } else {
+        (natural, "stop")
+    };
+    let tps = engine.args.sim.tokens_per_second;
+    let pace = (tps > 0.0).then(|| Duration::from_secs_f64(1.0 / tps));
+    let mut produced = 0;
+    for i in 0..n {
+        if engine.step(epoch).await.is_err() {
+            finish = "abort";
+            break;
+        }
+        if let Some(p) = pace {
+            tokio::time::sleep(p).await;
+        }
+        let tok = if garbage {
+            GARBAGE
+        } else {
+            ANSWER[(i % natural) as usize]
+        };
+        produced += 1;
+        if !emit(tok) {
+            finish = "abort";
+            break;
+        }
+    }
+    engine.running.fetch_sub(1, Ordering::SeqCst);
+    engine
+        .prompt_tokens
+        .fetch_add(job.prompt_tokens, Ordering::SeqCst);
+    engine
+        .generation_tokens
+        .fetch_add(produced, Ordering::SeqCst);
+    engine.served.fetch_add(1, Ordering::SeqCst);
+    (produced, finish)
+}
+
+async fn run_stream(app: Arc<App>, job: Gen, tx: mpsc::UnboundedSender<Bytes>) {
+    let sse = |v: &Value| Bytes::from(format!("data: {v}\n\n"));
+    let chunk = |choices: Value, produced: u64, usage_always: bool| {
+        let object = if job.kind == Kind::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let mut c = json!({"id": job.id, "object": object, "created": job.created,
+                           "model": job.model, "choices": choices});
+        if usage_always || (job.include_usage && job.continuous_usage) {
+            c["usage"] = usage(&job, produced);
+        }
+        c
+    };
+    let delta = |text: &str, finish: Option<&str>| match job.kind {
+        Kind::Chat => json!([{"index": 0, "delta": {"content": text}, "logprobs": null,
+                              "finish_reason": finish, "stop_reason": null}]),
+        Kind::Completion => json!([{"index": 0, "text": text, "logprobs": null,
+                                    "finish_reason": finish, "stop_reason": null}]),
+    };
+    // Tokens are sent one behind so that the last one carries the finish reason, as vLLM does.
+    let mut pending: Option<String> = None;
+    let mut produced = 0u64;
+    let mut first = true;
+    let (n, finish) = run_tokens(&app, &job, |tok| {
+        if first && job.kind == Kind::Chat {
+            let role = json!([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": null, "finish_reason": null}]);
+            if tx.send(sse(&chunk(role, 0, false))).is_err() {
+                return false;
+            }
+        }
+        first = false;
+        let ok = match pending.replace(tok.to_string()) {
+            Some(prev) => tx
+                .send(sse(&chunk(delta(&prev, None), produced, false)))
+                .is_ok(),
+            None => true,
+        };
+        produced += 1;
+        ok
+    })
+    .await;
+    let last = pending.take().unwrap_or_default();
+    let _ = tx.send(sse(&chunk(delta(&last, Some(finish)), n, false)));
+    if job.include_usage {
+        let _ = tx.send(sse(&chunk(json!([]), n, true)));
+    }
+    let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n"));
+}
+
+fn usage(job: &Gen, completion: u64) -> Value {
+    json!({"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens + completion,
+           "completion_tokens": completion, "prompt_tokens_details": null})
+}
+
+/// The model named in the body (the first served name when absent); vLLM answers with its
+/// first served name whichever alias was asked for.
+fn resolve_model(app: &App, v: &Value) -> Result<String, ApiError> {
+    let names = app.engine.args.served_names();
+    match v["model"].as_str() {
+        None => Ok(names[0].clone()),
+        Some(m) if names.iter().any(|n| n == m) => Ok(names[0].clone()),
+        Some(m) => Err(ApiError {
+            status: StatusCode::NOT_FOUND,
+            kind: "NotFoundError",
+            message: format!("The model `{m}` does not exist."),
+            param: Some("model"),
+        }),
+    }
+}
+
+fn bad_request(msg: &str) -> Resp {
+    ApiError::bad_request(msg).resp()
+}
+
+fn content_text(c: &Value) -> String {
+    match c {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join(" "),
+        _ => String::new(),
+    }
+}
+
+fn count_tokens(s: &str) -> u64 {
+    s.split_whitespace().count().max(1) as u64
+}
+
+fn embed(s: &str) -> Vec<f64> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let v: Vec<f64> = (0..32)
+        .map(|i| {
+            for b in s.bytes().chain([i as u8]) {
+                h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+            }
+            (h % 2001) as f64 / 1000.0 - 1.0
+        })
+        .collect();
+    let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt().max(1e-9);
+    v.into_iter().map(|x| x / norm).collect()
+}
+
+fn random_hex() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+fn now_s() -> u64 {
+    crate::engine::unix_ns() / 1_000_000_000
+}

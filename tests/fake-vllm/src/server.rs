@@ -1,0 +1,253 @@
+//! The HTTP server: binds at once, serves nothing until start-up is done (like vLLM), then
+//! routes requests; stops on the shutdown token, taking the engine core down with it.
+
+use std::convert::Infallible;
+use std::ffi::OsString;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use http::{Method, Request, StatusCode};
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::ServeArgs;
+use crate::engine::{Engine, unix_ns};
+use crate::engine_core::EngineCore;
+use crate::http::{ApiError, Resp, detail, empty, json};
+use crate::memory::{self, MemoryError};
+use crate::{dev, metrics, openai};
+
+/// The vLLM version fake-vllm answers on `/version`.
+pub const VLLM_VERSION: &str = "0.11.0";
+
+/// Why serving stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The socket could not be bound.
+    #[error("binding {addr}: {source}")]
+    Bind {
+        /// `host:port` as given.
+        addr: String,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// `--exit-during-startup`.
+    #[error(
+        "Engine core initialization failed. See root cause above. (fault: --exit-during-startup)"
+    )]
+    StartupFailed,
+    /// The memory backend could not be set up.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+}
+
+/// State shared by every connection.
+#[derive(Debug)]
+pub struct App {
+    /// The engine.
+    pub engine: Engine,
+    /// The engine-core child, if it could be spawned.
+    pub core: Option<EngineCore>,
+    /// `VLLM_SERVER_DEV_MODE`.
+    pub dev_mode: bool,
+    /// Start time (unix seconds) for `/v1/models`.
+    pub created: u64,
+}
+
+impl App {
+    /// Counts a generation request; crashes on `--crash-after-requests`; refuses when the
+    /// engine is "dead" (`--fail-health-after`).
+    pub fn arrive(&self) -> Result<(), ApiError> {
+        let n = self.engine.arrived.fetch_add(1, Ordering::SeqCst) + 1;
+        if self
+            .engine
+            .args
+            .faults
+            .crash_after_requests
+            .is_some_and(|limit| n > limit)
+        {
+            self.crash(n);
+        }
+        if !self.engine.healthy() {
+            return Err(ApiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                kind: "EngineDeadError",
+                message:
+                    "EngineCore encountered an issue. See stack trace (above) for the root cause."
+                        .into(),
+                param: None,
+            });
+        }
+        Ok(())
+    }
+
+    fn crash(&self, n: u64) -> ! {
+        tracing::error!(
+            request = n,
+            "EngineCore encountered a fatal error (fault: --crash-after-requests)"
+        );
+        if let Some(core) = &self.core {
+            core.stop(Duration::ZERO);
+        }
+        std::process::exit(1);
+    }
+}
+
+/// Runs the server until `shutdown` is cancelled.
+pub async fn serve(
+    args: ServeArgs,
+    argv: &[OsString],
+    shutdown: CancellationToken,
+) -> Result<(), ServeError> {
+    let bind = |e| ServeError::Bind {
+        addr: format!("{}:{}", args.host, args.port),
+        source: e,
+    };
+    let std_listener =
+        std::net::TcpListener::bind((args.host.as_str(), args.port)).map_err(bind)?;
+    std_listener.set_nonblocking(true).map_err(bind)?;
+    let listener = tokio::net::TcpListener::from_std(std_listener).map_err(bind)?;
+    let port = listener.local_addr().map_err(bind)?.port();
+    tracing::info!(version = VLLM_VERSION, model = %args.model(), "vLLM API server version {VLLM_VERSION}");
+    tracing::info!("Starting vLLM API server 0 on http://{}:{port}", args.host);
+    let core = match EngineCore::spawn(argv, args.faults.orphan_engine_core) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not start the engine core process");
+            None
+        }
+    };
+    let memory = memory::from_settings(args.sim.gpu_memory)?;
+    let host = args.host.clone();
+    let app = Arc::new(App {
+        engine: Engine::new(args, memory),
+        core,
+        dev_mode: dev::dev_mode_from_env(),
+        created: unix_ns() / 1_000_000_000,
+    });
+    let started = tokio::select! {
+        () = shutdown.cancelled() => false,
+        r = startup(&app) => { r?; true }
+    };
+    if started {
+        banner(&host, port);
+        app.engine.set_ready();
+        accept(&app, listener, &shutdown).await;
+    }
+    tracing::info!("Shutting down FastAPI HTTP server.");
+    if let Some(core) = &app.core {
+        core.stop(Duration::from_secs(2));
+    }
+    Ok(())
+}
+
+async fn startup(app: &App) -> Result<(), ServeError> {
+    let f = &app.engine.args.faults;
+    if f.hang_on_startup {
+        tracing::warn!("fault: --hang-on-startup, start-up never finishes");
+        std::future::pending::<()>().await;
+    }
+    tokio::time::sleep(app.engine.args.sim.startup_time).await;
+    if f.exit_during_startup {
+        return Err(ServeError::StartupFailed);
+    }
+    Ok(())
+}
+
+fn banner(host: &str, port: u16) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "INFO:     Started server process [{}]",
+        std::process::id()
+    );
+    let _ = writeln!(out, "INFO:     Waiting for application startup.");
+    let _ = writeln!(out, "INFO:     Application startup complete.");
+    let _ = writeln!(
+        out,
+        "INFO:     Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)"
+    );
+    let _ = out.flush();
+}
+
+async fn accept(app: &Arc<App>, listener: tokio::net::TcpListener, shutdown: &CancellationToken) {
+    loop {
+        let (stream, peer) = tokio::select! {
+            () = shutdown.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let app = app.clone();
+        let token = shutdown.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| {
+                let app = app.clone();
+                async move { Ok::<_, Infallible>(handle(app, req, peer).await) }
+            });
+            let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), svc);
+            tokio::select! {
+                r = conn => if let Err(e) = r { tracing::debug!(error = %e, "connection ended") },
+                () = token.cancelled() => {}
+            }
+        });
+    }
+}
+
+async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Resp {
+    let (parts, body) = req.into_parts();
+    let (method, uri) = (parts.method, parts.uri);
+    let health = || {
+        if app.engine.healthy() {
+            empty(StatusCode::OK)
+        } else {
+            empty(StatusCode::SERVICE_UNAVAILABLE)
+        }
+    };
+    let resp = match (&method, uri.path()) {
+        (&Method::GET, "/health") | (&Method::GET | &Method::POST, "/ping") => health(),
+        (&Method::GET, "/version") => json(StatusCode::OK, &json!({"version": VLLM_VERSION})),
+        (&Method::GET, "/v1/models") => openai::models(&app),
+        (&Method::POST, "/v1/chat/completions") => openai::chat(app.clone(), body).await,
+        (&Method::POST, "/v1/completions") => openai::completions(app.clone(), body).await,
+        (&Method::POST, "/v1/embeddings") => openai::embeddings(app.clone(), body).await,
+        (&Method::GET, "/metrics") => metrics::metrics(&app),
+        (&Method::GET, "/fake/stats") => metrics::stats(&app),
+        (
+            _,
+            "/health"
+            | "/ping"
+            | "/version"
+            | "/v1/models"
+            | "/v1/chat/completions"
+            | "/v1/completions"
+            | "/v1/embeddings"
+            | "/metrics"
+            | "/fake/stats",
+        ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed"),
+        _ if app.dev_mode => match dev::route(app.clone(), &method, &uri, body).await {
+            Some(r) => r,
+            None => detail(StatusCode::NOT_FOUND, "Not Found"),
+        },
+        _ => detail(StatusCode::NOT_FOUND, "Not Found"),
+    };
+    let status = resp.status();
+    println!(
+        "INFO:     {peer} - \"{method} {uri} HTTP/1.1\" {} {}",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or("")
+    );
+    resp
+}

@@ -1,0 +1,445 @@
+//! fake-vllm's behaviour, over HTTP against the real binary (`cargo build -p fake-vllm` first).
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+use siesta_tests::{
+    DEADLINE, FakeVllm, any_alive, proc_stat, spawn_fake_vllm, spawn_fake_vllm_env, wait_until,
+};
+
+fn http() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+async fn post(url: &str) -> reqwest::Response {
+    http().post(url).send().await.unwrap()
+}
+
+async fn post_json(url: &str, body: &Value) -> reqwest::Response {
+    http().post(url).json(body).send().await.unwrap()
+}
+
+async fn get_json(url: &str) -> Value {
+    http().get(url).send().await.unwrap().json().await.unwrap()
+}
+
+async fn is_sleeping(fv: &FakeVllm) -> bool {
+    get_json(&fv.at("/is_sleeping")).await["is_sleeping"]
+        .as_bool()
+        .unwrap()
+}
+
+async fn stats(fv: &FakeVllm) -> Value {
+    get_json(&fv.at("/fake/stats")).await
+}
+
+/// The value of the sample of `name` whose labels contain `label` (e.g. `sleep_state="awake"`).
+async fn metric(fv: &FakeVllm, name: &str, label: &str) -> f64 {
+    let text = http()
+        .get(fv.at("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+        .unwrap_or_else(|| panic!("no {name} {label} in:\n{text}"));
+    assert!(
+        line.contains("model_name=\"") && line.contains("engine=\"0\""),
+        "{line}"
+    );
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+async fn sleep_state(fv: &FakeVllm) -> (f64, f64, f64) {
+    let s = "vllm:engine_sleep_state";
+    (
+        metric(fv, s, "sleep_state=\"awake\"").await,
+        metric(fv, s, "sleep_state=\"weights_offloaded\"").await,
+        metric(fv, s, "sleep_state=\"discard_all\"").await,
+    )
+}
+
+async fn complete(fv: &FakeVllm, max_tokens: u64) -> String {
+    let r = post_json(
+        &fv.at("/v1/completions"),
+        &json!({"prompt": "hi", "max_tokens": max_tokens}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+fn is_garbage(text: &str) -> bool {
+    !text.is_empty() && text.chars().all(|c| c == '!')
+}
+
+#[tokio::test]
+async fn sleep_and_wake_level_1() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode"]).await;
+    assert!(!is_sleeping(&fv).await);
+    assert_eq!(sleep_state(&fv).await, (1.0, 0.0, 0.0));
+    let good = complete(&fv, 4).await;
+    assert!(!is_garbage(&good), "{good}");
+
+    assert_eq!(post(&fv.at("/sleep?level=1")).await.status(), 200);
+    assert!(is_sleeping(&fv).await);
+    assert_eq!(sleep_state(&fv).await, (0.0, 1.0, 0.0));
+    assert_eq!(
+        get_json(&fv.at("/fake/stats")).await["state"],
+        "weights_offloaded"
+    );
+    // Health and the model list work while asleep.
+    assert_eq!(
+        http().get(fv.at("/health")).send().await.unwrap().status(),
+        200
+    );
+    assert_eq!(get_json(&fv.at("/v1/models")).await["data"][0]["id"], "m");
+
+    let before = stats(&fv).await["last_wake_finished_unix_ns"].clone();
+    assert!(before.is_null());
+    let r = post(&fv.at("/wake_up")).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().is_empty());
+    assert!(!is_sleeping(&fv).await);
+    assert_eq!(sleep_state(&fv).await, (1.0, 0.0, 0.0));
+    assert_eq!(complete(&fv, 4).await, good, "level 1 keeps the weights");
+    let s = stats(&fv).await;
+    assert_eq!(
+        (s["sleeps"].as_u64(), s["wakes"].as_u64()),
+        (Some(1), Some(1))
+    );
+    assert!(s["last_wake_finished_unix_ns"].as_u64().unwrap() > 1_700_000_000_000_000_000);
+}
+
+#[tokio::test]
+async fn level_2_wake_needs_reload_weights() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--tensor-parallel-size", "2"]).await;
+    let good = complete(&fv, 5).await;
+
+    // Woken without reload_weights: garbage, with no warning.
+    assert_eq!(post(&fv.at("/sleep?level=2")).await.status(), 200);
+    assert_eq!(sleep_state(&fv).await, (0.0, 0.0, 1.0));
+    assert_eq!(post(&fv.at("/wake_up")).await.status(), 200);
+    assert!(!is_sleeping(&fv).await);
+    assert!(is_garbage(&complete(&fv, 5).await));
+
+    // The four-call wake that siesta uses gives correct answers again.
+    assert_eq!(post(&fv.at("/sleep?level=2&mode=wait")).await.status(), 200);
+    assert_eq!(post(&fv.at("/wake_up?tags=weights")).await.status(), 200);
+    assert!(
+        is_sleeping(&fv).await,
+        "still sleeping until kv_cache is awake"
+    );
+    let r = post_json(
+        &fv.at("/collective_rpc"),
+        &json!({"method": "reload_weights"}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"results": [null, null]})
+    );
+    assert_eq!(post(&fv.at("/wake_up?tags=kv_cache")).await.status(), 200);
+    assert_eq!(post(&fv.at("/reset_prefix_cache")).await.status(), 200);
+    assert!(!is_sleeping(&fv).await);
+    assert_eq!(sleep_state(&fv).await, (1.0, 0.0, 0.0));
+    assert_eq!(complete(&fv, 5).await, good);
+
+    // reload_weights while the weights are asleep is an engine error; a missing method is 400.
+    assert_eq!(post(&fv.at("/sleep?level=2")).await.status(), 200);
+    let r = post_json(
+        &fv.at("/collective_rpc"),
+        &json!({"method": "reload_weights"}),
+    )
+    .await;
+    assert_eq!(r.status(), 500);
+    assert_eq!(
+        post_json(&fv.at("/collective_rpc"), &json!({}))
+            .await
+            .status(),
+        400
+    );
+}
+
+#[tokio::test]
+async fn a_request_is_held_while_asleep_and_answered_after_wake() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode"]).await;
+    assert_eq!(post(&fv.at("/sleep?level=1")).await.status(), 200);
+    let url = fv.at("/v1/chat/completions");
+    let held = tokio::spawn(async move {
+        let body =
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3});
+        let r = post_json(&url, &body).await;
+        (r.status(), r.json::<Value>().await.unwrap())
+    });
+    wait_until("the request to wait", DEADLINE, || async {
+        stats(&fv).await["waiting"] == 1
+    })
+    .await;
+    assert_eq!(metric(&fv, "vllm:num_requests_waiting", "").await, 1.0);
+    assert!(
+        !held.is_finished(),
+        "a request to a sleeping engine must not be answered"
+    );
+    assert_eq!(post(&fv.at("/wake_up")).await.status(), 200);
+    let (status, body) = tokio::time::timeout(DEADLINE, held).await.unwrap().unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(body["choices"][0]["message"]["content"], "Hello! I am");
+    assert_eq!(body["usage"]["completion_tokens"], 3);
+    assert_eq!(stats(&fv).await["waiting"], 0);
+}
+
+/// Splits an SSE body into its `data:` payloads, checking the framing.
+fn sse_events(body: &str) -> Vec<String> {
+    assert!(
+        body.ends_with("data: [DONE]\n\n"),
+        "stream must end with [DONE]: {body:?}"
+    );
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            assert!(
+                e.starts_with("data: ") && !e.contains('\n'),
+                "bad event {e:?}"
+            );
+            e["data: ".len()..].to_string()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn chat_stream_has_vllm_chunks_usage_and_done() {
+    let fv = spawn_fake_vllm(&["m", "--served-model-name", "a", "b"]).await;
+    let body = json!({"model": "b", "messages": [{"role": "user", "content": "hello there"}],
+                      "max_tokens": 4, "stream": true, "stream_options": {"include_usage": true}});
+    let r = post_json(&fv.at("/v1/chat/completions"), &body).await;
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/event-stream")
+    );
+    let events = sse_events(&r.text().await.unwrap());
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let id = chunks[0]["id"].as_str().unwrap();
+    assert!(id.starts_with("chatcmpl-"));
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["id"], id);
+        assert_eq!(c["model"], "a", "vLLM answers with its first served name");
+    }
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let (usage_chunk, content_chunks) = chunks.split_last().unwrap();
+    assert_eq!(usage_chunk["choices"], json!([]));
+    assert_eq!(usage_chunk["usage"]["completion_tokens"], 4);
+    let p = usage_chunk["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        usage_chunk["usage"]["total_tokens"].as_u64().unwrap(),
+        p + 4
+    );
+    let text: String = content_chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, "Hello! I am a");
+    let last = content_chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert!(
+        content_chunks[..content_chunks.len() - 1]
+            .iter()
+            .all(|c| c["choices"][0]["finish_reason"].is_null())
+    );
+    assert!(content_chunks.iter().all(|c| c.get("usage").is_none()));
+
+    // Completions: `text_completion` chunks, no usage unless asked, natural stop.
+    let body = json!({"model": "a", "prompt": "x", "max_tokens": 1000, "stream": true});
+    let r = post_json(&fv.at("/v1/completions"), &body).await;
+    let events = sse_events(&r.text().await.unwrap());
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "text_completion" && c.get("usage").is_none())
+    );
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(text, complete(&fv, 1000).await);
+}
+
+#[tokio::test]
+async fn openai_shapes_models_errors_embeddings() {
+    let fv = spawn_fake_vllm(&[
+        "org/model",
+        "--served-model-name",
+        "a",
+        "b",
+        "--max-model-len",
+        "4096",
+        "--dtype",
+        "bfloat16",
+        "--disable-custom-all-reduce",
+        "--gpu-memory-utilization",
+        "0.4",
+        "-tp",
+        "2",
+        "--trust-remote-code",
+    ])
+    .await;
+    let models = get_json(&fv.at("/v1/models")).await;
+    assert_eq!(models["object"], "list");
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["a", "b"]);
+    assert_eq!(models["data"][0]["root"], "org/model");
+    assert_eq!(models["data"][0]["max_model_len"], 4096);
+    assert_eq!(models["data"][0]["owned_by"], "vllm");
+    assert!(get_json(&fv.at("/version")).await["version"].is_string());
+    assert_eq!(post(&fv.at("/ping")).await.status(), 200);
+
+    let r = post_json(
+        &fv.at("/v1/chat/completions"),
+        &json!({"model": "nope", "messages": []}),
+    )
+    .await;
+    assert_eq!(r.status(), 404);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "NotFoundError");
+    assert_eq!(e["error"]["code"], 404);
+    let r = http()
+        .post(fv.at("/v1/completions"))
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+
+    let r = post_json(
+        &fv.at("/v1/embeddings"),
+        &json!({"model": "a", "input": ["x", "y z"]}),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"].as_array().unwrap().len(), 2);
+    assert_eq!(v["data"][1]["object"], "embedding");
+    assert!(!v["data"][0]["embedding"].as_array().unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn dev_endpoints_exist_only_in_dev_mode() {
+    let fv = spawn_fake_vllm_env(
+        &["m", "--enable-sleep-mode"],
+        &[("VLLM_SERVER_DEV_MODE", "0")],
+    )
+    .await;
+    for path in [
+        "/sleep?level=1",
+        "/wake_up",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+    ] {
+        assert_eq!(post(&fv.at(path)).await.status(), 404, "{path}");
+    }
+    assert_eq!(
+        http()
+            .get(fv.at("/is_sleeping"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    // The sleep-state gauge is exported without dev mode too.
+    assert_eq!(sleep_state(&fv).await, (1.0, 0.0, 0.0));
+    assert_eq!(
+        http().get(fv.at("/health")).send().await.unwrap().status(),
+        200
+    );
+
+    // Dev mode without --enable-sleep-mode: the routes exist but the engine refuses.
+    let fv = spawn_fake_vllm(&["m"]).await;
+    assert_eq!(post(&fv.at("/sleep?level=1")).await.status(), 500);
+    assert!(!is_sleeping(&fv).await);
+}
+
+#[tokio::test]
+async fn engine_core_child_is_gone_after_sigterm() {
+    let mut fv = spawn_fake_vllm(&["m"]).await;
+    let core = stats(&fv).await["engine_core_pid"].as_i64().unwrap() as i32;
+    let st = proc_stat(core).expect("engine core runs");
+    assert_eq!(st.ppid, fv.child.pid() as i32);
+    assert_eq!(
+        st.pgrp,
+        fv.child.pgid(),
+        "engine core shares the server's process group"
+    );
+    assert_eq!(st.comm, "VLLM::EngineCor");
+    fv.child.signal(Signal::SIGTERM);
+    let status = fv.child.wait_exit(DEADLINE).await;
+    assert!(status.success(), "{status}");
+    wait_until("the engine core to exit", DEADLINE, || async {
+        any_alive(&[core]).is_empty()
+    })
+    .await;
+    assert!(fv.child.group_members().is_empty());
+}
+
+#[tokio::test]
+async fn engine_core_exits_when_its_server_is_sigkilled() {
+    let mut fv = spawn_fake_vllm(&["m"]).await;
+    let core = stats(&fv).await["engine_core_pid"].as_i64().unwrap() as i32;
+    fv.child.signal(Signal::SIGKILL);
+    fv.child.wait_exit(DEADLINE).await;
+    wait_until("the orphaned engine core to exit", DEADLINE, || async {
+        any_alive(&[core]).is_empty()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn orphan_engine_core_fault_outlives_a_sigkilled_server() {
+    let mut fv = spawn_fake_vllm(&["m", "--orphan-engine-core"]).await;
+    let core = stats(&fv).await["engine_core_pid"].as_i64().unwrap() as i32;
+    fv.child.signal(Signal::SIGKILL);
+    fv.child.wait_exit(DEADLINE).await;
+    // Absence of exit can only be sampled: give it several of its 50 ms polls.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        any_alive(&[core]),
+        vec![core],
+        "like vLLM (#55510) the engine core survives"
+    );
+    fv.child.signal_group(Signal::SIGKILL);
+    wait_until(
+        "the group kill to reach the engine core",
+        DEADLINE,
+        || async { any_alive(&[core]).is_empty() },
+    )
+    .await;
+}
