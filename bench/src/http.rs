@@ -116,15 +116,19 @@ impl Conn {
     }
 }
 
-/// A small chat completion request body.
+/// A small chat completion request body. Streams set vLLM's `ignore_eos`
+/// so that exactly `max_tokens` tokens come back.
 pub fn chat_body(model: &str, max_tokens: u32, stream: bool) -> String {
-    serde_json::json!({
+    let mut v = serde_json::json!({
         "model": model,
         "messages": [{"role": "user", "content": "Say hello."}],
         "max_tokens": max_tokens,
         "stream": stream,
-    })
-    .to_string()
+    });
+    if stream {
+        v["ignore_eos"] = true.into();
+    }
+    v.to_string()
 }
 
 /// Counts SSE events (`data:` lines) in a response body.

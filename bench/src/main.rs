@@ -12,6 +12,7 @@ mod release;
 mod scale;
 mod stats;
 mod stream;
+mod util;
 mod watch;
 
 use clap::{Parser, Subcommand};
@@ -37,6 +38,10 @@ enum Cmd {
     Watch(watch::Args),
     /// 6. Control plane scale: ListModels and Watch snapshot with many models.
     Scale(scale::Args),
+    /// Helper: wait until a URL answers 200.
+    WaitHttp(util::WaitArgs),
+    /// Helper: print a free TCP port on 127.0.0.1.
+    FreePort,
 }
 
 #[tokio::main]
@@ -48,5 +53,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Hold(a) => hold::run(a).await,
         Cmd::Watch(a) => watch::run(a).await,
         Cmd::Scale(a) => scale::run(a).await,
+        Cmd::WaitHttp(a) => util::wait_http(a).await,
+        Cmd::FreePort => util::free_port(),
     }
 }

@@ -180,7 +180,11 @@ impl ModelConfig {
 
     /// "process" or "attach".
     pub fn launch_kind(&self) -> &'static str {
-        if self.is_attach() { "attach" } else { "process" }
+        if self.is_attach() {
+            "attach"
+        } else {
+            "process"
+        }
     }
 }
 
@@ -249,3 +253,6 @@ impl Config {
             .find(|m| m.name == name || m.aliases.iter().any(|a| a == name))
     }
 }
+
+#[cfg(test)]
+mod tests;

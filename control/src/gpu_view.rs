@@ -154,7 +154,12 @@ impl GpuView {
                 .cloned()
         };
         pb::ListGpusResponse {
-            gpus: st.inventory.gpus.iter().map(|g| gpu_to_proto(g, model_of)).collect(),
+            gpus: st
+                .inventory
+                .gpus
+                .iter()
+                .map(|g| gpu_to_proto(g, model_of))
+                .collect(),
             source: match st.inventory.source {
                 InventorySource::Nvml => "nvml",
                 InventorySource::Config => "config",
@@ -201,8 +206,21 @@ impl GpuView {
     }
 
     /// Runs the P2P probe over every GPU and keeps its results.
-    pub async fn diag_p2p(&self, bytes: u64, timeout: Duration, now_ms: i64) -> pb::DiagP2pResponse {
-        let gpus: Vec<u32> = self.state.lock().unwrap().inventory.gpus.iter().map(|g| g.index).collect();
+    pub async fn diag_p2p(
+        &self,
+        bytes: u64,
+        timeout: Duration,
+        now_ms: i64,
+    ) -> pb::DiagP2pResponse {
+        let gpus: Vec<u32> = self
+            .state
+            .lock()
+            .unwrap()
+            .inventory
+            .gpus
+            .iter()
+            .map(|g| g.index)
+            .collect();
         if gpus.len() < 2 {
             return pb::DiagP2pResponse {
                 message: format!("P2P needs at least two GPUs; this box has {}", gpus.len()),

@@ -13,7 +13,7 @@ use tokio::sync::mpsc;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Body {
     Snapshot(Snapshot),
-    Model(ModelStatus),
+    Model(Box<ModelStatus>),
     ModelRemoved(String),
     Gpus(Arc<pb::ListGpusResponse>),
     Placement(Arc<pb::GetPlacementResponse>),
@@ -127,7 +127,7 @@ impl Hub {
             return;
         }
         inner.models.insert(status.name.clone(), status.clone());
-        self.publish(&mut inner, Body::Model(status));
+        self.publish(&mut inner, Body::Model(Box::new(status)));
     }
 
     pub fn remove_model(&self, name: &str) {
@@ -187,7 +187,10 @@ impl Hub {
         if inner.closed {
             return None;
         }
-        let oldest = inner.history.front().map_or(inner.revision + 1, |i| i.revision);
+        let oldest = inner
+            .history
+            .front()
+            .map_or(inner.revision + 1, |i| i.revision);
         let pending: VecDeque<Arc<WatchItem>> = match since {
             Some(s) if s <= inner.revision && s + 1 >= oldest => inner
                 .history

@@ -1,15 +1,16 @@
 //! siesta-control: owns every engine on one GPU box.
 #![forbid(unsafe_code)]
 
+pub mod api;
 pub mod config;
-pub mod reconciler;
-pub mod gpu;
-pub mod placement;
-mod error;
 pub mod engine;
+mod error;
+pub mod gpu;
 pub mod gpu_view;
 pub mod hub;
 pub mod models;
+pub mod placement;
+pub mod reconciler;
 pub mod runner;
 pub mod server;
 pub mod status;

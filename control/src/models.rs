@@ -81,7 +81,12 @@ impl Models {
 
     fn add(&self, cfg: ModelConfig, placed: Option<Placed>) -> std::io::Result<()> {
         let placed = placed.unwrap_or_else(|| default_placement(&cfg));
-        let handle = spawn_model(cfg.clone(), placed, self.shared.clone(), self.cancel.child_token())?;
+        let handle = spawn_model(
+            cfg.clone(),
+            placed,
+            self.shared.clone(),
+            self.cancel.child_token(),
+        )?;
         let mut reg = self.registry.write().unwrap();
         for alias in &cfg.aliases {
             reg.names.insert(alias.clone(), cfg.name.clone());
@@ -104,6 +109,21 @@ impl Models {
         self.shared.store.remove(name);
     }
 
+    /// Waits for every model task to end.
+    pub async fn join(&self) {
+        let handles: Vec<_> = self
+            .registry
+            .read()
+            .unwrap()
+            .models
+            .values()
+            .cloned()
+            .collect();
+        for h in handles {
+            h.join().await;
+        }
+    }
+
     /// A model by name or alias.
     pub fn resolve(&self, name: &str) -> Result<Arc<ModelHandle>, OpError> {
         let reg = self.registry.read().unwrap();
@@ -117,7 +137,10 @@ impl Models {
     /// Every model's current status.
     pub fn list(&self) -> Vec<ModelStatus> {
         let reg = self.registry.read().unwrap();
-        reg.models.values().map(|h| h.status.borrow().clone()).collect()
+        reg.models
+            .values()
+            .map(|h| h.status.borrow().clone())
+            .collect()
     }
 
     pub fn status(&self, name: &str) -> Result<ModelStatus, OpError> {
@@ -135,13 +158,19 @@ impl Models {
     }
 
     /// Operator command; returns the status once accepted and a short account.
-    pub async fn command(&self, name: &str, cmd: Command) -> Result<(ModelStatus, String), OpError> {
+    pub async fn command(
+        &self,
+        name: &str,
+        cmd: Command,
+    ) -> Result<(ModelStatus, String), OpError> {
         let h = self.resolve(name)?;
         let before = h.status.borrow().clone();
         let attach = h.cfg.is_attach();
         match cmd {
             Command::Sleep(0 | 3..) => {
-                return Err(OpError::InvalidArgument("sleep level must be 1 or 2".into()));
+                return Err(OpError::InvalidArgument(
+                    "sleep level must be 1 or 2".into(),
+                ));
             }
             Command::Sleep(_) if before.state == State::Stopped => {
                 return Err(OpError::FailedPrecondition(format!(
@@ -185,12 +214,20 @@ impl Models {
         let msg = match waited {
             Ok(_) if status.state == State::Awake => "awake".to_string(),
             Ok(_) => format!("failed: {}", status.last_error),
-            Err(_) => format!("still {:?} after {timeout:?}; the wake goes on", status.state).to_lowercase(),
+            Err(_) => format!(
+                "still {:?} after {timeout:?}; the wake goes on",
+                status.state
+            )
+            .to_lowercase(),
         };
         Ok((status, msg))
     }
 
-    pub async fn pin(&self, name: &str, until_unix_ms: i64) -> Result<(ModelStatus, String), OpError> {
+    pub async fn pin(
+        &self,
+        name: &str,
+        until_unix_ms: i64,
+    ) -> Result<(ModelStatus, String), OpError> {
         let h = self.resolve(name)?;
         let now = self.shared.clock.now_ms();
         let until = match until_unix_ms {
@@ -213,7 +250,10 @@ impl Models {
     pub async fn unpin(&self, name: &str) -> Result<(ModelStatus, String), OpError> {
         let h = self.resolve(name)?;
         let status = self.send(&h, Event::Unpin).await?;
-        Ok((status, "unpinned; idle tiers count from the last activity".into()))
+        Ok((
+            status,
+            "unpinned; idle tiers count from the last activity".into(),
+        ))
     }
 
     /// A proxy's demand: (status, accepted, message).
@@ -221,7 +261,10 @@ impl Models {
         let h = self.resolve(name)?;
         let status = self.send(&h, Event::Demand).await?;
         if status.intent.desired == Desired::Stopped && status.intent.reason == Reason::Operator {
-            let msg = format!("{} was stopped by an operator; Start or Wake it first", status.name);
+            let msg = format!(
+                "{} was stopped by an operator; Start or Wake it first",
+                status.name
+            );
             return Ok((status, false, msg));
         }
         let msg = match status.state {
@@ -248,12 +291,27 @@ impl Models {
         }
     }
 
+    /// Reads `path` and applies it; an invalid file changes nothing and is
+    /// refused with its errors.
+    pub async fn reload_file(&self, path: &std::path::Path) -> Result<ReloadSummary, OpError> {
+        let config = Config::load(path).map_err(|e| OpError::InvalidArgument(e.to_string()))?;
+        let s = self
+            .reload(&config)
+            .await
+            .map_err(|e| OpError::Unavailable(format!("reload: {e}")))?;
+        tracing::info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, "configuration reloaded");
+        Ok(s)
+    }
+
     /// Applies a new configuration: removed models are stopped, changed
     /// ones restarted with the new settings, added ones started.
     pub async fn reload(&self, config: &Config) -> std::io::Result<ReloadSummary> {
         let current: BTreeMap<String, Arc<ModelConfig>> = {
             let reg = self.registry.read().unwrap();
-            reg.models.iter().map(|(n, h)| (n.clone(), h.cfg.clone())).collect()
+            reg.models
+                .iter()
+                .map(|(n, h)| (n.clone(), h.cfg.clone()))
+                .collect()
         };
         let mut s = ReloadSummary::default();
         for name in current.keys() {
@@ -289,7 +347,10 @@ fn account(before: &ModelStatus, after: &ModelStatus, cmd: Command) -> String {
             format!("already asleep at level {}", before.sleep_level)
         }
         (Command::Sleep(_), _) if after.in_flight > 0 && after.state == State::Awake => {
-            format!("will sleep once {} request(s) in flight finish", after.in_flight)
+            format!(
+                "will sleep once {} request(s) in flight finish",
+                after.in_flight
+            )
         }
         _ => state,
     }

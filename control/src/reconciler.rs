@@ -58,15 +58,32 @@ pub struct Intent {
 pub enum Phase {
     Stopped,
     /// `spawned`: false while waiting for the per-GPU start lock.
-    Starting { deadline: Instant, spawned: bool },
+    Starting {
+        deadline: Instant,
+        spawned: bool,
+    },
     Awake,
-    Sleeping { level: u8, deadline: Instant },
-    Asleep { level: u8 },
+    Sleeping {
+        level: u8,
+        deadline: Instant,
+    },
+    Asleep {
+        level: u8,
+    },
     /// `step` indexes [`wake_calls`]`(from_level)`.
-    Waking { from_level: u8, step: usize, deadline: Instant },
+    Waking {
+        from_level: u8,
+        step: usize,
+        deadline: Instant,
+    },
     /// `killed`: SIGKILL already sent.
-    Stopping { deadline: Instant, killed: bool },
-    Failed { retry_at: Option<Instant> },
+    Stopping {
+        deadline: Instant,
+        killed: bool,
+    },
+    Failed {
+        retry_at: Option<Instant>,
+    },
 }
 
 impl Phase {
@@ -138,17 +155,45 @@ pub enum Event {
         last_finished: Option<Instant>,
     },
     /// The engine's own `vllm:num_requests_running`.
-    EngineMetrics { running: u32 },
-    Spawned { proc_gen: u64, pid: u32 },
-    SpawnFailed { proc_gen: u64, error: String },
-    ChildExited { proc_gen: u64, status: String },
+    EngineMetrics {
+        running: u32,
+    },
+    Spawned {
+        proc_gen: u64,
+        pid: u32,
+    },
+    SpawnFailed {
+        proc_gen: u64,
+        error: String,
+    },
+    ChildExited {
+        proc_gen: u64,
+        status: String,
+    },
     /// `/health` answered 200 (`asleep`: the engine says it sleeps, at that level).
-    HealthOk { epoch: u64, asleep: Option<u8> },
-    HealthFailed { epoch: u64, error: String },
-    SleepDone { epoch: u64 },
-    SleepFailed { epoch: u64, error: String },
-    WakeStepDone { epoch: u64, step: usize },
-    WakeFailed { epoch: u64, error: String },
+    HealthOk {
+        epoch: u64,
+        asleep: Option<u8>,
+    },
+    HealthFailed {
+        epoch: u64,
+        error: String,
+    },
+    SleepDone {
+        epoch: u64,
+    },
+    SleepFailed {
+        epoch: u64,
+        error: String,
+    },
+    WakeStepDone {
+        epoch: u64,
+        step: usize,
+    },
+    WakeFailed {
+        epoch: u64,
+        error: String,
+    },
     /// A timer fired (deadlines, retries, tiers, pin expiry are checked).
     Tick,
 }
@@ -165,11 +210,22 @@ pub enum Signal {
 pub enum Effect {
     /// Take the start lock of the model's GPUs, make sure no old process is
     /// left, spawn; answer `Spawned` or `SpawnFailed`.
-    Spawn { proc_gen: u64 },
+    Spawn {
+        proc_gen: u64,
+    },
     /// Probe `/health` until it answers 200; answer `HealthOk` (tagged `epoch`).
-    ProbeHealth { epoch: u64 },
-    Sleep { epoch: u64, level: u8 },
-    Wake { epoch: u64, step: usize, call: WakeCall },
+    ProbeHealth {
+        epoch: u64,
+    },
+    Sleep {
+        epoch: u64,
+        level: u8,
+    },
+    Wake {
+        epoch: u64,
+        step: usize,
+        call: WakeCall,
+    },
     Signal(Signal),
     /// Drop the per-GPU start lock if held.
     ReleaseStartLock,

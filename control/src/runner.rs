@@ -50,7 +50,10 @@ pub(crate) enum Msg {
         result: Result<Option<u32>, String>,
     },
     /// Stop the engine (if `stop_engine`) and end the task.
-    Shutdown { stop_engine: bool, done: oneshot::Sender<()> },
+    Shutdown {
+        stop_engine: bool,
+        done: oneshot::Sender<()>,
+    },
 }
 
 /// The API's handle on a model task.
@@ -60,6 +63,7 @@ pub struct ModelHandle {
     tx: mpsc::UnboundedSender<Msg>,
     pub status: watch::Receiver<ModelStatus>,
     pub logs: Arc<LogRing>,
+    task: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Msg {
@@ -84,6 +88,14 @@ impl ModelHandle {
     /// Sends an event without waiting.
     pub fn notify(&self, event: Event) {
         let _ = self.tx.send(Msg::Event(event, None));
+    }
+
+    /// Waits for the task to end (after cancellation or shutdown).
+    pub async fn join(&self) {
+        let task = self.task.lock().unwrap().take();
+        if let Some(t) = task {
+            let _ = t.await;
+        }
     }
 
     /// Ends the task, stopping the engine first when asked.
@@ -154,12 +166,13 @@ pub fn spawn_model(
         polling: false,
         poll_failures: 0,
     };
-    tokio::spawn(runner.run(rx, cancel));
+    let task = tokio::spawn(runner.run(rx, cancel));
     Ok(ModelHandle {
         cfg,
         tx,
         status: status_rx,
         logs,
+        task: std::sync::Mutex::new(Some(task)),
     })
 }
 
@@ -316,7 +329,10 @@ impl Runner {
         proc.signal(nix::sys::signal::Signal::SIGTERM);
         let mut exited = proc.exited.clone();
         let grace = self.cfg.timeouts.stop_grace;
-        if tokio::time::timeout(grace, exited.wait_for(|e| *e)).await.is_err() {
+        if tokio::time::timeout(grace, exited.wait_for(|e| *e))
+            .await
+            .is_err()
+        {
             proc.kill_and_wait().await;
         }
     }

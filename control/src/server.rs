@@ -1,8 +1,21 @@
-//! The daemon: binds the gRPC listener, runs the model tasks, shuts down.
+//! The daemon: binds the gRPC listener, starts the model tasks, serves
+//! `siesta.v1.Control`, gRPC health and reflection, and shuts down cleanly.
 
+use crate::api::ControlService;
+use crate::api::auth::BearerAuth;
+use crate::gpu_view::GpuView;
+use crate::hub::{Body, Hub};
+use crate::models::Models;
+use crate::runner::Shared;
+use crate::status::Clock;
+use crate::store::Store;
+use crate::supervisor::StartLocks;
 use crate::{Config, Error};
+use siesta_proto::v1 as pb;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -24,12 +37,28 @@ pub struct Server {
     opts: ServeOptions,
     listener: TcpListener,
     local_addr: SocketAddr,
+    token: Option<String>,
+}
+
+/// The bearer token: `[control] token`, else `SIESTA_TOKEN`.
+fn token(config: &Config) -> Option<String> {
+    config
+        .control
+        .token
+        .clone()
+        .or_else(|| std::env::var("SIESTA_TOKEN").ok())
+        .filter(|t| !t.is_empty())
 }
 
 impl Server {
-    /// Binds the listener (port 0 picks a free port).
+    /// Binds the listener (port 0 picks a free port). A non-loopback
+    /// address without a token is refused.
     pub async fn bind(config: Config, opts: ServeOptions) -> Result<Server, Error> {
         let addr = opts.listen.unwrap_or(config.control.listen);
+        let token = token(&config);
+        if !addr.ip().is_loopback() && token.is_none() {
+            return Err(Error::TokenRequired(addr));
+        }
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| Error::Bind { addr, source })?;
@@ -41,6 +70,7 @@ impl Server {
             opts,
             listener,
             local_addr,
+            token,
         })
     }
 
@@ -49,10 +79,157 @@ impl Server {
         self.local_addr
     }
 
-    /// Serves until `shutdown` is cancelled.
+    /// Serves until `shutdown` is cancelled; then ends streams, and stops
+    /// engines only with `stop_engines_on_exit`.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let _ = (&self.config, &self.opts, &self.listener);
-        shutdown.cancelled().await;
-        Ok(())
+        let Server {
+            config,
+            opts,
+            listener,
+            local_addr,
+            token,
+        } = self;
+        let state_dir = config.control.state_dir.clone();
+        let store = Store::open(&state_dir).map_err(|source| Error::StateDir {
+            path: state_dir.clone(),
+            source,
+        })?;
+        let clock = Clock::new();
+        let hub = Hub::new(clock, 4096, 1024);
+        let cfg = config.clone();
+        let gpus = Arc::new(
+            tokio::task::spawn_blocking(move || GpuView::detect(&cfg))
+                .await
+                .map_err(|e| Error::StateDir {
+                    path: state_dir.clone(),
+                    source: std::io::Error::other(e),
+                })?,
+        );
+        hub.set_gpus(gpus.list_gpus(&[]));
+        let shared = Arc::new(Shared {
+            hub: hub.clone(),
+            clock,
+            locks: StartLocks::default(),
+            store: store.clone(),
+            log_dir: state_dir.join("logs"),
+            control_id: config.control.control_id.clone(),
+            poll_every: Duration::from_secs(1),
+            stop_engines_on_exit: opts.stop_engines_on_exit,
+        });
+        let tasks = shutdown.child_token();
+        let writer = tokio::spawn(store.clone().run_writer(tasks.clone()));
+        let models = Arc::new(
+            Models::start(&config, &gpus.placed(), shared, tasks.clone()).map_err(|source| {
+                Error::StateDir {
+                    path: state_dir.clone(),
+                    source,
+                }
+            })?,
+        );
+        hub.set_placement(gpus.placement(&models.list()));
+        let service = ControlService {
+            models: models.clone(),
+            hub: hub.clone(),
+            gpus,
+            clock,
+            control_id: config.control.control_id.clone(),
+            started_unix_ms: clock.now_ms(),
+            config_path: opts.config_path.clone().or(config.path.clone()),
+            cancel: tasks.clone(),
+            reload_lock: Default::default(),
+        };
+        let (health, health_service) = tonic_health::server::health_reporter();
+        health
+            .set_serving::<pb::control_server::ControlServer<ControlService>>()
+            .await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|e| Error::StateDir {
+                path: PathBuf::from("<reflection>"),
+                source: std::io::Error::other(e),
+            })?;
+        tokio::spawn(publish_placement_changes(
+            hub.clone(),
+            service.gpus.clone(),
+            models.clone(),
+            tasks.clone(),
+        ));
+        if let Some(path) = service.config_path.clone() {
+            tokio::spawn(reload_on_sighup(
+                models.clone(),
+                service.reload_lock.clone(),
+                path,
+                tasks.clone(),
+            ));
+        }
+        let auth = BearerAuth::new(token);
+        let control = pb::control_server::ControlServer::with_interceptor(service, move |req| {
+            auth.check(req)
+        });
+        tracing::info!(addr = %local_addr, models = config.models.len(), origin = %config.origin, "serving");
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let served = tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(control)
+            .serve_with_incoming_shutdown(incoming, {
+                let tasks = tasks.clone();
+                async move { tasks.cancelled().await }
+            })
+            .await;
+        tasks.cancel();
+        hub.close();
+        models.join().await;
+        let _ = writer.await;
+        tracing::info!("stopped");
+        served.map_err(Error::from)
+    }
+}
+
+/// SIGHUP re-reads the configuration file, as the `Reload` RPC does.
+async fn reload_on_sighup(
+    models: Arc<Models>,
+    lock: Arc<tokio::sync::Mutex<()>>,
+    path: PathBuf,
+    cancel: CancellationToken,
+) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = hup.recv() => {}
+        }
+        let _guard = lock.lock().await;
+        if let Err(e) = models.reload_file(&path).await {
+            tracing::error!(path = %path.display(), error = %e, "SIGHUP: configuration refused; the running one stays in force");
+        }
+    }
+}
+
+/// Placement budgets follow the models' states: republish them (the hub
+/// drops unchanged ones) whenever a model's status changes.
+async fn publish_placement_changes(
+    hub: Arc<Hub>,
+    gpus: Arc<GpuView>,
+    models: Arc<Models>,
+    cancel: CancellationToken,
+) {
+    let Some(mut sub) = hub.subscribe(hub.revision()) else {
+        return;
+    };
+    loop {
+        let item = tokio::select! {
+            _ = cancel.cancelled() => return,
+            item = sub.next() => item,
+        };
+        match item.map(|i| matches!(i.body, Body::Model(_) | Body::ModelRemoved(_))) {
+            None => return,
+            Some(true) => hub.set_placement(gpus.placement(&models.list())),
+            Some(false) => {}
+        }
     }
 }

@@ -149,7 +149,10 @@ pub fn model_status(
     };
     let waiting_for = match m.phase {
         Phase::Starting { spawned: false, .. } => {
-            format!("start lock of GPUs {:?} (engines sharing a GPU start one at a time)", facts.gpus)
+            format!(
+                "start lock of GPUs {:?} (engines sharing a GPU start one at a time)",
+                facts.gpus
+            )
         }
         Phase::Awake if m.intent.desired != Desired::Awake && m.in_flight() > 0 => {
             format!("{} request(s) in flight to finish", m.in_flight())

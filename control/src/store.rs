@@ -180,7 +180,9 @@ impl Store {
             let me = self.clone();
             match tokio::task::spawn_blocking(move || me.write_now()).await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::error!(path = %self.path.display(), error = %e, "cannot write intents"),
+                Ok(Err(e)) => {
+                    tracing::error!(path = %self.path.display(), error = %e, "cannot write intents")
+                }
                 Err(e) => tracing::error!(error = %e, "intent writer panicked"),
             }
             if stop {

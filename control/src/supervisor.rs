@@ -123,7 +123,13 @@ pub fn signal_group(pid: u32, sig: NixSignal) {
 
 fn file_name(name: &str) -> String {
     name.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect()
 }
 
@@ -167,7 +173,13 @@ pub fn spawn(
         on_exit(status);
     });
     for (path, stream) in [(out_path, "stdout"), (err_path, "stderr")] {
-        tokio::spawn(tail(path, stream, name.to_string(), logs.clone(), exited.clone()));
+        tokio::spawn(tail(
+            path,
+            stream,
+            name.to_string(),
+            logs.clone(),
+            exited.clone(),
+        ));
     }
     Ok(ProcHandle {
         pid,
@@ -199,7 +211,9 @@ async fn tail(
             partial.extend_from_slice(&buf);
             while let Some(i) = partial.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = partial.drain(..=i).collect();
-                let text = String::from_utf8_lossy(&line[..line.len() - 1]).trim_end().to_string();
+                let text = String::from_utf8_lossy(&line[..line.len() - 1])
+                    .trim_end()
+                    .to_string();
                 tracing::info!(target: "siesta::engine", model = %model, stream, "{text}");
                 logs.push(stream, text);
             }
@@ -251,15 +265,24 @@ mod tests {
         let cfg = Config::demo(vec!["/bin/siesta".into(), "fake-vllm".into()]);
         let mut m = cfg.models[0].clone();
         m.gpu_memory = Some(GpuMemory::Fraction(0.45));
-        let placed = Placed { gpus: vec![2, 3], ..Placed::default() };
+        let placed = Placed {
+            gpus: vec![2, 3],
+            ..Placed::default()
+        };
         let spec = spawn_spec(&m, 8101, &placed);
         assert_eq!(spec.program, "/bin/siesta");
         let argv = spec.args.join(" ");
         assert!(argv.starts_with(
             "fake-vllm serve Qwen/Qwen3-8B --host 127.0.0.1 --port 8101 --served-model-name chat --enable-sleep-mode --tensor-parallel-size 2 --gpu-memory-utilization 0.45 --startup-time"
         ), "{argv}");
-        assert!(spec.env.contains(&("CUDA_VISIBLE_DEVICES".into(), "2,3".into())));
-        assert!(spec.env.contains(&("VLLM_SERVER_DEV_MODE".into(), "1".into())));
+        assert!(
+            spec.env
+                .contains(&("CUDA_VISIBLE_DEVICES".into(), "2,3".into()))
+        );
+        assert!(
+            spec.env
+                .contains(&("VLLM_SERVER_DEV_MODE".into(), "1".into()))
+        );
     }
 
     #[tokio::test]

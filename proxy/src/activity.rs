@@ -77,10 +77,13 @@ pub fn now_unix_ms() -> i64 {
         .map_or(0, |d| d.as_millis() as i64)
 }
 
+/// (control plane, model).
+type CounterKey = (SourceId, Arc<str>);
+
 /// All counters and pending failure reports.
 #[derive(Debug, Default)]
 pub struct Activity {
-    counters: Mutex<HashMap<(SourceId, Arc<str>), Arc<ActivityCounters>>>,
+    counters: Mutex<HashMap<CounterKey, Arc<ActivityCounters>>>,
     failures: Mutex<Vec<(SourceId, EndpointFailure)>>,
 }
 

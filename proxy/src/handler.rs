@@ -89,14 +89,14 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
         if !authorized(&shared, &req) {
             (no_model(), ApiError::Unauthorized.into_response())
         } else if path == "/v1/models" || path == "/v1/models/" {
-            (no_model(), crate::handler::models::list(&shared))
+            (no_model(), models::list(&shared))
         } else if let Some(id) = path.strip_prefix("/v1/models/") {
             (no_model(), models::one(&shared, id))
         } else {
             let e = ApiError::NoRoute(format!("GET {path}"));
             (no_model(), e.into_response())
         }
-    } else if req.method() == Method::POST && path.starts_with("/v1/") {
+    } else if req.method() == Method::POST && forwardable_path(path) {
         if authorized(&shared, &req) {
             model_request(&shared, req).await
         } else {
@@ -111,6 +111,23 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
 }
 
 mod models;
+
+/// A `/v1/...` path an engine cannot resolve to anything else: no empty, `.`
+/// or `..` segments and no escapes, so `/v1/../sleep` never reaches `/sleep`.
+fn forwardable_path(path: &str) -> bool {
+    let Some(rest) = path.strip_prefix("/v1/") else {
+        return false;
+    };
+    !rest.is_empty()
+        && rest.split('/').all(|seg| {
+            !seg.is_empty()
+                && seg != "."
+                && seg != ".."
+                && seg
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
+        })
+}
 
 fn authorized(shared: &Shared, req: &Request<Incoming>) -> bool {
     if shared.api_keys.is_empty() {
@@ -207,10 +224,8 @@ async fn model_request(shared: &Shared, req: Request<Incoming>) -> (Arc<str>, Re
         );
     };
     let model = route.name.clone();
-    let span = field.span.clone();
-    let requested = field.name.into_owned();
     drop(view);
-    let resp = route_loop(shared, &model, &requested, &parts, &body, span)
+    let resp = route_loop(shared, &model, &field.name, &parts, &body, field.span.clone())
         .await
         .unwrap_or_else(|e| {
             if let ApiError::Shed { reason, .. } = &e {
@@ -239,6 +254,11 @@ async fn route_loop(
 ) -> Result<Response<ProxyBody>, ApiError> {
     let mut held_since: Option<Instant> = None;
     let mut ticket: Option<Ticket> = None;
+    let mut clock = HoldClock {
+        shared,
+        model,
+        since: None,
+    };
     loop {
         let view = shared.table.view();
         let Some(route) = view.by_name.get(&**model).cloned() else {
@@ -249,7 +269,7 @@ async fn route_loop(
             && let Some(up) = route.pick().cloned()
         {
             ticket = None; // leaves the queue
-            observe_hold(shared, model, held_since);
+            clock.stop();
             let out = if up.served_name.as_bytes() == &body[span.start + 1..span.end - 1]
                 || up.served_name == requested
             {
@@ -281,6 +301,7 @@ async fn route_loop(
             }
         }
         let since = *held_since.get_or_insert_with(Instant::now);
+        clock.since.get_or_insert(since);
         let deadline = since + Duration::from_millis(route.max_hold_ms);
         if ticket.is_none() {
             ticket = Some(shared.holds.admit(&route, since)?);
@@ -299,15 +320,31 @@ async fn route_loop(
     }
 }
 
-fn observe_hold(shared: &Shared, model: &Arc<str>, held_since: Option<Instant>) {
-    if let Some(since) = held_since {
-        shared
-            .metrics
-            .hold_wait
-            .get_or_create(&ModelLabels {
-                model: model.clone(),
-            })
-            .observe(since.elapsed().as_secs_f64());
+/// Observes the hold wait once: when the request leaves the queue for an
+/// engine, or when it ends otherwise (shed, timeout, client gone).
+struct HoldClock<'a> {
+    shared: &'a Shared,
+    model: &'a Arc<str>,
+    since: Option<Instant>,
+}
+
+impl HoldClock<'_> {
+    fn stop(&mut self) {
+        if let Some(since) = self.since.take() {
+            self.shared
+                .metrics
+                .hold_wait
+                .get_or_create(&ModelLabels {
+                    model: self.model.clone(),
+                })
+                .observe(since.elapsed().as_secs_f64());
+        }
+    }
+}
+
+impl Drop for HoldClock<'_> {
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 
@@ -321,5 +358,23 @@ fn hold_timeout(shared: &Shared, route: &ModelRoute) -> ApiError {
             "model `{}` did not become ready within {} ms",
             route.name, route.max_hold_ms
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::forwardable_path;
+
+    #[test]
+    fn only_plain_v1_paths_are_forwarded() {
+        for ok in ["/v1/chat/completions", "/v1/embeddings", "/v1/audio/transcriptions", "/v1/a.b"] {
+            assert!(forwardable_path(ok), "{ok}");
+        }
+        for bad in [
+            "/v1/", "/v1", "/sleep", "/v1/../sleep", "/v1/./x", "/v1//x", "/v1/%2e%2e/sleep",
+            "/v1/x/", "/v1/x\\..", "/wake_up", "/v2/chat",
+        ] {
+            assert!(!forwardable_path(bad), "{bad}");
+        }
     }
 }

@@ -256,7 +256,10 @@ impl Holds {
             let Some(route) = view.by_name.get(&*queue.model) else {
                 return;
             };
-            let res = match self.controls.client(&route.source) {
+            // Another control plane that has the model when the best one
+            // cannot be reached.
+            let source = &route.sources[attempt as usize % route.sources.len()];
+            let res = match self.controls.client(source) {
                 Some(mut client) => {
                     let req = DemandRequest {
                         model: route.name.to_string(),

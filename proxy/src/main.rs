@@ -56,7 +56,9 @@ struct Args {
 }
 
 fn write_addr_file(path: &PathBuf, proxy: &Proxy) -> anyhow::Result<()> {
-    let tmp = path.with_extension("tmp");
+    let mut tmp = path.clone().into_os_string();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
     let text = format!(
         "http={}\nadmin={}\n",
         proxy.local_addr(),

@@ -75,7 +75,8 @@ pub struct ModelRoute {
     /// The status of the control plane best placed to serve the model soon
     /// (awake, then waking, starting, asleep L1, ...): Demand goes there.
     pub status: ModelStatus,
-    pub source: SourceId,
+    /// Every control plane that has the model, best first.
+    pub sources: Vec<SourceId>,
     rr: AtomicUsize,
 }
 
@@ -286,7 +287,7 @@ impl RouteTable {
                     }
                 }
             }
-            let (best_src, best) = statuses[0];
+            let best = statuses[0].1;
             let hold = best.hold.unwrap_or(HoldPolicy::default());
             let state = if !endpoints.is_empty() {
                 ModelState::Awake
@@ -312,7 +313,7 @@ impl RouteTable {
                     hold.max_hold_ms
                 },
                 status: best.clone(),
-                source: best_src.clone(),
+                sources: statuses.iter().map(|(id, _)| (*id).clone()).collect(),
                 rr: AtomicUsize::new(0),
             });
             for a in &route.aliases {

@@ -3,7 +3,11 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
+
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
 
 use siesta_proto::v1::control_client::ControlClient;
 use tempfile::TempDir;
@@ -26,7 +30,13 @@ pub struct ControlProc {
     /// The config file's path.
     pub config_path: PathBuf,
     extra_args: Vec<String>,
+    /// Value of [`OWNER_ENV`] given to this control (and inherited by its engines).
+    owner: String,
 }
+
+/// Environment variable marking every process a [`ControlProc`] started (the control plane
+/// and, by inheritance, its engines), so that dropping it kills engines that outlived it.
+pub const OWNER_ENV: &str = "SIESTA_TEST_OWNER";
 
 /// Writes `config_toml` to `DIR/siesta.toml` and runs
 /// `siesta-control --config DIR/siesta.toml --listen 127.0.0.1:0 --addr-file DIR/control.addr`.
@@ -50,13 +60,21 @@ pub async fn spawn_control_with(config_toml: &str, extra_args: &[&str]) -> Contr
     std::fs::write(&config_path, text).expect("writing config");
     let extra_args: Vec<String> = extra_args.iter().map(|s| s.to_string()).collect();
     let listen: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let (child, addr) = launch(dir.path().into(), &config_path, listen, &extra_args).await;
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let owner = format!(
+        "{}-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst),
+        crate::unix_nanos()
+    );
+    let (child, addr) = launch(dir.path().into(), &config_path, listen, &extra_args, &owner).await;
     ControlProc {
         addr,
         child,
         dir,
         config_path,
         extra_args,
+        owner,
     }
 }
 
@@ -65,6 +83,7 @@ async fn launch(
     config: &std::path::Path,
     listen: SocketAddr,
     extra: &[String],
+    owner: &str,
 ) -> (Child, SocketAddr) {
     let addr_file = dir.join("control.addr");
     let _ = std::fs::remove_file(&addr_file);
@@ -75,7 +94,8 @@ async fn launch(
         .arg(listen.to_string())
         .arg("--addr-file")
         .arg(&addr_file)
-        .args(extra);
+        .args(extra)
+        .env(OWNER_ENV, owner);
     let mut child = Child::spawn("siesta-control", cmd);
     let addrs = wait_addr_file(&mut child, &addr_file, &["grpc"], DEADLINE).await;
     (child, addrs[0])
@@ -101,12 +121,19 @@ impl ControlProc {
         }
     }
 
+    /// Pids of every live process this control started, itself included (engines too, even
+    /// after the control that started them was killed).
+    pub fn owned_pids(&self) -> Vec<i32> {
+        crate::pids_with_env(OWNER_ENV, &self.owner)
+    }
+
     /// SIGKILLs the control process's group (not the engines, which have their own groups).
     pub fn kill9(&mut self) {
         self.child.kill9();
     }
 
-    /// SIGTERMs the control process and waits for it to exit.
+    /// SIGTERMs the control process and waits for it to exit (its engines stay, unless it was
+    /// started with `--stop-engines-on-exit`).
     pub async fn terminate(&mut self) -> std::process::ExitStatus {
         self.child.signal(nix::sys::signal::Signal::SIGTERM);
         self.child.wait_exit(DEADLINE).await
@@ -121,9 +148,22 @@ impl ControlProc {
             &self.config_path,
             self.addr,
             &self.extra_args,
+            &self.owner,
         )
         .await;
         self.child = child;
         self.addr = addr;
+    }
+}
+
+impl Drop for ControlProc {
+    /// Kills the control plane and every engine it (or an earlier incarnation) started.
+    fn drop(&mut self) {
+        self.child.kill9();
+        for pid in self.owned_pids() {
+            let pgrp = crate::proc_stat(pid).map_or(pid, |s| s.pgrp);
+            let _ = killpg(Pid::from_raw(pgrp), Signal::SIGKILL);
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
     }
 }

@@ -22,7 +22,9 @@ pub use fake::{
     FakeVllm, fake_vllm_cmd, parse_uvicorn_line, spawn_fake_vllm, spawn_fake_vllm_env,
     spawn_fake_vllm_nowait,
 };
-pub use procfs::{ProcStat, alive, any_alive, descendants, group_members, proc_stat};
+pub use procfs::{
+    ProcStat, alive, any_alive, descendants, group_members, pids_with_env, proc_stat,
+};
 pub use proxy::{ProxyProc, spawn_proxy};
 
 /// How often [`wait_until`] polls its condition.
@@ -96,6 +98,13 @@ pub async fn wait_for<T>(what: &str, deadline: Duration, mut f: impl FnMut() -> 
         }
         tokio::time::sleep(POLL).await;
     }
+}
+
+/// Nanoseconds since the Unix epoch (for unique tags).
+pub(crate) fn unix_nanos() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
 }
 
 /// Reads an address file of `key=IP:PORT` lines (as written by `--addr-file`) into pairs.

@@ -83,6 +83,19 @@ pub fn descendants(pid: i32) -> Vec<i32> {
     out
 }
 
+/// Live processes whose environment holds `key=value` (readable for our own processes).
+pub fn pids_with_env(key: &str, value: &str) -> Vec<i32> {
+    let needle = format!("{key}={value}");
+    all_live()
+        .into_iter()
+        .filter(|s| {
+            std::fs::read(format!("/proc/{}/environ", s.pid))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+        })
+        .map(|s| s.pid)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -100,5 +113,19 @@ mod tests {
         assert!(alive(me));
         let st = proc_stat(me).unwrap();
         assert!(group_members(st.pgrp).contains(&me));
+    }
+
+    #[test]
+    fn finds_processes_by_environment() {
+        let tag = format!("t{}", std::process::id());
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .env("SIESTA_TEST_PROCFS", &tag)
+            .spawn()
+            .unwrap();
+        let found = pids_with_env("SIESTA_TEST_PROCFS", &tag);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(found, vec![child.id() as i32]);
     }
 }

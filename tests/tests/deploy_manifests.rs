@@ -42,10 +42,13 @@ fn text(out: &Output) -> String {
 /// A copy of deploy/ with `edit` applied to one file.
 fn broken_copy(file: &str, from: &str, to: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    for sub in ["kubernetes", "systemd"] {
+    for sub in ["kubernetes", "kubernetes/examples", "systemd"] {
         std::fs::create_dir_all(dir.path().join(sub)).unwrap();
         for entry in std::fs::read_dir(repo().join("deploy").join(sub)).unwrap() {
             let path = entry.unwrap().path();
+            if path.is_dir() {
+                continue;
+            }
             let rel = format!("{sub}/{}", path.file_name().unwrap().to_string_lossy());
             let mut body = std::fs::read_to_string(&path).unwrap();
             if rel == file {

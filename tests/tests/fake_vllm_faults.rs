@@ -44,10 +44,17 @@ async fn bound_url(child: &Child) -> String {
     line.split("on ").nth(1).unwrap().trim().to_string()
 }
 
-/// Whether `GET url/health` answers within `within`.
+/// Whether `GET url/health` answers within `within`; during start-up the connection is
+/// refused (vLLM binds early but listens only once start-up is done).
 async fn answers(url: &str, within: Duration) -> bool {
     let c = reqwest::Client::builder().timeout(within).build().unwrap();
-    c.get(format!("{url}/health")).send().await.is_ok()
+    match c.get(format!("{url}/health")).send().await {
+        Ok(_) => true,
+        Err(e) => {
+            assert!(e.is_connect(), "expected connection refused, got {e:?}");
+            false
+        }
+    }
 }
 
 #[tokio::test]
@@ -270,12 +277,17 @@ async fn sleep_modes_abort_wait_keep() {
     );
     assert_eq!(post(&fv.at("/wake_up")).await.status(), 200);
 
-    // keep: the request is frozen while asleep and finishes after the wake.
-    let req = start(10);
+    // keep: the request (2 s of tokens) is frozen while asleep and finishes after the wake.
+    let req = start(100);
     wait_until("running", DEADLINE, running).await;
     assert_eq!(post(&fv.at("/sleep?level=1&mode=keep")).await.status(), 200);
     assert!(!req.is_finished());
     assert_eq!(post(&fv.at("/wake_up")).await.status(), 200);
     let body = tokio::time::timeout(DEADLINE, req).await.unwrap().unwrap();
     assert!(body.contains("\"finish_reason\":\"length\""), "{body}");
+    assert_eq!(
+        body.matches("data: {").count(),
+        100,
+        "all 100 tokens arrive after the wake"
+    );
 }

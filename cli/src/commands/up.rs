@@ -20,6 +20,13 @@ use crate::render;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
+    // Ctrl-C or SIGTERM from the very start, not only once everything runs.
+    let shutdown = CancellationToken::new();
+    let on_signal = shutdown.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        on_signal.cancel();
+    });
     let (config, config_path) = match &args.config {
         Some(path) => {
             let config = Config::load(path).map_err(|e| Failure::Failed(e.to_string()))?;
@@ -53,22 +60,15 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     .map_err(|e| Failure::Failed(format!("siesta-proxy: {e}")))?;
     let (http, admin) = (proxy.local_addr(), proxy.admin_addr());
 
-    let shutdown = CancellationToken::new();
     let mut control_task = tokio::spawn(server.run(shutdown.child_token()));
     let mut proxy_task = tokio::spawn(proxy.run(shutdown.child_token()));
 
     if let Some(path) = &args.addr_file {
         write_addr_file(path, http, admin, grpc)?;
     }
-    let models = match Conn::connect(&control_url, token).await {
-        Ok(conn) => conn
-            .call_within(Duration::from_secs(5), |mut c| async move {
-                c.list_models(pb::ListModelsRequest {}).await
-            })
-            .await
-            .map(|r| r.models)
-            .unwrap_or_default(),
-        Err(_) => Vec::new(),
+    let models = tokio::select! {
+        m = list_models(&control_url, token) => m,
+        _ = shutdown.cancelled() => Vec::new(),
     };
     print!(
         "{}",
@@ -76,9 +76,10 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     );
 
     let outcome = tokio::select! {
-        _ = shutdown_signal() => Ok(()),
-        r = &mut control_task => Err(Failure::Failed(format!("siesta-control stopped: {}", joined(r)))),
-        r = &mut proxy_task => Err(Failure::Failed(format!("siesta-proxy stopped: {}", joined(r)))),
+        biased;
+        _ = shutdown.cancelled() => Ok(()),
+        r = &mut control_task => ended("siesta-control", r, &shutdown),
+        r = &mut proxy_task => ended("siesta-proxy", r, &shutdown),
     };
     eprintln!(
         "siesta: shutting down{}",
@@ -106,6 +107,19 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     outcome
 }
 
+/// The models, for the banner (none if the control plane is slow to answer).
+async fn list_models(control_url: &str, token: Option<&str>) -> Vec<pb::ModelStatus> {
+    let Ok(conn) = Conn::connect(control_url, token).await else {
+        return Vec::new();
+    };
+    conn.call_within(Duration::from_secs(5), |mut c| async move {
+        c.list_models(pb::ListModelsRequest {}).await
+    })
+    .await
+    .map(|r| r.models)
+    .unwrap_or_default()
+}
+
 /// Waits for Ctrl-C or SIGTERM.
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
@@ -130,12 +144,19 @@ async fn shutdown_signal() {
     }
 }
 
-fn joined<E: std::fmt::Display>(r: Result<Result<(), E>, tokio::task::JoinError>) -> String {
-    match r {
-        Ok(Ok(())) => "finished early".into(),
+/// One half ended before Ctrl-C: that is a failure unless shutdown had begun.
+fn ended<E: std::fmt::Display>(
+    what: &str,
+    r: Result<Result<(), E>, tokio::task::JoinError>,
+    shutdown: &CancellationToken,
+) -> Result<(), Failure> {
+    let why = match r {
+        Ok(Ok(())) if shutdown.is_cancelled() => return Ok(()),
+        Ok(Ok(())) => "finished early".to_owned(),
         Ok(Err(e)) => e.to_string(),
         Err(e) => e.to_string(),
-    }
+    };
+    Err(Failure::Failed(format!("{what} stopped: {why}")))
 }
 
 /// A wildcard listen address is reached on loopback.

@@ -23,7 +23,10 @@ impl BearerAuth {
             .metadata()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
             .unwrap_or("");
         if bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
             Ok(req)
@@ -41,11 +44,16 @@ mod tests {
     fn token_is_checked() {
         let auth = BearerAuth::new(Some("s3cret".into()));
         let mut ok = Request::new(());
-        ok.metadata_mut().insert("authorization", "Bearer s3cret".parse().unwrap());
+        ok.metadata_mut()
+            .insert("authorization", "Bearer s3cret".parse().unwrap());
         assert!(auth.check(ok).is_ok());
         let mut bad = Request::new(());
-        bad.metadata_mut().insert("authorization", "Bearer s3cre".parse().unwrap());
-        assert_eq!(auth.check(bad).unwrap_err().code(), tonic::Code::Unauthenticated);
+        bad.metadata_mut()
+            .insert("authorization", "Bearer s3cre".parse().unwrap());
+        assert_eq!(
+            auth.check(bad).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
         assert!(auth.check(Request::new(())).is_err());
         assert!(BearerAuth::new(None).check(Request::new(())).is_ok());
     }

@@ -219,14 +219,20 @@ pub(super) fn duration_value(p: &mut Problems, key: &str, v: &Value) -> Option<D
         Value::String(s) => match parse_duration(s) {
             Some(d) => Some(d),
             None => {
-                p.push(key, format!("{s:?} is not a duration (like \"1.5s\", \"15m\", \"3h\")"));
+                p.push(
+                    key,
+                    format!("{s:?} is not a duration (like \"1.5s\", \"15m\", \"3h\")"),
+                );
                 None
             }
         },
         v => {
             p.push(
                 key,
-                format!("expected a duration string like \"15m\", found {}", describe(v)),
+                format!(
+                    "expected a duration string like \"15m\", found {}",
+                    describe(v)
+                ),
             );
             None
         }
@@ -244,7 +250,10 @@ pub(super) fn size_value(p: &mut Problems, key: &str, v: &Value) -> Option<u64> 
             }
         },
         v => {
-            p.push(key, format!("expected a size like \"20GiB\", found {}", describe(v)));
+            p.push(
+                key,
+                format!("expected a size like \"20GiB\", found {}", describe(v)),
+            );
             None
         }
     }

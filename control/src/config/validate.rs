@@ -48,7 +48,10 @@ pub(super) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
     let mut seen = BTreeSet::new();
     for (i, g) in gpus.iter().enumerate() {
         if !seen.insert(g.index) {
-            p.push(format!("gpu[{i}].index"), format!("GPU {} is listed twice", g.index));
+            p.push(
+                format!("gpu[{i}].index"),
+                format!("GPU {} is listed twice", g.index),
+            );
         }
     }
     if p.0.is_empty() {
@@ -96,7 +99,10 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
     let listen = r.string(p, "listen").and_then(|s| match s.parse() {
         Ok(a) => Some(a),
         Err(_) => {
-            p.push("control.listen", format!("{s:?} is not an address like \"127.0.0.1:50051\""));
+            p.push(
+                "control.listen",
+                format!("{s:?} is not an address like \"127.0.0.1:50051\""),
+            );
             None
         }
     });
@@ -160,7 +166,9 @@ fn read_defaults(p: &mut Problems, t: &toml::Table) -> Defaults {
         ]
     });
     let max_queue = r.uint(p, "max_queue", u32::MAX as u64).unwrap_or(64) as u32;
-    let max_hold = r.duration(p, "max_hold").unwrap_or(Duration::from_secs(300));
+    let max_hold = r
+        .duration(p, "max_hold")
+        .unwrap_or(Duration::from_secs(300));
     let timeouts = read_timeouts(p, &mut r, Timeouts::default());
     let backoff = read_backoff(p, &mut r, Backoff::default());
     r.finish(p);
@@ -187,7 +195,10 @@ fn read_tiers(p: &mut Problems, r: &mut Reader<'_>) -> Option<Vec<IdleTier>> {
             Some("sleep") => match level.unwrap_or(1) {
                 l @ (1 | 2) => Some(IdleAction::Sleep(l as u8)),
                 l => {
-                    p.push(tr.key("level"), format!("{l} is not a sleep level (1 or 2)"));
+                    p.push(
+                        tr.key("level"),
+                        format!("{l} is not a sleep level (1 or 2)"),
+                    );
                     None
                 }
             },
@@ -198,7 +209,10 @@ fn read_tiers(p: &mut Problems, r: &mut Reader<'_>) -> Option<Vec<IdleTier>> {
                 Some(IdleAction::Stop)
             }
             Some(other) => {
-                p.push(tr.key("action"), format!("{other:?} is not \"sleep\" or \"stop\""));
+                p.push(
+                    tr.key("action"),
+                    format!("{other:?} is not \"sleep\" or \"stop\""),
+                );
                 None
             }
             None => {
@@ -213,7 +227,10 @@ fn read_tiers(p: &mut Problems, r: &mut Reader<'_>) -> Option<Vec<IdleTier>> {
             if let Some(prev) = tiers.last().map(|t: &IdleTier| t.after)
                 && after <= prev
             {
-                p.push(format!("{path}.after"), "tiers must be in increasing order of `after`");
+                p.push(
+                    format!("{path}.after"),
+                    "tiers must be in increasing order of `after`",
+                );
             }
             tiers.push(IdleTier { after, action });
         }
@@ -277,11 +294,17 @@ fn read_model(
                 p.push(r.key("url"), "only applies to launch = \"attach\"");
             }
             if served.is_some() {
-                p.push(r.key("served_model_name"), "only applies to launch = \"attach\" (process engines serve under `name`)");
+                p.push(
+                    r.key("served_model_name"),
+                    "only applies to launch = \"attach\" (process engines serve under `name`)",
+                );
             }
             let command = match (executable, command) {
                 (Some(_), Some(_)) => {
-                    p.push(r.key("command"), "set either `executable` or `command`, not both");
+                    p.push(
+                        r.key("command"),
+                        "set either `executable` or `command`, not both",
+                    );
                     None
                 }
                 (Some(e), None) if e.is_empty() => {
@@ -310,7 +333,10 @@ fn read_model(
                 ("port", port.is_some()),
             ] {
                 if set {
-                    p.push(r.key(k), "does not apply to launch = \"attach\" (use `url`)");
+                    p.push(
+                        r.key(k),
+                        "does not apply to launch = \"attach\" (use `url`)",
+                    );
                 }
             }
             match url {
@@ -334,7 +360,10 @@ fn read_model(
             }
         }
         other => {
-            p.push(r.key("launch"), format!("{other:?} is not \"process\" or \"attach\""));
+            p.push(
+                r.key("launch"),
+                format!("{other:?} is not \"process\" or \"attach\""),
+            );
             None
         }
     };
@@ -346,7 +375,10 @@ fn read_model(
             .filter_map(|(k, v)| match v {
                 Value::String(s) => Some((k.clone(), s.clone())),
                 v => {
-                    p.push(format!("{}.{k}", r.key("env")), format!("expected a string, found {}", describe(v)));
+                    p.push(
+                        format!("{}.{k}", r.key("env")),
+                        format!("expected a string, found {}", describe(v)),
+                    );
                     None
                 }
             })
@@ -354,21 +386,34 @@ fn read_model(
     };
     let gpu_ids = r.uints(p, "gpu_ids").unwrap_or_default();
     let gpus_n = r.uint(p, "gpus", 64).map(|n| n as u32);
-    let gpu_count = gpus_n.unwrap_or(if gpu_ids.is_empty() { 1 } else { gpu_ids.len() as u32 });
+    let gpu_count = gpus_n.unwrap_or(if gpu_ids.is_empty() {
+        1
+    } else {
+        gpu_ids.len() as u32
+    });
     if !gpu_ids.is_empty() && gpu_ids.len() as u32 != gpu_count {
-        p.push(r.key("gpu_ids"), format!("lists {} GPUs but gpus = {gpu_count}", gpu_ids.len()));
+        p.push(
+            r.key("gpu_ids"),
+            format!("lists {} GPUs but gpus = {gpu_count}", gpu_ids.len()),
+        );
     }
     if !gpus.is_empty() {
         for (i, id) in gpu_ids.iter().enumerate() {
             if !gpus.iter().any(|g| g.index == *id) {
-                p.push(format!("{}[{i}]", r.key("gpu_ids")), format!("GPU {id} is not in [[gpu]]"));
+                p.push(
+                    format!("{}[{i}]", r.key("gpu_ids")),
+                    format!("GPU {id} is not in [[gpu]]"),
+                );
             }
         }
     }
     let gpu_memory = r.raw("gpu_memory").and_then(|v| match v {
         Value::Float(f) if *f > 0.0 && *f <= 1.0 => Some(GpuMemory::Fraction(*f)),
         Value::Float(f) => {
-            p.push(r.key("gpu_memory"), format!("{f} is not a fraction in (0, 1]"));
+            p.push(
+                r.key("gpu_memory"),
+                format!("{f} is not a fraction in (0, 1]"),
+            );
             None
         }
         other => size_value(p, &r.key("gpu_memory"), other).map(GpuMemory::Bytes),
@@ -380,11 +425,16 @@ fn read_model(
         Some("asleep") => Preload::Asleep,
         Some("awake") => Preload::Awake,
         Some(o) => {
-            p.push(r.key("preload"), format!("{o:?} is not \"none\", \"asleep\" or \"awake\""));
+            p.push(
+                r.key("preload"),
+                format!("{o:?} is not \"none\", \"asleep\" or \"awake\""),
+            );
             Preload::None
         }
     };
-    let max_queue = r.uint(p, "max_queue", u32::MAX as u64).map_or(d.max_queue, |n| n as u32);
+    let max_queue = r
+        .uint(p, "max_queue", u32::MAX as u64)
+        .map_or(d.max_queue, |n| n as u32);
     let max_hold = r.duration(p, "max_hold").unwrap_or(d.max_hold);
     let timeouts = read_timeouts(p, &mut r, d.timeouts);
     let backoff = read_backoff(p, &mut r, d.backoff);

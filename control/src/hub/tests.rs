@@ -1,7 +1,7 @@
 use super::*;
 use crate::config::Config;
 use crate::reconciler::{ModelState, Settings};
-use crate::status::{EngineFacts, Endpoint, model_status};
+use crate::status::{Endpoint, EngineFacts, model_status};
 use tokio::time::Instant;
 
 fn status(name: &str, restarts: u32) -> ModelStatus {
@@ -9,7 +9,10 @@ fn status(name: &str, restarts: u32) -> ModelStatus {
     let mut m = cfg.models[0].clone();
     m.name = name.into();
     let facts = EngineFacts {
-        endpoint: Endpoint { url: "http://x".into(), served_model_name: name.into() },
+        endpoint: Endpoint {
+            url: "http://x".into(),
+            served_model_name: name.into(),
+        },
         gpus: vec![],
         p2p_disabled: false,
         control_id: "t".into(),
@@ -34,7 +37,9 @@ async fn snapshot_first_then_events() {
     let mut sub = hub.subscribe(0).unwrap();
     let first = sub.next().await.unwrap();
     assert_eq!(first.revision, 1);
-    let Body::Snapshot(s) = &first.body else { panic!() };
+    let Body::Snapshot(s) = &first.body else {
+        panic!()
+    };
     assert_eq!(s.models.len(), 1);
     assert!(!s.resync);
     hub.publish_model(status("a", 1));
@@ -63,7 +68,9 @@ async fn since_revision_resumes_or_resyncs() {
     for since in [1, 100] {
         let mut old = hub.subscribe(since).unwrap();
         let item = old.next().await.unwrap();
-        let Body::Snapshot(s) = &item.body else { panic!() };
+        let Body::Snapshot(s) = &item.body else {
+            panic!()
+        };
         assert!(s.resync);
         assert_eq!(item.revision, 7);
     }

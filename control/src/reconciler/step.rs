@@ -200,8 +200,12 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                         call: calls[step + 1],
                     });
                 } else {
-                    m.calibration.wake_mut(from_level).add(now - m.transition_start);
-                    fx.push(Effect::Log(format!("awake (woken from level {from_level})")));
+                    m.calibration
+                        .wake_mut(from_level)
+                        .add(now - m.transition_start);
+                    fx.push(Effect::Log(format!(
+                        "awake (woken from level {from_level})"
+                    )));
                     become_awake(m, now);
                 }
             }
@@ -258,6 +262,14 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
         Command::Stop => {
             m.pin = Pin::None;
             set_intent(m, Desired::Stopped, Reason::Operator, now);
+            // An operator stop interrupts a transition under way.
+            let busy = matches!(
+                m.phase,
+                Phase::Starting { .. } | Phase::Sleeping { .. } | Phase::Waking { .. }
+            );
+            if busy && !m.settings.attach {
+                terminate(m, now, fx);
+            }
         }
         Command::Restart => {
             set_intent(m, Desired::Awake, Reason::Operator, now);
@@ -280,6 +292,12 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
 
 fn terminate(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     fx.push(Effect::ReleaseStartLock);
+    if m.pid.is_none() {
+        // Not spawned yet (waiting for the start lock): nothing to signal.
+        fx.push(Effect::Log("stopped before the engine was spawned".into()));
+        set_phase(m, Phase::Stopped, now);
+        return;
+    }
     fx.push(Effect::Signal(Signal::Term));
     fx.push(Effect::Log("stopping: SIGTERM to the process group".into()));
     let deadline = now + m.settings.timeouts.stop_grace;
@@ -305,12 +323,17 @@ fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
         Phase::Sleeping { level, .. } => {
             fail(m, format!("sleep (level {level}) timed out"), now, fx)
         }
-        Phase::Waking { from_level, .. } => {
-            fail(m, format!("wake from level {from_level} timed out"), now, fx)
-        }
+        Phase::Waking { from_level, .. } => fail(
+            m,
+            format!("wake from level {from_level} timed out"),
+            now,
+            fx,
+        ),
         Phase::Stopping { killed: false, .. } => {
             fx.push(Effect::Signal(Signal::Kill));
-            fx.push(Effect::Log("stop grace over: SIGKILL to the process group".into()));
+            fx.push(Effect::Log(
+                "stop grace over: SIGKILL to the process group".into(),
+            ));
             m.phase = Phase::Stopping {
                 deadline: now + KILL_GRACE,
                 killed: true,
@@ -328,14 +351,30 @@ fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     m.engine_running = 0;
     if m.settings.attach {
         let deadline = now + m.settings.timeouts.start;
-        set_phase(m, Phase::Starting { deadline, spawned: true }, now);
+        set_phase(
+            m,
+            Phase::Starting {
+                deadline,
+                spawned: true,
+            },
+            now,
+        );
         fx.push(Effect::ProbeHealth { epoch: m.epoch });
     } else {
         // Waiting for the start lock counts too, up to another start timeout.
         let deadline = now + m.settings.timeouts.start * 2;
-        set_phase(m, Phase::Starting { deadline, spawned: false }, now);
+        set_phase(
+            m,
+            Phase::Starting {
+                deadline,
+                spawned: false,
+            },
+            now,
+        );
         m.proc_gen += 1;
-        fx.push(Effect::Spawn { proc_gen: m.proc_gen });
+        fx.push(Effect::Spawn {
+            proc_gen: m.proc_gen,
+        });
     }
 }
 
@@ -344,13 +383,24 @@ fn begin_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>
     let deadline = now + m.settings.timeouts.sleep;
     set_phase(m, Phase::Sleeping { level, deadline }, now);
     fx.push(Effect::Log(format!("sleeping at level {level}")));
-    fx.push(Effect::Sleep { epoch: m.epoch, level });
+    fx.push(Effect::Sleep {
+        epoch: m.epoch,
+        level,
+    });
 }
 
 fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Effect>) {
     m.transition_start = now;
     let deadline = now + m.settings.timeouts.wake;
-    set_phase(m, Phase::Waking { from_level, step: 0, deadline }, now);
+    set_phase(
+        m,
+        Phase::Waking {
+            from_level,
+            step: 0,
+            deadline,
+        },
+        now,
+    );
     fx.push(Effect::Log(format!("waking from level {from_level}")));
     fx.push(Effect::Wake {
         epoch: m.epoch,
@@ -363,7 +413,10 @@ fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Eff
 fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     if let Some(tier) = due_tier(m, now) {
         let desired = tier_desired(&tier, m.settings.attach);
-        fx.push(Effect::Log(format!("idle tier fired after {:?}: {desired:?}", tier.after)));
+        fx.push(Effect::Log(format!(
+            "idle tier fired after {:?}: {desired:?}",
+            tier.after
+        )));
         set_intent(m, desired, Reason::IdleTier, now);
     }
     let desired = m.intent.desired;

@@ -11,9 +11,18 @@ fn settings(attach: bool) -> Settings {
     Settings {
         attach,
         tiers: vec![
-            IdleTier { after: secs(10), action: IdleAction::Sleep(1) },
-            IdleTier { after: secs(20), action: IdleAction::Sleep(2) },
-            IdleTier { after: secs(30), action: IdleAction::Stop },
+            IdleTier {
+                after: secs(10),
+                action: IdleAction::Sleep(1),
+            },
+            IdleTier {
+                after: secs(20),
+                action: IdleAction::Sleep(2),
+            },
+            IdleTier {
+                after: secs(30),
+                action: IdleAction::Stop,
+            },
         ],
         timeouts: Timeouts {
             start: secs(60),
@@ -21,7 +30,10 @@ fn settings(attach: bool) -> Settings {
             sleep: secs(5),
             stop_grace: secs(3),
         },
-        backoff: Backoff { initial: secs(1), max: secs(8) },
+        backoff: Backoff {
+            initial: secs(1),
+            max: secs(8),
+        },
     }
 }
 
@@ -34,7 +46,11 @@ struct Sim {
 impl Sim {
     fn new(preload: Preload) -> Self {
         let now = Instant::now();
-        let mut s = Sim { m: ModelState::new(settings(false), preload, now), now, fx: vec![] };
+        let mut s = Sim {
+            m: ModelState::new(settings(false), preload, now),
+            now,
+            fx: vec![],
+        };
         s.ev(Event::Tick);
         s
     }
@@ -59,14 +75,23 @@ impl Sim {
     }
     /// Drives spawn + health to Awake.
     fn boot(&mut self) {
-        self.ev(Event::Spawned { proc_gen: self.m.proc_gen, pid: 42 });
+        self.ev(Event::Spawned {
+            proc_gen: self.m.proc_gen,
+            pid: 42,
+        });
         assert!(self.has(|f| matches!(f, Effect::ProbeHealth { .. })));
         self.now += secs(2);
-        self.ev(Event::HealthOk { epoch: self.m.epoch, asleep: None });
+        self.ev(Event::HealthOk {
+            epoch: self.m.epoch,
+            asleep: None,
+        });
     }
     fn wake_all(&mut self) {
         while let Phase::Waking { step, .. } = self.m.phase {
-            self.ev(Event::WakeStepDone { epoch: self.m.epoch, step });
+            self.ev(Event::WakeStepDone {
+                epoch: self.m.epoch,
+                step,
+            });
         }
     }
 }
@@ -105,14 +130,23 @@ fn tiers_fire_in_order() {
     assert_eq!(s.timer(), Some(s.m.idle_floor + secs(20)));
     s.advance(secs(10));
     // Level 1 -> 2: wake then sleep at level 2.
-    assert!(s.has(|f| matches!(f, Effect::Wake { call: WakeCall::WakeUp, .. })));
+    assert!(s.has(|f| matches!(
+        f,
+        Effect::Wake {
+            call: WakeCall::WakeUp,
+            ..
+        }
+    )));
     s.wake_all();
     assert!(s.has(|f| matches!(f, Effect::Sleep { level: 2, .. })));
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     assert_eq!(s.m.phase, Phase::Asleep { level: 2 });
     s.advance(secs(10));
     assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
-    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen, status: "exit 0".into() });
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit 0".into(),
+    });
     assert_eq!(s.m.phase, Phase::Stopped);
     assert_eq!(s.timer(), None);
 }
@@ -121,12 +155,22 @@ fn tiers_fire_in_order() {
 fn never_sleeps_with_requests_in_flight() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
-    s.ev(Event::Activity { proxy: "p".into(), in_flight: 1, active: true, last_finished: None });
+    s.ev(Event::Activity {
+        proxy: "p".into(),
+        in_flight: 1,
+        active: true,
+        last_finished: None,
+    });
     s.advance(secs(100));
     assert_eq!(s.m.phase, Phase::Awake);
     assert_eq!(s.timer(), None);
     // The engine's own gauge counts too.
-    s.ev(Event::Activity { proxy: "p".into(), in_flight: 0, active: true, last_finished: Some(s.now) });
+    s.ev(Event::Activity {
+        proxy: "p".into(),
+        in_flight: 0,
+        active: true,
+        last_finished: Some(s.now),
+    });
     s.ev(Event::EngineMetrics { running: 2 });
     s.advance(secs(100));
     assert_eq!(s.m.phase, Phase::Awake);
@@ -150,7 +194,10 @@ fn level_2_wake_is_four_calls_in_order() {
             Effect::Wake { call, .. } => Some(*call),
             _ => None,
         }));
-        s.ev(Event::WakeStepDone { epoch: s.m.epoch, step });
+        s.ev(Event::WakeStepDone {
+            epoch: s.m.epoch,
+            step,
+        });
     }
     assert_eq!(calls, wake_calls(2));
     assert_eq!(s.m.phase, Phase::Awake);
@@ -161,7 +208,10 @@ fn level_2_wake_is_four_calls_in_order() {
 fn every_transition_has_a_deadline() {
     // Start.
     let mut s = Sim::new(Preload::Awake);
-    s.ev(Event::Spawned { proc_gen: s.m.proc_gen, pid: 1 });
+    s.ev(Event::Spawned {
+        proc_gen: s.m.proc_gen,
+        pid: 1,
+    });
     assert_eq!(s.timer(), Some(s.now + secs(60)));
     s.advance(secs(60));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
@@ -186,7 +236,10 @@ fn every_transition_has_a_deadline() {
     assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
     s.advance(secs(3));
     assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
-    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen, status: "killed".into() });
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "killed".into(),
+    });
     assert_eq!(s.m.phase, Phase::Stopped);
 }
 
@@ -195,8 +248,13 @@ fn backoff_doubles_and_is_capped() {
     let mut s = Sim::new(Preload::Awake);
     let mut delays = vec![];
     for _ in 0..6 {
-        s.ev(Event::SpawnFailed { proc_gen: s.m.proc_gen, error: "nope".into() });
-        let Phase::Failed { retry_at: Some(t) } = s.m.phase else { panic!("{:?}", s.m.phase) };
+        s.ev(Event::SpawnFailed {
+            proc_gen: s.m.proc_gen,
+            error: "nope".into(),
+        });
+        let Phase::Failed { retry_at: Some(t) } = s.m.phase else {
+            panic!("{:?}", s.m.phase)
+        };
         delays.push((t - s.now).as_secs());
         s.advance(t - s.now);
         assert!(matches!(s.m.phase, Phase::Starting { .. }));
@@ -211,13 +269,19 @@ fn backoff_doubles_and_is_capped() {
 fn crash_goes_failed_then_restarts() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
-    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen, status: "exit 1".into() });
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit 1".into(),
+    });
     assert!(matches!(s.m.phase, Phase::Failed { retry_at: Some(_) }));
     assert!(s.m.last_error.as_deref().unwrap().contains("exit 1"));
     s.advance(secs(1));
     assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
     // An exit of the old process is ignored.
-    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen - 1, status: "late".into() });
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen - 1,
+        status: "late".into(),
+    });
     assert!(matches!(s.m.phase, Phase::Starting { .. }));
 }
 
@@ -225,7 +289,10 @@ fn crash_goes_failed_then_restarts() {
 fn demands_coalesce_and_operator_stop_wins() {
     let mut s = Sim::new(Preload::None);
     s.ev(Event::Demand);
-    let spawns = s.fx.iter().filter(|f| matches!(f, Effect::Spawn { .. })).count();
+    let spawns =
+        s.fx.iter()
+            .filter(|f| matches!(f, Effect::Spawn { .. }))
+            .count();
     for _ in 0..5 {
         s.ev(Event::Demand);
         assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })));
@@ -233,7 +300,10 @@ fn demands_coalesce_and_operator_stop_wins() {
     assert_eq!(spawns, 1);
     s.boot();
     s.ev(Event::Command(Command::Stop));
-    s.ev(Event::ChildExited { proc_gen: s.m.proc_gen, status: "0".into() });
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "0".into(),
+    });
     s.ev(Event::Demand);
     assert_eq!(s.m.phase, Phase::Stopped);
     assert_eq!(s.m.intent.reason, Reason::Operator);
@@ -271,17 +341,27 @@ fn stale_results_are_ignored() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
     let old = s.m.epoch - 1;
-    s.ev(Event::HealthFailed { epoch: old, error: "old".into() });
+    s.ev(Event::HealthFailed {
+        epoch: old,
+        error: "old".into(),
+    });
     assert_eq!(s.m.phase, Phase::Awake);
 }
 
 #[test]
 fn attach_never_spawns_and_stop_tier_sleeps_deepest() {
     let now = Instant::now();
-    let mut s = Sim { m: ModelState::new(settings(true), Preload::None, now), now, fx: vec![] };
+    let mut s = Sim {
+        m: ModelState::new(settings(true), Preload::None, now),
+        now,
+        fx: vec![],
+    };
     s.ev(Event::Tick);
     assert!(s.has(|f| matches!(f, Effect::ProbeHealth { .. })));
-    s.ev(Event::HealthOk { epoch: s.m.epoch, asleep: None });
+    s.ev(Event::HealthOk {
+        epoch: s.m.epoch,
+        asleep: None,
+    });
     assert_eq!(s.m.phase, Phase::Awake);
     s.advance(secs(40));
     assert!(s.has(|f| matches!(f, Effect::Sleep { level: 2, .. })));
@@ -289,4 +369,27 @@ fn attach_never_spawns_and_stop_tier_sleeps_deepest() {
     assert!(!s.has(|f| matches!(f, Effect::Signal(_) | Effect::Spawn { .. })));
     s.ev(Event::Command(Command::Restart));
     assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+}
+
+#[test]
+fn operator_stop_interrupts_a_start() {
+    let mut s = Sim::new(Preload::Awake);
+    // Still waiting for the start lock: stopped at once.
+    s.ev(Event::Command(Command::Stop));
+    assert_eq!(s.m.phase, Phase::Stopped);
+    // A late spawn of that start is not adopted.
+    s.ev(Event::Spawned {
+        proc_gen: s.m.proc_gen,
+        pid: 7,
+    });
+    assert_eq!(s.m.phase, Phase::Stopped);
+    // Spawned and probing: TERM to the group.
+    s.ev(Event::Command(Command::Start));
+    s.ev(Event::Spawned {
+        proc_gen: s.m.proc_gen,
+        pid: 8,
+    });
+    s.ev(Event::Command(Command::Stop));
+    assert!(matches!(s.m.phase, Phase::Stopping { .. }));
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
 }

@@ -45,7 +45,11 @@ impl Runner {
                         if client.health(PROBE_TIMEOUT).await.is_ok() {
                             let mut asleep = None;
                             if attach && client.is_sleeping(PROBE_TIMEOUT).await.unwrap_or(false) {
-                                let level = client.metrics(PROBE_TIMEOUT).await.ok().and_then(|m| m.sleep_level);
+                                let level = client
+                                    .metrics(PROBE_TIMEOUT)
+                                    .await
+                                    .ok()
+                                    .and_then(|m| m.sleep_level);
                                 asleep = Some(level.filter(|l| *l > 0).unwrap_or(1));
                             }
                             send(Event::HealthOk { epoch, asleep });
@@ -102,7 +106,9 @@ impl Runner {
     /// Kills what is left of the previous process, takes the GPUs' start
     /// lock, spawns; the lock is held until `ReleaseStartLock`.
     fn spawn_engine(&mut self, proc_gen: u64) {
-        if let Launch::Process { host, port: None, .. } = &self.cfg.launch
+        if let Launch::Process {
+            host, port: None, ..
+        } = &self.cfg.launch
             && self.state.failures > 0
             && let Ok(p) = free_port(host)
         {
@@ -137,7 +143,10 @@ impl Runner {
             let on_exit = move |status: String| {
                 let _ = exit_tx.send(Msg::Event(Event::ChildExited { proc_gen, status }, None));
             };
-            logs.push("siesta", format!("spawning: {} {}", spec.program, spec.args.join(" ")));
+            logs.push(
+                "siesta",
+                format!("spawning: {} {}", spec.program, spec.args.join(" ")),
+            );
             match supervisor::spawn(&name, &spec, &shared.log_dir, proc_gen, logs, on_exit) {
                 Ok(handle) => {
                     let _ = tx.send(Msg::Spawned(handle));

@@ -142,3 +142,50 @@ async fn api_keys_are_required_when_configured() {
     assert_eq!(r.status, 200);
     assert_eq!(get(&p.url("/healthz")).await.status, 200);
 }
+
+/// Sends raw bytes and returns the status line of the answer.
+async fn raw(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(DEADLINE, s.read(&mut buf)).await.unwrap().unwrap();
+    String::from_utf8_lossy(&buf[..n]).lines().next().unwrap_or("").to_owned()
+}
+
+#[tokio::test]
+async fn slow_or_huge_requests_are_cut_off() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.max_header_bytes = 8192;
+        cfg.body_timeout = std::time::Duration::from_millis(300);
+        cfg.header_timeout = std::time::Duration::from_millis(300);
+    })
+    .await;
+    // A body that never arrives.
+    let line = raw(
+        p.addr,
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{",
+    )
+    .await;
+    assert!(line.contains("408"), "{line}");
+    // Headers that never end: the connection is closed.
+    let started = std::time::Instant::now();
+    let line = raw(p.addr, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n").await;
+    assert!(line.is_empty() || line.contains("408"), "{line}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    // Headers too large.
+    let big = format!(
+        "GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: {}\r\n\r\n",
+        "a".repeat(20_000)
+    );
+    let line = raw(p.addr, big.as_bytes()).await;
+    assert!(line.is_empty() || line.contains("431"), "{line}");
+    // Paths that would resolve to engine admin routes.
+    for path in ["/v1/../sleep", "/v1/%2e%2e/wake_up", "/v1//x"] {
+        let r = post(&p.url(path), &chat("m")).await;
+        assert_eq!(r.status, 404, "{path}");
+    }
+    assert_eq!(e.count(), 0);
+}

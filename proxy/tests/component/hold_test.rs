@@ -66,6 +66,7 @@ async fn held_during_wake_then_answered_with_one_demand() {
     );
     // A new episode gets a new Demand.
     c.set(held("m", 8, 20_000));
+    wait_state(&p, "m", "asleep").await;
     let url = p.url("/v1/chat/completions");
     let t = tokio::spawn(async move { post(&url, &chat("m")).await });
     wait_until("second demand", || async { c.demands().len() == 2 }).await;

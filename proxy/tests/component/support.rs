@@ -166,6 +166,16 @@ pub fn chat_stream(model: &str) -> String {
     serde_json::json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "hi"}]}).to_string()
 }
 
+/// Waits until `/v1/models` shows `model` in `state` ("awake", "asleep", ...).
+pub async fn wait_state(p: &TestProxy, model: &str, state: &str) {
+    let url = p.url(&format!("/v1/models/{model}"));
+    wait_until(&format!("{model} {state}"), || async {
+        let r = get(&url).await;
+        r.status == StatusCode::OK && r.json()["siesta_state"] == state
+    })
+    .await;
+}
+
 /// The value of a metric line that starts with `prefix` (labels included).
 pub fn metric(text: &str, prefix: &str) -> Option<f64> {
     text.lines()

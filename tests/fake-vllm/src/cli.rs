@@ -93,7 +93,8 @@ impl ServeArgs {
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Simulation (fake-vllm only)")]
 pub struct SimArgs {
-    /// Time from launch until HTTP is served (the socket is bound at once).
+    /// Time from launch until HTTP is served. The port is bound at once but, as in vLLM, not
+    /// listened on: connections are refused until then.
     #[arg(long, env = "FAKE_VLLM_STARTUP_TIME", default_value = "200ms", value_parser = parse_duration)]
     pub startup_time: Duration,
     /// Time a /sleep takes.
@@ -111,8 +112,8 @@ pub struct SimArgs {
     /// max_tokens when a request gives none.
     #[arg(long, env = "FAKE_VLLM_MAX_TOKENS_DEFAULT", default_value_t = 16)]
     pub max_tokens_default: u64,
-    /// Reserved for the real-GPU memory backend (feature `cuda`): bytes of weights to hold on
-    /// the GPU. The host backend ignores it.
+    /// Real-GPU memory backend (feature `cuda`): bytes of device memory to hold (weights and
+    /// KV cache) and move on sleep and wake. Without the feature it is ignored.
     #[arg(long, env = "FAKE_VLLM_GPU_MEMORY", value_name = "BYTES")]
     pub gpu_memory: Option<u64>,
 }
@@ -130,7 +131,7 @@ pub struct FaultArgs {
     /// /wake_up never returns and the engine stays asleep.
     #[arg(long, env = "FAKE_VLLM_HANG_ON_WAKE", value_parser = BoolishValueParser::new())]
     pub hang_on_wake: bool,
-    /// Start-up never finishes: the socket is bound but HTTP is never served.
+    /// Start-up never finishes: the port is bound, connections are refused forever.
     #[arg(long, env = "FAKE_VLLM_HANG_ON_STARTUP", value_parser = BoolishValueParser::new())]
     pub hang_on_startup: bool,
     /// This long after start-up, /health and /ping answer 503 and generation 500 (engine dead).

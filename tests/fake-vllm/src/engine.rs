@@ -1,7 +1,7 @@
 //! The simulated engine: sleep state, the gates that hold requests while asleep, counters.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
@@ -69,7 +69,7 @@ pub enum EngineError {
 pub struct Engine {
     /// The command line.
     pub args: ServeArgs,
-    memory: Box<dyn Memory>,
+    memory: Arc<dyn Memory>,
     ops: tokio::sync::Mutex<()>,
     sleep: Mutex<SleepState>,
     gate: watch::Sender<Gate>,
@@ -111,7 +111,7 @@ impl Engine {
         });
         Engine {
             args,
-            memory,
+            memory: Arc::from(memory),
             ops: tokio::sync::Mutex::new(()),
             sleep: Mutex::new(SleepState::default()),
             gate,
@@ -229,7 +229,7 @@ impl Engine {
             }
         }
         tokio::time::sleep(self.args.sim.sleep_time).await;
-        self.memory.sleep(level)?;
+        self.blocking(move |m| m.sleep(level)).await?;
         *self.sleep.lock().unwrap() = SleepState {
             level: if level == Level::One { 1 } else { 2 },
             weights_asleep: true,
@@ -254,7 +254,7 @@ impl Engine {
         if tags.weights && st.weights_asleep {
             tokio::time::sleep(self.args.sim.wake_time).await;
         }
-        self.memory.wake(tags)?;
+        self.blocking(move |m| m.wake(tags)).await?;
         let st = {
             let mut s = self.sleep.lock().unwrap();
             s.weights_asleep &= !tags.weights;
@@ -277,6 +277,18 @@ impl Engine {
         Ok(())
     }
 
+    /// Runs a memory operation (a real backend copies to and from the GPU) off the async
+    /// workers.
+    async fn blocking<F>(&self, op: F) -> Result<(), MemoryError>
+    where
+        F: FnOnce(&dyn Memory) -> Result<(), MemoryError> + Send + 'static,
+    {
+        let memory = self.memory.clone();
+        tokio::task::spawn_blocking(move || op(memory.as_ref()))
+            .await
+            .unwrap_or_else(|e| Err(MemoryError::Device(format!("memory task failed: {e}"))))
+    }
+
     /// `collective_rpc reload_weights`.
     pub async fn reload_weights(&self) -> Result<(), EngineError> {
         let _op = self.ops.lock().await;
@@ -284,7 +296,7 @@ impl Engine {
             return Err(MemoryError::WeightsAsleep.into());
         }
         tokio::time::sleep(self.args.sim.reload_time).await;
-        self.memory.reload_weights()?;
+        self.blocking(|m| m.reload_weights()).await?;
         tracing::info!("weights reloaded");
         Ok(())
     }

@@ -53,7 +53,10 @@ where
                     return ExitCode::from(1);
                 }
             };
-            rt.block_on(run(*a, &argv))
+            let code = rt.block_on(run(*a, &argv));
+            // Do not wait for a hung operation (e.g. --hang-on-wake) on the way out.
+            rt.shutdown_timeout(std::time::Duration::from_secs(1));
+            code
         }
     }
 }
@@ -74,6 +77,12 @@ async fn run(args: cli::ServeArgs, argv: &[OsString]) -> ExitCode {
             _ = int.recv() => tracing::info!("received SIGINT"),
         }
         token.cancel();
+        // Like a process manager's stop timeout: whatever hangs, SIGTERM ends the process.
+        std::thread::spawn(|| {
+            std::thread::sleep(std::time::Duration::from_secs(10));
+            eprintln!("fake-vllm: shutdown took over 10s, exiting");
+            std::process::exit(1);
+        });
     });
     match server::serve(args, argv, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,

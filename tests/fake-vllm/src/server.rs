@@ -106,16 +106,14 @@ pub async fn serve(
     argv: &[OsString],
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
-    let bind = |e| ServeError::Bind {
-        addr: format!("{}:{}", args.host, args.port),
-        source: e,
-    };
-    let std_listener =
-        std::net::TcpListener::bind((args.host.as_str(), args.port)).map_err(bind)?;
-    std_listener.set_nonblocking(true).map_err(bind)?;
-    let listener = tokio::net::TcpListener::from_std(std_listener).map_err(bind)?;
-    let port = listener.local_addr().map_err(bind)?.port();
-    tracing::info!(version = VLLM_VERSION, model = %args.model(), "vLLM API server version {VLLM_VERSION}");
+    let socket = bind_socket(&args.host, args.port)
+        .await
+        .map_err(|e| ServeError::Bind {
+            addr: format!("{}:{}", args.host, args.port),
+            source: e,
+        })?;
+    let port = socket.local_addr().map(|a| a.port()).unwrap_or(args.port);
+    tracing::info!(model = %args.model(), "vLLM API server version {VLLM_VERSION}");
     tracing::info!("Starting vLLM API server 0 on http://{}:{port}", args.host);
     let core = match EngineCore::spawn(argv, args.faults.orphan_engine_core) {
         Ok(c) => Some(c),
@@ -137,6 +135,10 @@ pub async fn serve(
         r = startup(&app) => { r?; true }
     };
     if started {
+        let listener = socket.listen(2048).map_err(|e| ServeError::Bind {
+            addr: format!("{host}:{port}"),
+            source: e,
+        })?;
         banner(&host, port);
         app.engine.set_ready();
         accept(&app, listener, &shutdown).await;
@@ -146,6 +148,24 @@ pub async fn serve(
         core.stop(Duration::from_secs(2));
     }
     Ok(())
+}
+
+/// Binds like vLLM's `create_server_socket`: SO_REUSEADDR and SO_REUSEPORT, no `listen()`
+/// yet, so connections are refused until start-up is done.
+async fn bind_socket(host: &str, port: u16) -> std::io::Result<tokio::net::TcpSocket> {
+    let addr = tokio::net::lookup_host((host, port))
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no address"))?;
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_reuseport(true)?;
+    socket.bind(addr)?;
+    Ok(socket)
 }
 
 async fn startup(app: &App) -> Result<(), ServeError> {
@@ -244,7 +264,9 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Resp
         _ => detail(StatusCode::NOT_FOUND, "Not Found"),
     };
     let status = resp.status();
-    println!(
+    // uvicorn's access log; a closed stdout must not take the request down.
+    let _ = writeln!(
+        std::io::stdout(),
         "INFO:     {peer} - \"{method} {uri} HTTP/1.1\" {} {}",
         status.as_u16(),
         status.canonical_reason().unwrap_or("")

@@ -1,0 +1,326 @@
+//! The `siesta.v1.Control` gRPC service: converts messages and calls
+//! [`Models`], the [`Hub`] and the [`GpuView`]; no logic of its own.
+
+pub mod auth;
+pub mod convert;
+
+use crate::gpu_view::GpuView;
+use crate::hub::Hub;
+use crate::models::{Activity, Models};
+use crate::reconciler::Command;
+use crate::status::Clock;
+use futures::Stream;
+use siesta_proto::v1 as pb;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+type Stream_<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// The service implementation.
+#[derive(Debug, Clone)]
+pub struct ControlService {
+    pub models: Arc<Models>,
+    pub hub: Arc<Hub>,
+    pub gpus: Arc<GpuView>,
+    pub clock: Clock,
+    pub control_id: String,
+    pub started_unix_ms: i64,
+    pub config_path: Option<PathBuf>,
+    /// Ends streams at shutdown.
+    pub cancel: CancellationToken,
+    /// Serialises reloads.
+    pub reload_lock: Arc<Mutex<()>>,
+}
+
+fn op(status: crate::status::ModelStatus, message: String) -> Response<pb::OperationResponse> {
+    Response::new(pb::OperationResponse {
+        model: Some(convert::model_status(&status)),
+        message,
+    })
+}
+
+#[tonic::async_trait]
+impl pb::control_server::Control for ControlService {
+    async fn get_info(
+        &self,
+        _: Request<pb::GetInfoRequest>,
+    ) -> Result<Response<pb::ControlInfo>, Status> {
+        Ok(Response::new(pb::ControlInfo {
+            control_id: self.control_id.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            started_unix_ms: self.started_unix_ms,
+            config_path: self
+                .config_path
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            revision: self.hub.revision(),
+        }))
+    }
+
+    async fn list_models(
+        &self,
+        _: Request<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let (models, revision) = self.hub.models();
+        Ok(Response::new(pb::ListModelsResponse {
+            models: models.iter().map(convert::model_status).collect(),
+            revision,
+        }))
+    }
+
+    async fn get_model(
+        &self,
+        req: Request<pb::GetModelRequest>,
+    ) -> Result<Response<pb::GetModelResponse>, Status> {
+        let status = self.models.status(&req.get_ref().name)?;
+        let placement = self
+            .gpus
+            .placement(std::slice::from_ref(&status))
+            .models
+            .into_iter()
+            .find(|p| p.model == status.name)
+            .unwrap_or_else(|| pb::ModelPlacement {
+                model: status.name.clone(),
+                gpus: status.gpus.clone(),
+                reason: if status.gpus.is_empty() {
+                    "needs no GPU".into()
+                } else {
+                    "pinned or first GPUs".into()
+                },
+                ..Default::default()
+            });
+        Ok(Response::new(pb::GetModelResponse {
+            model: Some(convert::model_status(&status)),
+            placement: Some(placement),
+        }))
+    }
+
+    async fn list_gpus(
+        &self,
+        _: Request<pb::ListGpusRequest>,
+    ) -> Result<Response<pb::ListGpusResponse>, Status> {
+        Ok(Response::new(self.gpus.list_gpus(&self.models.list())))
+    }
+
+    async fn get_placement(
+        &self,
+        _: Request<pb::GetPlacementRequest>,
+    ) -> Result<Response<pb::GetPlacementResponse>, Status> {
+        Ok(Response::new(self.gpus.placement(&self.models.list())))
+    }
+
+    async fn wake(
+        &self,
+        req: Request<pb::WakeRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        let r = req.into_inner();
+        let timeout = (r.timeout_ms > 0).then(|| Duration::from_millis(r.timeout_ms));
+        let (s, m) = self.models.wake(&r.name, r.wait, timeout).await?;
+        Ok(op(s, m))
+    }
+
+    async fn sleep(
+        &self,
+        req: Request<pb::SleepRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        let r = req.into_inner();
+        let level = match r.level {
+            0 => 1,
+            l => u8::try_from(l).unwrap_or(u8::MAX),
+        };
+        let (s, m) = self.models.command(&r.name, Command::Sleep(level)).await?;
+        Ok(op(s, m))
+    }
+
+    async fn start(
+        &self,
+        req: Request<pb::ModelRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        let (s, m) = self
+            .models
+            .command(&req.get_ref().name, Command::Start)
+            .await?;
+        Ok(op(s, m))
+    }
+
+    async fn stop(
+        &self,
+        req: Request<pb::ModelRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        let (s, m) = self
+            .models
+            .command(&req.get_ref().name, Command::Stop)
+            .await?;
+        Ok(op(s, m))
+    }
+
+    async fn restart(
+        &self,
+        req: Request<pb::ModelRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        let (s, m) = self
+            .models
+            .command(&req.get_ref().name, Command::Restart)
+            .await?;
+        Ok(op(s, m))
+    }
+
+    async fn pin(
+        &self,
+        req: Request<pb::PinRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        let r = req.into_inner();
+        let (s, m) = self.models.pin(&r.name, r.until_unix_ms).await?;
+        Ok(op(s, m))
+    }
+
+    async fn unpin(
+        &self,
+        req: Request<pb::ModelRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        let (s, m) = self.models.unpin(&req.get_ref().name).await?;
+        Ok(op(s, m))
+    }
+
+    type WatchStream = Stream_<pb::WatchEvent>;
+
+    async fn watch(
+        &self,
+        req: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let r = req.into_inner();
+        let sub = self
+            .hub
+            .subscribe(r.since_revision)
+            .ok_or_else(|| Status::unavailable("the control plane is shutting down"))?;
+        tracing::debug!(client = %r.client_id, since = r.since_revision, "watch");
+        let control_id = self.control_id.clone();
+        let cancel = self.cancel.clone();
+        let stream = futures::stream::unfold((sub, cancel), move |(mut sub, cancel)| {
+            let control_id = control_id.clone();
+            async move {
+                let item = tokio::select! {
+                    _ = cancel.cancelled() => None,
+                    item = sub.next() => item,
+                }?;
+                Some((Ok(convert::watch_event(&item, &control_id)), (sub, cancel)))
+            }
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn demand(
+        &self,
+        req: Request<pb::DemandRequest>,
+    ) -> Result<Response<pb::DemandResponse>, Status> {
+        let r = req.into_inner();
+        let (s, accepted, message) = self.models.demand(&r.model).await?;
+        tracing::debug!(model = %r.model, proxy = %r.proxy_id, queued = r.queued, accepted, "demand");
+        Ok(Response::new(pb::DemandResponse {
+            model: Some(convert::model_status(&s)),
+            accepted,
+            message,
+        }))
+    }
+
+    async fn report_activity(
+        &self,
+        req: Request<pb::ReportActivityRequest>,
+    ) -> Result<Response<pb::ReportActivityResponse>, Status> {
+        let r = req.into_inner();
+        let reports: Vec<Activity> = r
+            .models
+            .iter()
+            .map(|a| Activity {
+                model: a.model.clone(),
+                started: a.started,
+                finished: a.finished,
+                in_flight: a.in_flight,
+                last_finished_unix_ms: a.last_finished_unix_ms,
+            })
+            .collect();
+        self.models.activity(&r.proxy_id, &reports);
+        for f in &r.failures {
+            tracing::warn!(proxy = %r.proxy_id, model = %f.model, url = %f.url, error = %f.error, "proxy reports an endpoint failure");
+        }
+        Ok(Response::new(pb::ReportActivityResponse {}))
+    }
+
+    type LogsStream = Stream_<pb::LogLine>;
+
+    async fn logs(
+        &self,
+        req: Request<pb::LogsRequest>,
+    ) -> Result<Response<Self::LogsStream>, Status> {
+        let r = req.into_inner();
+        let ring = self.models.logs(&r.name)?;
+        let (lines, feed) = ring.tail(r.tail as usize);
+        let first = futures::stream::iter(lines.into_iter().map(|l| Ok(convert::log_line(&l))));
+        if !r.follow {
+            return Ok(Response::new(Box::pin(first)));
+        }
+        let cancel = self.cancel.clone();
+        let rest = futures::stream::unfold((feed, cancel), |(mut feed, cancel)| async move {
+            loop {
+                let next = tokio::select! {
+                    _ = cancel.cancelled() => return None,
+                    n = feed.recv() => n,
+                };
+                match next {
+                    Ok(l) => return Some((Ok(convert::log_line(&l)), (feed, cancel))),
+                    // Dropped lines show as gaps in `seq`.
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        });
+        use futures::StreamExt;
+        Ok(Response::new(Box::pin(first.chain(rest))))
+    }
+
+    async fn diag_p2p(
+        &self,
+        req: Request<pb::DiagP2pRequest>,
+    ) -> Result<Response<pb::DiagP2pResponse>, Status> {
+        let r = req.into_inner();
+        let resp = self
+            .gpus
+            .diag_p2p(
+                r.bytes,
+                Duration::from_millis(r.timeout_ms),
+                self.clock.now_ms(),
+            )
+            .await;
+        if resp.message.is_empty() {
+            let models = self.models.list();
+            self.hub.set_gpus(self.gpus.list_gpus(&models));
+            self.hub.set_placement(self.gpus.placement(&models));
+        }
+        Ok(Response::new(resp))
+    }
+
+    async fn reload(
+        &self,
+        _: Request<pb::ReloadRequest>,
+    ) -> Result<Response<pb::ReloadResponse>, Status> {
+        let _guard = self.reload_lock.lock().await;
+        let Some(path) = &self.config_path else {
+            return Err(Status::failed_precondition(
+                "running the built-in configuration: there is no file to reload",
+            ));
+        };
+        let s = self.models.reload_file(path).await?;
+        Ok(Response::new(pb::ReloadResponse {
+            added: s.added,
+            removed: s.removed,
+            changed: s.changed,
+            unchanged: s.unchanged,
+        }))
+    }
+}

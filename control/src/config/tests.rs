@@ -1,0 +1,158 @@
+use super::*;
+
+const FULL: &str = r#"
+[control]
+listen = "127.0.0.1:0"
+state_dir = "/tmp/siesta-test"
+control_id = "box1"
+
+[defaults]
+idle = [ { after = "15m", action = "sleep", level = 1 },
+         { after = "3h",  action = "sleep", level = 2 } ]
+max_queue = 64
+max_hold = "5m"
+start_timeout = "10m"
+backoff_initial = "1s"
+backoff_max = "1m"
+
+[[gpu]]
+index = 0
+name = "H200"
+memory = "141GiB"
+
+[[model]]
+name = "chat"
+aliases = ["gpt-4o-mini"]
+model = "Qwen/Qwen3-8B"
+launch = "process"
+executable = "vllm"
+port = 8101
+args = ["--max-model-len", "8192"]
+env = { HF_HOME = "/models" }
+gpus = 1
+gpu_memory = 0.45
+idle = [ { after = "10m", action = "sleep", level = 1 }, { after = "1h", action = "stop" } ]
+preload = "asleep"
+max_queue = 16
+wake_timeout = "1.5s"
+
+[[model]]
+name = "ext"
+launch = "attach"
+url = "http://127.0.0.1:8001/"
+served_model_name = "external"
+gpu_memory = "20GiB"
+gpu_ids = [0]
+"#;
+
+#[test]
+fn full_example_parses() {
+    let c = Config::parse(FULL, "full.toml").unwrap();
+    assert_eq!(c.control.control_id, "box1");
+    assert_eq!(c.gpus[0].memory_bytes, 141 << 30);
+    let chat = &c.models[0];
+    assert_eq!(chat.idle.len(), 2);
+    assert_eq!(chat.idle[1].action, IdleAction::Stop);
+    assert_eq!(chat.max_queue, 16);
+    assert_eq!(chat.max_hold, Duration::from_secs(300));
+    assert_eq!(chat.timeouts.wake, Duration::from_millis(1500));
+    assert_eq!(chat.timeouts.start, Duration::from_secs(600));
+    assert_eq!(chat.backoff.max, Duration::from_secs(60));
+    assert_eq!(chat.preload, Preload::Asleep);
+    assert_eq!(chat.gpu_memory, Some(GpuMemory::Fraction(0.45)));
+    let ext = &c.models[1];
+    assert_eq!(
+        ext.launch,
+        Launch::Attach {
+            url: "http://127.0.0.1:8001".into(),
+            served_model_name: "external".into()
+        }
+    );
+    assert_eq!(ext.idle, c.defaults.idle);
+    assert_eq!(ext.gpu_memory, Some(GpuMemory::Bytes(20 << 30)));
+    assert_eq!(c.model("gpt-4o-mini").unwrap().name, "chat");
+}
+
+#[test]
+fn every_problem_is_reported_with_file_and_key() {
+    let text = r#"
+[control]
+listen = "nowhere"
+colour = "blue"
+
+[[model]]
+name = "a"
+model = "m"
+idle = [ { after = "5x", action = "sleep" }, { after = "1m", action = "nap" } ]
+
+[[model]]
+name = "b"
+model = "m"
+aliases = ["a"]
+launch = "attach"
+port = 3
+preload = "sometimes"
+"#;
+    let err = Config::parse(text, "demo.toml").unwrap_err();
+    let text = err.to_string();
+    for want in [
+        r#"demo.toml: control.listen: "nowhere" is not an address"#,
+        "demo.toml: control.colour: unknown key",
+        r#"demo.toml: model[0].idle[0].after: "5x" is not a duration"#,
+        r#"demo.toml: model[0].idle[1].action: "nap" is not "sleep" or "stop""#,
+        "demo.toml: model[1].url: is required with launch = \"attach\"",
+        "demo.toml: model[1].port: does not apply to launch = \"attach\"",
+        r#"demo.toml: model[1].preload: "sometimes" is not"#,
+    ] {
+        assert!(text.contains(want), "missing {want:?} in:\n{text}");
+    }
+    assert!(err.problems.len() >= 7, "{text}");
+}
+
+#[test]
+fn duplicate_names_and_aliases_are_refused() {
+    let text = r#"
+[[model]]
+name = "a"
+model = "m"
+[[model]]
+name = "b"
+model = "m"
+aliases = ["a"]
+"#;
+    let err = Config::parse(text, "x.toml").unwrap_err().to_string();
+    assert!(
+        err.contains("model[1].aliases[0]: \"a\" is already used by model[0].name"),
+        "{err}"
+    );
+}
+
+#[test]
+fn syntax_errors_name_the_line() {
+    let err = Config::parse("[control]\nlisten = \n", "bad.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("bad.toml: line 2: "), "{err}");
+}
+
+#[test]
+fn defaults_and_demo() {
+    let c = Config::parse("", "empty.toml").unwrap();
+    assert_eq!(c.control.listen.port(), 50051);
+    assert!(c.models.is_empty());
+    let d = Config::demo(vec!["siesta".into(), "fake-vllm".into()]);
+    assert!(d.models.len() >= 2);
+    assert!(d.models.iter().all(|m| m.gpus == 0));
+    assert!(d.models.iter().any(|m| m.preload == Preload::Asleep));
+}
+
+#[test]
+fn backoff_is_capped() {
+    let b = Backoff {
+        initial: Duration::from_secs(1),
+        max: Duration::from_secs(10),
+    };
+    let delays: Vec<u64> = (1..=6).map(|n| b.delay(n).as_secs()).collect();
+    assert_eq!(delays, [1, 2, 4, 8, 10, 10]);
+    assert_eq!(b.delay(1000), Duration::from_secs(10));
+}

@@ -1,0 +1,113 @@
+//! `siesta up` with the built-in demo: one process, control plane and proxy
+//! over loopback gRPC, fake-vllm engines run as `siesta fake-vllm`. A chat
+//! completion for a sleeping model wakes it and is answered; Ctrl-C stops
+//! everything, engines included.
+
+use std::process::Command;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+use siesta_tests::{Child, DEADLINE, any_alive, bin_path, descendants, wait_addr_file, wait_until};
+
+/// `siesta --control URL status -o json`, parsed.
+fn status(grpc: std::net::SocketAddr) -> Value {
+    let out = Command::new(bin_path("siesta"))
+        .args([
+            "--control",
+            &format!("http://{grpc}"),
+            "status",
+            "-o",
+            "json",
+        ])
+        .env_remove("SIESTA_TOKEN")
+        .output()
+        .expect("running siesta status");
+    assert!(out.status.success(), "siesta status: {out:?}");
+    serde_json::from_slice(&out.stdout).expect("status JSON")
+}
+
+fn model<'a>(status: &'a Value, name: &str) -> &'a Value {
+    status["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == name)
+        .unwrap_or_else(|| panic!("{name} in {status}"))
+}
+
+#[tokio::test]
+async fn up_with_the_demo_answers_a_sleeping_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let mut cmd = Command::new(bin_path("siesta"));
+    cmd.args([
+        "up",
+        "--listen",
+        "127.0.0.1:0",
+        "--control-listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .arg("--addr-file")
+    .arg(&addr_file)
+    // The demo keeps its state under the temp dir: make it this test's own.
+    .env("TMPDIR", dir.path())
+    .env_remove("SIESTA_TOKEN");
+    let mut up = Child::spawn("siesta-up", cmd);
+    let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
+    let (http, grpc) = (addrs[0], addrs[2]);
+
+    // The banner tells where the API is and what to try.
+    let banner = up.output().wait_for("OpenAI API", DEADLINE).await;
+    assert!(banner.contains(&format!("http://{http}/v1")), "{banner}");
+    up.output().wait_for("siesta --control", DEADLINE).await;
+
+    // The demo's chat model is preloaded asleep.
+    wait_until("chat asleep", Duration::from_secs(60), || async {
+        model(&status(grpc), "chat")["state"] == "asleep"
+    })
+    .await;
+
+    // A chat completion for the sleeping model is held, the model wakes, and it answers.
+    let body = json!({"model": "chat", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8});
+    let resp = reqwest::Client::new()
+        .post(format!("http://{http}/v1/chat/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(60))
+        .send()
+        .await
+        .expect("chat completion");
+    assert_eq!(resp.status(), 200);
+    let answer: Value = resp.json().await.unwrap();
+    assert_eq!(answer["object"], "chat.completion", "{answer}");
+    assert!(
+        answer["choices"][0]["message"]["content"]
+            .as_str()
+            .is_some_and(|c| !c.is_empty()),
+        "{answer}"
+    );
+    let chat = model(&status(grpc), "chat").clone();
+    assert_eq!(chat["state"], "awake", "{chat}");
+    assert!(
+        chat["calibration"]["wake_l1_ms"].as_u64().unwrap() > 0,
+        "wake measured: {chat}"
+    );
+
+    // Ctrl-C: everything stops, engines included.
+    let engines = descendants(up.pid() as i32);
+    assert!(!engines.is_empty(), "engines run as children of siesta up");
+    up.signal(Signal::SIGINT);
+    let status = up.wait_exit(Duration::from_secs(60)).await;
+    assert!(
+        status.success(),
+        "siesta up exited with {status}: {}",
+        up.output().text()
+    );
+    wait_until("engines gone", DEADLINE, || {
+        let left = any_alive(&engines);
+        async move { left.is_empty() }
+    })
+    .await;
+}

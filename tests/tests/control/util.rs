@@ -1,0 +1,193 @@
+//! Helpers shared by the control_* end-to-end tests.
+#![allow(dead_code)]
+
+use siesta_proto::v1 as pb;
+use siesta_proto::v1::control_client::ControlClient;
+use siesta_tests::ControlProc;
+use std::ops::{Deref, DerefMut};
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+
+/// A siesta-control that, when dropped, is killed along with every engine
+/// it started (found by their `SIESTA_TEST_TAG`).
+#[derive(Debug)]
+pub struct Ctl(pub ControlProc);
+
+pub async fn start(config_toml: &str) -> Ctl {
+    Ctl(siesta_tests::spawn_control(config_toml).await)
+}
+
+pub async fn start_with(config_toml: &str, args: &[&str]) -> Ctl {
+    Ctl(siesta_tests::spawn_control_with(config_toml, args).await)
+}
+
+impl Deref for Ctl {
+    type Target = ControlProc;
+    fn deref(&self) -> &ControlProc {
+        &self.0
+    }
+}
+
+impl DerefMut for Ctl {
+    fn deref_mut(&mut self) -> &mut ControlProc {
+        &mut self.0
+    }
+}
+
+impl Drop for Ctl {
+    fn drop(&mut self) {
+        // Control first, so it cannot restart what is killed next.
+        self.0.kill9();
+        let tag = format!("SIESTA_TEST_TAG={}", self.0.dir.path().display());
+        kill_tagged(&tag);
+    }
+}
+
+/// SIGKILLs the process group of every process whose environment holds `tag`.
+pub fn kill_tagged(tag: &str) {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for e in entries.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        if env.split(|b| *b == 0).any(|kv| kv == tag.as_bytes()) {
+            let pgid = siesta_tests::proc_stat(pid).map_or(pid, |s| s.pgrp);
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pgid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+pub type Client = ControlClient<Channel>;
+
+pub const LONG: Duration = Duration::from_secs(60);
+
+/// A config with `[control]` in the test's dir, quick defaults and `models`.
+pub fn config(models: &str) -> String {
+    format!(
+        r#"
+[control]
+state_dir = "@DIR@/state"
+
+[defaults]
+idle = []
+max_hold = "30s"
+start_timeout = "20s"
+wake_timeout = "10s"
+sleep_timeout = "10s"
+stop_grace = "5s"
+backoff_initial = "500ms"
+backoff_max = "2s"
+
+{models}
+"#
+    )
+}
+
+/// A process model running fake-vllm with extra flags.
+/// Engines get `SIESTA_TEST_TAG=<the test's dir>` so [`Ctl`] can find and
+/// kill them: siesta-control leaves engines running when it dies.
+pub fn fake_model(name: &str, preload: &str, flags: &[&str], extra: &str) -> String {
+    let args: Vec<String> = flags.iter().map(|f| format!("{f:?}")).collect();
+    format!(
+        r#"
+[[model]]
+name = "{name}"
+model = "fake/{name}"
+executable = "@FAKE_VLLM@"
+gpus = 0
+preload = "{preload}"
+env = {{ SIESTA_TEST_TAG = "@DIR@" }}
+args = [{}]
+{extra}
+"#,
+        args.join(", ")
+    )
+}
+
+pub async fn status(c: &mut Client, name: &str) -> pb::ModelStatus {
+    c.get_model(pb::GetModelRequest { name: name.into() })
+        .await
+        .expect("GetModel")
+        .into_inner()
+        .model
+        .expect("model")
+}
+
+pub fn state(s: &pb::ModelStatus) -> pb::ModelState {
+    pb::ModelState::try_from(s.state).unwrap_or(pb::ModelState::Unspecified)
+}
+
+/// Polls until the model is in `want`; panics with its status otherwise.
+pub async fn wait_state(
+    c: &mut Client,
+    name: &str,
+    want: pb::ModelState,
+    deadline: Duration,
+) -> pb::ModelStatus {
+    let start = Instant::now();
+    loop {
+        let s = status(c, name).await;
+        if state(&s) == want {
+            return s;
+        }
+        if start.elapsed() > deadline {
+            panic!("{name} not {want:?} within {deadline:?}: {s:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Polls until `f` holds for the model's status.
+pub async fn wait_status(
+    c: &mut Client,
+    name: &str,
+    what: &str,
+    deadline: Duration,
+    f: impl Fn(&pb::ModelStatus) -> bool,
+) -> pb::ModelStatus {
+    let start = Instant::now();
+    loop {
+        let s = status(c, name).await;
+        if f(&s) {
+            return s;
+        }
+        if start.elapsed() > deadline {
+            panic!("{name}: {what} not seen within {deadline:?}: {s:#?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A chat completion straight to the engine; returns the answer text.
+pub async fn chat(base_url: &str, model: &str) -> String {
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 64,
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{base_url}/v1/chat/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .expect("chat request");
+    assert!(resp.status().is_success(), "chat: HTTP {}", resp.status());
+    let v: serde_json::Value = resp.json().await.expect("chat JSON");
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_string()
+}
+
+pub fn endpoint(s: &pb::ModelStatus) -> String {
+    s.endpoints.first().expect("endpoint").url.clone()
+}

@@ -1,0 +1,386 @@
+//! siesta-proxy end to end: the real `siesta-control`, `siesta-proxy` and
+//! `fake-vllm` binaries (`cargo build --workspace --bins` first).
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use siesta_proto::v1::ListModelsRequest;
+use siesta_tests::{ControlProc, DEADLINE, ProxyProc, spawn_control_with, spawn_proxy, wait_until};
+
+/// One model entry for the config; `args` are fake-vllm flags.
+fn model_toml(name: &str, preload: &str, extra: &str, args: &[&str]) -> String {
+    let args: Vec<String> = args.iter().map(|a| format!("{a:?}")).collect();
+    format!(
+        "[[model]]\nname = {name:?}\nmodel = \"org/{name}\"\nexecutable = \"@FAKE_VLLM@\"\n\
+         preload = {preload:?}\nargs = [{}]\n{extra}\n",
+        args.join(", ")
+    )
+}
+
+fn config(models: &[String]) -> String {
+    format!(
+        "[control]\nlisten = \"127.0.0.1:0\"\nstate_dir = \"@DIR@/state\"\n\n\
+         [defaults]\nmax_queue = 8\nmax_hold = \"60s\"\n\n{}",
+        models.join("\n")
+    )
+}
+
+/// A control plane and the proxies in front of it; engines are stopped at the end.
+struct Stack {
+    control: ControlProc,
+    proxies: Vec<ProxyProc>,
+    engine_pids: Vec<i32>,
+}
+
+impl Stack {
+    async fn start(models: &[String], proxy_args: &[&str]) -> Stack {
+        let control = spawn_control_with(&config(models), &["--stop-engines-on-exit"]).await;
+        let proxy = spawn_proxy(&[control.url()], proxy_args).await;
+        let s = Stack {
+            control,
+            proxies: vec![proxy],
+            engine_pids: Vec::new(),
+        };
+        let url = s.url("/readyz");
+        wait_until("proxy ready", DEADLINE, || async {
+            matches!(http().get(&url).send().await, Ok(r) if r.status() == 200)
+        })
+        .await;
+        s
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.proxies[0].url())
+    }
+
+    /// Remembers engine pids so a failing test still kills them.
+    async fn track_engines(&mut self) {
+        let mut c = self.control.client().await;
+        if let Ok(r) = c.list_models(ListModelsRequest {}).await {
+            for m in r.into_inner().models {
+                if m.pid != 0 && !self.engine_pids.contains(&(m.pid as i32)) {
+                    self.engine_pids.push(m.pid as i32);
+                }
+            }
+        }
+    }
+
+    async fn wait_state(&self, model: &str, state: &str) {
+        let url = self.url(&format!("/v1/models/{model}"));
+        wait_until(&format!("{model} {state}"), DEADLINE, || async {
+            match http().get(&url).send().await {
+                Ok(r) if r.status() == 200 => {
+                    r.json::<Value>().await.unwrap()["siesta_state"] == state
+                }
+                _ => false,
+            }
+        })
+        .await;
+    }
+
+    async fn held(&self, model: &str) -> f64 {
+        let text = http()
+            .get(format!("{}/metrics", self.proxies[0].admin_url()))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let prefix = format!("siesta_proxy_held_requests{{model=\"{model}\"}}");
+        text.lines()
+            .find(|l| l.starts_with(&prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    async fn stop(mut self) {
+        self.track_engines().await;
+        self.control.terminate().await;
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        for pid in &self.engine_pids {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(*pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+struct Reply {
+    status: u16,
+    retry_after: Option<u64>,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+}
+
+async fn post(url: &str, body: &Value) -> Reply {
+    post_raw(url, body.to_string()).await
+}
+
+async fn post_raw(url: &str, body: String) -> Reply {
+    let r = http()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let retry_after = r
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().parse().unwrap());
+    Reply {
+        status,
+        retry_after,
+        body: r.text().await.unwrap(),
+    }
+}
+
+fn chat(model: &str) -> Value {
+    json!({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+fn chat_stream(model: &str) -> Value {
+    json!({"model": model, "max_tokens": 4, "stream": true, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+#[tokio::test]
+async fn awake_model_forwarded_and_errors_answered_by_the_proxy() {
+    let models = [format!(
+        "{}aliases = [\"gpt-x\"]\n",
+        model_toml("chat", "awake", "", &["--startup-time", "100ms"])
+    )];
+    let mut s = Stack::start(&models, &["--max-body", "4096"]).await;
+    s.wait_state("chat", "awake").await;
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+
+    let r = post(&url, &chat("gpt-x")).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["model"], "chat", "alias rewritten to the served name");
+
+    let r = post(&url, &chat("nope")).await;
+    assert_eq!(r.status, 404);
+    assert!(r.json()["error"]["message"].as_str().unwrap().contains("nope"));
+    let r = post_raw(&url, "{\"model\": ".into()).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["type"], "invalid_request_error");
+    let r = post_raw(&url, json!({"model": "chat", "pad": "x".repeat(8192)}).to_string()).await;
+    assert_eq!(r.status, 413);
+    for path in ["/sleep?level=1", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/is_sleeping", "/metrics", "/v1/../sleep"] {
+        let r = post(&s.url(path), &json!({"model": "chat", "method": "reload_weights"})).await;
+        assert_eq!(r.status, 404, "{path}");
+        let r = http().get(s.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 404, "GET {path}");
+    }
+    let models: Value = http().get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["chat", "gpt-x"]);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn sleeping_model_held_during_wake_then_answered() {
+    let models = [model_toml("sleepy", "asleep", "", &["--startup-time", "100ms", "--wake-time", "1500ms"])];
+    let mut s = Stack::start(&models, &[]).await;
+    s.wait_state("sleepy", "asleep").await;
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+    let t0 = Instant::now();
+    let (c1, c2) = (chat("sleepy"), chat_stream("sleepy"));
+    let (whole, streamed) = tokio::join!(post(&url, &c1), post(&url, &c2));
+    assert!(t0.elapsed() >= Duration::from_millis(1000), "held during the wake");
+    assert_eq!(whole.status, 200, "{}", whole.body);
+    assert_eq!(whole.json()["object"], "chat.completion");
+    assert_eq!(streamed.status, 200);
+    assert!(streamed.body.contains("chat.completion.chunk"), "{}", streamed.body);
+    assert!(streamed.body.trim_end().ends_with("data: [DONE]"), "{}", streamed.body);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn queue_overflow_and_max_hold_shed_with_retry_after() {
+    let slow = ["--startup-time", "100ms", "--wake-time", "30s"];
+    let models = [
+        model_toml("one", "asleep", "max_queue = 1", &slow),
+        model_toml("six", "asleep", "max_queue = 6", &slow),
+        model_toml("brief", "asleep", "max_hold = \"1s\"", &slow),
+    ];
+    let mut s = Stack::start(&models, &[]).await;
+    for m in ["one", "six", "brief"] {
+        s.wait_state(m, "asleep").await;
+    }
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+    let mut held = Vec::new();
+    for (m, n) in [("one", 1), ("six", 6)] {
+        for _ in 0..n {
+            let url = url.clone();
+            held.push(tokio::spawn(async move { post(&url, &chat(m)).await }));
+        }
+    }
+    wait_until("queues full", DEADLINE, || async {
+        s.held("one").await == 1.0 && s.held("six").await == 6.0
+    })
+    .await;
+    let r1 = post(&url, &chat("one")).await;
+    let r6 = post(&url, &chat("six")).await;
+    assert_eq!((r1.status, r6.status), (503, 503));
+    assert_eq!(r1.json()["error"]["code"], "queue_full");
+    let (a, b) = (r1.retry_after.unwrap(), r6.retry_after.unwrap());
+    assert!(b > a, "Retry-After grows with depth: {a} (1 ahead) vs {b} (6 ahead)");
+
+    let t0 = Instant::now();
+    let r = post(&url, &chat("brief")).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["code"], "hold_timeout");
+    assert!(r.retry_after.unwrap() >= 1);
+    assert!(t0.elapsed() >= Duration::from_millis(900));
+    for t in held {
+        t.abort();
+    }
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn client_disconnect_while_held_frees_its_slot() {
+    let models = [model_toml("one", "asleep", "max_queue = 1", &["--startup-time", "100ms", "--wake-time", "4s"])];
+    let mut s = Stack::start(&models, &[]).await;
+    s.wait_state("one", "asleep").await;
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+    let u = url.clone();
+    let first = tokio::spawn(async move { post(&u, &chat("one")).await });
+    wait_until("first held", DEADLINE, || async { s.held("one").await == 1.0 }).await;
+    first.abort();
+    wait_until("slot freed", DEADLINE, || async { s.held("one").await == 0.0 }).await;
+    // The freed slot takes the next request, which is answered after the wake.
+    let r = post(&url, &chat("one")).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn control_killed_then_restarted() {
+    let models = [
+        model_toml("awake", "awake", "", &["--startup-time", "100ms"]),
+        model_toml("sleepy", "asleep", "max_hold = \"2s\"", &["--startup-time", "100ms", "--wake-time", "500ms"]),
+    ];
+    let mut s = Stack::start(&models, &[]).await;
+    s.wait_state("awake", "awake").await;
+    s.wait_state("sleepy", "asleep").await;
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+    s.control.kill9();
+    for _ in 0..3 {
+        assert_eq!(post(&url, &chat("awake")).await.status, 200);
+    }
+    let t0 = Instant::now();
+    let r = post(&url, &chat("sleepy")).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(t0.elapsed() >= Duration::from_millis(1900), "held until max_hold");
+
+    s.control.restart().await;
+    // The proxy resyncs and the sleeping model is woken on demand again.
+    wait_until("served after resync", DEADLINE, || async {
+        post(&url, &chat("sleepy")).await.status == 200
+    })
+    .await;
+    assert_eq!(post(&url, &chat("awake")).await.status, 200);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn two_proxies_against_one_control() {
+    let models = [model_toml("sleepy", "asleep", "", &["--startup-time", "100ms", "--wake-time", "1s"])];
+    let mut s = Stack::start(&models, &[]).await;
+    let second = spawn_proxy(&[s.control.url()], &[]).await;
+    s.proxies.push(second);
+    s.wait_state("sleepy", "asleep").await;
+    s.track_engines().await;
+    let a = s.url("/v1/chat/completions");
+    let b = format!("{}/v1/chat/completions", s.proxies[1].url());
+    let (c1, c2) = (chat("sleepy"), chat_stream("sleepy"));
+    let (ra, rb) = tokio::join!(post(&a, &c1), post(&b, &c2));
+    assert_eq!(ra.status, 200, "{}", ra.body);
+    assert_eq!(rb.status, 200, "{}", rb.body);
+    assert!(rb.body.contains("[DONE]"));
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn openai_client_chat_streaming_and_embeddings() {
+    use async_openai::config::OpenAIConfig;
+    use async_openai::types::{
+        ChatCompletionRequestUserMessageArgs, CreateChatCompletionRequestArgs,
+        CreateEmbeddingRequestArgs,
+    };
+    use futures::StreamExt;
+
+    let models = [
+        model_toml("chat", "asleep", "", &["--startup-time", "100ms", "--wake-time", "300ms"]),
+        model_toml("embed", "awake", "", &["--startup-time", "100ms"]),
+    ];
+    let mut s = Stack::start(&models, &[]).await;
+    s.wait_state("chat", "asleep").await;
+    s.wait_state("embed", "awake").await;
+    s.track_engines().await;
+    let client = async_openai::Client::with_config(
+        OpenAIConfig::new()
+            .with_api_base(s.url("/v1"))
+            .with_api_key("unused"),
+    );
+    let msg = ChatCompletionRequestUserMessageArgs::default()
+        .content("hello")
+        .build()
+        .unwrap();
+    let req = CreateChatCompletionRequestArgs::default()
+        .model("chat")
+        .max_tokens(8u32)
+        .messages([msg.clone().into()])
+        .build()
+        .unwrap();
+    let resp = client.chat().create(req.clone()).await.unwrap();
+    assert_eq!(resp.model, "chat");
+    assert!(!resp.choices[0].message.content.as_deref().unwrap_or("").is_empty());
+
+    let mut stream = client.chat().create_stream(req).await.unwrap();
+    let mut text = String::new();
+    let mut chunks = 0;
+    while let Some(chunk) = tokio::time::timeout(DEADLINE, stream.next()).await.unwrap() {
+        let chunk = chunk.unwrap();
+        chunks += 1;
+        for c in chunk.choices {
+            text.push_str(c.delta.content.as_deref().unwrap_or(""));
+        }
+    }
+    assert!(chunks > 1 && !text.is_empty(), "{chunks} chunks: {text:?}");
+
+    let req = CreateEmbeddingRequestArgs::default()
+        .model("embed")
+        .input(["one", "two"])
+        .build()
+        .unwrap();
+    let emb = client.embeddings().create(req).await.unwrap();
+    assert_eq!(emb.data.len(), 2);
+    assert!(!emb.data[0].embedding.is_empty());
+    s.stop().await;
+}
