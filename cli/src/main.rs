@@ -27,7 +27,8 @@ fn main() -> ExitCode {
     if let Command::FakeVllm { args } = cli.command {
         return fake_vllm(args);
     }
-    init_tracing(if serving { "info" } else { "warn" });
+    // `up` prints its banner and model changes itself; RUST_LOG=info shows more.
+    init_tracing("warn");
     let runtime = if serving {
         tokio::runtime::Builder::new_multi_thread()
             .enable_all()

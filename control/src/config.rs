@@ -2,6 +2,7 @@
 //! (shared by the daemon and `siesta config check`).
 
 mod demo;
+mod model;
 mod read;
 pub mod units;
 mod validate;

@@ -122,6 +122,7 @@ impl IommuMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum LinkKind {
+    #[serde(rename = "nvlink")]
     NvLink,
     SameSwitch,
     SameCpu,
@@ -255,6 +256,10 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&LinkKind::SameSwitch).unwrap(),
             "\"same-switch\""
+        );
+        assert_eq!(
+            serde_json::to_string(&LinkKind::NvLink).unwrap(),
+            format!("\"{}\"", LinkKind::NvLink.as_str())
         );
     }
 }

@@ -8,7 +8,8 @@ use crate::gpu::convert::{gpu_to_proto, p2p_to_proto};
 use crate::gpu::p2p::{P2pMatrix, ProbeOptions, default_probe_bin, run_probe};
 use crate::gpu::{GpuSource, GpuSpec, Inventory, InventorySource};
 use crate::placement::{
-    Machine, MemoryNeed, ModelNeeds, ModelRuntime, Placement, Policy, RunState, budgets, place,
+    Machine, MemoryNeed, ModelNeeds, ModelRuntime, Placement, Policy, RunState, WakePlan, budgets,
+    place, plan_wake,
 };
 use crate::runner::Placed;
 use crate::status::{ModelStatus, State};
@@ -61,6 +62,19 @@ fn run_state(s: State) -> RunState {
         State::Stopping => RunState::Stopping,
         State::Failed => RunState::Failed,
     }
+}
+
+fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> {
+    models
+        .iter()
+        .map(|m| {
+            let mut r = ModelRuntime::new(run_state(m.state));
+            r.in_flight = m.in_flight;
+            r.last_activity_ms = m.last_activity_unix_ms;
+            r.pinned_awake = m.pinned_until_unix_ms > 0;
+            (m.name.clone(), r)
+        })
+        .collect()
 }
 
 /// The process group of a pid (from /proc), to tell whose a GPU process is.
@@ -171,19 +185,31 @@ impl GpuView {
         }
     }
 
+    /// Whether `target` fits awake now (models without a placement or GPUs
+    /// always do).
+    pub fn plan_wake(&self, target: &str, models: &[ModelStatus]) -> WakePlan {
+        let st = self.state.lock().unwrap();
+        if !st
+            .placements
+            .iter()
+            .any(|p| p.model == target && !p.gpus.is_empty())
+        {
+            return WakePlan::Ready;
+        }
+        let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
+        plan_wake(
+            target,
+            &machine,
+            &st.placements,
+            &runtime(models),
+            &self.policy,
+        )
+    }
+
     pub fn placement(&self, models: &[ModelStatus]) -> pb::GetPlacementResponse {
         let st = self.state.lock().unwrap();
         let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
-        let runtime: BTreeMap<String, ModelRuntime> = models
-            .iter()
-            .map(|m| {
-                let mut r = ModelRuntime::new(run_state(m.state));
-                r.in_flight = m.in_flight;
-                r.last_activity_ms = m.last_activity_unix_ms;
-                r.pinned_awake = m.pinned_until_unix_ms > 0;
-                (m.name.clone(), r)
-            })
-            .collect();
+        let runtime = runtime(models);
         let mut placements: Vec<pb::ModelPlacement> =
             st.placements.iter().map(Placement::to_proto).collect();
         if let Some(err) = &st.placement_error {

@@ -1,6 +1,7 @@
 //! siesta-control: owns every engine on one GPU box.
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod api;
 pub mod config;
 pub mod engine;

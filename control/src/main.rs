@@ -45,7 +45,8 @@ async fn main() -> anyhow::Result<()> {
     let addr = server.local_addr();
     tracing::info!(%addr, "siesta-control listening");
     if let Some(path) = &args.addr_file {
-        let tmp = path.with_extension("tmp");
+        let mut tmp = path.clone().into_os_string();
+        tmp.push(".tmp");
         std::fs::write(&tmp, format!("grpc={addr}\n")).context("writing addr file")?;
         std::fs::rename(&tmp, path).context("writing addr file")?;
     }

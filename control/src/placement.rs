@@ -14,6 +14,7 @@
 //! placed than fit awake at once.
 
 mod assign;
+mod candidates;
 mod evict;
 
 pub use assign::{PlacementError, PlacementErrors, place};
@@ -234,3 +235,5 @@ pub(crate) fn list(gpus: &[u32]) -> String {
 mod tests;
 #[cfg(test)]
 mod tests_evict;
+#[cfg(test)]
+mod tests_mixes;

@@ -2,6 +2,7 @@
 //! the new state and the effects to carry out. No I/O here.
 
 mod calibration;
+mod drive;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -42,6 +43,8 @@ pub enum Reason {
     Operator,
     Pin,
     IdleTier,
+    /// Put to sleep to make room on its GPUs for another model.
+    Eviction,
 }
 
 /// The intent: desired state, why, since when, until when.
@@ -143,6 +146,8 @@ pub enum Event {
     Command(Command),
     /// A proxy holds requests for the model.
     Demand,
+    /// Sleep (level 1) to make room for another model, if idle and unpinned.
+    Evict,
     /// Keep awake until (None: until Unpin).
     Pin(Option<Instant>),
     Unpin,
@@ -189,6 +194,11 @@ pub enum Event {
     WakeStepDone {
         epoch: u64,
         step: usize,
+    },
+    /// A wake waited for room on its GPUs and has it now: its deadline
+    /// and calibration count from here.
+    Admitted {
+        epoch: u64,
     },
     WakeFailed {
         epoch: u64,

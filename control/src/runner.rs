@@ -31,6 +31,8 @@ pub struct Shared {
     pub poll_every: Duration,
     /// Stop engines when the server shuts down.
     pub stop_engines_on_exit: bool,
+    /// Room on the GPUs before a start or wake.
+    pub admission: crate::admission::Admission,
 }
 
 /// Where a model runs (placement's answer).
@@ -45,6 +47,8 @@ pub struct Placed {
 pub(crate) enum Msg {
     Event(Event, Option<oneshot::Sender<ModelStatus>>),
     Spawned(ProcHandle),
+    /// What a start or wake waits for (None: nothing).
+    WaitingFor(Option<String>),
     Poll {
         epoch: u64,
         result: Result<Option<u32>, String>,
@@ -71,6 +75,7 @@ impl std::fmt::Debug for Msg {
         match self {
             Msg::Event(e, _) => write!(f, "Event({e:?})"),
             Msg::Spawned(h) => write!(f, "Spawned({})", h.pid),
+            Msg::WaitingFor(w) => write!(f, "WaitingFor({w:?})"),
             Msg::Poll { epoch, result } => write!(f, "Poll({epoch}, {result:?})"),
             Msg::Shutdown { stop_engine, .. } => write!(f, "Shutdown({stop_engine})"),
         }
@@ -140,6 +145,7 @@ pub fn spawn_model(
         gpus: placed.gpus.clone(),
         p2p_disabled: placed.p2p_disabled,
         control_id: shared.control_id.clone(),
+        waiting_for: String::new(),
     };
     let status = model_status(&cfg, &facts, &state, &shared.clock, now);
     let (status_tx, status_rx) = watch::channel(status.clone());
@@ -248,6 +254,10 @@ impl Runner {
                     handle.signal(nix::sys::signal::Signal::SIGKILL);
                 }
             }
+            Msg::WaitingFor(w) => {
+                self.facts.waiting_for = w.unwrap_or_default();
+                self.publish(Instant::now());
+            }
             Msg::Poll { epoch, result } => {
                 self.polling = false;
                 if epoch != self.state.epoch {
@@ -283,6 +293,7 @@ impl Runner {
         let (state, effects) = step(self.state.clone(), event, now);
         self.state = state;
         if self.state.epoch != epoch {
+            self.facts.waiting_for.clear();
             for op in self.ops.drain(..) {
                 op.abort();
             }
@@ -337,3 +348,6 @@ impl Runner {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,6 +1,7 @@
 //! The daemon: binds the gRPC listener, starts the model tasks, serves
 //! `siesta.v1.Control`, gRPC health and reflection, and shuts down cleanly.
 
+use crate::admission::Admission;
 use crate::api::ControlService;
 use crate::api::auth::BearerAuth;
 use crate::gpu_view::GpuView;
@@ -115,17 +116,19 @@ impl Server {
             control_id: config.control.control_id.clone(),
             poll_every: Duration::from_secs(1),
             stop_engines_on_exit: opts.stop_engines_on_exit,
+            admission: Admission::new(Some(gpus.clone())),
         });
         let tasks = shutdown.child_token();
         let writer = tokio::spawn(store.clone().run_writer(tasks.clone()));
         let models = Arc::new(
-            Models::start(&config, &gpus.placed(), shared, tasks.clone()).map_err(|source| {
-                Error::StateDir {
+            Models::start(&config, &gpus.placed(), shared.clone(), tasks.clone()).map_err(
+                |source| Error::StateDir {
                     path: state_dir.clone(),
                     source,
-                }
-            })?,
+                },
+            )?,
         );
+        shared.admission.set_models(Arc::downgrade(&models));
         hub.set_placement(gpus.placement(&models.list()));
         let service = ControlService {
             models: models.clone(),

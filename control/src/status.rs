@@ -122,6 +122,8 @@ pub struct EngineFacts {
     pub gpus: Vec<u32>,
     pub p2p_disabled: bool,
     pub control_id: String,
+    /// What a start or wake waits for right now (room on the GPUs).
+    pub waiting_for: String,
 }
 
 /// Builds the status from config, facts and state.
@@ -148,6 +150,7 @@ pub fn model_status(
         _ => 0,
     };
     let waiting_for = match m.phase {
+        _ if !facts.waiting_for.is_empty() => facts.waiting_for.clone(),
         Phase::Starting { spawned: false, .. } => {
             format!(
                 "start lock of GPUs {:?} (engines sharing a GPU start one at a time)",

@@ -50,6 +50,7 @@ fn reason_name(r: Reason) -> &'static str {
         Reason::Operator => "operator",
         Reason::Pin => "pin",
         Reason::IdleTier => "idle_tier",
+        Reason::Eviction => "eviction",
     }
 }
 
@@ -88,6 +89,7 @@ impl IntentRecord {
             "operator" => Reason::Operator,
             "pin" => Reason::Pin,
             "idle_tier" => Reason::IdleTier,
+            "eviction" => Reason::Eviction,
             _ => return,
         };
         let now_ms = clock.now_ms();

@@ -40,8 +40,14 @@ impl Body for ProxyBody {
         match self.get_mut() {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             ProxyBody::Upstream { inner, guard } => {
-                let res = Pin::new(inner).poll_frame(cx);
+                let res = Pin::new(&mut *inner).poll_frame(cx);
                 match &res {
+                    // hyper stops polling once a sized body is complete.
+                    Poll::Ready(Some(Ok(_))) if inner.is_end_stream() => {
+                        if let Some(g) = guard.take() {
+                            g.finish(true);
+                        }
+                    }
                     Poll::Ready(None) => {
                         if let Some(g) = guard.take() {
                             g.finish(true);

@@ -46,8 +46,9 @@ pub enum Wait {
 struct QueueInner {
     waiters: VecDeque<(u64, oneshot::Sender<Release>)>,
     next_id: u64,
-    /// A wait episode is under way (its Demand was or is being sent).
-    episode: bool,
+    /// The wait episode under way (its Demand was or is being sent), if any.
+    episode: Option<u64>,
+    episodes: u64,
 }
 
 #[derive(Debug)]
@@ -59,7 +60,7 @@ struct HoldQueue {
 impl HoldQueue {
     fn release_all(&self, mut f: impl FnMut() -> Release) -> usize {
         let mut q = self.inner.lock().unwrap();
-        q.episode = false;
+        q.episode = None;
         let n = q.waiters.len();
         for (_, tx) in q.waiters.drain(..) {
             let _ = tx.send(f());
@@ -76,6 +77,8 @@ pub struct Holds {
     controls: Arc<Controls>,
     metrics: Arc<Metrics>,
     proxy_id: String,
+    /// Ends demand retries when the proxy stops.
+    shutdown: CancellationToken,
 }
 
 /// A place in a model's queue; leaving (drop) frees it at once.
@@ -110,7 +113,7 @@ impl Drop for Ticket {
             q.waiters.remove(i);
         }
         if q.waiters.is_empty() {
-            q.episode = false;
+            q.episode = None;
         }
         drop(q);
         self.metrics
@@ -136,6 +139,7 @@ impl Holds {
         controls: Arc<Controls>,
         metrics: Arc<Metrics>,
         proxy_id: String,
+        shutdown: CancellationToken,
     ) -> Self {
         Holds {
             queues: Mutex::new(HashMap::new()),
@@ -143,6 +147,7 @@ impl Holds {
             controls,
             metrics,
             proxy_id,
+            shutdown,
         }
     }
 
@@ -220,8 +225,11 @@ impl Holds {
         q.next_id += 1;
         let (tx, rx) = oneshot::channel();
         q.waiters.push_back((id, tx));
-        let start_episode = !q.episode;
-        q.episode = true;
+        let new_episode = q.episode.is_none().then(|| {
+            q.episodes += 1;
+            q.episode = Some(q.episodes);
+            q.episodes
+        });
         drop(q);
         self.metrics
             .held
@@ -229,8 +237,8 @@ impl Holds {
                 model: route.name.clone(),
             })
             .inc();
-        if start_episode {
-            tokio::spawn(self.clone().demand_episode(queue.clone()));
+        if let Some(episode) = new_episode {
+            tokio::spawn(self.clone().demand_episode(queue.clone(), episode));
         }
         Ok(Ticket {
             queue,
@@ -242,12 +250,12 @@ impl Holds {
 
     /// Sends one Demand for a wait episode, retrying only while the control
     /// plane cannot be reached and requests are still waiting.
-    async fn demand_episode(self: Arc<Self>, queue: Arc<HoldQueue>) {
+    async fn demand_episode(self: Arc<Self>, queue: Arc<HoldQueue>, episode: u64) {
         let mut attempt = 0u32;
         loop {
             let queued = {
                 let q = queue.inner.lock().unwrap();
-                if !q.episode || q.waiters.is_empty() {
+                if q.episode != Some(episode) || q.waiters.is_empty() {
                     return;
                 }
                 q.waiters.len() as u32
@@ -284,15 +292,20 @@ impl Holds {
                         "model `{}` will not be woken: {}",
                         queue.model, resp.message
                     );
-                    queue.release_all(|| {
-                        Release::Fail(shed(ShedReason::Refused, None, msg.clone()))
-                    });
+                    if queue.inner.lock().unwrap().episode == Some(episode) {
+                        queue.release_all(|| {
+                            Release::Fail(shed(ShedReason::Refused, None, msg.clone()))
+                        });
+                    }
                     return;
                 }
                 Err(status) => {
                     attempt += 1;
                     tracing::debug!(model = %queue.model, error = %status, attempt, "demand failed; retrying");
-                    tokio::time::sleep(backoff(attempt)).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff(attempt)) => {}
+                        _ = self.shutdown.cancelled() => return,
+                    }
                 }
             }
         }

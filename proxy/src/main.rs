@@ -50,6 +50,18 @@ struct Args {
     /// Largest request body accepted, in bytes.
     #[arg(long, default_value_t = siesta_proxy::DEFAULT_MAX_BODY_BYTES)]
     max_body: usize,
+    /// Largest request head (request line and headers), in bytes.
+    #[arg(long, default_value_t = 64 * 1024)]
+    max_header_bytes: usize,
+    /// Time allowed to receive a request's headers.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    header_timeout: std::time::Duration,
+    /// Time allowed to receive a request's body.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    body_timeout: std::time::Duration,
+    /// Identity sent to control planes (default `proxy@HOST:PORT`).
+    #[arg(long)]
+    proxy_id: Option<String>,
     /// Time allowed for in-flight requests to finish on shutdown.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     drain_timeout: std::time::Duration,
@@ -88,7 +100,11 @@ async fn main() -> anyhow::Result<()> {
             .filter(|k| !k.is_empty())
             .collect(),
         max_body_bytes: args.max_body,
+        max_header_bytes: args.max_header_bytes,
+        header_timeout: args.header_timeout,
+        body_timeout: args.body_timeout,
         drain_timeout: args.drain_timeout,
+        proxy_id: args.proxy_id,
         ..ProxyConfig::default()
     };
     let proxy = Proxy::bind(cfg)?;

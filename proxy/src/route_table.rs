@@ -361,3 +361,6 @@ fn new_upstream(
         activity: activity.counters(source, model),
     })
 }
+
+#[cfg(test)]
+mod tests;

@@ -108,11 +108,16 @@ impl Proxy {
         let activity = Arc::new(Activity::default());
         let table = Arc::new(RouteTable::new(activity.clone()));
         let controls = Arc::new(Controls::new(cfg.token.as_deref())?);
+        // Background work outlives the listeners so held requests can still
+        // be released while draining.
+        let background = CancellationToken::new();
+        let _stop_background = background.clone().drop_guard();
         let holds = Arc::new(Holds::new(
             table.clone(),
             controls.clone(),
             metrics.clone(),
             proxy_id.clone(),
+            background.child_token(),
         ));
         let shared = Arc::new(Shared {
             table: table.clone(),
@@ -125,9 +130,6 @@ impl Proxy {
             body_timeout: cfg.body_timeout,
         });
 
-        // Background work outlives the listeners so held requests can still
-        // be released while draining.
-        let background = CancellationToken::new();
         let ctx = WatchCtx {
             table: table.clone(),
             controls: controls.clone(),
@@ -162,6 +164,8 @@ impl Proxy {
             .keep_alive_interval(Duration::from_secs(30));
         let builder = Arc::new(builder);
         let graceful = GracefulShutdown::new();
+        // Connections still open after the drain timeout are aborted with it.
+        let mut conns = tokio::task::JoinSet::new();
         tracing::info!(
             listen = %self.local_addr, admin = %self.admin_addr, %proxy_id,
             "siesta-proxy serving"
@@ -171,6 +175,7 @@ impl Proxy {
             let (stream, admin_conn) = tokio::select! {
                 r = listener.accept() => (r, false),
                 r = admin.accept() => (r, true),
+                Some(_) = conns.join_next(), if !conns.is_empty() => continue,
                 _ = shutdown.cancelled() => break,
             };
             let stream = match stream {
@@ -185,7 +190,7 @@ impl Proxy {
             let shared = shared.clone();
             let builder = builder.clone();
             let watcher = graceful.watcher();
-            tokio::spawn(async move {
+            conns.spawn(async move {
                 let io = TokioIo::new(stream);
                 let res = if admin_conn {
                     let svc = service_fn(move |req| {
@@ -215,6 +220,7 @@ impl Proxy {
         {
             tracing::warn!("drain timeout passed; closing remaining connections");
         }
+        conns.abort_all();
         background.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(3), reporter).await;
         tracing::info!("siesta-proxy stopped");

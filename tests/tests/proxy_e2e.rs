@@ -175,31 +175,90 @@ async fn awake_model_forwarded_and_errors_answered_by_the_proxy() {
 
     let r = post(&url, &chat("gpt-x")).await;
     assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.json()["model"], "chat", "alias rewritten to the served name");
+    assert_eq!(
+        r.json()["model"],
+        "chat",
+        "alias rewritten to the served name"
+    );
+    // The proxy's activity report reaches the control plane.
+    let client = s.control.client().await;
+    wait_until("activity reported", DEADLINE, || {
+        let mut client = client.clone();
+        async move {
+            let models = client
+                .list_models(ListModelsRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .models;
+            models
+                .iter()
+                .any(|m| m.name == "chat" && m.last_activity_unix_ms > 0)
+        }
+    })
+    .await;
 
     let r = post(&url, &chat("nope")).await;
     assert_eq!(r.status, 404);
-    assert!(r.json()["error"]["message"].as_str().unwrap().contains("nope"));
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("nope")
+    );
     let r = post_raw(&url, "{\"model\": ".into()).await;
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["error"]["type"], "invalid_request_error");
-    let r = post_raw(&url, json!({"model": "chat", "pad": "x".repeat(8192)}).to_string()).await;
+    let r = post_raw(
+        &url,
+        json!({"model": "chat", "pad": "x".repeat(8192)}).to_string(),
+    )
+    .await;
     assert_eq!(r.status, 413);
-    for path in ["/sleep?level=1", "/wake_up", "/collective_rpc", "/reset_prefix_cache", "/is_sleeping", "/metrics", "/v1/../sleep"] {
-        let r = post(&s.url(path), &json!({"model": "chat", "method": "reload_weights"})).await;
+    for path in [
+        "/sleep?level=1",
+        "/wake_up",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/is_sleeping",
+        "/metrics",
+        "/v1/../sleep",
+    ] {
+        let r = post(
+            &s.url(path),
+            &json!({"model": "chat", "method": "reload_weights"}),
+        )
+        .await;
         assert_eq!(r.status, 404, "{path}");
         let r = http().get(s.url(path)).send().await.unwrap();
         assert_eq!(r.status(), 404, "GET {path}");
     }
-    let models: Value = http().get(s.url("/v1/models")).send().await.unwrap().json().await.unwrap();
-    let ids: Vec<&str> = models["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let models: Value = http()
+        .get(s.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
     assert_eq!(ids, ["chat", "gpt-x"]);
     s.stop().await;
 }
 
 #[tokio::test]
 async fn sleeping_model_held_during_wake_then_answered() {
-    let models = [model_toml("sleepy", "asleep", "", &["--startup-time", "100ms", "--wake-time", "1500ms"])];
+    let models = [model_toml(
+        "sleepy",
+        "asleep",
+        "",
+        &["--startup-time", "100ms", "--wake-time", "1500ms"],
+    )];
     let mut s = Stack::start(&models, &[]).await;
     s.wait_state("sleepy", "asleep").await;
     s.track_engines().await;
@@ -207,12 +266,23 @@ async fn sleeping_model_held_during_wake_then_answered() {
     let t0 = Instant::now();
     let (c1, c2) = (chat("sleepy"), chat_stream("sleepy"));
     let (whole, streamed) = tokio::join!(post(&url, &c1), post(&url, &c2));
-    assert!(t0.elapsed() >= Duration::from_millis(1000), "held during the wake");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1000),
+        "held during the wake"
+    );
     assert_eq!(whole.status, 200, "{}", whole.body);
     assert_eq!(whole.json()["object"], "chat.completion");
     assert_eq!(streamed.status, 200);
-    assert!(streamed.body.contains("chat.completion.chunk"), "{}", streamed.body);
-    assert!(streamed.body.trim_end().ends_with("data: [DONE]"), "{}", streamed.body);
+    assert!(
+        streamed.body.contains("chat.completion.chunk"),
+        "{}",
+        streamed.body
+    );
+    assert!(
+        streamed.body.trim_end().ends_with("data: [DONE]"),
+        "{}",
+        streamed.body
+    );
     s.stop().await;
 }
 
@@ -246,7 +316,10 @@ async fn queue_overflow_and_max_hold_shed_with_retry_after() {
     assert_eq!((r1.status, r6.status), (503, 503));
     assert_eq!(r1.json()["error"]["code"], "queue_full");
     let (a, b) = (r1.retry_after.unwrap(), r6.retry_after.unwrap());
-    assert!(b > a, "Retry-After grows with depth: {a} (1 ahead) vs {b} (6 ahead)");
+    assert!(
+        b > a,
+        "Retry-After grows with depth: {a} (1 ahead) vs {b} (6 ahead)"
+    );
 
     let t0 = Instant::now();
     let r = post(&url, &chat("brief")).await;
@@ -262,16 +335,27 @@ async fn queue_overflow_and_max_hold_shed_with_retry_after() {
 
 #[tokio::test]
 async fn client_disconnect_while_held_frees_its_slot() {
-    let models = [model_toml("one", "asleep", "max_queue = 1", &["--startup-time", "100ms", "--wake-time", "4s"])];
+    let models = [model_toml(
+        "one",
+        "asleep",
+        "max_queue = 1",
+        &["--startup-time", "100ms", "--wake-time", "4s"],
+    )];
     let mut s = Stack::start(&models, &[]).await;
     s.wait_state("one", "asleep").await;
     s.track_engines().await;
     let url = s.url("/v1/chat/completions");
     let u = url.clone();
     let first = tokio::spawn(async move { post(&u, &chat("one")).await });
-    wait_until("first held", DEADLINE, || async { s.held("one").await == 1.0 }).await;
+    wait_until("first held", DEADLINE, || async {
+        s.held("one").await == 1.0
+    })
+    .await;
     first.abort();
-    wait_until("slot freed", DEADLINE, || async { s.held("one").await == 0.0 }).await;
+    wait_until("slot freed", DEADLINE, || async {
+        s.held("one").await == 0.0
+    })
+    .await;
     // The freed slot takes the next request, which is answered after the wake.
     let r = post(&url, &chat("one")).await;
     assert_eq!(r.status, 200, "{}", r.body);
@@ -282,7 +366,12 @@ async fn client_disconnect_while_held_frees_its_slot() {
 async fn control_killed_then_restarted() {
     let models = [
         model_toml("awake", "awake", "", &["--startup-time", "100ms"]),
-        model_toml("sleepy", "asleep", "max_hold = \"2s\"", &["--startup-time", "100ms", "--wake-time", "500ms"]),
+        model_toml(
+            "sleepy",
+            "asleep",
+            "max_hold = \"2s\"",
+            &["--startup-time", "100ms", "--wake-time", "500ms"],
+        ),
     ];
     let mut s = Stack::start(&models, &[]).await;
     s.wait_state("awake", "awake").await;
@@ -296,7 +385,10 @@ async fn control_killed_then_restarted() {
     let t0 = Instant::now();
     let r = post(&url, &chat("sleepy")).await;
     assert_eq!(r.status, 503, "{}", r.body);
-    assert!(t0.elapsed() >= Duration::from_millis(1900), "held until max_hold");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1900),
+        "held until max_hold"
+    );
 
     s.control.restart().await;
     // The proxy resyncs and the sleeping model is woken on demand again.
@@ -310,7 +402,12 @@ async fn control_killed_then_restarted() {
 
 #[tokio::test]
 async fn two_proxies_against_one_control() {
-    let models = [model_toml("sleepy", "asleep", "", &["--startup-time", "100ms", "--wake-time", "1s"])];
+    let models = [model_toml(
+        "sleepy",
+        "asleep",
+        "",
+        &["--startup-time", "100ms", "--wake-time", "1s"],
+    )];
     let mut s = Stack::start(&models, &[]).await;
     let second = spawn_proxy(&[s.control.url()], &[]).await;
     s.proxies.push(second);
@@ -336,7 +433,12 @@ async fn openai_client_chat_streaming_and_embeddings() {
     use futures::StreamExt;
 
     let models = [
-        model_toml("chat", "asleep", "", &["--startup-time", "100ms", "--wake-time", "300ms"]),
+        model_toml(
+            "chat",
+            "asleep",
+            "",
+            &["--startup-time", "100ms", "--wake-time", "300ms"],
+        ),
         model_toml("embed", "awake", "", &["--startup-time", "100ms"]),
     ];
     let mut s = Stack::start(&models, &[]).await;
@@ -360,7 +462,14 @@ async fn openai_client_chat_streaming_and_embeddings() {
         .unwrap();
     let resp = client.chat().create(req.clone()).await.unwrap();
     assert_eq!(resp.model, "chat");
-    assert!(!resp.choices[0].message.content.as_deref().unwrap_or("").is_empty());
+    assert!(
+        !resp.choices[0]
+            .message
+            .content
+            .as_deref()
+            .unwrap_or("")
+            .is_empty()
+    );
 
     let mut stream = client.chat().create_stream(req).await.unwrap();
     let mut text = String::new();
@@ -382,5 +491,51 @@ async fn openai_client_chat_streaming_and_embeddings() {
     let emb = client.embeddings().create(req).await.unwrap();
     assert_eq!(emb.data.len(), 2);
     assert!(!emb.data[0].embedding.is_empty());
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn engine_crash_then_served_again() {
+    let models = [model_toml(
+        "chat",
+        "awake",
+        "",
+        &["--startup-time", "100ms", "--crash-after-requests", "1"],
+    )];
+    let cfg = config(&models).replace(
+        "[defaults]\n",
+        "[defaults]\nbackoff_initial = \"100ms\"\nbackoff_max = \"500ms\"\n",
+    );
+    let control = spawn_control_with(&cfg, &["--stop-engines-on-exit"]).await;
+    let proxy = spawn_proxy(&[control.url()], &[]).await;
+    let mut s = Stack {
+        control,
+        proxies: vec![proxy],
+        engine_pids: Vec::new(),
+    };
+    s.wait_state("chat", "awake").await;
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+    assert_eq!(post(&url, &chat("chat")).await.status, 200);
+    // This one reaches the engine, which dies with it: it may fail (it was sent).
+    let r = post(&url, &chat("chat")).await;
+    assert!(matches!(r.status, 200 | 502), "{} {}", r.status, r.body);
+    // The engine is gone. Later requests are held until the restarted engine
+    // is awake (refused connections are never an error), or, while the
+    // model is failed and backing off, shed with Retry-After.
+    let start = Instant::now();
+    loop {
+        let r = post(&url, &chat("chat")).await;
+        if r.status == 200 {
+            break;
+        }
+        assert_eq!(r.status, 503, "{}", r.body);
+        assert_eq!(r.json()["error"]["code"], "model_failed");
+        let wait = r.retry_after.expect("Retry-After");
+        assert!((1..=2).contains(&wait), "retry in {wait}s");
+        assert!(start.elapsed() < DEADLINE, "never served again");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    s.track_engines().await;
     s.stop().await;
 }

@@ -9,8 +9,10 @@ use siesta_control::config::Config;
 use siesta_control::{ServeOptions, Server};
 use siesta_proto::v1 as pb;
 use siesta_proxy::{Proxy, ProxyConfig};
+use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
+use super::watch::TextWatch;
 use crate::args::{DEFAULT_CONTROL, UpArgs};
 use crate::client::Conn;
 use crate::failure::Failure;
@@ -74,6 +76,12 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         "{}",
         banner(http, admin, &control_url, &models, args.config.as_deref())
     );
+    // What happens next, one line per change, so a model is seen waking.
+    tokio::spawn(print_events(
+        control_url.clone(),
+        token.map(str::to_owned),
+        shutdown.child_token(),
+    ));
 
     let outcome = tokio::select! {
         biased;
@@ -118,6 +126,35 @@ async fn list_models(control_url: &str, token: Option<&str>) -> Vec<pb::ModelSta
     .await
     .map(|r| r.models)
     .unwrap_or_default()
+}
+
+/// Prints model changes as `siesta watch` does, until shutdown.
+async fn print_events(control_url: String, token: Option<String>, shutdown: CancellationToken) {
+    let Ok(conn) = Conn::connect(&control_url, token.as_deref()).await else {
+        return;
+    };
+    let req = pb::WatchRequest {
+        since_revision: 0,
+        client_id: "siesta up".into(),
+    };
+    let Ok(mut events) = conn.call(|mut c| async move { c.watch(req).await }).await else {
+        return;
+    };
+    let mut text = TextWatch::default();
+    loop {
+        let ev = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            ev = events.next() => ev,
+        };
+        let Some(Ok(ev)) = ev else { return };
+        let lines = text.lines(&ev);
+        // The banner already listed the models: skip the snapshot.
+        if matches!(ev.kind, Some(pb::watch_event::Kind::Model(_))) {
+            for line in lines {
+                println!("{line}");
+            }
+        }
+    }
 }
 
 /// Waits for Ctrl-C or SIGTERM.

@@ -42,6 +42,7 @@ fn reason(r: Reason) -> pb::IntentReason {
         Reason::Operator => pb::IntentReason::Operator,
         Reason::Pin => pb::IntentReason::Pin,
         Reason::IdleTier => pb::IntentReason::IdleTier,
+        Reason::Eviction => pb::IntentReason::Eviction,
     }
 }
 

@@ -92,6 +92,7 @@ aliases = ["a"]
 launch = "attach"
 port = 3
 preload = "sometimes"
+env = { PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True" }
 "#;
     let err = Config::parse(text, "demo.toml").unwrap_err();
     let text = err.to_string();
@@ -103,6 +104,7 @@ preload = "sometimes"
         "demo.toml: model[1].url: is required with launch = \"attach\"",
         "demo.toml: model[1].port: does not apply to launch = \"attach\"",
         r#"demo.toml: model[1].preload: "sometimes" is not"#,
+        "demo.toml: model[1].env.PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
     }

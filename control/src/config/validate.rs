@@ -1,9 +1,9 @@
 //! TOML text → [`Config`], collecting every problem.
 
-use super::read::{Problems, Reader, describe, size_value};
+use super::model::read_model;
+use super::read::{Problems, Reader, size_value};
 use super::*;
 use std::collections::BTreeSet;
-use toml::Value;
 
 pub(super) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
     let mut p = Problems::default();
@@ -38,13 +38,15 @@ pub(super) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         .into_iter()
         .filter_map(|(path, t)| read_gpu(&mut p, path, t))
         .collect();
-    let models: Vec<ModelConfig> = r
+    let indexed: Vec<(usize, ModelConfig)> = r
         .tables(&mut p, "model")
         .into_iter()
-        .filter_map(|(path, t)| read_model(&mut p, &defaults, &gpus, path, t))
+        .enumerate()
+        .filter_map(|(i, (path, t))| Some((i, read_model(&mut p, &defaults, &gpus, path, t)?)))
         .collect();
     r.finish(&mut p);
-    check_names(&mut p, &models);
+    check_names(&mut p, &indexed);
+    let models: Vec<ModelConfig> = indexed.into_iter().map(|(_, m)| m).collect();
     let mut seen = BTreeSet::new();
     for (i, g) in gpus.iter().enumerate() {
         if !seen.insert(g.index) {
@@ -118,7 +120,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
     }
 }
 
-fn read_timeouts(p: &mut Problems, r: &mut Reader<'_>, base: Timeouts) -> Timeouts {
+pub(super) fn read_timeouts(p: &mut Problems, r: &mut Reader<'_>, base: Timeouts) -> Timeouts {
     let mut t = base;
     for (key, slot) in [
         ("start_timeout", &mut t.start),
@@ -137,7 +139,7 @@ fn read_timeouts(p: &mut Problems, r: &mut Reader<'_>, base: Timeouts) -> Timeou
     t
 }
 
-fn read_backoff(p: &mut Problems, r: &mut Reader<'_>, base: Backoff) -> Backoff {
+pub(super) fn read_backoff(p: &mut Problems, r: &mut Reader<'_>, base: Backoff) -> Backoff {
     let mut b = base;
     if let Some(d) = r.duration(p, "backoff_initial") {
         b.initial = d.max(Duration::from_millis(10));
@@ -181,7 +183,7 @@ fn read_defaults(p: &mut Problems, t: &toml::Table) -> Defaults {
     }
 }
 
-fn read_tiers(p: &mut Problems, r: &mut Reader<'_>) -> Option<Vec<IdleTier>> {
+pub(super) fn read_tiers(p: &mut Problems, r: &mut Reader<'_>) -> Option<Vec<IdleTier>> {
     r.raw("idle")?;
     let mut tiers = Vec::new();
     for (path, t) in r.tables(p, "idle") {
@@ -261,220 +263,9 @@ fn read_gpu(p: &mut Problems, path: String, t: &toml::Table) -> Option<GpuConfig
     })
 }
 
-fn read_model(
-    p: &mut Problems,
-    d: &Defaults,
-    gpus: &[GpuConfig],
-    path: String,
-    t: &toml::Table,
-) -> Option<ModelConfig> {
-    let before = p.0.len();
-    let mut r = Reader::new(path, t);
-    let name = r.string(p, "name");
-    match &name {
-        None if t.get("name").is_none() => p.push(r.key("name"), "is missing"),
-        Some(n) if !valid_name(n) => p.push(
-            r.key("name"),
-            format!("{n:?} must be non-empty and use only letters, digits and -_.:/"),
-        ),
-        _ => {}
-    }
-    let aliases = r.strings(p, "aliases").unwrap_or_default();
-    let model = r.string(p, "model");
-    let launch_kind = r.string(p, "launch").unwrap_or_else(|| "process".into());
-    let executable = r.string(p, "executable");
-    let command = r.strings(p, "command");
-    let url = r.string(p, "url");
-    let host = r.string(p, "host");
-    let port = r.uint(p, "port", 65535).map(|n| n as u16);
-    let served = r.string(p, "served_model_name");
-    let launch = match launch_kind.as_str() {
-        "process" => {
-            if url.is_some() {
-                p.push(r.key("url"), "only applies to launch = \"attach\"");
-            }
-            if served.is_some() {
-                p.push(
-                    r.key("served_model_name"),
-                    "only applies to launch = \"attach\" (process engines serve under `name`)",
-                );
-            }
-            let command = match (executable, command) {
-                (Some(_), Some(_)) => {
-                    p.push(
-                        r.key("command"),
-                        "set either `executable` or `command`, not both",
-                    );
-                    None
-                }
-                (Some(e), None) if e.is_empty() => {
-                    p.push(r.key("executable"), "is empty");
-                    None
-                }
-                (Some(e), None) => Some(vec![e]),
-                (None, Some(c)) if c.is_empty() => {
-                    p.push(r.key("command"), "is empty");
-                    None
-                }
-                (None, Some(c)) => Some(c),
-                (None, None) => Some(vec!["vllm".to_string()]),
-            };
-            command.map(|command| Launch::Process {
-                command,
-                host: host.unwrap_or_else(|| "127.0.0.1".into()),
-                port,
-            })
-        }
-        "attach" => {
-            for (k, set) in [
-                ("executable", executable.is_some()),
-                ("command", command.is_some()),
-                ("host", host.is_some()),
-                ("port", port.is_some()),
-            ] {
-                if set {
-                    p.push(
-                        r.key(k),
-                        "does not apply to launch = \"attach\" (use `url`)",
-                    );
-                }
-            }
-            match url {
-                Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
-                    Some(Launch::Attach {
-                        url: u.trim_end_matches('/').to_string(),
-                        served_model_name: served
-                            .clone()
-                            .or_else(|| name.clone())
-                            .unwrap_or_default(),
-                    })
-                }
-                Some(u) => {
-                    p.push(r.key("url"), format!("{u:?} is not an http:// URL"));
-                    None
-                }
-                None => {
-                    p.push(r.key("url"), "is required with launch = \"attach\"");
-                    None
-                }
-            }
-        }
-        other => {
-            p.push(
-                r.key("launch"),
-                format!("{other:?} is not \"process\" or \"attach\""),
-            );
-            None
-        }
-    };
-    let args = r.strings(p, "args").unwrap_or_default();
-    let env = match r.table(p, "env") {
-        None => BTreeMap::new(),
-        Some(t) => t
-            .iter()
-            .filter_map(|(k, v)| match v {
-                Value::String(s) => Some((k.clone(), s.clone())),
-                v => {
-                    p.push(
-                        format!("{}.{k}", r.key("env")),
-                        format!("expected a string, found {}", describe(v)),
-                    );
-                    None
-                }
-            })
-            .collect(),
-    };
-    let gpu_ids = r.uints(p, "gpu_ids").unwrap_or_default();
-    let gpus_n = r.uint(p, "gpus", 64).map(|n| n as u32);
-    let gpu_count = gpus_n.unwrap_or(if gpu_ids.is_empty() {
-        1
-    } else {
-        gpu_ids.len() as u32
-    });
-    if !gpu_ids.is_empty() && gpu_ids.len() as u32 != gpu_count {
-        p.push(
-            r.key("gpu_ids"),
-            format!("lists {} GPUs but gpus = {gpu_count}", gpu_ids.len()),
-        );
-    }
-    if !gpus.is_empty() {
-        for (i, id) in gpu_ids.iter().enumerate() {
-            if !gpus.iter().any(|g| g.index == *id) {
-                p.push(
-                    format!("{}[{i}]", r.key("gpu_ids")),
-                    format!("GPU {id} is not in [[gpu]]"),
-                );
-            }
-        }
-    }
-    let gpu_memory = r.raw("gpu_memory").and_then(|v| match v {
-        Value::Float(f) if *f > 0.0 && *f <= 1.0 => Some(GpuMemory::Fraction(*f)),
-        Value::Float(f) => {
-            p.push(
-                r.key("gpu_memory"),
-                format!("{f} is not a fraction in (0, 1]"),
-            );
-            None
-        }
-        other => size_value(p, &r.key("gpu_memory"), other).map(GpuMemory::Bytes),
-    });
-    let exclusive = r.boolean(p, "exclusive").unwrap_or(false);
-    let idle = read_tiers(p, &mut r).unwrap_or_else(|| d.idle.clone());
-    let preload = match r.string(p, "preload").as_deref() {
-        None | Some("none") => Preload::None,
-        Some("asleep") => Preload::Asleep,
-        Some("awake") => Preload::Awake,
-        Some(o) => {
-            p.push(
-                r.key("preload"),
-                format!("{o:?} is not \"none\", \"asleep\" or \"awake\""),
-            );
-            Preload::None
-        }
-    };
-    let max_queue = r
-        .uint(p, "max_queue", u32::MAX as u64)
-        .map_or(d.max_queue, |n| n as u32);
-    let max_hold = r.duration(p, "max_hold").unwrap_or(d.max_hold);
-    let timeouts = read_timeouts(p, &mut r, d.timeouts);
-    let backoff = read_backoff(p, &mut r, d.backoff);
-    if model.is_none() && t.get("model").is_none() && launch_kind == "process" {
-        p.push(r.key("model"), "is missing (what `vllm serve` loads)");
-    }
-    r.finish(p);
-    if p.0.len() > before {
-        return None;
-    }
-    let name = name?;
-    Some(ModelConfig {
-        model: model.unwrap_or_else(|| name.clone()),
-        name,
-        aliases,
-        launch: launch?,
-        args,
-        env,
-        gpus: gpu_count,
-        gpu_memory,
-        gpu_ids,
-        exclusive,
-        idle,
-        preload,
-        max_queue,
-        max_hold,
-        timeouts,
-        backoff,
-    })
-}
-
-fn valid_name(n: &str) -> bool {
-    !n.is_empty()
-        && n.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.:/".contains(c))
-}
-
-fn check_names(p: &mut Problems, models: &[ModelConfig]) {
+fn check_names(p: &mut Problems, models: &[(usize, ModelConfig)]) {
     let mut owner: BTreeMap<&str, String> = BTreeMap::new();
-    for (i, m) in models.iter().enumerate() {
+    for (i, m) in models {
         let names = std::iter::once((format!("model[{i}].name"), m.name.as_str())).chain(
             m.aliases
                 .iter()

@@ -16,6 +16,7 @@ fn status(name: &str, restarts: u32) -> ModelStatus {
         gpus: vec![],
         p2p_disabled: false,
         control_id: "t".into(),
+        waiting_for: String::new(),
     };
     let now = Instant::now();
     let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);

@@ -1,10 +1,7 @@
 //! The transition function.
 
-use super::tiers::{due_tier, next_tier, tier_desired};
+use super::drive::{deadlines, next_wakeup, reconcile, terminate};
 use super::*;
-
-/// Grace after SIGKILL for the process to be reaped.
-const KILL_GRACE: Duration = Duration::from_secs(10);
 
 /// Applies `event` at `now`; returns the new state and what to do.
 pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<Effect>) {
@@ -20,13 +17,13 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
     (m, fx)
 }
 
-fn set_phase(m: &mut ModelState, phase: Phase, now: Instant) {
+pub(super) fn set_phase(m: &mut ModelState, phase: Phase, now: Instant) {
     m.phase = phase;
     m.since = now;
     m.epoch += 1;
 }
 
-fn set_intent(m: &mut ModelState, desired: Desired, reason: Reason, now: Instant) {
+pub(super) fn set_intent(m: &mut ModelState, desired: Desired, reason: Reason, now: Instant) {
     if m.intent.desired != desired || m.intent.reason != reason {
         m.intent = Intent {
             desired,
@@ -49,7 +46,7 @@ fn expire_pin(m: &mut ModelState, now: Instant) {
     }
 }
 
-fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec<Effect>) {
+pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec<Effect>) {
     m.failures = m.failures.saturating_add(1);
     if !m.settings.attach {
         fx.push(Effect::Signal(Signal::Kill));
@@ -74,6 +71,18 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 m.intent.desired == Desired::Stopped && m.intent.reason == Reason::Operator;
             if !operator_stop && m.intent.desired != Desired::Awake {
                 set_intent(m, Desired::Awake, Reason::Demand, now);
+            }
+        }
+        Event::Evict => {
+            if m.phase == Phase::Awake
+                && m.intent.desired == Desired::Awake
+                && m.in_flight() == 0
+                && !m.pinned(now)
+            {
+                fx.push(Effect::Log(
+                    "evicted: sleeping to make room on its GPUs".into(),
+                ));
+                set_intent(m, Desired::Asleep(1), Reason::Eviction, now);
             }
         }
         Event::Pin(until) => {
@@ -210,6 +219,21 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 }
             }
         }
+        Event::Admitted { epoch: e } if e == epoch => {
+            if let Phase::Waking {
+                from_level,
+                step: 0,
+                ..
+            } = m.phase
+            {
+                m.transition_start = now;
+                m.phase = Phase::Waking {
+                    from_level,
+                    step: 0,
+                    deadline: now + m.settings.timeouts.wake,
+                };
+            }
+        }
         Event::SleepFailed { epoch: e, error } if e == epoch => {
             if matches!(m.phase, Phase::Sleeping { .. }) {
                 fail(m, format!("sleep failed: {error}"), now, fx);
@@ -226,11 +250,12 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         | Event::SleepDone { .. }
         | Event::SleepFailed { .. }
         | Event::WakeStepDone { .. }
+        | Event::Admitted { .. }
         | Event::WakeFailed { .. } => {}
     }
 }
 
-fn become_awake(m: &mut ModelState, now: Instant) {
+pub(super) fn become_awake(m: &mut ModelState, now: Instant) {
     if m.intent.desired == Desired::Awake {
         m.idle_floor = now;
     }
@@ -288,203 +313,4 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             }
         }
     }
-}
-
-fn terminate(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
-    fx.push(Effect::ReleaseStartLock);
-    if m.pid.is_none() {
-        // Not spawned yet (waiting for the start lock): nothing to signal.
-        fx.push(Effect::Log("stopped before the engine was spawned".into()));
-        set_phase(m, Phase::Stopped, now);
-        return;
-    }
-    fx.push(Effect::Signal(Signal::Term));
-    fx.push(Effect::Log("stopping: SIGTERM to the process group".into()));
-    let deadline = now + m.settings.timeouts.stop_grace;
-    set_phase(
-        m,
-        Phase::Stopping {
-            deadline,
-            killed: false,
-        },
-        now,
-    );
-}
-
-fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
-    let Some(deadline) = m.phase.deadline() else {
-        return;
-    };
-    if deadline > now {
-        return;
-    }
-    match m.phase {
-        Phase::Starting { .. } => fail(m, "start timed out".into(), now, fx),
-        Phase::Sleeping { level, .. } => {
-            fail(m, format!("sleep (level {level}) timed out"), now, fx)
-        }
-        Phase::Waking { from_level, .. } => fail(
-            m,
-            format!("wake from level {from_level} timed out"),
-            now,
-            fx,
-        ),
-        Phase::Stopping { killed: false, .. } => {
-            fx.push(Effect::Signal(Signal::Kill));
-            fx.push(Effect::Log(
-                "stop grace over: SIGKILL to the process group".into(),
-            ));
-            m.phase = Phase::Stopping {
-                deadline: now + KILL_GRACE,
-                killed: true,
-            };
-        }
-        Phase::Stopping { killed: true, .. } => {
-            fail(m, "engine did not exit after SIGKILL".into(), now, fx)
-        }
-        _ => {}
-    }
-}
-
-fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
-    m.transition_start = now;
-    m.engine_running = 0;
-    if m.settings.attach {
-        let deadline = now + m.settings.timeouts.start;
-        set_phase(
-            m,
-            Phase::Starting {
-                deadline,
-                spawned: true,
-            },
-            now,
-        );
-        fx.push(Effect::ProbeHealth { epoch: m.epoch });
-    } else {
-        // Waiting for the start lock counts too, up to another start timeout.
-        let deadline = now + m.settings.timeouts.start * 2;
-        set_phase(
-            m,
-            Phase::Starting {
-                deadline,
-                spawned: false,
-            },
-            now,
-        );
-        m.proc_gen += 1;
-        fx.push(Effect::Spawn {
-            proc_gen: m.proc_gen,
-        });
-    }
-}
-
-fn begin_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>) {
-    m.transition_start = now;
-    let deadline = now + m.settings.timeouts.sleep;
-    set_phase(m, Phase::Sleeping { level, deadline }, now);
-    fx.push(Effect::Log(format!("sleeping at level {level}")));
-    fx.push(Effect::Sleep {
-        epoch: m.epoch,
-        level,
-    });
-}
-
-fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Effect>) {
-    m.transition_start = now;
-    let deadline = now + m.settings.timeouts.wake;
-    set_phase(
-        m,
-        Phase::Waking {
-            from_level,
-            step: 0,
-            deadline,
-        },
-        now,
-    );
-    fx.push(Effect::Log(format!("waking from level {from_level}")));
-    fx.push(Effect::Wake {
-        epoch: m.epoch,
-        step: 0,
-        call: wake_calls(from_level)[0],
-    });
-}
-
-/// Takes one step towards the intent from a stable phase.
-fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
-    if let Some(tier) = due_tier(m, now) {
-        let desired = tier_desired(&tier, m.settings.attach);
-        fx.push(Effect::Log(format!(
-            "idle tier fired after {:?}: {desired:?}",
-            tier.after
-        )));
-        set_intent(m, desired, Reason::IdleTier, now);
-    }
-    let desired = m.intent.desired;
-    match m.phase {
-        Phase::Stopped => {
-            if desired != Desired::Stopped {
-                start(m, now, fx);
-            }
-        }
-        Phase::Failed { retry_at } => {
-            if desired == Desired::Stopped && !m.settings.attach {
-                set_phase(m, Phase::Stopped, now);
-            } else if desired != Desired::Stopped && retry_at.is_some_and(|t| t <= now) {
-                start(m, now, fx);
-            } else if desired != Desired::Stopped && retry_at.is_none() {
-                m.phase = Phase::Failed {
-                    retry_at: Some(now + m.backoff()),
-                };
-            }
-        }
-        Phase::Awake => match desired {
-            Desired::Awake => {}
-            Desired::Asleep(level) => {
-                if m.in_flight() == 0 {
-                    begin_sleep(m, level, now, fx);
-                }
-            }
-            Desired::Stopped if m.settings.attach => {
-                if m.in_flight() == 0 {
-                    begin_sleep(m, 2, now, fx);
-                }
-            }
-            Desired::Stopped => terminate(m, now, fx),
-        },
-        Phase::Asleep { level } => match desired {
-            Desired::Awake => begin_wake(m, level, now, fx),
-            // Deeper sleep: wake, then sleep again at the new level.
-            Desired::Asleep(l) if l > level => begin_wake(m, level, now, fx),
-            Desired::Asleep(_) => {}
-            Desired::Stopped if m.settings.attach => {
-                if level < 2 {
-                    begin_wake(m, level, now, fx);
-                }
-            }
-            Desired::Stopped => terminate(m, now, fx),
-        },
-        Phase::Starting { .. }
-        | Phase::Sleeping { .. }
-        | Phase::Waking { .. }
-        | Phase::Stopping { .. } => {}
-    }
-}
-
-/// The earliest time something must be re-checked.
-fn next_wakeup(m: &ModelState, now: Instant) -> Option<Instant> {
-    let mut times = Vec::new();
-    times.extend(m.phase.deadline());
-    if let Phase::Failed {
-        retry_at: Some(t), ..
-    } = m.phase
-    {
-        times.push(t);
-    }
-    if let Pin::Until(t) = m.pin {
-        times.push(t);
-    }
-    if let Some((_, at)) = next_tier(m, now) {
-        times.push(at);
-    }
-    times.into_iter().min()
 }

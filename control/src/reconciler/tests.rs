@@ -393,3 +393,48 @@ fn operator_stop_interrupts_a_start() {
     assert!(matches!(s.m.phase, Phase::Stopping { .. }));
     assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
 }
+
+#[test]
+fn eviction_sleeps_only_an_idle_unpinned_awake_model() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Activity {
+        proxy: "p".into(),
+        in_flight: 1,
+        active: true,
+        last_finished: None,
+    });
+    s.ev(Event::Evict);
+    assert_eq!(s.m.phase, Phase::Awake);
+    s.ev(Event::Activity {
+        proxy: "p".into(),
+        in_flight: 0,
+        active: true,
+        last_finished: None,
+    });
+    s.ev(Event::Pin(None));
+    s.ev(Event::Evict);
+    assert_eq!(s.m.phase, Phase::Awake);
+    s.ev(Event::Unpin);
+    s.ev(Event::Evict);
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    assert_eq!(s.m.intent.reason, Reason::Eviction);
+    // Demand wakes it again.
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.ev(Event::Demand);
+    assert!(matches!(s.m.phase, Phase::Waking { .. }));
+}
+
+#[test]
+fn wake_deadline_counts_from_admission() {
+    let mut s = Sim::new(Preload::Asleep);
+    s.boot();
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.ev(Event::Demand);
+    s.now += secs(4);
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    s.advance(secs(4));
+    assert!(matches!(s.m.phase, Phase::Waking { .. }));
+    s.advance(secs(1));
+    assert!(matches!(s.m.phase, Phase::Failed { .. }));
+}

@@ -74,7 +74,20 @@ impl Runner {
                 let client = self.client.clone();
                 let send = self.event_sender();
                 let timeout = self.cfg.timeouts.wake + CALL_SLACK;
+                let (shared, name, tx) =
+                    (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
                 self.op(async move {
+                    if step == 0 {
+                        let waited = std::sync::atomic::AtomicBool::new(false);
+                        let waiting = |w: Option<String>| {
+                            waited.fetch_or(w.is_some(), std::sync::atomic::Ordering::Relaxed);
+                            let _ = tx.send(Msg::WaitingFor(w));
+                        };
+                        shared.admission.wait_for_room(&name, waiting).await;
+                        if waited.into_inner() {
+                            let _ = tx.send(Msg::Event(Event::Admitted { epoch }, None));
+                        }
+                    }
                     send(match client.wake(call, timeout).await {
                         Ok(()) => Event::WakeStepDone { epoch, step },
                         Err(error) => Event::WakeFailed { epoch, error },
@@ -131,6 +144,14 @@ impl Runner {
         tokio::spawn(async move {
             if let Some(old) = old {
                 old.kill_and_wait().await;
+            }
+            let waiting_tx = tx.clone();
+            let waiting = move |w: Option<String>| {
+                let _ = waiting_tx.send(Msg::WaitingFor(w));
+            };
+            tokio::select! {
+                _ = shared.admission.wait_for_room(&name, waiting) => {}
+                _ = cancel.cancelled() => return,
             }
             let guards = tokio::select! {
                 g = shared.locks.acquire(&gpus) => g,

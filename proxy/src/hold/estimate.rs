@@ -1,7 +1,7 @@
 //! How long a model will take to be awake, from its state and calibration,
 //! and the Retry-After derived from it and the queue ahead.
 
-use siesta_proto::v1::ModelState;
+use siesta_proto::v1::{ModelState, ModelStatus};
 
 use crate::route_table::ModelRoute;
 
@@ -33,7 +33,10 @@ pub fn estimate(route: &ModelRoute, now_ms: i64) -> Estimate {
             calibrated: true,
         };
     }
-    let s = &route.status;
+    estimate_status(route.state, &route.status, now_ms)
+}
+
+fn estimate_status(state: ModelState, s: &ModelStatus, now_ms: i64) -> Estimate {
     let c = s.calibration.unwrap_or_default();
     let wake = |level: u32| {
         if level >= 2 {
@@ -49,7 +52,7 @@ pub fn estimate(route: &ModelRoute, now_ms: i64) -> Estimate {
         0
     };
     let remaining = |(ms, cal): (u64, bool)| (ms.saturating_sub(elapsed), cal);
-    let (ms, calibrated) = match route.state {
+    let (ms, calibrated) = match state {
         ModelState::Awake => (0, true),
         ModelState::Waking => {
             let l1 = wake(1);
@@ -85,6 +88,42 @@ pub fn retry_after_s(estimate_ms: u64, depth: usize) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use siesta_proto::v1::Calibration;
+
+    fn st(state: ModelState, level: u32, since: i64) -> ModelStatus {
+        ModelStatus {
+            state: state as i32,
+            sleep_level: level,
+            state_since_unix_ms: since,
+            calibration: Some(Calibration {
+                start_ms: 20_000,
+                wake_l1_ms: 1_000,
+                wake_l2_ms: 3_000,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn estimates_follow_state_and_calibration() {
+        let now = 1_000_000;
+        let e = |s: ModelStatus| estimate_status(s.state(), &s, now);
+        assert_eq!(e(st(ModelState::Asleep, 1, now)).ms, 1_000);
+        assert_eq!(e(st(ModelState::Asleep, 2, now)).ms, 3_000);
+        assert_eq!(e(st(ModelState::Waking, 0, now - 400)).ms, 600);
+        assert_eq!(e(st(ModelState::Starting, 0, now - 5_000)).ms, 15_000);
+        assert_eq!(e(st(ModelState::Stopped, 0, now)).ms, 20_000);
+        let mut f = st(ModelState::Failed, 0, now);
+        f.retry_at_unix_ms = now + 4_000;
+        assert_eq!(e(f).ms, 24_000);
+        let mut unknown = st(ModelState::Asleep, 1, now);
+        unknown.calibration = None;
+        let u = e(unknown);
+        assert!(!u.calibrated && u.ms > 0);
+        assert!(e(st(ModelState::Asleep, 1, now)).calibrated);
+    }
 
     #[test]
     fn retry_after_grows_with_depth() {

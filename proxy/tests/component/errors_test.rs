@@ -149,8 +149,15 @@ async fn raw(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(bytes).await.unwrap();
     let mut buf = vec![0u8; 4096];
-    let n = tokio::time::timeout(DEADLINE, s.read(&mut buf)).await.unwrap().unwrap();
-    String::from_utf8_lossy(&buf[..n]).lines().next().unwrap_or("").to_owned()
+    let n = tokio::time::timeout(DEADLINE, s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n])
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_owned()
 }
 
 #[tokio::test]
@@ -188,4 +195,30 @@ async fn slow_or_huge_requests_are_cut_off() {
         assert_eq!(r.status, 404, "{path}");
     }
     assert_eq!(e.count(), 0);
+}
+
+#[tokio::test]
+async fn metrics_follow_prometheus_conventions() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    assert_eq!(
+        post(&p.url("/v1/chat/completions"), &chat("m"))
+            .await
+            .status,
+        200
+    );
+    let m = p.metrics().await;
+    for name in [
+        "siesta_proxy_requests_total{model=\"m\",status=\"200\"} 1",
+        "siesta_proxy_upstream_duration_seconds_count{model=\"m\"} 1",
+        "siesta_proxy_upstream_ttfb_seconds_count{model=\"m\"} 1",
+    ] {
+        assert!(m.contains(name), "{name} missing from:\n{m}");
+    }
+    assert_eq!(
+        get(&p.url("/metrics")).await.status,
+        404,
+        "metrics only on the admin listener"
+    );
 }

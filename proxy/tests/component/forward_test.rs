@@ -212,3 +212,25 @@ async fn refused_connection_everywhere_holds_until_a_new_endpoint() {
     assert_eq!(r.status, 200);
     assert_eq!(r.headers["x-engine"], "new");
 }
+
+#[tokio::test]
+async fn http2_clients_are_served() {
+    use http_body_util::Full;
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http::<Full<Bytes>>();
+    for body in [chat("m"), chat_stream("m")] {
+        let req = http::Request::post(p.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .unwrap();
+        let resp = client.request(req).await.unwrap();
+        assert_eq!(resp.version(), http::Version::HTTP_2);
+        assert_eq!(resp.status(), 200);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert!(!body.is_empty());
+    }
+}

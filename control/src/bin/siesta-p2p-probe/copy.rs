@@ -4,10 +4,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaContext, CudaSlice, DriverError};
+use cudarc::driver::{CudaContext, DriverError};
 use siesta_control::gpu::p2p::{P2pHealth, P2pResult};
 
-use crate::ffi;
+use crate::ffi::{self, DeviceBuffer};
 
 /// What never appears in a pattern's place by accident.
 pub const SENTINEL: u32 = 0xDEAD_BEEF;
@@ -21,25 +21,24 @@ pub fn pattern(seed: u32, i: u64) -> u32 {
     if v == SENTINEL { v ^ 1 } else { v }
 }
 
-/// One GPU's context and buffers.
+/// One GPU's context and buffers (plain cuMemAlloc memory, see ffi).
 #[derive(Debug)]
 pub struct Device {
     pub index: u32,
     pub ctx: Arc<CudaContext>,
     /// Holds `pattern(index, i)`.
-    pub src: CudaSlice<u32>,
+    pub src: DeviceBuffer,
     /// Receives copies.
-    pub dst: CudaSlice<u32>,
+    pub dst: DeviceBuffer,
 }
 
 impl Device {
     pub fn new(index: u32, elements: usize) -> Result<Self, DriverError> {
         let ctx = CudaContext::new(index as usize)?;
-        let stream = ctx.default_stream();
         let host: Vec<u32> = (0..elements as u64).map(|i| pattern(index, i)).collect();
-        let src = stream.clone_htod(&host)?;
-        let dst = stream.alloc_zeros::<u32>(elements)?;
-        stream.synchronize()?;
+        let mut src = DeviceBuffer::alloc(&ctx, elements)?;
+        src.write(&host)?;
+        let dst = DeviceBuffer::alloc(&ctx, elements)?;
         Ok(Self {
             index,
             ctx,
@@ -80,28 +79,21 @@ pub fn probe_pair(src: &Device, dst: &mut Device, repeat: u32) -> P2pResult {
             return r;
         }
     }
-    let stream = dst.ctx.default_stream();
     let sentinel = vec![SENTINEL; elements as usize];
     for _ in 0..repeat.max(1) {
-        if let Err(e) = stream
-            .memcpy_htod(&sentinel, &mut dst.dst)
-            .and_then(|_| stream.synchronize())
-        {
+        if let Err(e) = dst.dst.write(&sentinel) {
             err(&mut r, "sentinel fill", e);
             return r;
         }
         let t = Instant::now();
-        if let Err(e) = stream
-            .memcpy_dtod(&src.src, &mut dst.dst)
-            .and_then(|_| stream.synchronize())
-        {
-            err(&mut r, "peer copy", e);
+        if let Err(e) = dst.dst.copy_from_peer(&src.src) {
+            err(&mut r, "peer copy (cuMemcpyPeer)", e);
             return r;
         }
         let secs = t.elapsed().as_secs_f64();
         let gbps = (elements * 4) as f64 / secs / 1e9;
         r.bandwidth_gbps = r.bandwidth_gbps.max((gbps * 10.0).round() / 10.0);
-        let back = match stream.clone_dtoh(&dst.dst) {
+        let back = match dst.dst.read() {
             Ok(v) => v,
             Err(e) => {
                 err(&mut r, "copy back to host", e);

@@ -41,7 +41,7 @@ async fn finished_pairs_survive_a_hang_and_the_rest_are_hung() {
             pair(0, 2, "corrupt", 255)
         ])
     );
-    let opts = fake(&dir, &script, vec![0, 1, 2], Duration::from_millis(1500));
+    let opts = fake(&dir, &script, vec![0, 1, 2], Duration::from_secs(5));
     let t = Instant::now();
     let res = run_probe(&opts).await.unwrap();
     assert!(

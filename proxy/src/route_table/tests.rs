@@ -1,0 +1,165 @@
+use super::*;
+use siesta_proto::v1::{Endpoint, Snapshot};
+
+fn status(name: &str, state: ModelState, urls: &[&str]) -> ModelStatus {
+    ModelStatus {
+        name: name.into(),
+        state: state as i32,
+        endpoints: urls
+            .iter()
+            .map(|u| Endpoint {
+                url: (*u).into(),
+                served_model_name: String::new(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn snapshot(rev: u64, models: Vec<ModelStatus>) -> WatchEvent {
+    WatchEvent {
+        revision: rev,
+        kind: Some(watch_event::Kind::Snapshot(Snapshot {
+            models,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn event(rev: u64, m: ModelStatus) -> WatchEvent {
+    WatchEvent {
+        revision: rev,
+        kind: Some(watch_event::Kind::Model(m)),
+        ..Default::default()
+    }
+}
+
+fn table() -> RouteTable {
+    RouteTable::new(Arc::new(Activity::default()))
+}
+
+#[test]
+fn snapshot_replaces_and_events_update_in_order() {
+    let t = table();
+    let a: SourceId = Arc::from("http://a");
+    assert!(!t.view().ready);
+    t.apply(&a, snapshot(5, vec![status("m", ModelState::Asleep, &[])]));
+    let v = t.view();
+    assert!(v.ready);
+    assert!(!v.by_name["m"].is_awake());
+    // An old event is ignored; a newer one applies.
+    assert!(!t.apply(
+        &a,
+        event(5, status("m", ModelState::Awake, &["http://e:1"]))
+    ));
+    assert!(t.apply(
+        &a,
+        event(6, status("m", ModelState::Awake, &["http://e:1"]))
+    ));
+    let v = t.view();
+    assert!(v.by_name["m"].is_awake());
+    assert_eq!(v.by_name["m"].endpoints[0].served_name, "m");
+    assert_eq!(t.revision(&a), 6);
+    // A snapshot replaces everything from that source.
+    t.apply(&a, snapshot(7, vec![status("n", ModelState::Stopped, &[])]));
+    let v = t.view();
+    assert!(!v.by_name.contains_key("m"));
+    assert_eq!(v.models.len(), 1);
+}
+
+#[test]
+fn union_over_control_planes_with_aliases_and_stable_upstreams() {
+    let t = table();
+    let (a, b): (SourceId, SourceId) = (Arc::from("http://a"), Arc::from("http://b"));
+    let mut m = status("m", ModelState::Awake, &["http://e:1"]);
+    m.aliases = vec!["alias".into()];
+    t.apply(&a, snapshot(1, vec![m]));
+    t.apply(
+        &b,
+        snapshot(
+            1,
+            vec![
+                status("m", ModelState::Awake, &["http://e:2"]),
+                status("only-b", ModelState::Asleep, &[]),
+                // Awake without endpoints is not routable.
+                status("empty", ModelState::Awake, &[]),
+            ],
+        ),
+    );
+    let v = t.view();
+    let r = &v.by_name["alias"];
+    assert_eq!(&*r.name, "m");
+    assert_eq!(r.endpoints.len(), 2);
+    assert_eq!(&*v.by_name["only-b"].sources[0], "http://b");
+    assert!(!v.by_name["empty"].is_awake());
+    // Outstanding counts survive a rebuild.
+    r.endpoints[0].outstanding.store(3, Ordering::Relaxed);
+    t.apply(&b, event(2, status("only-b", ModelState::Waking, &[])));
+    let v2 = t.view();
+    assert_eq!(
+        v2.by_name["m"].endpoints[0]
+            .outstanding
+            .load(Ordering::Relaxed),
+        3
+    );
+    // The other endpoint has fewer outstanding requests.
+    assert_eq!(v2.by_name["m"].pick().unwrap().url, "http://e:2");
+    t.remove_source(&b);
+    assert_eq!(t.view().by_name["m"].endpoints.len(), 1);
+}
+
+#[test]
+fn best_source_leads_and_same_process_counts_once() {
+    let t = table();
+    let (a, b): (SourceId, SourceId) = (Arc::from("http://a"), Arc::from("http://b"));
+    let mut asleep2 = status("m", ModelState::Asleep, &[]);
+    asleep2.sleep_level = 2;
+    t.apply(&a, snapshot(1, vec![asleep2]));
+    let mut asleep1 = status("m", ModelState::Asleep, &[]);
+    asleep1.sleep_level = 1;
+    t.apply(&b, snapshot(1, vec![asleep1]));
+    assert_eq!(
+        &*t.view().by_name["m"].sources[0],
+        "http://b",
+        "L1 wakes sooner"
+    );
+    // Two addresses of one name reaching one process: counted once.
+    let ident = ("ctl".to_owned(), "box".to_owned(), 42);
+    t.set_identity(&a, ident.clone());
+    t.set_identity(&b, ident);
+    t.apply(
+        &a,
+        event(2, status("m", ModelState::Awake, &["http://e:1"])),
+    );
+    t.apply(
+        &b,
+        event(2, status("m", ModelState::Awake, &["http://e:1"])),
+    );
+    assert_eq!(t.view().by_name["m"].endpoints.len(), 1);
+}
+
+#[test]
+fn suspect_endpoints_are_skipped() {
+    let t = table();
+    let a: SourceId = Arc::from("http://a");
+    t.apply(
+        &a,
+        snapshot(
+            1,
+            vec![status(
+                "m",
+                ModelState::Awake,
+                &["http://e:1", "http://e:2"],
+            )],
+        ),
+    );
+    let v = t.view();
+    let r = &v.by_name["m"];
+    r.endpoints[0].mark_suspect(60_000);
+    for _ in 0..4 {
+        assert_eq!(r.pick().unwrap().url, "http://e:2");
+    }
+    r.endpoints[1].mark_suspect(60_000);
+    assert!(r.pick().is_none());
+}
