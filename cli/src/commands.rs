@@ -134,6 +134,8 @@ fn print_operation(
             let name = resp.model.as_ref().map_or(name, |m| m.name.as_str());
             let state = resp.model.as_ref().map(render::state_label);
             match (resp.message.is_empty(), state) {
+                // "sleeping" with state "sleeping(l2)": say it once.
+                (false, Some(s)) if s.starts_with(resp.message.as_str()) => println!("{name}: {s}"),
                 (false, Some(s)) => println!("{name}: {} (now {s})", resp.message),
                 (true, Some(s)) => println!("{name}: {s}"),
                 (false, None) => println!("{name}: {}", resp.message),

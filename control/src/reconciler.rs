@@ -16,6 +16,10 @@ use crate::config::{Backoff, IdleTier, ModelConfig, Preload, Timeouts};
 use std::collections::BTreeMap;
 use tokio::time::{Duration, Instant};
 
+/// A proxy that holds requests re-reports them about every second; one
+/// silent this long is gone and its in-flight count no longer counts.
+pub const PROXY_STALE: Duration = Duration::from_secs(30);
+
 /// What the reconciler works towards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Desired {
@@ -292,8 +296,8 @@ pub struct ModelState {
     pub last_activity: Option<Instant>,
     /// Idle time never counts from before this (becoming awake, operator wake).
     pub idle_floor: Instant,
-    /// Requests in flight per proxy.
-    pub proxies: BTreeMap<String, u32>,
+    /// Requests in flight per proxy, and when that proxy last said so.
+    pub proxies: BTreeMap<String, (u32, Instant)>,
     /// The engine's own running-requests gauge.
     pub engine_running: u32,
     pub failures: u32,
@@ -341,7 +345,7 @@ impl ModelState {
 
     /// Requests in flight: all proxies plus the engine's gauge.
     pub fn in_flight(&self) -> u32 {
-        self.proxies.values().sum::<u32>() + self.engine_running
+        self.proxies.values().map(|(n, _)| n).sum::<u32>() + self.engine_running
     }
 
     pub fn pinned(&self, now: Instant) -> bool {

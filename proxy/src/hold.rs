@@ -283,7 +283,7 @@ impl Holds {
             };
             match res {
                 Ok(resp) if resp.accepted => {
-                    tracing::debug!(model = %queue.model, queued, "demand accepted");
+                    tracing::info!(model = %queue.model, queued, "requests held; demand accepted");
                     return;
                 }
                 Ok(resp) => {

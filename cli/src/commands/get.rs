@@ -151,7 +151,11 @@ pub fn describe(now: i64, m: &pb::ModelStatus, placement: Option<&pb::ModelPlace
         let v = if ms == 0 {
             "not measured yet".into()
         } else {
-            format!("{} ({n} samples)", render::duration(ms))
+            format!(
+                "{} ({n} sample{})",
+                render::duration(ms),
+                if n == 1 { "" } else { "s" }
+            )
         };
         kv(&mut o, &format!("  {k}"), v);
     }

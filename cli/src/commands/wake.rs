@@ -167,7 +167,13 @@ impl Progress {
             started: Instant::now(),
             mode,
         };
-        p.line_changed();
+        if p.mode == Mode::Lines {
+            let estimate = match p.estimate_ms {
+                0 => "no calibrated estimate yet".to_owned(),
+                e => format!("usually takes ~{}", render::duration(e)),
+            };
+            eprintln!("{}: waking from {} ({estimate})", p.name, p.state);
+        }
         p
     }
 
@@ -192,7 +198,7 @@ impl Progress {
             return;
         }
         eprintln!(
-            "{}: {} ({} elapsed)",
+            "{}: {} after {}",
             self.name,
             self.state,
             render::duration(self.elapsed_ms())

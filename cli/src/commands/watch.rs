@@ -187,7 +187,7 @@ fn details(m: &pb::ModelStatus) -> String {
     if d.is_empty() {
         String::new()
     } else {
-        format!("  ({})", d.join("; "))
+        format!(" ({})", d.join("; "))
     }
 }
 

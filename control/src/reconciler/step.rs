@@ -8,6 +8,8 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
     let mut fx = Vec::new();
     let intent_before = m.intent;
     expire_pin(&mut m, now);
+    m.proxies
+        .retain(|_, (_, at)| now.saturating_duration_since(*at) < PROXY_STALE);
     handle(&mut m, event, now, &mut fx);
     reconcile(&mut m, now, &mut fx);
     if m.intent != intent_before {
@@ -108,7 +110,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             if in_flight == 0 {
                 m.proxies.remove(&proxy);
             } else {
-                m.proxies.insert(proxy, in_flight);
+                m.proxies.insert(proxy, (in_flight, now));
             }
             if active || in_flight > 0 {
                 let at = last_finished.unwrap_or(now).min(now);

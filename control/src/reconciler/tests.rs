@@ -155,15 +155,18 @@ fn tiers_fire_in_order() {
 fn never_sleeps_with_requests_in_flight() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
-    s.ev(Event::Activity {
-        proxy: "p".into(),
-        in_flight: 1,
-        active: true,
-        last_finished: None,
-    });
-    s.advance(secs(100));
-    assert_eq!(s.m.phase, Phase::Awake);
-    assert_eq!(s.timer(), None);
+    // A long request: the proxy re-reports it while it runs.
+    for _ in 0..10 {
+        s.ev(Event::Activity {
+            proxy: "p".into(),
+            in_flight: 1,
+            active: false,
+            last_finished: None,
+        });
+        s.advance(secs(10));
+        assert_eq!(s.m.phase, Phase::Awake);
+    }
+    assert_eq!(s.m.in_flight(), 1);
     // The engine's own gauge counts too.
     s.ev(Event::Activity {
         proxy: "p".into(),
@@ -437,4 +440,20 @@ fn wake_deadline_counts_from_admission() {
     assert!(matches!(s.m.phase, Phase::Waking { .. }));
     s.advance(secs(1));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
+}
+
+#[test]
+fn a_silent_proxy_stops_counting() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Activity {
+        proxy: "gone".into(),
+        in_flight: 2,
+        active: true,
+        last_finished: None,
+    });
+    assert_eq!(s.m.in_flight(), 2);
+    assert_eq!(s.timer(), Some(s.now + PROXY_STALE));
+    s.advance(PROXY_STALE);
+    assert_eq!(s.m.in_flight(), 0);
 }
