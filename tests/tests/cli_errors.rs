@@ -1,0 +1,153 @@
+//! `siesta` exit codes and error messages: control plane down (3), usage
+//! errors (2), failed operations (1), `config check`, tokens, completion.
+
+use siesta_tests::spawn_control_with;
+
+#[path = "cli_support/run.rs"]
+mod run;
+
+use run::{at, closed_port, siesta, siesta_env};
+
+#[tokio::test]
+async fn unreachable_control_plane_is_exit_3_with_one_clear_line() {
+    let url = format!("http://127.0.0.1:{}", closed_port());
+    let want =
+        format!("cannot reach siesta-control at {url}: connection refused — is it running?\n");
+    for args in [
+        &["status"][..],
+        &["wake", "chat", "--wait"],
+        &["watch", "-o", "json"],
+        &["logs", "chat", "-f"],
+    ] {
+        let mut all = vec!["--control", url.as_str()];
+        all.extend_from_slice(args);
+        let run = siesta(&all).await;
+        assert_eq!(run.code, 3, "{args:?}: {run:#?}");
+        assert_eq!(run.stderr, want, "{args:?}");
+        assert_eq!(run.stdout, "", "{args:?}");
+    }
+    // The address also comes from SIESTA_CONTROL.
+    let run = siesta_env(&["status"], &[("SIESTA_CONTROL", &url)]).await;
+    assert_eq!((run.code, run.stderr.as_str()), (3, want.as_str()));
+}
+
+#[tokio::test]
+async fn usage_errors_are_exit_2() {
+    for args in [
+        &["sleep", "chat", "--level", "3"][..],
+        &["frobnicate"],
+        &["pin", "chat", "--for", "soon"],
+        &[],
+    ] {
+        let run = siesta(args).await;
+        assert_eq!(run.code, 2, "{args:?}: {run:#?}");
+    }
+}
+
+#[tokio::test]
+async fn config_check_prints_each_problem_and_exits_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.toml");
+    std::fs::write(
+        &good,
+        "[[model]]\nname = \"chat\"\nmodel = \"m\"\ngpus = 0\n",
+    )
+    .unwrap();
+    let run = siesta(&["config", "check", good.to_str().unwrap()])
+        .await
+        .ok();
+    assert!(run.stdout.contains("ok"), "{run:#?}");
+
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[[model]]\nname = \"chat\"\nmodel = \"m\"\ncolour = \"red\"\npreload = \"maybe\"\n",
+    )
+    .unwrap();
+    let run = siesta(&["config", "check", bad.to_str().unwrap()]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    let lines: Vec<&str> = run.stderr.lines().collect();
+    assert_eq!(lines.len(), 2, "one line per problem: {run:#?}");
+    let file = bad.display().to_string();
+    assert!(
+        lines
+            .iter()
+            .all(|l| l.starts_with(&format!("{file}: model[0]."))),
+        "{run:#?}"
+    );
+    assert!(run.stderr.contains("colour"), "{run:#?}");
+    assert!(run.stderr.contains("preload"), "{run:#?}");
+}
+
+#[tokio::test]
+async fn completion_scripts_are_generated() {
+    for shell in ["bash", "zsh", "fish"] {
+        let run = siesta(&["completion", shell]).await.ok();
+        assert!(run.stdout.contains("siesta"), "{shell}: {run:#?}");
+        assert!(run.stdout.contains("placement"), "{shell}: {run:#?}");
+    }
+}
+
+#[tokio::test]
+async fn wake_wait_of_a_failing_model_exits_1_with_the_error() {
+    let config = r#"
+[control]
+state_dir = "@DIR@/state"
+
+[defaults]
+start_timeout = "20s"
+backoff_initial = "30s"
+
+[[model]]
+name = "broken"
+model = "m"
+executable = "@FAKE_VLLM@"
+gpus = 0
+args = ["--exit-during-startup"]
+"#;
+    let mut control = spawn_control_with(config, &["--stop-engines-on-exit"]).await;
+    let run = at(&control, &["wake", "broken", "--wait"]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    assert!(run.stderr.contains("broken: not awake after"), "{run:#?}");
+    let json = at(&control, &["status", "-o", "json"]).await.ok().json();
+    assert_eq!(json["models"][0]["state"], "failed", "{json}");
+    assert_ne!(json["models"][0]["last_error"], "", "{json}");
+    let run = at(&control, &["status"]).await.ok();
+    assert!(
+        run.stdout.contains("failed") && run.stdout.contains("retry"),
+        "{run:#?}"
+    );
+    control.terminate().await;
+}
+
+#[tokio::test]
+async fn the_token_is_sent_as_a_bearer() {
+    let config = r#"
+[control]
+state_dir = "@DIR@/state"
+token = "s3cret-token"
+
+[[model]]
+name = "chat"
+model = "m"
+executable = "@FAKE_VLLM@"
+gpus = 0
+"#;
+    let mut control = spawn_control_with(config, &["--stop-engines-on-exit"]).await;
+    let url = control.url();
+    let run = siesta(&["--control", &url, "status"]).await;
+    assert_eq!(run.code, 1, "no token: {run:#?}");
+    assert!(run.stderr.contains("SIESTA_TOKEN"), "{run:#?}");
+    let run = siesta(&["--control", &url, "--token", "wrong", "status"]).await;
+    assert_eq!(run.code, 1, "wrong token: {run:#?}");
+    siesta(&["--control", &url, "--token", "s3cret-token", "status"])
+        .await
+        .ok();
+    siesta_env(
+        &["--control", &url, "status"],
+        &[("SIESTA_TOKEN", "s3cret-token")],
+    )
+    .await
+    .ok();
+    control.terminate().await;
+}
