@@ -195,9 +195,10 @@ pub struct UpArgs {
     /// Where the proxy serves /metrics, /healthz and /readyz.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub admin_listen: SocketAddr,
-    /// Where the control plane serves gRPC.
-    #[arg(long, default_value = "127.0.0.1:50051")]
-    pub control_listen: SocketAddr,
+    /// Where the control plane serves gRPC (default: the config's `[control] listen`,
+    /// 127.0.0.1:50051 for the demo).
+    #[arg(long)]
+    pub control_listen: Option<SocketAddr>,
     /// Leave the engines running on exit (for the next start to adopt).
     #[arg(long)]
     pub keep_engines: bool,

@@ -38,6 +38,18 @@ impl Admission {
         let _ = self.models.set(models);
     }
 
+    /// Whether `model`, running on `gpus`, must start with NCCL P2P off, as
+    /// placement decides now (a P2P probe may have changed it since the last
+    /// start). None: placement does not know the model on these GPUs (e.g.
+    /// it was changed by a reload): keep what it has.
+    pub fn p2p_disabled(&self, model: &str, gpus: &[u32]) -> Option<bool> {
+        self.gpus
+            .as_ref()?
+            .placed_one(model)
+            .filter(|p| p.gpus == gpus)
+            .map(|p| p.p2p_disabled)
+    }
+
     /// Returns once `model` fits on its GPUs, evicting idle models as
     /// needed. `waiting` is told what it waits for (None once it fits).
     /// The caller's deadline bounds the wait (drop the future to stop).

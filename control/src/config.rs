@@ -36,6 +36,30 @@ pub struct ControlConfig {
     pub token: Option<String>,
     /// Identity of this control plane (host name unless configured).
     pub control_id: String,
+    /// The GPU peer-to-peer probe (`p2p_probe`, `p2p_probe_bytes`, `p2p_probe_timeout`).
+    pub p2p_probe: P2pProbeConfig,
+}
+
+/// When and how the GPU peer-to-peer probe runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct P2pProbeConfig {
+    /// `p2p_probe = "start"` (default): probe before engines start, when the
+    /// box has two GPUs or more; `"off"`: only on `siesta diag p2p`.
+    pub at_start: bool,
+    /// Bytes copied per pair (`p2p_probe_bytes`, default 256 MiB).
+    pub bytes: u64,
+    /// Deadline of the whole probe (`p2p_probe_timeout`, default 120s).
+    pub timeout: Duration,
+}
+
+impl Default for P2pProbeConfig {
+    fn default() -> Self {
+        Self {
+            at_start: true,
+            bytes: 256 << 20,
+            timeout: Duration::from_secs(120),
+        }
+    }
 }
 
 /// `[defaults]`: what each model gets unless it says otherwise.

@@ -22,6 +22,8 @@ pub enum Error {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Store(#[from] crate::store::StoreError),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
 }

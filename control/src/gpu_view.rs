@@ -3,9 +3,9 @@
 //! `placement`; it converts to `siesta.v1` messages for ListGpus,
 //! GetPlacement, DiagP2p and the Watch stream.
 
-use crate::config::{Config, GpuMemory, ModelConfig};
+use crate::config::{Config, GpuMemory, ModelConfig, P2pProbeConfig};
 use crate::gpu::convert::{gpu_to_proto, p2p_to_proto};
-use crate::gpu::p2p::{P2pMatrix, ProbeOptions, default_probe_bin, run_probe};
+use crate::gpu::p2p::P2pMatrix;
 use crate::gpu::{GpuSource, GpuSpec, Inventory, InventorySource};
 use crate::placement::{
     Machine, MemoryNeed, ModelNeeds, ModelRuntime, Placement, Policy, RunState, WakePlan, budgets,
@@ -15,12 +15,19 @@ use crate::runner::Placed;
 use crate::status::{ModelStatus, State};
 use siesta_proto::v1 as pb;
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+mod p2p;
+#[cfg(test)]
+mod tests;
 
 #[derive(Debug)]
 struct ViewState {
     inventory: Inventory,
+    /// When `inventory` was read (NVML inventories are re-read when stale).
+    read_at: Instant,
     p2p: P2pMatrix,
     p2p_probed_unix_ms: i64,
     placements: Vec<Placement>,
@@ -32,9 +39,18 @@ struct ViewState {
 #[derive(Debug)]
 pub struct GpuView {
     state: Mutex<ViewState>,
+    source: Mutex<GpuSource>,
     policy: Policy,
     needs: Vec<ModelNeeds>,
+    /// Where `p2p.json` lives.
+    state_dir: PathBuf,
+    probe: P2pProbeConfig,
+    /// One probe at a time.
+    probing: tokio::sync::Mutex<()>,
 }
+
+/// How old an NVML inventory may get before `ListGpus` reads it again.
+const INVENTORY_MAX_AGE: Duration = Duration::from_secs(1);
 
 fn needs(m: &ModelConfig) -> ModelNeeds {
     ModelNeeds {
@@ -86,7 +102,11 @@ fn pgid_of(pid: u32) -> Option<u32> {
 
 impl GpuView {
     /// Reads the inventory (NVML when any model needs a GPU, else only the
-    /// config's list) and places every model. Blocking (NVML).
+    /// config's list), loads the saved P2P results, runs the P2P probe when
+    /// `[control] p2p_probe = "start"`, and places every model.
+    ///
+    /// Blocking (NVML, and the probe up to its deadline): call it from
+    /// `spawn_blocking` or outside any runtime, never from async code.
     pub fn detect(config: &Config) -> GpuView {
         let specs: Vec<GpuSpec> = config
             .gpus
@@ -103,19 +123,26 @@ impl GpuView {
             GpuSource::from_config(&specs)
         };
         let inventory = source.snapshot();
-        let policy = Policy::default();
-        let needs: Vec<ModelNeeds> = config.models.iter().map(needs).collect();
         let view = GpuView {
             state: Mutex::new(ViewState {
                 inventory,
+                read_at: Instant::now(),
                 p2p: P2pMatrix::default(),
                 p2p_probed_unix_ms: 0,
                 placements: Vec::new(),
                 placement_error: None,
             }),
-            policy,
-            needs,
+            source: Mutex::new(source),
+            policy: Policy::default(),
+            needs: config.models.iter().map(needs).collect(),
+            state_dir: config.control.state_dir.clone(),
+            probe: config.control.p2p_probe,
+            probing: tokio::sync::Mutex::new(()),
         };
+        view.load_p2p();
+        if view.probe.at_start {
+            view.probe_at_start();
+        }
         view.replace_placement();
         view
     }
@@ -141,20 +168,56 @@ impl GpuView {
         let st = self.state.lock().unwrap();
         st.placements
             .iter()
-            .map(|p| {
-                (
-                    p.model.clone(),
-                    Placed {
-                        gpus: p.gpus.clone(),
-                        p2p_disabled: p.p2p_disabled,
-                        gpu_memory_utilization: p.gpu_memory_utilization,
-                    },
-                )
-            })
+            .map(|p| (p.model.clone(), placed_of(p)))
             .collect()
     }
 
+    /// Where `model` runs now (None: not placed by this view, e.g. added by
+    /// a reload). Read at every engine start, so a P2P verdict that changed
+    /// since the last start applies.
+    pub fn placed_one(&self, model: &str) -> Option<Placed> {
+        let st = self.state.lock().unwrap();
+        st.placements
+            .iter()
+            .find(|p| p.model == model)
+            .map(placed_of)
+    }
+
+    /// Re-reads an NVML inventory older than [`INVENTORY_MAX_AGE`] (memory
+    /// and processes move as engines sleep and wake). Blocks for NVML's
+    /// milliseconds; on a multi-threaded runtime it tells tokio so.
+    fn refresh_inventory(&self) {
+        {
+            let st = self.state.lock().unwrap();
+            if st.read_at.elapsed() < INVENTORY_MAX_AGE {
+                return;
+            }
+        }
+        let read = || {
+            let source = self.source.lock().unwrap();
+            matches!(*source, GpuSource::Nvml(_)).then(|| source.snapshot())
+        };
+        let multi = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let fresh = if multi {
+            tokio::task::block_in_place(read)
+        } else {
+            read()
+        };
+        let mut st = self.state.lock().unwrap();
+        st.read_at = Instant::now();
+        match fresh {
+            Some(inv) if inv.gpus.is_empty() && !st.inventory.gpus.is_empty() => {
+                // Keep the last good snapshot; say why it is old.
+                st.inventory.note = inv.note;
+            }
+            Some(inv) => st.inventory = inv,
+            None => {}
+        }
+    }
+
     pub fn list_gpus(&self, models: &[ModelStatus]) -> pb::ListGpusResponse {
+        self.refresh_inventory();
         let st = self.state.lock().unwrap();
         let owners: BTreeMap<u32, String> = models
             .iter()
@@ -230,61 +293,12 @@ impl GpuView {
                 .collect(),
         }
     }
+}
 
-    /// Runs the P2P probe over every GPU and keeps its results.
-    pub async fn diag_p2p(
-        &self,
-        bytes: u64,
-        timeout: Duration,
-        now_ms: i64,
-    ) -> pb::DiagP2pResponse {
-        let gpus: Vec<u32> = self
-            .state
-            .lock()
-            .unwrap()
-            .inventory
-            .gpus
-            .iter()
-            .map(|g| g.index)
-            .collect();
-        if gpus.len() < 2 {
-            return pb::DiagP2pResponse {
-                message: format!("P2P needs at least two GPUs; this box has {}", gpus.len()),
-                ..Default::default()
-            };
-        }
-        let Some(bin) = default_probe_bin() else {
-            return pb::DiagP2pResponse {
-                message: "siesta-p2p-probe not found next to siesta-control".into(),
-                ..Default::default()
-            };
-        };
-        let mut opts = ProbeOptions::new(bin, gpus);
-        if bytes > 0 {
-            opts.bytes = bytes;
-        }
-        if !timeout.is_zero() {
-            opts.deadline = timeout;
-        }
-        match run_probe(&opts).await {
-            Ok(results) => {
-                let out: Vec<pb::P2pResult> = results.iter().map(p2p_to_proto).collect();
-                {
-                    let mut st = self.state.lock().unwrap();
-                    st.p2p = P2pMatrix::new(results);
-                    st.p2p_probed_unix_ms = now_ms;
-                }
-                self.replace_placement();
-                pb::DiagP2pResponse {
-                    results: out,
-                    probed_unix_ms: now_ms,
-                    message: String::new(),
-                }
-            }
-            Err(e) => pb::DiagP2pResponse {
-                message: e.to_string(),
-                ..Default::default()
-            },
-        }
+fn placed_of(p: &Placement) -> Placed {
+    Placed {
+        gpus: p.gpus.clone(),
+        p2p_disabled: p.p2p_disabled,
+        gpu_memory_utilization: p.gpu_memory_utilization,
     }
 }

@@ -220,6 +220,39 @@ impl Placement {
     }
 }
 
+/// After a new P2P probe, re-decide `p2p_disabled` of every placement
+/// without moving any model (engines may be running on their GPUs; a full
+/// [`place`] at the next start may choose healthier sets). Returns the
+/// models whose decision changed; their engines get it at their next start.
+pub fn refresh_p2p(machine: &Machine, placements: &mut [Placement], policy: &Policy) -> Vec<String> {
+    let mut changed = Vec::new();
+    for p in placements.iter_mut().filter(|p| p.gpus.len() > 1) {
+        let (rank, first_bad) = candidates::p2p_rank(machine, &p.gpus);
+        let disabled = rank == 2 || (rank == 1 && !policy.trust_unprobed_p2p);
+        let said = match (rank, first_bad) {
+            (0, _) => "P2P ok on every pair".to_string(),
+            (_, Some(v)) if disabled => {
+                format!("P2P disabled: {v} (NCCL_P2P_DISABLE=1, --disable-custom-all-reduce)")
+            }
+            (_, Some(v)) => format!("P2P {v}, trusted by policy"),
+            _ => String::new(),
+        };
+        let mut parts: Vec<String> = p
+            .reason
+            .split("; ")
+            .filter(|s| !s.starts_with("P2P ") && !s.starts_with("no set "))
+            .map(String::from)
+            .collect();
+        parts.insert(1.min(parts.len()), said);
+        p.reason = parts.join("; ");
+        if p.p2p_disabled != disabled {
+            p.p2p_disabled = disabled;
+            changed.push(p.model.clone());
+        }
+    }
+    changed
+}
+
 /// Bytes as GiB with one decimal, e.g. "80.0 GiB".
 pub fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)

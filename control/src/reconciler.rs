@@ -1,6 +1,7 @@
 //! The per-model state machine: a pure `step(state, event, now)` returning
 //! the new state and the effects to carry out. No I/O here.
 
+mod adopt;
 mod calibration;
 mod drive;
 mod step;
@@ -8,6 +9,7 @@ mod step;
 mod tests;
 mod tiers;
 
+pub use adopt::{Observed, adopt};
 pub use calibration::{Average, Calibration};
 pub use step::step;
 pub use tiers::{due_tier, next_tier};

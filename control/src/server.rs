@@ -91,10 +91,7 @@ impl Server {
             token,
         } = self;
         let state_dir = config.control.state_dir.clone();
-        let store = Store::open(&state_dir).map_err(|source| Error::StateDir {
-            path: state_dir.clone(),
-            source,
-        })?;
+        let store = Store::open(&state_dir)?;
         let clock = Clock::new();
         let hub = Hub::new(clock, 4096, 1024);
         let cfg = config.clone();
@@ -119,7 +116,6 @@ impl Server {
             admission: Admission::new(Some(gpus.clone())),
         });
         let tasks = shutdown.child_token();
-        let writer = tokio::spawn(store.clone().run_writer(tasks.clone()));
         let models = Arc::new(
             Models::start(&config, &gpus.placed(), shared.clone(), tasks.clone()).map_err(
                 |source| Error::StateDir {
@@ -184,7 +180,6 @@ impl Server {
         tasks.cancel();
         hub.close();
         models.join().await;
-        let _ = writer.await;
         tracing::info!("stopped");
         served.map_err(Error::from)
     }

@@ -1,225 +1,386 @@
-//! Durable intents: what each model should be, why, until when. A JSON file
-//! in the state directory, written atomically (tmp, fsync, rename). The seam
-//! for a fuller embedded store later.
+//! The state store: an embedded transactional database (redb) in the state
+//! directory, `siesta.redb`. Every write is a committed, durable transaction
+//! before the caller goes on to act on it.
+//!
+//! Tables (keys are model names unless said otherwise; values JSON):
+//! - `meta`: `schema_version` → [`SCHEMA_VERSION`].
+//! - `intents`: [`IntentRecord`] — desired state, why, since, until, pin.
+//! - `engines`: [`EngineRecord`] — pid, process group, port, start time, command hash.
+//! - `calibration`: [`CalibrationRecord`] — measured start/sleep/wake durations.
+//! - `p2p`: free-form key → bytes, for the last GPU peer-to-peer probe results.
+//!
+//! A store that cannot be read (corrupt) or was written by an incompatible
+//! version is reported and moved aside (`siesta.redb.corrupt-<unix secs>`),
+//! never silently reset; an unusable state directory is an error naming it.
 
-use crate::reconciler::{Desired, Intent, ModelState, Pin, Reason};
-use crate::status::Clock;
-use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
-use std::io::Write;
+mod records;
+#[cfg(test)]
+mod tests;
+
+pub use records::{AverageRecord, CalibrationRecord, EngineRecord, IntentRecord};
+
+use redb::{Database, ReadableTable, TableDefinition};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
+use std::sync::Arc;
 
-/// One model's persisted intent.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct IntentRecord {
-    /// "stopped", "awake" or "asleep".
-    pub desired: String,
-    #[serde(default)]
-    pub level: u8,
-    /// "config", "demand", "operator", "pin" or "idle_tier".
-    pub reason: String,
-    pub since_unix_ms: i64,
-    #[serde(default)]
-    pub until_unix_ms: i64,
-    /// 0: not pinned; i64::MAX: until Unpin.
-    #[serde(default)]
-    pub pinned_until_unix_ms: i64,
+/// Version of the tables' layout; a store with another one is moved aside.
+pub const SCHEMA_VERSION: u64 = 1;
+/// The store's file name inside the state directory.
+pub const FILE_NAME: &str = "siesta.redb";
+
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const INTENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("intents");
+const ENGINES: TableDefinition<&str, &[u8]> = TableDefinition::new("engines");
+const CALIBRATION: TableDefinition<&str, &[u8]> = TableDefinition::new("calibration");
+const P2P: TableDefinition<&str, &[u8]> = TableDefinition::new("p2p");
+
+/// Why the store cannot be opened or written.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("state directory {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "state store {} is in use by another process (another siesta-control with the same state_dir?)",
+        .0.display()
+    )]
+    InUse(PathBuf),
+    #[error("state store {}: {message}", path.display())]
+    Db { path: PathBuf, message: String },
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct File {
-    version: u32,
-    intents: BTreeMap<String, IntentRecord>,
-}
-
-/// The intent store.
-#[derive(Debug)]
+/// The store.
 pub struct Store {
     path: PathBuf,
-    records: Mutex<BTreeMap<String, IntentRecord>>,
-    dirty: Notify,
+    db: Database,
+    moved_aside: Option<PathBuf>,
 }
 
-fn reason_name(r: Reason) -> &'static str {
-    match r {
-        Reason::Config => "config",
-        Reason::Demand => "demand",
-        Reason::Operator => "operator",
-        Reason::Pin => "pin",
-        Reason::IdleTier => "idle_tier",
-        Reason::Eviction => "eviction",
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("path", &self.path).finish()
     }
 }
 
-impl IntentRecord {
-    pub fn from_state(m: &ModelState, clock: &Clock) -> Self {
-        let (desired, level) = match m.intent.desired {
-            Desired::Stopped => ("stopped", 0),
-            Desired::Awake => ("awake", 0),
-            Desired::Asleep(l) => ("asleep", l),
-        };
-        Self {
-            desired: desired.into(),
-            level,
-            reason: reason_name(m.intent.reason).into(),
-            since_unix_ms: clock.unix_ms(m.intent.since),
-            until_unix_ms: m.intent.until.map_or(0, |t| clock.unix_ms(t)),
-            pinned_until_unix_ms: match m.pin {
-                Pin::None => 0,
-                Pin::Forever => i64::MAX,
-                Pin::Until(t) => clock.unix_ms(t),
-            },
+enum Opened {
+    Ok(Database),
+    /// Unreadable or incompatible: move aside (`why` names the suffix).
+    Reject {
+        why: &'static str,
+        detail: String,
+    },
+}
+
+fn io(path: &Path, source: std::io::Error) -> StoreError {
+    StoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn try_open(path: &Path) -> Result<Opened, StoreError> {
+    use redb::{DatabaseError, StorageError};
+    let db = match Database::create(path) {
+        Ok(db) => db,
+        Err(DatabaseError::DatabaseAlreadyOpen) => return Err(StoreError::InUse(path.into())),
+        Err(DatabaseError::UpgradeRequired(v)) => {
+            return Ok(Opened::Reject {
+                why: "incompatible",
+                detail: format!("file format {v} needs an upgrade"),
+            });
+        }
+        Err(DatabaseError::Storage(StorageError::Io(e)))
+            if !matches!(
+                e.kind(),
+                std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof
+            ) =>
+        {
+            return Err(io(path, e));
+        }
+        Err(e) => {
+            return Ok(Opened::Reject {
+                why: "corrupt",
+                detail: e.to_string(),
+            });
+        }
+    };
+    let db_err = |e: redb::Error| StoreError::Db {
+        path: path.into(),
+        message: e.to_string(),
+    };
+    let version = {
+        let tx = db.begin_read().map_err(|e| db_err(e.into()))?;
+        match tx.open_table(META) {
+            Ok(t) => t
+                .get("schema_version")
+                .map_err(|e| db_err(e.into()))?
+                .map(|v| v.value()),
+            Err(redb::TableError::TableDoesNotExist(_)) => None,
+            Err(e) => {
+                return Ok(Opened::Reject {
+                    why: "corrupt",
+                    detail: e.to_string(),
+                });
+            }
+        }
+    };
+    match version {
+        Some(SCHEMA_VERSION) => Ok(Opened::Ok(db)),
+        Some(v) => Ok(Opened::Reject {
+            why: "incompatible",
+            detail: format!("schema version {v}, this siesta-control reads {SCHEMA_VERSION}"),
+        }),
+        None => {
+            // New (or never initialised): create every table and the version.
+            let tx = db.begin_write().map_err(|e| db_err(e.into()))?;
+            {
+                let mut meta = tx.open_table(META).map_err(|e| db_err(e.into()))?;
+                if meta.len().map_err(|e| db_err(e.into()))? > 0 {
+                    return Ok(Opened::Reject {
+                        why: "incompatible",
+                        detail: "no schema version".into(),
+                    });
+                }
+                meta.insert("schema_version", SCHEMA_VERSION)
+                    .map_err(|e| db_err(e.into()))?;
+                for t in [INTENTS, ENGINES, CALIBRATION, P2P] {
+                    tx.open_table(t).map_err(|e| db_err(e.into()))?;
+                }
+            }
+            tx.commit().map_err(|e| db_err(e.into()))?;
+            Ok(Opened::Ok(db))
         }
     }
+}
 
-    /// Puts the recorded intent (and pin) into a fresh state. Intents that
-    /// came from the configuration are not restored: the file in force wins.
-    pub fn restore(&self, m: &mut ModelState, clock: &Clock) {
-        let desired = match (self.desired.as_str(), self.level) {
-            ("stopped", _) => Desired::Stopped,
-            ("awake", _) => Desired::Awake,
-            ("asleep", l @ (1 | 2)) => Desired::Asleep(l),
-            _ => return,
-        };
-        let reason = match self.reason.as_str() {
-            "demand" => Reason::Demand,
-            "operator" => Reason::Operator,
-            "pin" => Reason::Pin,
-            "idle_tier" => Reason::IdleTier,
-            "eviction" => Reason::Eviction,
-            _ => return,
-        };
-        let now_ms = clock.now_ms();
-        m.pin = match self.pinned_until_unix_ms {
-            0 => Pin::None,
-            i64::MAX => Pin::Forever,
-            t if t > now_ms => Pin::Until(clock.instant(t)),
-            _ => Pin::None,
-        };
-        m.intent = Intent {
-            desired,
-            reason,
-            since: clock.instant(self.since_unix_ms),
-            until: (self.until_unix_ms > 0).then(|| clock.instant(self.until_unix_ms)),
-        };
-    }
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 impl Store {
-    /// Opens (creating the directory) and reads `intents.json` if present;
-    /// an unreadable file is logged and replaced.
-    pub fn open(state_dir: &Path) -> std::io::Result<Arc<Store>> {
-        std::fs::create_dir_all(state_dir)?;
-        let path = state_dir.join("intents.json");
-        let records = match std::fs::read(&path) {
-            Ok(bytes) => match serde_json::from_slice::<File>(&bytes) {
-                Ok(f) => f.intents,
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "ignoring unreadable intent file");
-                    BTreeMap::new()
+    /// Opens `state_dir/siesta.redb`, creating the directory (and `logs/`)
+    /// and the store. A corrupt or incompatible store is moved aside and a
+    /// fresh one started; the move is logged as an error and kept in
+    /// [`Store::moved_aside`].
+    pub fn open(state_dir: &Path) -> Result<Arc<Store>, StoreError> {
+        std::fs::create_dir_all(state_dir).map_err(|e| io(state_dir, e))?;
+        let logs = state_dir.join("logs");
+        std::fs::create_dir_all(&logs).map_err(|e| io(&logs, e))?;
+        let path = state_dir.join(FILE_NAME);
+        let mut moved_aside = None;
+        let db = match try_open(&path)? {
+            Opened::Ok(db) => db,
+            Opened::Reject { why, detail } => {
+                let aside = state_dir.join(format!("{FILE_NAME}.{why}-{}", unix_secs()));
+                std::fs::rename(&path, &aside).map_err(|e| io(&path, e))?;
+                tracing::error!(path = %path.display(), moved_to = %aside.display(), %detail,
+                    "state store is {why}: moved aside, starting a new one (intents and engine records in it are not used)");
+                moved_aside = Some(aside);
+                match try_open(&path)? {
+                    Opened::Ok(db) => db,
+                    Opened::Reject { detail, .. } => {
+                        return Err(StoreError::Db { path, message: detail });
+                    }
                 }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
-            Err(e) => return Err(e),
+            }
         };
-        Ok(Arc::new(Store {
+        let store = Store {
             path,
-            records: Mutex::new(records),
-            dirty: Notify::new(),
-        }))
-    }
-
-    pub fn get(&self, name: &str) -> Option<IntentRecord> {
-        self.records.lock().unwrap().get(name).cloned()
-    }
-
-    pub fn set(&self, name: &str, record: IntentRecord) {
-        let mut records = self.records.lock().unwrap();
-        if records.get(name) != Some(&record) {
-            records.insert(name.to_string(), record);
-            self.dirty.notify_one();
-        }
-    }
-
-    pub fn remove(&self, name: &str) {
-        if self.records.lock().unwrap().remove(name).is_some() {
-            self.dirty.notify_one();
-        }
-    }
-
-    /// Writes the file now: tmp, fsync, rename, fsync the directory.
-    pub fn write_now(&self) -> std::io::Result<()> {
-        let file = File {
-            version: 1,
-            intents: self.records.lock().unwrap().clone(),
+            db,
+            moved_aside,
         };
-        let bytes = serde_json::to_vec_pretty(&file).map_err(std::io::Error::other)?;
-        let tmp = self.path.with_extension("json.tmp");
-        {
-            let mut f = std::fs::File::create(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_all()?;
-        }
-        std::fs::rename(&tmp, &self.path)?;
-        if let Some(dir) = self.path.parent()
-            && let Ok(d) = std::fs::File::open(dir)
-        {
-            let _ = d.sync_all();
-        }
-        Ok(())
+        store.import_legacy(state_dir);
+        Ok(Arc::new(store))
     }
 
-    /// Writes whenever something changed, and once more at shutdown.
-    pub async fn run_writer(self: Arc<Self>, cancel: CancellationToken) {
-        loop {
-            let stop = tokio::select! {
-                _ = self.dirty.notified() => false,
-                _ = cancel.cancelled() => true,
-            };
-            let me = self.clone();
-            match tokio::task::spawn_blocking(move || me.write_now()).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    tracing::error!(path = %self.path.display(), error = %e, "cannot write intents")
+    /// The store's file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Where a corrupt or incompatible store was moved at open, if it was.
+    pub fn moved_aside(&self) -> Option<&Path> {
+        self.moved_aside.as_deref()
+    }
+
+    /// Intents of the earlier JSON file (`intents.json`) are imported once;
+    /// the file is renamed `intents.json.imported`.
+    fn import_legacy(&self, state_dir: &Path) {
+        #[derive(serde::Deserialize)]
+        struct Legacy {
+            intents: std::collections::BTreeMap<String, IntentRecord>,
+        }
+        let legacy = state_dir.join("intents.json");
+        let Ok(bytes) = std::fs::read(&legacy) else {
+            return;
+        };
+        match serde_json::from_slice::<Legacy>(&bytes) {
+            Ok(l) => {
+                for (name, rec) in l.intents {
+                    if self.get(&name).is_none() {
+                        self.set(&name, rec);
+                    }
                 }
-                Err(e) => tracing::error!(error = %e, "intent writer panicked"),
+                let _ = std::fs::rename(&legacy, legacy.with_extension("json.imported"));
+                tracing::info!(path = %legacy.display(), "imported intents of the earlier JSON store");
             }
-            if stop {
-                return;
+            Err(e) => {
+                tracing::warn!(path = %legacy.display(), error = %e, "earlier intent file unreadable; not imported")
             }
         }
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::Config;
-    use crate::reconciler::Settings;
-    use tokio::time::Instant;
+    fn read<T: DeserializeOwned>(&self, table: TableDefinition<&str, &[u8]>, key: &str) -> Option<T> {
+        let result: Result<Option<T>, redb::Error> = (|| {
+            let tx = self.db.begin_read()?;
+            let t = tx.open_table(table)?;
+            let Some(v) = t.get(key)? else {
+                return Ok(None);
+            };
+            Ok(serde_json::from_slice(v.value()).ok())
+        })();
+        result.unwrap_or_else(|e| {
+            tracing::error!(path = %self.path.display(), table = %table, key, error = %e, "state store read failed");
+            None
+        })
+    }
 
-    #[test]
-    fn intents_survive_a_restart() {
-        let dir = tempfile::tempdir().unwrap();
-        let clock = Clock::new();
-        let cfg = Config::demo(vec!["x".into()]);
-        let settings = Settings::from_config(&cfg.models[0]);
-        let mut m = ModelState::new(settings.clone(), cfg.models[0].preload, Instant::now());
-        m.intent.desired = Desired::Asleep(2);
-        m.intent.reason = Reason::Operator;
-        m.pin = Pin::Forever;
-        let store = Store::open(dir.path()).unwrap();
-        store.set("chat", IntentRecord::from_state(&m, &clock));
-        store.write_now().unwrap();
-        let again = Store::open(dir.path()).unwrap();
-        let rec = again.get("chat").unwrap();
-        let mut fresh = ModelState::new(settings, cfg.models[0].preload, Instant::now());
-        rec.restore(&mut fresh, &clock);
-        assert_eq!(fresh.intent.desired, Desired::Asleep(2));
-        assert_eq!(fresh.intent.reason, Reason::Operator);
-        assert_eq!(fresh.pin, Pin::Forever);
+    fn read_all<T: DeserializeOwned>(&self, table: TableDefinition<&str, &[u8]>) -> Vec<(String, T)> {
+        let result: Result<Vec<(String, T)>, redb::Error> = (|| {
+            let tx = self.db.begin_read()?;
+            let t = tx.open_table(table)?;
+            let mut out = Vec::new();
+            for entry in t.iter()? {
+                let (k, v) = entry?;
+                match serde_json::from_slice(v.value()) {
+                    Ok(rec) => out.push((k.value().to_string(), rec)),
+                    Err(e) => tracing::error!(table = %table, key = k.value(), error = %e, "unreadable record skipped"),
+                }
+            }
+            Ok(out)
+        })();
+        result.unwrap_or_else(|e| {
+            tracing::error!(path = %self.path.display(), table = %table, error = %e, "state store read failed");
+            Vec::new()
+        })
+    }
+
+    /// Commits `f` as one durable transaction (blocking: called from tasks
+    /// on the multi-threaded runtime it moves off the async workers' budget).
+    fn write(&self, what: &str, f: impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::Error>) -> bool {
+        let run = || -> Result<(), redb::Error> {
+            let tx = self.db.begin_write()?;
+            f(&tx)?;
+            tx.commit()?;
+            Ok(())
+        };
+        let result = match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(run)
+            }
+            _ => run(),
+        };
+        match result {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(path = %self.path.display(), what, error = %e, "state store write failed");
+                false
+            }
+        }
+    }
+
+    fn put<T: Serialize>(&self, table: TableDefinition<&str, &[u8]>, key: &str, value: &T) -> bool {
+        let Ok(bytes) = serde_json::to_vec(value) else {
+            return false;
+        };
+        self.write(table.name(), |tx| {
+            tx.open_table(table)?.insert(key, bytes.as_slice())?;
+            Ok(())
+        })
+    }
+
+    fn delete(&self, tables: &[TableDefinition<&str, &[u8]>], key: &str) -> bool {
+        self.write("delete", |tx| {
+            for t in tables {
+                tx.open_table(*t)?.remove(key)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// A model's recorded intent.
+    pub fn get(&self, name: &str) -> Option<IntentRecord> {
+        self.read(INTENTS, name)
+    }
+
+    /// Records a model's intent (durable on return; unchanged ones are not rewritten).
+    pub fn set(&self, name: &str, record: IntentRecord) {
+        if self.get(name).as_ref() != Some(&record) {
+            self.put(INTENTS, name, &record);
+        }
+    }
+
+    /// Forgets everything about a model (removed from the configuration).
+    pub fn remove(&self, name: &str) {
+        self.delete(&[INTENTS, ENGINES, CALIBRATION], name);
+    }
+
+    /// A model's engine record.
+    pub fn engine(&self, name: &str) -> Option<EngineRecord> {
+        self.read(ENGINES, name)
+    }
+
+    /// Every engine record.
+    pub fn engines(&self) -> Vec<(String, EngineRecord)> {
+        self.read_all(ENGINES)
+    }
+
+    /// Records a model's engine; false when the write failed.
+    pub fn set_engine(&self, name: &str, record: &EngineRecord) -> bool {
+        self.put(ENGINES, name, record)
+    }
+
+    /// Removes a model's engine record if it is of process generation
+    /// `proc_gen` (None: whichever).
+    pub fn remove_engine(&self, name: &str, proc_gen: Option<u64>) {
+        match self.engine(name) {
+            Some(r) if proc_gen.is_none_or(|g| g == r.proc_gen) => {
+                self.delete(&[ENGINES], name);
+            }
+            _ => {}
+        }
+    }
+
+    /// A model's calibration.
+    pub fn calibration(&self, name: &str) -> Option<CalibrationRecord> {
+        self.read(CALIBRATION, name)
+    }
+
+    pub fn set_calibration(&self, name: &str, record: &CalibrationRecord) {
+        self.put(CALIBRATION, name, record);
+    }
+
+    /// Last P2P probe results under `key` (bytes as written).
+    pub fn p2p(&self, key: &str) -> Option<Vec<u8>> {
+        let result: Result<Option<Vec<u8>>, redb::Error> = (|| {
+            let tx = self.db.begin_read()?;
+            let t = tx.open_table(P2P)?;
+            Ok(t.get(key)?.map(|v| v.value().to_vec()))
+        })();
+        result.ok().flatten()
+    }
+
+    /// Stores P2P probe results under `key` (durable on return).
+    pub fn set_p2p(&self, key: &str, bytes: &[u8]) -> bool {
+        self.write("p2p", |tx| {
+            tx.open_table(P2P)?.insert(key, bytes)?;
+            Ok(())
+        })
     }
 }

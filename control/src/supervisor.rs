@@ -1,8 +1,11 @@
 //! Engine processes: argv, spawn in their own process group with output to
 //! files tailed into the log ring, signals to the group, per-GPU start locks.
 
+mod adopt;
 mod logs;
+pub mod procfs;
 
+pub use adopt::adopt;
 pub use logs::{LogLine, LogRing};
 
 use crate::config::{GpuMemory, Launch, ModelConfig};
@@ -79,6 +82,32 @@ pub fn spawn_spec(cfg: &ModelConfig, port: u16, placed: &Placed) -> SpawnSpec {
     }
 }
 
+/// Environment variable marking an engine with a unique tag, so that one
+/// whose pid was never recorded (siesta killed right after the spawn) is
+/// still found in `/proc`.
+pub const TAG_ENV: &str = "SIESTA_ENGINE_TAG";
+
+/// A stable hash (FNV-1a, 64 bits, hex) of what is run: program, arguments
+/// and environment. An engine recorded with another hash is not adopted.
+pub fn command_hash(spec: &SpawnSpec) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |s: &str| {
+        for b in s.bytes().chain([0u8]) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    eat(&spec.program);
+    spec.args.iter().for_each(|a| eat(a));
+    let mut env = spec.env.clone();
+    env.sort();
+    for (k, v) in &env {
+        eat(k);
+        eat(v);
+    }
+    format!("{h:016x}")
+}
+
 /// A free TCP port on `host` (bound and released).
 pub fn free_port(host: &str) -> std::io::Result<u16> {
     let l = std::net::TcpListener::bind((host, 0))?;
@@ -121,7 +150,7 @@ pub fn signal_group(pid: u32, sig: NixSignal) {
     }
 }
 
-fn file_name(name: &str) -> String {
+pub(crate) fn file_name(name: &str) -> String {
     name.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '-' {
@@ -133,27 +162,42 @@ fn file_name(name: &str) -> String {
         .collect()
 }
 
-/// Spawns the engine in its own process group. Output goes to
-/// `log_dir/NAME.{stdout,stderr}.log` (so an engine left running outlives
-/// siesta without a broken pipe), tailed into `logs` and tracing.
-/// `on_exit` runs with the exit status once the leader is reaped and the
-/// rest of its group killed.
+/// The engine's output files: `log_dir/NAME.{stdout,stderr}.log`.
+pub fn log_paths(name: &str, log_dir: &Path) -> [(PathBuf, &'static str); 2] {
+    [
+        (
+            log_dir.join(format!("{}.stdout.log", file_name(name))),
+            "stdout",
+        ),
+        (
+            log_dir.join(format!("{}.stderr.log", file_name(name))),
+            "stderr",
+        ),
+    ]
+}
+
+/// Spawns the engine in its own process group, with `SIESTA_ENGINE_TAG=tag`.
+/// Output goes to `log_dir/NAME.{stdout,stderr}.log` (so an engine left
+/// running outlives siesta without a broken pipe), tailed into `logs` and
+/// tracing. `on_exit` runs with the exit status once the leader is reaped
+/// and the rest of its group killed.
 pub fn spawn(
     name: &str,
     spec: &SpawnSpec,
+    tag: &str,
     log_dir: &Path,
     proc_gen: u64,
     logs: Arc<LogRing>,
     on_exit: impl FnOnce(String) + Send + 'static,
 ) -> std::io::Result<ProcHandle> {
     std::fs::create_dir_all(log_dir)?;
-    let out_path = log_dir.join(format!("{}.stdout.log", file_name(name)));
-    let err_path = log_dir.join(format!("{}.stderr.log", file_name(name)));
+    let [(out_path, _), (err_path, _)] = log_paths(name, log_dir);
     let out = std::fs::File::create(&out_path)?;
     let err = std::fs::File::create(&err_path)?;
     let mut cmd = tokio::process::Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .env(TAG_ENV, tag)
         .stdin(std::process::Stdio::null())
         .stdout(out)
         .stderr(err)
@@ -169,12 +213,13 @@ pub fn spawn(
         };
         // The leader is gone; nothing of its group may stay behind.
         signal_group(pid, NixSignal::SIGKILL);
-        let _ = exited_tx.send(true);
         on_exit(status);
+        let _ = exited_tx.send(true);
     });
     for (path, stream) in [(out_path, "stdout"), (err_path, "stderr")] {
         tokio::spawn(tail(
             path,
+            0,
             stream,
             name.to_string(),
             logs.clone(),
@@ -188,9 +233,11 @@ pub fn spawn(
     })
 }
 
-/// Follows a log file line by line until the process has exited.
-async fn tail(
+/// Follows a log file line by line from byte `from` until the process has
+/// exited.
+pub(crate) async fn tail(
     path: PathBuf,
+    from: u64,
     stream: &'static str,
     model: String,
     logs: Arc<LogRing>,
@@ -199,7 +246,7 @@ async fn tail(
     let Ok(mut file) = std::fs::File::open(&path) else {
         return;
     };
-    let mut pos = 0u64;
+    let mut pos = from;
     let mut partial = Vec::new();
     loop {
         let done = *exited.borrow();

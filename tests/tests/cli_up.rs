@@ -96,7 +96,9 @@ async fn up_with_the_demo_answers_a_sleeping_model() {
     );
 
     // `siesta up` itself shows the model waking, one line per change.
-    up.output().wait_for("chat: asleep(l1) → waking", DEADLINE).await;
+    up.output()
+        .wait_for("chat: asleep(l1) → waking", DEADLINE)
+        .await;
     up.output().wait_for("chat: waking → awake", DEADLINE).await;
 
     // Ctrl-C: everything stops, engines included.

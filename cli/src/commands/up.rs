@@ -43,7 +43,7 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         }
     };
     let opts = ServeOptions {
-        listen: Some(args.control_listen),
+        listen: args.control_listen,
         stop_engines_on_exit: !args.keep_engines,
         config_path,
     };
@@ -140,7 +140,7 @@ async fn print_events(control_url: String, token: Option<String>, shutdown: Canc
     let Ok(mut events) = conn.call(|mut c| async move { c.watch(req).await }).await else {
         return;
     };
-    let mut text = TextWatch::default();
+    let mut text = TextWatch::changes_only();
     loop {
         let ev = tokio::select! {
             _ = shutdown.cancelled() => return,

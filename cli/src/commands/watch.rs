@@ -113,9 +113,19 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
 #[derive(Debug, Default)]
 pub struct TextWatch {
     states: HashMap<String, String>,
+    /// Only state changes (no activity-only updates).
+    changes_only: bool,
 }
 
 impl TextWatch {
+    /// Lines for state changes only (what `siesta up` prints).
+    pub fn changes_only() -> Self {
+        TextWatch {
+            changes_only: true,
+            ..Default::default()
+        }
+    }
+
     pub fn lines(&mut self, ev: &pb::WatchEvent) -> Vec<String> {
         let at = clock(ev.at_unix_ms);
         let rev = ev.revision;
@@ -138,6 +148,7 @@ impl TextWatch {
                 let state = render::state_label(m);
                 let change = match self.states.insert(m.name.clone(), state.clone()) {
                     Some(prev) if prev != state => format!("{prev} → {state}"),
+                    Some(_) if self.changes_only => return Vec::new(),
                     _ => state,
                 };
                 vec![format!("{at} #{rev} {}: {change}{}", m.name, details(m))]
@@ -230,6 +241,25 @@ mod tests {
         assert_eq!(
             w.lines(&model_event(2, "chat", pb::ModelState::Waking)),
             ["01:02:03.004 #2 chat: asleep → waking"]
+        );
+    }
+
+    #[test]
+    fn changes_only_skips_activity_updates() {
+        let mut w = TextWatch::changes_only();
+        assert_eq!(
+            w.lines(&model_event(1, "chat", pb::ModelState::Awake))
+                .len(),
+            1
+        );
+        assert!(
+            w.lines(&model_event(2, "chat", pb::ModelState::Awake))
+                .is_empty()
+        );
+        assert_eq!(
+            w.lines(&model_event(3, "chat", pb::ModelState::Sleeping))
+                .len(),
+            1
         );
     }
 

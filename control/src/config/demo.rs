@@ -125,6 +125,7 @@ pub(super) fn demo(command_prefix: Vec<String>) -> Config {
             state_dir: std::env::temp_dir().join(format!("siesta-demo-{uid}")),
             token: None,
             control_id: validate::host_name(),
+            p2p_probe: P2pProbeConfig::default(),
         },
         defaults,
         gpus: Vec::new(),

@@ -111,13 +111,37 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
     let state_dir = r.string(p, "state_dir").map(PathBuf::from);
     let token = r.string(p, "token").filter(|t| !t.is_empty());
     let control_id = r.string(p, "control_id").filter(|s| !s.is_empty());
+    let p2p_probe = read_p2p_probe(p, &mut r);
     r.finish(p);
     ControlConfig {
         listen: listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 50051))),
         state_dir: state_dir.unwrap_or_else(default_state_dir),
         token,
         control_id: control_id.unwrap_or_else(host_name),
+        p2p_probe,
     }
+}
+
+fn read_p2p_probe(p: &mut Problems, r: &mut Reader<'_>) -> P2pProbeConfig {
+    let mut c = P2pProbeConfig::default();
+    match r.string(p, "p2p_probe").as_deref() {
+        None | Some("start") => {}
+        Some("off") => c.at_start = false,
+        Some(other) => p.push(
+            r.key("p2p_probe"),
+            format!("{other:?} is not \"start\" or \"off\""),
+        ),
+    }
+    let key = r.key("p2p_probe_bytes");
+    if let Some(b) = r.raw("p2p_probe_bytes").and_then(|v| size_value(p, &key, v)) {
+        c.bytes = b;
+    }
+    match r.duration(p, "p2p_probe_timeout") {
+        Some(d) if d.is_zero() => p.push(r.key("p2p_probe_timeout"), "must be more than 0"),
+        Some(d) => c.timeout = d,
+        None => {}
+    }
+    c
 }
 
 pub(super) fn read_timeouts(p: &mut Problems, r: &mut Reader<'_>, base: Timeouts) -> Timeouts {

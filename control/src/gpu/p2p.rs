@@ -6,6 +6,7 @@
 //! it goes ([`ProbeLine`]): `start`, then one `pair` per ordered pair, then
 //! `done`. Pairs it finished survive a hang; the rest are marked `hung`.
 
+pub mod persist;
 mod run;
 
 pub use run::{ProbeError, ProbeOptions, default_probe_bin, run_probe};

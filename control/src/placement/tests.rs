@@ -219,3 +219,39 @@ fn healthier_set_without_room_is_explained() {
         tp2.reason
     );
 }
+
+#[test]
+fn a_new_probe_flips_p2p_without_moving_anyone() {
+    let all_ok: Vec<(u32, u32, P2pHealth)> = [(0, 1), (1, 0), (0, 2), (2, 0), (1, 2), (2, 1)]
+        .iter()
+        .map(|&(a, b)| (a, b, POk))
+        .collect();
+    let mut m = seeds_box(&all_ok);
+    let models = vec![frac("text", 2, 0.9), frac("ocr", 1, 0.4)];
+    let mut p = place(&m, &models, &Policy::default()).unwrap();
+    let before: Vec<Vec<u32>> = p.iter().map(|p| p.gpus.clone()).collect();
+    let gpus = by_name(&p, "text").gpus.clone();
+    assert!(!by_name(&p, "text").p2p_disabled);
+    // The probe now finds one direction of the text pair corrupt.
+    m.p2p = P2pMatrix::from_healths(
+        &all_ok
+            .iter()
+            .map(|&(a, b, h)| if (a, b) == (gpus[0], gpus[1]) { (a, b, Corrupt) } else { (a, b, h) })
+            .collect::<Vec<_>>(),
+    );
+    let changed = refresh_p2p(&m, &mut p, &Policy::default());
+    assert_eq!(changed, vec!["text".to_string()]);
+    let after: Vec<Vec<u32>> = p.iter().map(|p| p.gpus.clone()).collect();
+    assert_eq!(before, after, "nobody moves");
+    let text = by_name(&p, "text");
+    assert!(text.p2p_disabled);
+    assert!(text.engine_args().contains(&"--disable-custom-all-reduce".to_string()));
+    assert!(text.reason.contains("is corrupt"), "{}", text.reason);
+    assert!(!text.reason.contains("P2P ok"), "{}", text.reason);
+    // Healthy again: back on, and nothing changes a second time.
+    m.p2p = P2pMatrix::from_healths(&all_ok);
+    assert_eq!(refresh_p2p(&m, &mut p, &Policy::default()), vec!["text".to_string()]);
+    assert!(!by_name(&p, "text").p2p_disabled);
+    assert!(refresh_p2p(&m, &mut p, &Policy::default()).is_empty());
+    assert!(by_name(&p, "text").reason.contains("P2P ok on every pair"));
+}

@@ -130,6 +130,10 @@ impl Runner {
             self.facts.endpoint.url = format!("http://{host}:{p}");
             self.client = crate::engine::EngineClient::new(&self.facts.endpoint.url);
         }
+        // A P2P probe since the last start may have changed the NCCL switches.
+        if let Some(off) = (self.shared.admission).p2p_disabled(&self.cfg.name, &self.placed.gpus) {
+            (self.placed.p2p_disabled, self.facts.p2p_disabled) = (off, off);
+        }
         let spec = spawn_spec(&self.cfg, self.port, &self.placed);
         let old = self.proc.take();
         let (release_tx, release_rx) = oneshot::channel::<()>();

@@ -1,0 +1,171 @@
+//! The P2P side of [`GpuView`]: results saved in `STATE_DIR/p2p.json` and
+//! loaded at start, the probe at start (`[control] p2p_probe = "start"`) and
+//! on `DiagP2p`, and what a new verdict changes in placement.
+
+use super::GpuView;
+use crate::gpu::convert::p2p_to_proto;
+use crate::gpu::p2p::persist::{self, SavedProbe};
+use crate::gpu::p2p::{
+    P2pMatrix, P2pResult, ProbeError, ProbeOptions, default_probe_bin, run_probe,
+};
+use crate::placement::{Machine, refresh_p2p};
+use siesta_proto::v1 as pb;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// What a probe that could not run says, for logs and `DiagP2pResponse.message`.
+fn unavailable(e: &ProbeError) -> String {
+    match e {
+        ProbeError::Unavailable(detail) => format!("no CUDA driver: P2P not probed ({detail})"),
+        other => format!("P2P not probed: {other}"),
+    }
+}
+
+fn now_unix_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+impl GpuView {
+    fn gpu_indices(&self) -> Vec<u32> {
+        let st = self.state.lock().unwrap();
+        st.inventory.gpus.iter().map(|g| g.index).collect()
+    }
+
+    fn gpu_uuids(&self) -> Vec<String> {
+        let st = self.state.lock().unwrap();
+        let mut gpus: Vec<_> = st.inventory.gpus.iter().collect();
+        gpus.sort_by_key(|g| g.index);
+        gpus.iter().map(|g| g.uuid.clone()).collect()
+    }
+
+    /// Loads `STATE_DIR/p2p.json` if it exists and is for these GPUs.
+    pub(super) fn load_p2p(&self) {
+        let path = persist::path_in(&self.state_dir);
+        match persist::load(&path) {
+            Ok(None) => {}
+            Ok(Some(saved)) => {
+                if let Some(why) = saved.mismatch(&self.gpu_uuids()) {
+                    tracing::warn!(path = %path.display(), %why, "saved P2P results are for other GPUs; ignored");
+                    return;
+                }
+                tracing::info!(path = %path.display(), pairs = saved.results.len(), probed_unix_ms = saved.probed_unix_ms, "loaded saved P2P results");
+                let mut st = self.state.lock().unwrap();
+                st.p2p = P2pMatrix::new(saved.results);
+                st.p2p_probed_unix_ms = saved.probed_unix_ms;
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot read saved P2P results; ignored"),
+        }
+    }
+
+    /// Runs the probe over every GPU; `Err` says why it could not run.
+    async fn probe(&self, bytes: u64, deadline: Duration) -> Result<Vec<P2pResult>, String> {
+        let gpus = self.gpu_indices();
+        if gpus.len() < 2 {
+            return Err(format!(
+                "P2P needs at least two GPUs; this box has {}",
+                gpus.len()
+            ));
+        }
+        let Some(bin) = default_probe_bin() else {
+            return Err("P2P not probed: siesta-p2p-probe not found next to siesta-control".into());
+        };
+        let mut opts = ProbeOptions::new(bin, gpus);
+        opts.bytes = if bytes > 0 { bytes } else { self.probe.bytes };
+        opts.deadline = if deadline.is_zero() {
+            self.probe.timeout
+        } else {
+            deadline
+        };
+        let _one_at_a_time = self.probing.lock().await;
+        run_probe(&opts).await.map_err(|e| unavailable(&e))
+    }
+
+    /// Keeps and saves new results. `replace`: place every model again (at
+    /// start, before any engine runs); else only re-decide P2P switches.
+    pub(super) fn keep(&self, results: &[P2pResult], now_ms: i64, replace: bool) {
+        let saved = SavedProbe {
+            probed_unix_ms: now_ms,
+            gpu_uuids: self.gpu_uuids(),
+            results: results.to_vec(),
+        };
+        let path = persist::path_in(&self.state_dir);
+        if let Err(e) = persist::save(&path, &saved) {
+            tracing::warn!(error = %e, "cannot save P2P results; they hold until restart");
+        }
+        let mut st = self.state.lock().unwrap();
+        st.p2p = P2pMatrix::new(results.iter().cloned());
+        st.p2p_probed_unix_ms = now_ms;
+        if replace {
+            return;
+        }
+        let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
+        let changed = refresh_p2p(&machine, &mut st.placements, &self.policy);
+        if !changed.is_empty() {
+            tracing::warn!(models = ?changed, "P2P verdicts changed; these models get the new NCCL switches at their next start");
+        }
+    }
+
+    /// `[control] p2p_probe = "start"`: probe before any engine starts
+    /// (blocking, bounded by `p2p_probe_timeout`). Never fails start-up.
+    pub(super) fn probe_at_start(&self) {
+        if self.gpu_indices().len() < 2 {
+            return;
+        }
+        let (bytes, deadline) = (self.probe.bytes, self.probe.timeout);
+        let result = match tokio::runtime::Handle::try_current() {
+            Ok(h) => h.block_on(self.probe(bytes, deadline)),
+            Err(_) => match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(self.probe(bytes, deadline)),
+                Err(e) => Err(format!("P2P not probed: no runtime: {e}")),
+            },
+        };
+        match result {
+            Ok(results) => {
+                let bad = results
+                    .iter()
+                    .filter(|r| r.health != crate::gpu::p2p::P2pHealth::Ok)
+                    .count();
+                tracing::info!(
+                    pairs = results.len(),
+                    not_ok = bad,
+                    "P2P probe at start done"
+                );
+                self.keep(&results, now_unix_ms(), true);
+            }
+            Err(message) => {
+                tracing::warn!(%message, "P2P probe at start did not run; saved results (if any) stay")
+            }
+        }
+    }
+
+    /// `DiagP2p`: probe now (0 bytes or deadline: the configured ones), keep
+    /// and save the results, and re-decide every model's P2P switches.
+    pub async fn diag_p2p(
+        &self,
+        bytes: u64,
+        timeout: Duration,
+        now_ms: i64,
+    ) -> pb::DiagP2pResponse {
+        match self.probe(bytes, timeout).await {
+            Ok(results) => {
+                self.keep(&results, now_ms, false);
+                pb::DiagP2pResponse {
+                    results: results.iter().map(p2p_to_proto).collect(),
+                    probed_unix_ms: now_ms,
+                    message: String::new(),
+                }
+            }
+            Err(message) => {
+                tracing::warn!(%message, "DiagP2p: probe did not run");
+                pb::DiagP2pResponse {
+                    message,
+                    ..Default::default()
+                }
+            }
+        }
+    }
+}

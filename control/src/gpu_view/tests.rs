@@ -1,0 +1,189 @@
+//! The view over a configured inventory: saved P2P results drive placement,
+//! the `[control] p2p_probe*` keys, and a probe that cannot run.
+
+use super::*;
+use crate::gpu::p2p::P2pHealth;
+use crate::gpu::p2p::persist;
+
+/// Three 80 GiB GPUs by hand, a TP=2 model pinned to 0+1 and one to 1+2.
+fn config(dir: &std::path::Path, control_extra: &str) -> Config {
+    let text = format!(
+        r#"
+[control]
+state_dir = "{}"
+{control_extra}
+
+[[gpu]]
+index = 0
+memory = "80GiB"
+[[gpu]]
+index = 1
+memory = "80GiB"
+[[gpu]]
+index = 2
+memory = "80GiB"
+
+[[model]]
+name = "tp01"
+model = "m"
+executable = "vllm"
+gpus = 2
+gpu_ids = [0, 1]
+gpu_memory = 0.4
+
+[[model]]
+name = "tp12"
+model = "m"
+executable = "vllm"
+gpus = 2
+gpu_ids = [1, 2]
+gpu_memory = 0.4
+"#,
+        dir.display()
+    );
+    Config::parse(&text, "test.toml").unwrap()
+}
+
+fn save(dir: &std::path::Path, bad: &[(u32, u32, P2pHealth)]) {
+    let mut results = Vec::new();
+    for s in 0..3 {
+        for d in 0..3 {
+            if s != d {
+                let h = bad
+                    .iter()
+                    .find(|b| (b.0, b.1) == (s, d))
+                    .map_or(P2pHealth::Ok, |b| b.2);
+                results.push(crate::gpu::p2p::P2pResult::missing(s, d, h, ""));
+            }
+        }
+    }
+    let saved = persist::SavedProbe {
+        probed_unix_ms: 1234,
+        gpu_uuids: Vec::new(),
+        results,
+    };
+    persist::save(&persist::path_in(dir), &saved).unwrap();
+}
+
+#[test]
+fn p2p_probe_keys_parse_with_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = config(dir.path(), "");
+    assert_eq!(c.control.p2p_probe, P2pProbeConfig::default());
+    assert!(c.control.p2p_probe.at_start);
+    assert_eq!(c.control.p2p_probe.bytes, 256 << 20);
+    assert_eq!(c.control.p2p_probe.timeout, Duration::from_secs(120));
+    let c = config(
+        dir.path(),
+        "p2p_probe = \"off\"\np2p_probe_bytes = \"64MiB\"\np2p_probe_timeout = \"30s\"",
+    );
+    assert!(!c.control.p2p_probe.at_start);
+    assert_eq!(c.control.p2p_probe.bytes, 64 << 20);
+    assert_eq!(c.control.p2p_probe.timeout, Duration::from_secs(30));
+    let bad = "[control]\np2p_probe = \"sometimes\"\np2p_probe_timeout = \"0s\"\n";
+    let e = Config::parse(bad, "bad.toml").unwrap_err().to_string();
+    assert!(
+        e.contains("bad.toml: control.p2p_probe: \"sometimes\" is not \"start\" or \"off\""),
+        "{e}"
+    );
+    assert!(
+        e.contains("control.p2p_probe_timeout: must be more than 0"),
+        "{e}"
+    );
+}
+
+#[test]
+fn saved_results_decide_p2p_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    save(dir.path(), &[(0, 1, P2pHealth::Corrupt)]);
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    let placed = view.placed();
+    assert!(placed["tp01"].p2p_disabled, "0→1 is corrupt");
+    assert!(!placed["tp12"].p2p_disabled, "1↔2 is ok");
+    let gpus = view.list_gpus(&[]);
+    assert_eq!(gpus.source, "config");
+    assert_eq!(gpus.p2p.len(), 6);
+    assert_eq!(gpus.p2p_probed_unix_ms, 1234);
+    assert_eq!(
+        view.placed_one("tp01").map(|p| p.gpus),
+        Some(vec![0, 1]),
+        "placed_one agrees with placed"
+    );
+    let p = view.placement(&[]);
+    let tp01 = p.models.iter().find(|m| m.model == "tp01").unwrap();
+    assert!(tp01.reason.contains("GPU 0→1 is corrupt"), "{}", tp01.reason);
+}
+
+#[test]
+fn without_results_tp_groups_run_with_p2p_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    assert!(view.placed().values().all(|p| p.p2p_disabled));
+    assert_eq!(view.list_gpus(&[]).p2p_probed_unix_ms, 0);
+}
+
+#[test]
+fn an_unreadable_file_or_a_failed_start_probe_is_not_fatal() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(persist::path_in(dir.path()), "{ not json").unwrap();
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    assert!(view.list_gpus(&[]).p2p.is_empty());
+    // p2p_probe = "start" where no probe can run (no binary next to the
+    // test executable, or no CUDA): the saved results stay.
+    save(dir.path(), &[(1, 2, P2pHealth::Hung)]);
+    let view = GpuView::detect(&config(
+        dir.path(),
+        "p2p_probe = \"start\"\np2p_probe_timeout = \"20s\"",
+    ));
+    let placed = view.placed();
+    assert!(!placed["tp01"].p2p_disabled);
+    assert!(placed["tp12"].p2p_disabled);
+    assert_eq!(view.list_gpus(&[]).p2p_probed_unix_ms, 1234);
+}
+
+#[tokio::test]
+async fn diag_p2p_without_a_probe_says_why_and_keeps_results() {
+    let dir = tempfile::tempdir().unwrap();
+    save(dir.path(), &[(0, 1, P2pHealth::Corrupt)]);
+    let cfg = config(dir.path(), "p2p_probe = \"off\"");
+    let view = tokio::task::spawn_blocking(move || GpuView::detect(&cfg))
+        .await
+        .unwrap();
+    let r = view.diag_p2p(0, Duration::from_secs(20), 99).await;
+    assert!(r.message.contains("P2P not probed"), "{}", r.message);
+    assert!(r.results.is_empty());
+    assert_eq!(view.list_gpus(&[]).p2p_probed_unix_ms, 1234);
+    assert!(view.placed()["tp01"].p2p_disabled);
+}
+
+#[test]
+fn a_new_verdict_reaches_the_next_start_without_moving_models() {
+    let dir = tempfile::tempdir().unwrap();
+    save(dir.path(), &[]);
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    assert!(!view.placed()["tp01"].p2p_disabled);
+    let mut results: Vec<_> = view
+        .state
+        .lock()
+        .unwrap()
+        .p2p
+        .results()
+        .cloned()
+        .collect();
+    results
+        .iter_mut()
+        .filter(|r| (r.src, r.dst) == (1, 0))
+        .for_each(|r| r.health = P2pHealth::Unsupported);
+    view.keep(&results, 5678, false);
+    let placed = view.placed();
+    assert!(placed["tp01"].p2p_disabled);
+    assert_eq!(placed["tp01"].gpus, vec![0, 1]);
+    assert!(!placed["tp12"].p2p_disabled);
+    // Saved for the next start.
+    let saved = persist::load(&persist::path_in(dir.path()))
+        .unwrap()
+        .unwrap();
+    assert_eq!(saved.probed_unix_ms, 5678);
+    let again = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    assert!(again.placed()["tp01"].p2p_disabled);
+}

@@ -1,0 +1,129 @@
+//! Taking over an engine found running at start-up (see `recovery`).
+
+use super::drive::terminate;
+use super::step::{become_awake, set_phase};
+use super::*;
+
+/// What an adopted engine answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Observed {
+    Awake,
+    Asleep(u8),
+    /// Running but `/health` does not answer (still starting, or stuck).
+    NotServing,
+}
+
+/// Puts a fresh state (intent already restored) on an engine found running
+/// as process generation `proc_gen`; returns the effects to carry out. The
+/// next event drives it towards the intent like any other engine.
+pub fn adopt(
+    m: &mut ModelState,
+    proc_gen: u64,
+    pid: u32,
+    observed: Observed,
+    now: Instant,
+) -> Vec<Effect> {
+    let mut fx = vec![Effect::Log(format!(
+        "adopted the running engine, pid {pid} ({observed:?})"
+    ))];
+    m.proc_gen = proc_gen;
+    m.pid = Some(pid);
+    m.transition_start = now;
+    m.engine_running = 0;
+    match observed {
+        Observed::Awake => become_awake(m, now),
+        Observed::Asleep(level) => set_phase(m, Phase::Asleep { level }, now),
+        Observed::NotServing if m.intent.desired == Desired::Stopped => {
+            terminate(m, now, &mut fx)
+        }
+        Observed::NotServing => {
+            let deadline = now + m.settings.timeouts.start;
+            set_phase(
+                m,
+                Phase::Starting {
+                    deadline,
+                    spawned: true,
+                },
+                now,
+            );
+            fx.push(Effect::ProbeHealth { epoch: m.epoch });
+        }
+    }
+    fx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Backoff, Timeouts};
+
+    fn fresh(desired: Desired) -> ModelState {
+        let s = Duration::from_secs(5);
+        let settings = Settings {
+            attach: false,
+            tiers: vec![],
+            timeouts: Timeouts {
+                start: s,
+                wake: s,
+                sleep: s,
+                stop_grace: s,
+            },
+            backoff: Backoff {
+                initial: s,
+                max: s,
+            },
+        };
+        let now = Instant::now();
+        let mut m = ModelState::new(settings, crate::config::Preload::None, now);
+        m.intent.desired = desired;
+        m
+    }
+
+    #[test]
+    fn an_asleep_engine_wanted_awake_is_woken_not_respawned() {
+        let now = Instant::now();
+        let mut m = fresh(Desired::Awake);
+        adopt(&mut m, 7, 4242, Observed::Asleep(2), now);
+        assert_eq!(m.phase, Phase::Asleep { level: 2 });
+        let (m, fx) = step(m, Event::Tick, now);
+        assert!(matches!(m.phase, Phase::Waking { from_level: 2, .. }));
+        assert!(!fx.iter().any(|f| matches!(f, Effect::Spawn { .. })));
+        assert_eq!((m.pid, m.proc_gen), (Some(4242), 7));
+    }
+
+    #[test]
+    fn a_starting_engine_is_probed_and_a_stopped_intent_stops_it() {
+        let now = Instant::now();
+        let mut m = fresh(Desired::Awake);
+        let fx = adopt(&mut m, 1, 10, Observed::NotServing, now);
+        assert!(matches!(m.phase, Phase::Starting { spawned: true, .. }));
+        assert!(fx.contains(&Effect::ProbeHealth { epoch: m.epoch }));
+        let (m, _) = step(m, Event::HealthOk { epoch: m.epoch, asleep: None }, now);
+        assert_eq!(m.phase, Phase::Awake);
+
+        let mut m = fresh(Desired::Stopped);
+        let fx = adopt(&mut m, 1, 10, Observed::NotServing, now);
+        assert!(matches!(m.phase, Phase::Stopping { .. }));
+        assert!(fx.contains(&Effect::Signal(Signal::Term)));
+        // An engine that exits is seen as stopped, not as a crash.
+        let (m, _) = step(
+            m,
+            Event::ChildExited {
+                proc_gen: 1,
+                status: "gone".into(),
+            },
+            now,
+        );
+        assert_eq!(m.phase, Phase::Stopped);
+    }
+
+    #[test]
+    fn an_awake_engine_wanted_asleep_is_put_to_sleep() {
+        let now = Instant::now();
+        let mut m = fresh(Desired::Asleep(1));
+        adopt(&mut m, 1, 10, Observed::Awake, now);
+        let (m, fx) = step(m, Event::Tick, now);
+        assert!(matches!(m.phase, Phase::Sleeping { level: 1, .. }));
+        assert!(fx.iter().any(|f| matches!(f, Effect::Sleep { level: 1, .. })));
+    }
+}

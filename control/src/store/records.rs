@@ -1,0 +1,159 @@
+//! What the store holds per model: the intent, the engine process, the
+//! calibration. Serialised as JSON values inside redb tables.
+
+use crate::reconciler::{Average, Calibration, Desired, Intent, ModelState, Pin, Reason};
+use crate::status::Clock;
+use serde::{Deserialize, Serialize};
+
+/// One model's persisted intent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IntentRecord {
+    /// "stopped", "awake" or "asleep".
+    pub desired: String,
+    #[serde(default)]
+    pub level: u8,
+    /// "config", "demand", "operator", "pin", "idle_tier" or "eviction".
+    pub reason: String,
+    pub since_unix_ms: i64,
+    #[serde(default)]
+    pub until_unix_ms: i64,
+    /// 0: not pinned; i64::MAX: until Unpin.
+    #[serde(default)]
+    pub pinned_until_unix_ms: i64,
+}
+
+fn reason_name(r: Reason) -> &'static str {
+    match r {
+        Reason::Config => "config",
+        Reason::Demand => "demand",
+        Reason::Operator => "operator",
+        Reason::Pin => "pin",
+        Reason::IdleTier => "idle_tier",
+        Reason::Eviction => "eviction",
+    }
+}
+
+impl IntentRecord {
+    pub fn from_state(m: &ModelState, clock: &Clock) -> Self {
+        let (desired, level) = match m.intent.desired {
+            Desired::Stopped => ("stopped", 0),
+            Desired::Awake => ("awake", 0),
+            Desired::Asleep(l) => ("asleep", l),
+        };
+        Self {
+            desired: desired.into(),
+            level,
+            reason: reason_name(m.intent.reason).into(),
+            since_unix_ms: clock.unix_ms(m.intent.since),
+            until_unix_ms: m.intent.until.map_or(0, |t| clock.unix_ms(t)),
+            pinned_until_unix_ms: match m.pin {
+                Pin::None => 0,
+                Pin::Forever => i64::MAX,
+                Pin::Until(t) => clock.unix_ms(t),
+            },
+        }
+    }
+
+    /// Puts the recorded intent (and pin) into a fresh state. Intents that
+    /// came from the configuration are not restored: the file in force wins.
+    pub fn restore(&self, m: &mut ModelState, clock: &Clock) {
+        let desired = match (self.desired.as_str(), self.level) {
+            ("stopped", _) => Desired::Stopped,
+            ("awake", _) => Desired::Awake,
+            ("asleep", l @ (1 | 2)) => Desired::Asleep(l),
+            _ => return,
+        };
+        let reason = match self.reason.as_str() {
+            "demand" => Reason::Demand,
+            "operator" => Reason::Operator,
+            "pin" => Reason::Pin,
+            "idle_tier" => Reason::IdleTier,
+            "eviction" => Reason::Eviction,
+            _ => return,
+        };
+        let now_ms = clock.now_ms();
+        m.pin = match self.pinned_until_unix_ms {
+            0 => Pin::None,
+            i64::MAX => Pin::Forever,
+            t if t > now_ms => Pin::Until(clock.instant(t)),
+            _ => Pin::None,
+        };
+        m.intent = Intent {
+            desired,
+            reason,
+            since: clock.instant(self.since_unix_ms),
+            until: (self.until_unix_ms > 0).then(|| clock.instant(self.until_unix_ms)),
+        };
+    }
+}
+
+/// An engine process siesta spawned, written before the spawn (pid 0) and
+/// again once the pid is known; removed once the process is gone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineRecord {
+    /// 0 while spawning: find the process by `tag` instead.
+    pub pid: u32,
+    /// Process group (the engine leads its own).
+    pub pgid: u32,
+    pub port: u16,
+    /// `/proc/PID/stat` field 22 (clock ticks after boot): tells a reused pid apart.
+    pub start_time: u64,
+    /// Hash of program, arguments and environment (see `supervisor::command_hash`).
+    pub command_hash: String,
+    /// Value of `SIESTA_ENGINE_TAG` in the engine's environment.
+    pub tag: String,
+    pub proc_gen: u64,
+    /// Last known sleep level (0: awake or unknown).
+    #[serde(default)]
+    pub sleep_level: u8,
+    pub spawned_unix_ms: i64,
+}
+
+/// One moving average.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct AverageRecord {
+    pub ms: f64,
+    pub samples: u32,
+}
+
+/// Measured transition durations of one model.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct CalibrationRecord {
+    pub start: AverageRecord,
+    pub sleep: [AverageRecord; 2],
+    pub wake: [AverageRecord; 2],
+}
+
+fn avg_rec(a: &Average) -> AverageRecord {
+    AverageRecord {
+        ms: a.ms,
+        samples: a.samples,
+    }
+}
+
+fn avg(a: &AverageRecord) -> Average {
+    Average {
+        ms: a.ms,
+        samples: a.samples,
+    }
+}
+
+impl From<&Calibration> for CalibrationRecord {
+    fn from(c: &Calibration) -> Self {
+        Self {
+            start: avg_rec(&c.start),
+            sleep: c.sleep.each_ref().map(avg_rec),
+            wake: c.wake.each_ref().map(avg_rec),
+        }
+    }
+}
+
+impl From<&CalibrationRecord> for Calibration {
+    fn from(c: &CalibrationRecord) -> Self {
+        Self {
+            start: avg(&c.start),
+            sleep: c.sleep.each_ref().map(avg),
+            wake: c.wake.each_ref().map(avg),
+        }
+    }
+}

@@ -1,0 +1,145 @@
+use super::*;
+use crate::config::Config;
+use crate::reconciler::{Desired, ModelState, Pin, Reason, Settings};
+use crate::status::Clock;
+use tokio::time::Instant;
+
+fn engine(pid: u32, proc_gen: u64) -> EngineRecord {
+    EngineRecord {
+        pid,
+        pgid: pid,
+        port: 8101,
+        start_time: 12345,
+        command_hash: "abc".into(),
+        tag: "t".into(),
+        proc_gen,
+        sleep_level: 0,
+        spawned_unix_ms: 1,
+    }
+}
+
+#[test]
+fn intents_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Clock::new();
+    let cfg = Config::demo(vec!["x".into()]);
+    let settings = Settings::from_config(&cfg.models[0]);
+    let mut m = ModelState::new(settings.clone(), cfg.models[0].preload, Instant::now());
+    m.intent.desired = Desired::Asleep(2);
+    m.intent.reason = Reason::Operator;
+    m.pin = Pin::Forever;
+    {
+        let store = Store::open(dir.path()).unwrap();
+        store.set("chat", IntentRecord::from_state(&m, &clock));
+    }
+    let again = Store::open(dir.path()).unwrap();
+    assert!(again.moved_aside().is_none());
+    let rec = again.get("chat").unwrap();
+    let mut fresh = ModelState::new(settings, cfg.models[0].preload, Instant::now());
+    rec.restore(&mut fresh, &clock);
+    assert_eq!(fresh.intent.desired, Desired::Asleep(2));
+    assert_eq!(fresh.intent.reason, Reason::Operator);
+    assert_eq!(fresh.pin, Pin::Forever);
+}
+
+#[test]
+fn engine_records_calibration_and_p2p_round_trip() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = Store::open(dir.path()).unwrap();
+        assert!(s.set_engine("a", &engine(10, 1)));
+        assert!(s.set_engine("b", &engine(11, 3)));
+        let cal = CalibrationRecord {
+            start: AverageRecord {
+                ms: 1500.0,
+                samples: 2,
+            },
+            ..Default::default()
+        };
+        s.set_calibration("a", &cal);
+        assert!(s.set_p2p("last", b"{\"pairs\":[]}"));
+        // A record of another generation is kept.
+        s.remove_engine("b", Some(2));
+        assert!(s.engine("b").is_some());
+        s.remove_engine("b", Some(3));
+        assert!(s.engine("b").is_none());
+    }
+    let s = Store::open(dir.path()).unwrap();
+    assert_eq!(s.engines(), vec![("a".to_string(), engine(10, 1))]);
+    assert_eq!(s.calibration("a").unwrap().start.samples, 2);
+    assert_eq!(s.p2p("last").unwrap(), b"{\"pairs\":[]}");
+    s.remove("a");
+    assert!(s.engine("a").is_none() && s.calibration("a").is_none());
+}
+
+#[test]
+fn a_corrupt_store_is_moved_aside_not_reset_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(FILE_NAME);
+    let garbage = vec![0x5au8; 8192];
+    std::fs::write(&path, &garbage).unwrap();
+    let s = Store::open(dir.path()).unwrap();
+    let aside = s.moved_aside().expect("moved aside").to_path_buf();
+    assert!(
+        aside
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("siesta.redb.corrupt-"),
+        "{}",
+        aside.display()
+    );
+    // The old bytes are kept intact for inspection.
+    assert_eq!(std::fs::read(&aside).unwrap(), garbage);
+    assert!(s.set_engine("a", &engine(1, 1)));
+}
+
+#[test]
+fn an_incompatible_schema_is_moved_aside() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(FILE_NAME);
+    {
+        let db = Database::create(&path).unwrap();
+        let tx = db.begin_write().unwrap();
+        tx.open_table(META)
+            .unwrap()
+            .insert("schema_version", 99)
+            .unwrap();
+        tx.commit().unwrap();
+    }
+    let s = Store::open(dir.path()).unwrap();
+    let aside = s.moved_aside().expect("moved aside");
+    assert!(aside.to_string_lossy().contains("incompatible-"));
+    assert!(s.engines().is_empty());
+}
+
+#[test]
+fn an_unusable_state_dir_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, "x").unwrap();
+    let state = file.join("state");
+    let e = Store::open(&state).unwrap_err();
+    assert!(e.to_string().contains(&*state.to_string_lossy()), "{e}");
+    // Nothing was touched.
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "x");
+}
+
+#[test]
+fn a_store_in_use_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let _first = Store::open(dir.path()).unwrap();
+    let e = Store::open(dir.path()).unwrap_err();
+    assert!(matches!(e, StoreError::InUse(_)), "{e}");
+}
+
+#[test]
+fn legacy_json_intents_are_imported_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = r#"{"version":1,"intents":{"chat":{"desired":"stopped","level":0,"reason":"operator","since_unix_ms":5}}}"#;
+    std::fs::write(dir.path().join("intents.json"), json).unwrap();
+    let s = Store::open(dir.path()).unwrap();
+    assert_eq!(s.get("chat").unwrap().desired, "stopped");
+    assert!(dir.path().join("intents.json.imported").exists());
+    assert!(!dir.path().join("intents.json").exists());
+}

@@ -1,0 +1,55 @@
+//! Taking over an engine a previous siesta-control spawned: it is not our
+//! child, so its end is noticed by polling `/proc` (pid and start time),
+//! and its output files are tailed from where they are.
+
+use super::{LogRing, ProcHandle, log_paths, procfs, signal_group, tail};
+use nix::sys::signal::Signal as NixSignal;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// How often an adopted engine's liveness is checked.
+const POLL: Duration = Duration::from_millis(200);
+/// How much of an adopted engine's earlier output goes into the log ring.
+const BACKLOG: u64 = 16 * 1024;
+
+/// Supervises the running process `pid` (started at `start_time`, leading
+/// its own process group) as [`spawn`](super::spawn) does its children:
+/// `on_exit` runs once it is gone and the rest of its group was killed.
+pub fn adopt(
+    name: &str,
+    pid: u32,
+    start_time: u64,
+    log_dir: &Path,
+    proc_gen: u64,
+    logs: Arc<LogRing>,
+    on_exit: impl FnOnce(String) + Send + 'static,
+) -> ProcHandle {
+    let (exited_tx, exited) = watch::channel(false);
+    tokio::spawn(async move {
+        while procfs::alive(pid, Some(start_time)) {
+            tokio::time::sleep(POLL).await;
+        }
+        // The leader is gone; nothing of its group may stay behind.
+        signal_group(pid, NixSignal::SIGKILL);
+        on_exit("exited (adopted engine: exit status unknown)".into());
+        let _ = exited_tx.send(true);
+    });
+    for (path, stream) in log_paths(name, log_dir) {
+        let len = std::fs::metadata(&path).map_or(0, |m| m.len());
+        tokio::spawn(tail(
+            path,
+            len.saturating_sub(BACKLOG),
+            stream,
+            name.to_string(),
+            logs.clone(),
+            exited.clone(),
+        ));
+    }
+    ProcHandle {
+        pid,
+        proc_gen,
+        exited,
+    }
+}

@@ -1,0 +1,80 @@
+//! What `/proc` says about a process: its start time (to tell a reused pid
+//! apart), whether it lives, and which process carries an engine tag.
+
+/// Fields of `/proc/PID/stat` after the command name.
+fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let close = text.rfind(')')?;
+    Some(
+        text.get(close + 1..)?
+            .split_whitespace()
+            .map(str::to_string)
+            .collect(),
+    )
+}
+
+/// `/proc/PID/stat` field 22: start time in clock ticks after boot.
+pub fn start_time(pid: u32) -> Option<u64> {
+    // Field 3 (state) is index 0 after the command name; field 22 is index 19.
+    stat_fields(pid)?.get(19)?.parse().ok()
+}
+
+/// Whether `pid` runs (not a zombie) and, when `start_time` is given,
+/// started then (the same process, not a reused pid).
+pub fn alive(pid: u32, start: Option<u64>) -> bool {
+    let Some(f) = stat_fields(pid) else {
+        return false;
+    };
+    let running = f.first().is_some_and(|s| s != "Z" && s != "X");
+    running && start.is_none_or(|t| f.get(19).and_then(|v| v.parse().ok()) == Some(t))
+}
+
+/// Process group of `pid`.
+pub fn pgid(pid: u32) -> Option<u32> {
+    stat_fields(pid)?.get(2)?.parse().ok()
+}
+
+/// Live processes whose environment holds `key=value` (our own processes'
+/// environments are readable).
+pub fn pids_with_env(key: &str, value: &str) -> Vec<u32> {
+    let needle = format!("{key}={value}");
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+        })
+        .filter(|pid| alive(*pid, None))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_process_has_a_stable_start_time() {
+        let me = std::process::id();
+        let t = start_time(me).unwrap();
+        assert!(alive(me, Some(t)));
+        assert!(!alive(me, Some(t + 1)));
+        assert!(pgid(me).is_some());
+    }
+
+    #[test]
+    fn finds_a_process_by_its_tag() {
+        let tag = format!("procfs-{}", std::process::id());
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .env("SIESTA_ENGINE_TAG", &tag)
+            .spawn()
+            .unwrap();
+        let found = pids_with_env("SIESTA_ENGINE_TAG", &tag);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(found, vec![child.id()]);
+        assert!(!alive(child.id(), None));
+    }
+}

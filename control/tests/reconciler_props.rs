@@ -1,0 +1,450 @@
+//! Property tests for the reconciler's pure `step(state, event, now)`.
+//!
+//! A small model of the world (the runner and the engine processes) turns
+//! abstract actions into the events a real runner could deliver, in any
+//! order and at any time: results of effects still outstanding (also after
+//! their epoch has passed), process exits, spawn outcomes, proxy reports,
+//! operator commands, timers. After every step the invariants are checked:
+//!
+//! - one engine process per model: no `Spawn` while a process of the model
+//!   may still run un-killed (or an earlier spawn may still land);
+//! - no `Sleep` effect while requests are in flight;
+//! - every transitional phase has a deadline, and the timer fires by then;
+//!   a `Tick` past a deadline leaves that deadline behind;
+//! - a failed model that should run has a retry time, and the retry backoff
+//!   never exceeds `backoff_max`;
+//! - (strict, its own test) a stop only waits for a process that exists.
+
+use proptest::prelude::*;
+use siesta_control::config::{Backoff, IdleAction, IdleTier, Preload, Timeouts};
+use siesta_control::reconciler::{
+    Command, Desired, Effect, Event, ModelState, Phase, Settings, Signal, step, wake_calls,
+};
+use std::collections::BTreeMap;
+use tokio::time::{Duration, Instant};
+
+/// Grace the reconciler gives a SIGKILLed process to be reaped (drive.rs).
+const KILL_GRACE: Duration = Duration::from_secs(10);
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn settings() -> impl Strategy<Value = Settings> {
+    let tiers = proptest::collection::btree_map(
+        1u64..300,
+        prop_oneof![
+            Just(IdleAction::Sleep(1)),
+            Just(IdleAction::Sleep(2)),
+            Just(IdleAction::Stop)
+        ],
+        0..4,
+    )
+    .prop_map(|m| {
+        m.into_iter()
+            .map(|(after, action)| IdleTier {
+                after: secs(after),
+                action,
+            })
+            .collect::<Vec<_>>()
+    });
+    (
+        prop::bool::weighted(0.2),
+        tiers,
+        [1u64..120, 1..60, 1..60, 1..30],
+        (1u64..10, 0u64..300),
+    )
+        .prop_map(|(attach, tiers, [start, wake, sleep, grace], (init, extra))| Settings {
+            attach,
+            tiers,
+            timeouts: Timeouts {
+                start: secs(start),
+                wake: secs(wake),
+                sleep: secs(sleep),
+                stop_grace: secs(grace),
+            },
+            backoff: Backoff {
+                initial: secs(init),
+                max: secs(init + extra),
+            },
+        })
+}
+
+/// What happens next, abstractly; `sel` picks among what is outstanding.
+#[derive(Debug, Clone)]
+enum Action {
+    Cmd(Command),
+    Demand,
+    Evict,
+    Pin(Option<u64>),
+    Unpin,
+    Activity { proxy: u8, in_flight: u32, active: bool },
+    EngineMetrics(u32),
+    SpawnOk(usize),
+    SpawnFailed(usize),
+    Exit(usize),
+    Health { sel: usize, ok: bool, asleep: Option<u8> },
+    PollFailed,
+    Sleep { sel: usize, ok: bool },
+    Wake { sel: usize, ok: bool },
+    Admitted(usize),
+    Tick,
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    let cmd = prop_oneof![
+        Just(Command::Wake),
+        (1u8..=2).prop_map(Command::Sleep),
+        Just(Command::Start),
+        Just(Command::Stop),
+        Just(Command::Restart),
+    ];
+    let sel = any::<usize>();
+    prop_oneof![
+        2 => cmd.prop_map(Action::Cmd),
+        2 => Just(Action::Demand),
+        1 => Just(Action::Evict),
+        1 => proptest::option::of(0u64..120).prop_map(Action::Pin),
+        1 => Just(Action::Unpin),
+        3 => (0u8..3, 0u32..3, any::<bool>())
+            .prop_map(|(proxy, in_flight, active)| Action::Activity { proxy, in_flight, active }),
+        1 => (0u32..3).prop_map(Action::EngineMetrics),
+        3 => sel.clone().prop_map(Action::SpawnOk),
+        1 => sel.clone().prop_map(Action::SpawnFailed),
+        1 => sel.clone().prop_map(Action::Exit),
+        3 => (sel.clone(), prop::bool::weighted(0.8), proptest::option::of(1u8..=2))
+            .prop_map(|(sel, ok, asleep)| Action::Health { sel, ok, asleep }),
+        1 => Just(Action::PollFailed),
+        3 => (sel.clone(), prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Sleep { sel, ok }),
+        3 => (sel.clone(), prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Wake { sel, ok }),
+        1 => sel.prop_map(Action::Admitted),
+        3 => Just(Action::Tick),
+    ]
+}
+
+/// How far the clock moves before an action.
+#[derive(Debug, Clone, Copy)]
+enum Advance {
+    Ms(u64),
+    /// To the time of the last `Timer` effect (if later).
+    ToTimer,
+}
+
+fn advance() -> impl Strategy<Value = Advance> {
+    prop_oneof![
+        3 => Just(Advance::Ms(0)),
+        3 => (1u64..2_000).prop_map(Advance::Ms),
+        1 => (2_000u64..400_000).prop_map(Advance::Ms),
+        3 => Just(Advance::ToTimer),
+    ]
+}
+
+/// A spawn the runner was asked for and has not answered yet.
+#[derive(Debug, Clone, Copy)]
+struct PendingSpawn {
+    proc_gen: u64,
+    /// The runner cancels a spawn when the phase leaves `Starting`; if the
+    /// process appears anyway, the runner SIGKILLs it at once.
+    cancelled: bool,
+}
+
+/// The runner and the processes, as far as the invariants need them.
+#[derive(Debug)]
+struct World {
+    now: Instant,
+    m: ModelState,
+    timer: Option<Instant>,
+    spawns: Vec<PendingSpawn>,
+    /// Live engine processes by generation: SIGKILL sent?
+    procs: BTreeMap<u64, bool>,
+    probes: Vec<u64>,
+    sleeps: Vec<u64>,
+    wakes: Vec<(u64, usize)>,
+    /// Also check that a stop only ever waits for a process that exists.
+    strict: bool,
+}
+
+fn take<T: Copy>(v: &mut Vec<T>, sel: usize) -> Option<T> {
+    (!v.is_empty()).then(|| v.remove(sel % v.len()))
+}
+
+impl World {
+    fn new(settings: Settings, preload: Preload, strict: bool) -> Self {
+        let now = Instant::now();
+        let mut w = World {
+            now,
+            m: ModelState::new(settings, preload, now),
+            timer: None,
+            spawns: vec![],
+            procs: BTreeMap::new(),
+            probes: vec![],
+            sleeps: vec![],
+            wakes: vec![],
+            strict,
+        };
+        w.apply(Event::Tick).unwrap();
+        w
+    }
+
+    /// The event a runner would deliver for `a` now (None: nothing happens).
+    fn event(&mut self, a: Action) -> Option<Event> {
+        let epoch = self.m.epoch;
+        Some(match a {
+            Action::Cmd(c) => Event::Command(c),
+            Action::Demand => Event::Demand,
+            Action::Evict => Event::Evict,
+            Action::Pin(s) => Event::Pin(s.map(|s| self.now + secs(s))),
+            Action::Unpin => Event::Unpin,
+            Action::Activity {
+                proxy,
+                in_flight,
+                active,
+            } => Event::Activity {
+                proxy: format!("proxy-{proxy}"),
+                in_flight,
+                active,
+                last_finished: active.then_some(self.now),
+            },
+            Action::EngineMetrics(running) => Event::EngineMetrics { running },
+            Action::SpawnOk(sel) => {
+                let s = take(&mut self.spawns, sel)?;
+                // The runner's own check (runner.rs, Msg::Spawned).
+                let current = s.proc_gen == self.m.proc_gen
+                    && matches!(self.m.phase, Phase::Starting { spawned: false, .. });
+                self.procs.insert(s.proc_gen, s.cancelled || !current);
+                if !current {
+                    return None;
+                }
+                Event::Spawned {
+                    proc_gen: s.proc_gen,
+                    pid: 1000 + s.proc_gen as u32,
+                }
+            }
+            Action::SpawnFailed(sel) => {
+                let s = take(&mut self.spawns, sel)?;
+                Event::SpawnFailed {
+                    proc_gen: s.proc_gen,
+                    error: "no such file".into(),
+                }
+            }
+            Action::Exit(sel) => {
+                let gens: Vec<u64> = self.procs.keys().copied().collect();
+                let g = *gens.get(sel % gens.len().max(1))?;
+                self.procs.remove(&g);
+                Event::ChildExited {
+                    proc_gen: g,
+                    status: "signal: 9".into(),
+                }
+            }
+            Action::Health { sel, ok, asleep } => {
+                let epoch = take(&mut self.probes, sel)?;
+                if ok {
+                    let asleep = if self.m.settings.attach { asleep } else { None };
+                    Event::HealthOk { epoch, asleep }
+                } else {
+                    Event::HealthFailed {
+                        epoch,
+                        error: "refused".into(),
+                    }
+                }
+            }
+            Action::PollFailed => Event::HealthFailed {
+                epoch,
+                error: "poll: refused".into(),
+            },
+            Action::Sleep { sel, ok } => {
+                let epoch = take(&mut self.sleeps, sel)?;
+                if ok {
+                    Event::SleepDone { epoch }
+                } else {
+                    Event::SleepFailed {
+                        epoch,
+                        error: "500".into(),
+                    }
+                }
+            }
+            Action::Wake { sel, ok } => {
+                let (epoch, step) = take(&mut self.wakes, sel)?;
+                if ok {
+                    Event::WakeStepDone { epoch, step }
+                } else {
+                    Event::WakeFailed {
+                        epoch,
+                        error: "500".into(),
+                    }
+                }
+            }
+            Action::Admitted(sel) => {
+                let steps0: Vec<u64> = self
+                    .wakes
+                    .iter()
+                    .filter(|(_, s)| *s == 0)
+                    .map(|(e, _)| *e)
+                    .collect();
+                let epoch = *steps0.get(sel % steps0.len().max(1))?;
+                Event::Admitted { epoch }
+            }
+            Action::Tick => Event::Tick,
+        })
+    }
+
+    /// One step, its effects carried out on the world, invariants checked.
+    fn apply(&mut self, event: Event) -> Result<(), TestCaseError> {
+        let now = self.now;
+        let prev = self.m.clone();
+        let is_tick = event == Event::Tick;
+        let (m, fx) = step(prev.clone(), event.clone(), now);
+        self.m = m;
+        let m = &self.m;
+        let ctx = || format!("at +{:?}: {prev:?}\n  --{event:?}-->\n  {m:?}\n  effects {fx:?}", now);
+
+        for e in &fx {
+            match *e {
+                Effect::Spawn { proc_gen } => {
+                    prop_assert!(!m.settings.attach, "spawn for an attach engine\n{}", ctx());
+                    let alive: Vec<_> = self.procs.iter().filter(|(_, k)| !**k).collect();
+                    prop_assert!(alive.is_empty(), "spawn while {alive:?} runs un-killed\n{}", ctx());
+                    let live_spawns: Vec<_> = self.spawns.iter().filter(|s| !s.cancelled).collect();
+                    prop_assert!(
+                        live_spawns.is_empty(),
+                        "spawn while {live_spawns:?} may still land\n{}",
+                        ctx()
+                    );
+                    prop_assert_eq!(proc_gen, m.proc_gen);
+                    prop_assert!(matches!(m.phase, Phase::Starting { spawned: false, .. }));
+                    self.spawns.push(PendingSpawn {
+                        proc_gen,
+                        cancelled: false,
+                    });
+                }
+                Effect::Signal(sig) => {
+                    prop_assert!(!m.settings.attach, "signal to an attach engine\n{}", ctx());
+                    if sig == Signal::Kill {
+                        self.procs.values_mut().for_each(|k| *k = true);
+                    }
+                }
+                Effect::ProbeHealth { epoch } => self.probes.push(epoch),
+                Effect::Sleep { epoch, level } => {
+                    prop_assert_eq!(m.in_flight(), 0, "sleep with requests in flight\n{}", ctx());
+                    prop_assert!((1..=2).contains(&level));
+                    prop_assert_eq!(m.phase, Phase::Sleeping { level, deadline: m.phase.deadline().unwrap() });
+                    self.sleeps.push(epoch);
+                }
+                Effect::Wake { epoch, step, call } => {
+                    let Phase::Waking { from_level, .. } = m.phase else {
+                        return Err(TestCaseError::fail(format!("wake call outside Waking\n{}", ctx())));
+                    };
+                    prop_assert_eq!(call, wake_calls(from_level)[step]);
+                    self.wakes.push((epoch, step));
+                }
+                Effect::Timer(t) => self.timer = t,
+                Effect::ReleaseStartLock | Effect::Log(_) | Effect::Persist => {}
+            }
+        }
+        // The runner cancels a pending spawn once the phase leaves Starting.
+        if m.epoch != prev.epoch && !matches!(m.phase, Phase::Starting { .. }) {
+            self.spawns.iter_mut().for_each(|s| s.cancelled = true);
+        }
+
+        prop_assert!(
+            matches!(fx.last(), Some(Effect::Timer(_))),
+            "step must end with its timer\n{}",
+            ctx()
+        );
+        let t = &m.settings.timeouts;
+        let longest = t.start * 2 + t.wake + t.sleep + t.stop_grace + KILL_GRACE;
+        if let Some(deadline) = m.phase.deadline() {
+            prop_assert!(self.timer.is_some_and(|at| at <= deadline), "timer after the deadline\n{}", ctx());
+            prop_assert!(deadline <= now + longest, "deadline too far\n{}", ctx());
+        }
+        if is_tick
+            && let Some(old) = prev.phase.deadline()
+            && old <= now
+        {
+            prop_assert!(
+                m.phase.deadline().is_none_or(|d| d > now),
+                "a tick past the deadline left it in force\n{}",
+                ctx()
+            );
+        }
+        if let Phase::Failed { retry_at } = m.phase {
+            match retry_at {
+                None => prop_assert!(
+                    m.intent.desired == Desired::Stopped,
+                    "failed with no retry though wanted\n{}",
+                    ctx()
+                ),
+                Some(at) => {
+                    prop_assert!(at <= now + m.settings.backoff.max, "backoff over the cap\n{}", ctx());
+                    prop_assert!(self.timer.is_some_and(|t| t <= at), "no timer for the retry\n{}", ctx());
+                }
+            }
+        }
+        prop_assert!(m.backoff() <= m.settings.backoff.max);
+        if self.strict {
+            let entered_stopping = matches!(m.phase, Phase::Stopping { .. })
+                && !matches!(prev.phase, Phase::Stopping { .. });
+            prop_assert!(
+                !entered_stopping || self.procs.contains_key(&m.proc_gen),
+                "stopping waits for generation {} which has no process (pid {:?})\n{}",
+                m.proc_gen,
+                m.pid,
+                ctx()
+            );
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, steps: Vec<(Advance, Action)>) -> Result<(), TestCaseError> {
+        for (adv, a) in steps {
+            match adv {
+                Advance::Ms(ms) => self.now += Duration::from_millis(ms),
+                Advance::ToTimer => {
+                    if let Some(t) = self.timer {
+                        self.now = self.now.max(t);
+                    }
+                }
+            }
+            if let Some(ev) = self.event(a) {
+                self.apply(ev)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn preload() -> impl Strategy<Value = Preload> {
+    prop_oneof![Just(Preload::None), Just(Preload::Asleep), Just(Preload::Awake)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn invariants_hold_for_any_event_sequence(
+        settings in settings(),
+        preload in preload(),
+        steps in proptest::collection::vec((advance(), action()), 1..80),
+    ) {
+        World::new(settings, preload, false).run(steps)?;
+    }
+
+    /// `Stopping` ends when the current generation's process exits; entering
+    /// it with no such process can only end in a timeout and a failure.
+    #[test]
+    fn stop_waits_only_for_a_live_process(
+        settings in settings(),
+        preload in preload(),
+        steps in proptest::collection::vec((advance(), action()), 1..80),
+    ) {
+        World::new(settings, preload, true).run(steps)?;
+    }
+
+    #[test]
+    fn backoff_grows_and_is_capped(init in 0u64..100_000, extra in 0u64..10_000_000, f in 0u32..100) {
+        let b = Backoff { initial: Duration::from_millis(init), max: Duration::from_millis(init + extra) };
+        prop_assert!(b.delay(f) <= b.max);
+        prop_assert!(b.delay(f) <= b.delay(f.saturating_add(1)));
+        prop_assert!(b.delay(u32::MAX) <= b.max);
+    }
+}
