@@ -47,14 +47,16 @@ pub async fn run(a: Args) -> Result<()> {
         Row::new(s, format!("requests answered 200 of {}", a.requests), "")
             .target(Target::AtLeast(a.requests as f64)),
         Row::new(s, "lost (error or non-200)", "").target(Target::AtMost(0.0)),
-        Row::new(s, "proxy RSS before", "MB"),
+        Row::new(s, "proxy RSS at start of repeat", "MB"),
         Row::new(s, "proxy RSS growth while all held", "MB"),
         Row::new(s, "proxy RSS growth at peak (held + release)", "MB")
             .target(Target::AtMost(100.0)),
         Row::new(s, "time to connect all", "s"),
         Row::new(s, "held gauge on /metrics after connecting", ""),
         Row::new(s, "all connected → last response", "s"),
+        Row::new(s, "proxy RSS after release − RSS before first repeat", "MB"),
     ];
+    let rss_first = control::rss_bytes(a.proxy_pid)?;
     control::wake_wait(&mut ctl, &a.model).await?;
     for rep in 0..a.repeats {
         control::sleep_and_wait(&mut ctl, &a.model).await?;
@@ -116,6 +118,8 @@ pub async fn run(a: Args) -> Result<()> {
         }
         sampler.abort();
         let peak = peak.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let rss_after = control::rss_bytes(a.proxy_pid)?;
         let st = control::state(&mut ctl, &a.model).await?;
         let awake_at = last.duration_since(start).as_secs_f64();
         let vals = [
@@ -127,6 +131,7 @@ pub async fn run(a: Args) -> Result<()> {
             sent.as_secs_f64(),
             held,
             awake_at - sent.as_secs_f64(),
+            (rss_after as f64 - rss_first as f64) / 1e6,
         ];
         eprintln!(
             "hold rep={rep}: ok {ok} lost {lost} ({}) rss {:.1} MB → peak {:.1} MB; connected in {:.2}s; held {held}; state now {st:?}",

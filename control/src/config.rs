@@ -44,7 +44,8 @@ pub struct ControlConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct P2pProbeConfig {
     /// `p2p_probe = "start"` (default): probe before engines start, when the
-    /// box has two GPUs or more; `"off"`: only on `siesta diag p2p`.
+    /// box has two GPUs or more and none is in use; `"off"`: only on
+    /// `siesta diag p2p`. Results persist in `STATE_DIR/p2p.json` either way.
     pub at_start: bool,
     /// Bytes copied per pair (`p2p_probe_bytes`, default 256 MiB).
     pub bytes: u64,

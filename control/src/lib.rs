@@ -12,6 +12,7 @@ pub mod hub;
 pub mod models;
 pub mod placement;
 pub mod reconciler;
+pub mod recovery;
 pub mod runner;
 pub mod server;
 pub mod status;

@@ -4,7 +4,8 @@
 use crate::OpError;
 use crate::config::{Config, ModelConfig};
 use crate::reconciler::{Command, Desired, Event, Reason};
-use crate::runner::{ModelHandle, Placed, Shared, spawn_model};
+use crate::recovery::Adopted;
+use crate::runner::{ModelHandle, Placed, Shared, spawn_model_adopting};
 use crate::status::{ModelStatus, State};
 use crate::supervisor::LogRing;
 use std::collections::BTreeMap;
@@ -61,10 +62,12 @@ pub fn default_placement(m: &ModelConfig) -> Placed {
 }
 
 impl Models {
-    /// Starts a task per model.
+    /// Starts a task per model, taking over the engines in `adopted`
+    /// (found running by [`crate::recovery::recover`]).
     pub fn start(
         config: &Config,
         placements: &BTreeMap<String, Placed>,
+        mut adopted: BTreeMap<String, Adopted>,
         shared: Arc<Shared>,
         cancel: CancellationToken,
     ) -> std::io::Result<Models> {
@@ -74,16 +77,23 @@ impl Models {
             registry: RwLock::new(Registry::default()),
         };
         for m in &config.models {
-            models.add(m.clone(), placements.get(&m.name).cloned())?;
+            let found = adopted.remove(&m.name);
+            models.add(m.clone(), placements.get(&m.name).cloned(), found)?;
         }
         Ok(models)
     }
 
-    fn add(&self, cfg: ModelConfig, placed: Option<Placed>) -> std::io::Result<()> {
+    fn add(
+        &self,
+        cfg: ModelConfig,
+        placed: Option<Placed>,
+        adopted: Option<Adopted>,
+    ) -> std::io::Result<()> {
         let placed = placed.unwrap_or_else(|| default_placement(&cfg));
-        let handle = spawn_model(
+        let handle = spawn_model_adopting(
             cfg.clone(),
             placed,
+            adopted,
             self.shared.clone(),
             self.cancel.child_token(),
         )?;
@@ -325,11 +335,11 @@ impl Models {
                 Some(old) if **old == *m => s.unchanged.push(m.name.clone()),
                 Some(_) => {
                     self.remove(&m.name).await;
-                    self.add(m.clone(), None)?;
+                    self.add(m.clone(), None, None)?;
                     s.changed.push(m.name.clone());
                 }
                 None => {
-                    self.add(m.clone(), None)?;
+                    self.add(m.clone(), None, None)?;
                     s.added.push(m.name.clone());
                 }
             }

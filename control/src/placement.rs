@@ -224,7 +224,11 @@ impl Placement {
 /// without moving any model (engines may be running on their GPUs; a full
 /// [`place`] at the next start may choose healthier sets). Returns the
 /// models whose decision changed; their engines get it at their next start.
-pub fn refresh_p2p(machine: &Machine, placements: &mut [Placement], policy: &Policy) -> Vec<String> {
+pub fn refresh_p2p(
+    machine: &Machine,
+    placements: &mut [Placement],
+    policy: &Policy,
+) -> Vec<String> {
     let mut changed = Vec::new();
     for p in placements.iter_mut().filter(|p| p.gpus.len() > 1) {
         let (rank, first_bad) = candidates::p2p_rank(machine, &p.gpus);

@@ -6,9 +6,10 @@ mod effects;
 use crate::config::{Launch, ModelConfig};
 use crate::engine::EngineClient;
 use crate::hub::Hub;
-use crate::reconciler::{Event, ModelState, Phase, Settings, step};
+use crate::reconciler::{Effect, Event, ModelState, Phase, Settings, adopt, step};
+use crate::recovery::Adopted;
 use crate::status::{Clock, Endpoint, EngineFacts, ModelStatus, model_status};
-use crate::store::{IntentRecord, Store};
+use crate::store::{CalibrationRecord, IntentRecord, Store};
 use crate::supervisor::{LogRing, ProcHandle, StartLocks, free_port};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -119,12 +120,26 @@ pub fn spawn_model(
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) -> std::io::Result<ModelHandle> {
+    spawn_model_adopting(cfg, placed, None, shared, cancel)
+}
+
+/// Starts a model's task, taking over `adopted` (an engine found running
+/// at start-up) when given.
+pub fn spawn_model_adopting(
+    cfg: ModelConfig,
+    placed: Placed,
+    adopted: Option<Adopted>,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+) -> std::io::Result<ModelHandle> {
     let now = Instant::now();
+    let adopted = adopted.filter(|_| !cfg.is_attach());
     let (base_url, served, port) = match &cfg.launch {
         Launch::Process { host, port, .. } => {
-            let port = match port {
-                Some(p) => *p,
-                None => free_port(host)?,
+            let port = match (port, &adopted) {
+                (_, Some(a)) => a.port,
+                (Some(p), None) => *p,
+                (None, None) => free_port(host)?,
             };
             (format!("http://{host}:{port}"), cfg.name.clone(), port)
         }
@@ -137,6 +152,34 @@ pub fn spawn_model(
     if let Some(rec) = shared.store.get(&cfg.name) {
         rec.restore(&mut state, &shared.clock);
     }
+    if let Some(c) = shared.store.calibration(&cfg.name) {
+        state.calibration = (&c).into();
+    }
+    let logs = Arc::new(LogRing::new(2000));
+    let (tx, rx) = mpsc::unbounded_channel();
+    let (proc, initial_fx) = match &adopted {
+        Some(a) => {
+            let fx = adopt(&mut state, a.proc_gen, a.pid, a.observed, now);
+            let exit_tx = tx.clone();
+            let proc_gen = a.proc_gen;
+            let (store, name) = (shared.store.clone(), cfg.name.clone());
+            let on_exit = move |status: String| {
+                store.remove_engine(&name, Some(proc_gen));
+                let _ = exit_tx.send(Msg::Event(Event::ChildExited { proc_gen, status }, None));
+            };
+            let handle = crate::supervisor::adopt(
+                &cfg.name,
+                a.pid,
+                a.start_time,
+                &shared.log_dir,
+                a.proc_gen,
+                logs.clone(),
+                on_exit,
+            );
+            (Some(handle), fx)
+        }
+        None => (None, Vec::new()),
+    };
     let facts = EngineFacts {
         endpoint: Endpoint {
             url: base_url.clone(),
@@ -150,8 +193,6 @@ pub fn spawn_model(
     let status = model_status(&cfg, &facts, &state, &shared.clock, now);
     let (status_tx, status_rx) = watch::channel(status.clone());
     shared.hub.publish_model(status);
-    let logs = Arc::new(LogRing::new(2000));
-    let (tx, rx) = mpsc::unbounded_channel();
     let cfg = Arc::new(cfg);
     let runner = Runner {
         cfg: cfg.clone(),
@@ -164,7 +205,8 @@ pub fn spawn_model(
         tx: tx.clone(),
         status_tx,
         logs: logs.clone(),
-        proc: None,
+        proc,
+        initial_fx,
         lock_release: None,
         spawn_cancel: CancellationToken::new(),
         ops: Vec::new(),
@@ -194,6 +236,8 @@ struct Runner {
     status_tx: watch::Sender<ModelStatus>,
     logs: Arc<LogRing>,
     proc: Option<ProcHandle>,
+    /// Effects of adopting a running engine, carried out first.
+    initial_fx: Vec<Effect>,
     lock_release: Option<oneshot::Sender<()>>,
     spawn_cancel: CancellationToken,
     /// Effect tasks of the current epoch (aborted when it changes).
@@ -205,6 +249,9 @@ struct Runner {
 
 impl Runner {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Msg>, cancel: CancellationToken) {
+        for effect in std::mem::take(&mut self.initial_fx) {
+            self.perform(effect);
+        }
         self.apply(Event::Tick);
         let mut poll = tokio::time::interval(self.shared.poll_every);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -290,8 +337,17 @@ impl Runner {
     fn apply(&mut self, event: Event) {
         let now = Instant::now();
         let epoch = self.state.epoch;
+        let calibration = self.state.calibration;
         let (state, effects) = step(self.state.clone(), event, now);
         self.state = state;
+        // The intent is durable before anything is done about it.
+        if effects.contains(&Effect::Persist) {
+            self.persist();
+        }
+        if self.state.calibration != calibration {
+            let rec = CalibrationRecord::from(&self.state.calibration);
+            self.shared.store.set_calibration(&self.cfg.name, &rec);
+        }
         if self.state.epoch != epoch {
             self.facts.waiting_for.clear();
             for op in self.ops.drain(..) {
@@ -301,6 +357,7 @@ impl Runner {
             if !matches!(self.state.phase, Phase::Starting { .. }) {
                 self.spawn_cancel.cancel();
             }
+            self.record_sleep_level();
         }
         for effect in effects {
             self.perform(effect);
@@ -313,6 +370,25 @@ impl Runner {
         if *self.status_tx.borrow() != status {
             self.status_tx.send_replace(status.clone());
             self.shared.hub.publish_model(status);
+        }
+    }
+
+    /// Keeps the engine record's sleep level current (a hint for recovery).
+    fn record_sleep_level(&self) {
+        let level = match self.state.phase {
+            Phase::Awake => 0,
+            Phase::Asleep { level } => level,
+            _ => return,
+        };
+        if self.cfg.is_attach() {
+            return;
+        }
+        if let Some(mut rec) = self.shared.store.engine(&self.cfg.name)
+            && rec.proc_gen == self.state.proc_gen
+            && rec.sleep_level != level
+        {
+            rec.sleep_level = level;
+            self.shared.store.set_engine(&self.cfg.name, &rec);
         }
     }
 

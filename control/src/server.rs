@@ -39,6 +39,7 @@ pub struct Server {
     listener: TcpListener,
     local_addr: SocketAddr,
     token: Option<String>,
+    store: Arc<Store>,
 }
 
 /// The bearer token: `[control] token`, else `SIESTA_TOKEN`.
@@ -52,14 +53,21 @@ fn token(config: &Config) -> Option<String> {
 }
 
 impl Server {
-    /// Binds the listener (port 0 picks a free port). A non-loopback
-    /// address without a token is refused.
+    /// Opens the state store and binds the listener (port 0 picks a free
+    /// port). A non-loopback address without a token is refused.
     pub async fn bind(config: Config, opts: ServeOptions) -> Result<Server, Error> {
         let addr = opts.listen.unwrap_or(config.control.listen);
         let token = token(&config);
         if !addr.ip().is_loopback() && token.is_none() {
             return Err(Error::TokenRequired(addr));
         }
+        let state_dir = config.control.state_dir.clone();
+        let store = tokio::task::spawn_blocking(move || Store::open(&state_dir))
+            .await
+            .map_err(|e| Error::StateDir {
+                path: config.control.state_dir.clone(),
+                source: std::io::Error::other(e),
+            })??;
         let listener = TcpListener::bind(addr)
             .await
             .map_err(|source| Error::Bind { addr, source })?;
@@ -72,6 +80,7 @@ impl Server {
             listener,
             local_addr,
             token,
+            store,
         })
     }
 
@@ -89,9 +98,9 @@ impl Server {
             listener,
             local_addr,
             token,
+            store,
         } = self;
         let state_dir = config.control.state_dir.clone();
-        let store = Store::open(&state_dir)?;
         let clock = Clock::new();
         let hub = Hub::new(clock, 4096, 1024);
         let cfg = config.clone();
@@ -116,8 +125,10 @@ impl Server {
             admission: Admission::new(Some(gpus.clone())),
         });
         let tasks = shutdown.child_token();
+        let placed = gpus.placed();
+        let adopted = crate::recovery::recover(&config, &placed, &store).await;
         let models = Arc::new(
-            Models::start(&config, &gpus.placed(), shared.clone(), tasks.clone()).map_err(
+            Models::start(&config, &placed, adopted, shared.clone(), tasks.clone()).map_err(
                 |source| Error::StateDir {
                     path: state_dir.clone(),
                     source,
@@ -226,7 +237,12 @@ async fn publish_placement_changes(
         };
         match item.map(|i| matches!(i.body, Body::Model(_) | Body::ModelRemoved(_))) {
             None => return,
-            Some(true) => hub.set_placement(gpus.placement(&models.list())),
+            Some(true) => {
+                // GPU memory per engine moves with sleep and wake too.
+                let list = models.list();
+                hub.set_gpus(gpus.list_gpus(&list));
+                hub.set_placement(gpus.placement(&list));
+            }
             Some(false) => {}
         }
     }

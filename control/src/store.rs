@@ -19,7 +19,7 @@ mod tests;
 
 pub use records::{AverageRecord, CalibrationRecord, EngineRecord, IntentRecord};
 
-use redb::{Database, ReadableTable, TableDefinition};
+use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition, TableHandle};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::path::{Path, PathBuf};
@@ -185,7 +185,10 @@ impl Store {
                 match try_open(&path)? {
                     Opened::Ok(db) => db,
                     Opened::Reject { detail, .. } => {
-                        return Err(StoreError::Db { path, message: detail });
+                        return Err(StoreError::Db {
+                            path,
+                            message: detail,
+                        });
                     }
                 }
             }
@@ -236,7 +239,11 @@ impl Store {
         }
     }
 
-    fn read<T: DeserializeOwned>(&self, table: TableDefinition<&str, &[u8]>, key: &str) -> Option<T> {
+    fn read<T: DeserializeOwned>(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+        key: &str,
+    ) -> Option<T> {
         let result: Result<Option<T>, redb::Error> = (|| {
             let tx = self.db.begin_read()?;
             let t = tx.open_table(table)?;
@@ -251,7 +258,10 @@ impl Store {
         })
     }
 
-    fn read_all<T: DeserializeOwned>(&self, table: TableDefinition<&str, &[u8]>) -> Vec<(String, T)> {
+    fn read_all<T: DeserializeOwned>(
+        &self,
+        table: TableDefinition<&str, &[u8]>,
+    ) -> Vec<(String, T)> {
         let result: Result<Vec<(String, T)>, redb::Error> = (|| {
             let tx = self.db.begin_read()?;
             let t = tx.open_table(table)?;
@@ -260,7 +270,9 @@ impl Store {
                 let (k, v) = entry?;
                 match serde_json::from_slice(v.value()) {
                     Ok(rec) => out.push((k.value().to_string(), rec)),
-                    Err(e) => tracing::error!(table = %table, key = k.value(), error = %e, "unreadable record skipped"),
+                    Err(e) => {
+                        tracing::error!(table = %table, key = k.value(), error = %e, "unreadable record skipped")
+                    }
                 }
             }
             Ok(out)
@@ -273,7 +285,11 @@ impl Store {
 
     /// Commits `f` as one durable transaction (blocking: called from tasks
     /// on the multi-threaded runtime it moves off the async workers' budget).
-    fn write(&self, what: &str, f: impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::Error>) -> bool {
+    fn write(
+        &self,
+        what: &str,
+        f: impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::Error>,
+    ) -> bool {
         let run = || -> Result<(), redb::Error> {
             let tx = self.db.begin_write()?;
             f(&tx)?;

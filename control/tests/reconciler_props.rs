@@ -54,20 +54,22 @@ fn settings() -> impl Strategy<Value = Settings> {
         [1u64..120, 1..60, 1..60, 1..30],
         (1u64..10, 0u64..300),
     )
-        .prop_map(|(attach, tiers, [start, wake, sleep, grace], (init, extra))| Settings {
-            attach,
-            tiers,
-            timeouts: Timeouts {
-                start: secs(start),
-                wake: secs(wake),
-                sleep: secs(sleep),
-                stop_grace: secs(grace),
+        .prop_map(
+            |(attach, tiers, [start, wake, sleep, grace], (init, extra))| Settings {
+                attach,
+                tiers,
+                timeouts: Timeouts {
+                    start: secs(start),
+                    wake: secs(wake),
+                    sleep: secs(sleep),
+                    stop_grace: secs(grace),
+                },
+                backoff: Backoff {
+                    initial: secs(init),
+                    max: secs(init + extra),
+                },
             },
-            backoff: Backoff {
-                initial: secs(init),
-                max: secs(init + extra),
-            },
-        })
+        )
 }
 
 /// What happens next, abstractly; `sel` picks among what is outstanding.
@@ -78,15 +80,29 @@ enum Action {
     Evict,
     Pin(Option<u64>),
     Unpin,
-    Activity { proxy: u8, in_flight: u32, active: bool },
+    Activity {
+        proxy: u8,
+        in_flight: u32,
+        active: bool,
+    },
     EngineMetrics(u32),
     SpawnOk(usize),
     SpawnFailed(usize),
     Exit(usize),
-    Health { sel: usize, ok: bool, asleep: Option<u8> },
+    Health {
+        sel: usize,
+        ok: bool,
+        asleep: Option<u8>,
+    },
     PollFailed,
-    Sleep { sel: usize, ok: bool },
-    Wake { sel: usize, ok: bool },
+    Sleep {
+        sel: usize,
+        ok: bool,
+    },
+    Wake {
+        sel: usize,
+        ok: bool,
+    },
     Admitted(usize),
     Tick,
 }
@@ -296,14 +312,23 @@ impl World {
         let (m, fx) = step(prev.clone(), event.clone(), now);
         self.m = m;
         let m = &self.m;
-        let ctx = || format!("at +{:?}: {prev:?}\n  --{event:?}-->\n  {m:?}\n  effects {fx:?}", now);
+        let ctx = || {
+            format!(
+                "at +{:?}: {prev:?}\n  --{event:?}-->\n  {m:?}\n  effects {fx:?}",
+                now
+            )
+        };
 
         for e in &fx {
             match *e {
                 Effect::Spawn { proc_gen } => {
                     prop_assert!(!m.settings.attach, "spawn for an attach engine\n{}", ctx());
                     let alive: Vec<_> = self.procs.iter().filter(|(_, k)| !**k).collect();
-                    prop_assert!(alive.is_empty(), "spawn while {alive:?} runs un-killed\n{}", ctx());
+                    prop_assert!(
+                        alive.is_empty(),
+                        "spawn while {alive:?} runs un-killed\n{}",
+                        ctx()
+                    );
                     let live_spawns: Vec<_> = self.spawns.iter().filter(|s| !s.cancelled).collect();
                     prop_assert!(
                         live_spawns.is_empty(),
@@ -327,12 +352,21 @@ impl World {
                 Effect::Sleep { epoch, level } => {
                     prop_assert_eq!(m.in_flight(), 0, "sleep with requests in flight\n{}", ctx());
                     prop_assert!((1..=2).contains(&level));
-                    prop_assert_eq!(m.phase, Phase::Sleeping { level, deadline: m.phase.deadline().unwrap() });
+                    prop_assert_eq!(
+                        m.phase,
+                        Phase::Sleeping {
+                            level,
+                            deadline: m.phase.deadline().unwrap()
+                        }
+                    );
                     self.sleeps.push(epoch);
                 }
                 Effect::Wake { epoch, step, call } => {
                     let Phase::Waking { from_level, .. } = m.phase else {
-                        return Err(TestCaseError::fail(format!("wake call outside Waking\n{}", ctx())));
+                        return Err(TestCaseError::fail(format!(
+                            "wake call outside Waking\n{}",
+                            ctx()
+                        )));
                     };
                     prop_assert_eq!(call, wake_calls(from_level)[step]);
                     self.wakes.push((epoch, step));
@@ -354,7 +388,11 @@ impl World {
         let t = &m.settings.timeouts;
         let longest = t.start * 2 + t.wake + t.sleep + t.stop_grace + KILL_GRACE;
         if let Some(deadline) = m.phase.deadline() {
-            prop_assert!(self.timer.is_some_and(|at| at <= deadline), "timer after the deadline\n{}", ctx());
+            prop_assert!(
+                self.timer.is_some_and(|at| at <= deadline),
+                "timer after the deadline\n{}",
+                ctx()
+            );
             prop_assert!(deadline <= now + longest, "deadline too far\n{}", ctx());
         }
         if is_tick
@@ -375,8 +413,16 @@ impl World {
                     ctx()
                 ),
                 Some(at) => {
-                    prop_assert!(at <= now + m.settings.backoff.max, "backoff over the cap\n{}", ctx());
-                    prop_assert!(self.timer.is_some_and(|t| t <= at), "no timer for the retry\n{}", ctx());
+                    prop_assert!(
+                        at <= now + m.settings.backoff.max,
+                        "backoff over the cap\n{}",
+                        ctx()
+                    );
+                    prop_assert!(
+                        self.timer.is_some_and(|t| t <= at),
+                        "no timer for the retry\n{}",
+                        ctx()
+                    );
                 }
             }
         }
@@ -414,7 +460,11 @@ impl World {
 }
 
 fn preload() -> impl Strategy<Value = Preload> {
-    prop_oneof![Just(Preload::None), Just(Preload::Asleep), Just(Preload::Awake)]
+    prop_oneof![
+        Just(Preload::None),
+        Just(Preload::Asleep),
+        Just(Preload::Awake)
+    ]
 }
 
 proptest! {

@@ -20,7 +20,23 @@ pub enum ProxyBody {
     Upstream {
         inner: Incoming,
         guard: Option<InFlightGuard>,
+        /// A server-sent event stream: if the engine fails midway, the
+        /// client gets an error event and a clean end, not a cut connection.
+        sse: bool,
     },
+}
+
+/// The event sent when an engine's event stream breaks off (its headers
+/// and some events were already sent, so no status code can say it).
+fn sse_error_event(error: &hyper::Error) -> Bytes {
+    let body = serde_json::json!({
+        "error": {
+            "message": format!("the engine stopped in the middle of the response: {error}"),
+            "type": "server_error",
+            "code": "engine_failed",
+        }
+    });
+    Bytes::from(format!("data: {body}\n\n"))
 }
 
 impl ProxyBody {
@@ -37,9 +53,10 @@ impl Body for ProxyBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        match self.get_mut() {
+        let this = self.get_mut();
+        match this {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Upstream { inner, guard } => {
+            ProxyBody::Upstream { inner, guard, sse } => {
                 let res = Pin::new(&mut *inner).poll_frame(cx);
                 match &res {
                     // hyper stops polling once a sized body is complete.
@@ -53,9 +70,16 @@ impl Body for ProxyBody {
                             g.finish(true);
                         }
                     }
-                    Poll::Ready(Some(Err(_))) => {
+                    Poll::Ready(Some(Err(e))) => {
                         if let Some(g) = guard.take() {
                             g.finish(false);
+                        }
+                        if *sse {
+                            tracing::warn!(error = %e, "engine stream broke off: ending it with an error event");
+                            let event = sse_error_event(e);
+                            // Dropping the upstream body closes its connection.
+                            *this = ProxyBody::Full(None);
+                            return Poll::Ready(Some(Ok(Frame::data(event))));
                         }
                     }
                     _ => {}

@@ -171,11 +171,17 @@ impl Forwarder {
                     .observe(guard.started.elapsed().as_secs_f64());
                 let (mut head, inner) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);
+                let sse = head
+                    .headers
+                    .get(header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.starts_with("text/event-stream"));
                 Ok(Response::from_parts(
                     head,
                     ProxyBody::Upstream {
                         inner,
                         guard: Some(guard),
+                        sse,
                     },
                 ))
             }

@@ -18,6 +18,8 @@ pub struct ProxyProc {
     pub child: Child,
     /// The temp dir holding the addr file.
     pub dir: TempDir,
+    controls: Vec<String>,
+    extra_args: Vec<String>,
 }
 
 impl ProxyProc {
@@ -30,6 +32,48 @@ impl ProxyProc {
     pub fn admin_url(&self) -> String {
         format!("http://{}", self.admin)
     }
+
+    /// SIGKILLs the proxy's process group.
+    pub fn kill9(&mut self) {
+        self.child.kill9();
+    }
+
+    /// Kills (SIGKILL, if still running) and starts it again with the same arguments,
+    /// listening on the same addresses.
+    pub async fn restart(&mut self) {
+        self.kill9();
+        let (child, http, admin) = launch(
+            &self.dir,
+            &self.controls,
+            (&self.http.to_string(), &self.admin.to_string()),
+            &self.extra_args,
+        )
+        .await;
+        self.child = child;
+        self.http = http;
+        self.admin = admin;
+    }
+}
+
+async fn launch(
+    dir: &TempDir,
+    controls: &[String],
+    (listen, admin_listen): (&str, &str),
+    extra_args: &[String],
+) -> (Child, SocketAddr, SocketAddr) {
+    let addr_file = dir.path().join("proxy.addr");
+    let _ = std::fs::remove_file(&addr_file);
+    let mut cmd = Command::new(bin_path("siesta-proxy"));
+    for c in controls {
+        cmd.arg("--control").arg(c);
+    }
+    cmd.args(["--listen", listen, "--admin-listen", admin_listen])
+        .arg("--addr-file")
+        .arg(&addr_file)
+        .args(extra_args);
+    let mut child = Child::spawn("siesta-proxy", cmd);
+    let addrs = wait_addr_file(&mut child, &addr_file, &["http", "admin"], DEADLINE).await;
+    (child, addrs[0], addrs[1])
 }
 
 /// Runs `siesta-proxy --control URL... --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0
@@ -39,21 +83,16 @@ pub async fn spawn_proxy(controls: &[String], extra_args: &[&str]) -> ProxyProc 
         .prefix("siesta-proxy-")
         .tempdir()
         .expect("tempdir");
-    let addr_file = dir.path().join("proxy.addr");
-    let mut cmd = Command::new(bin_path("siesta-proxy"));
-    for c in controls {
-        cmd.arg("--control").arg(c);
-    }
-    cmd.args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
-        .arg("--addr-file")
-        .arg(&addr_file)
-        .args(extra_args);
-    let mut child = Child::spawn("siesta-proxy", cmd);
-    let addrs = wait_addr_file(&mut child, &addr_file, &["http", "admin"], DEADLINE).await;
+    let controls = controls.to_vec();
+    let extra_args: Vec<String> = extra_args.iter().map(|s| s.to_string()).collect();
+    let (child, http, admin) =
+        launch(&dir, &controls, ("127.0.0.1:0", "127.0.0.1:0"), &extra_args).await;
     ProxyProc {
-        http: addrs[0],
-        admin: addrs[1],
+        http,
+        admin,
         child,
         dir,
+        controls,
+        extra_args,
     }
 }

@@ -133,7 +133,10 @@ fn read_p2p_probe(p: &mut Problems, r: &mut Reader<'_>) -> P2pProbeConfig {
         ),
     }
     let key = r.key("p2p_probe_bytes");
-    if let Some(b) = r.raw("p2p_probe_bytes").and_then(|v| size_value(p, &key, v)) {
+    if let Some(b) = r
+        .raw("p2p_probe_bytes")
+        .and_then(|v| size_value(p, &key, v))
+    {
         c.bytes = b;
     }
     match r.duration(p, "p2p_probe_timeout") {

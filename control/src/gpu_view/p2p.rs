@@ -108,8 +108,22 @@ impl GpuView {
 
     /// `[control] p2p_probe = "start"`: probe before any engine starts
     /// (blocking, bounded by `p2p_probe_timeout`). Never fails start-up.
+    /// Skipped while compute processes hold the GPUs (engines adopted from
+    /// an earlier run): the probe's buffers might not fit beside them, and
+    /// a failed allocation is no verdict on the DMA path.
     pub(super) fn probe_at_start(&self) {
         if self.gpu_indices().len() < 2 {
+            return;
+        }
+        let busy: usize = {
+            let st = self.state.lock().unwrap();
+            st.inventory.gpus.iter().map(|g| g.processes.len()).sum()
+        };
+        if busy > 0 {
+            tracing::warn!(
+                processes = busy,
+                "GPUs in use: P2P probe at start skipped; saved results (if any) stay; run `siesta diag p2p` to probe"
+            );
             return;
         }
         let (bytes, deadline) = (self.probe.bytes, self.probe.timeout);

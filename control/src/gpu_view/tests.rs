@@ -111,7 +111,11 @@ fn saved_results_decide_p2p_at_start() {
     );
     let p = view.placement(&[]);
     let tp01 = p.models.iter().find(|m| m.model == "tp01").unwrap();
-    assert!(tp01.reason.contains("GPU 0→1 is corrupt"), "{}", tp01.reason);
+    assert!(
+        tp01.reason.contains("GPU 0→1 is corrupt"),
+        "{}",
+        tp01.reason
+    );
 }
 
 #[test]
@@ -162,14 +166,7 @@ fn a_new_verdict_reaches_the_next_start_without_moving_models() {
     save(dir.path(), &[]);
     let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
     assert!(!view.placed()["tp01"].p2p_disabled);
-    let mut results: Vec<_> = view
-        .state
-        .lock()
-        .unwrap()
-        .p2p
-        .results()
-        .cloned()
-        .collect();
+    let mut results: Vec<_> = view.state.lock().unwrap().p2p.results().cloned().collect();
     results
         .iter_mut()
         .filter(|r| (r.src, r.dst) == (1, 0))
@@ -186,4 +183,22 @@ fn a_new_verdict_reaches_the_next_start_without_moving_models() {
     assert_eq!(saved.probed_unix_ms, 5678);
     let again = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
     assert!(again.placed()["tp01"].p2p_disabled);
+}
+
+#[test]
+fn admission_hands_the_current_p2p_switch_to_the_next_start() {
+    use crate::admission::Admission;
+    let dir = tempfile::tempdir().unwrap();
+    save(dir.path(), &[]);
+    let view = std::sync::Arc::new(GpuView::detect(&config(dir.path(), "p2p_probe = \"off\"")));
+    let admission = Admission::new(Some(view.clone()));
+    assert_eq!(admission.p2p_disabled("tp01", &[0, 1]), Some(false));
+    let mut results: Vec<_> = view.state.lock().unwrap().p2p.results().cloned().collect();
+    results[0].health = P2pHealth::Corrupt;
+    view.keep(&results, 1, false);
+    assert_eq!(admission.p2p_disabled("tp01", &[0, 1]), Some(true));
+    // Not what placement knows (a reload moved it; an unknown model): keep.
+    assert_eq!(admission.p2p_disabled("tp01", &[1, 2]), None);
+    assert_eq!(admission.p2p_disabled("nope", &[0, 1]), None);
+    assert_eq!(Admission::open().p2p_disabled("tp01", &[0, 1]), None);
 }

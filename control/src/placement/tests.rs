@@ -236,7 +236,13 @@ fn a_new_probe_flips_p2p_without_moving_anyone() {
     m.p2p = P2pMatrix::from_healths(
         &all_ok
             .iter()
-            .map(|&(a, b, h)| if (a, b) == (gpus[0], gpus[1]) { (a, b, Corrupt) } else { (a, b, h) })
+            .map(|&(a, b, h)| {
+                if (a, b) == (gpus[0], gpus[1]) {
+                    (a, b, Corrupt)
+                } else {
+                    (a, b, h)
+                }
+            })
             .collect::<Vec<_>>(),
     );
     let changed = refresh_p2p(&m, &mut p, &Policy::default());
@@ -245,12 +251,18 @@ fn a_new_probe_flips_p2p_without_moving_anyone() {
     assert_eq!(before, after, "nobody moves");
     let text = by_name(&p, "text");
     assert!(text.p2p_disabled);
-    assert!(text.engine_args().contains(&"--disable-custom-all-reduce".to_string()));
+    assert!(
+        text.engine_args()
+            .contains(&"--disable-custom-all-reduce".to_string())
+    );
     assert!(text.reason.contains("is corrupt"), "{}", text.reason);
     assert!(!text.reason.contains("P2P ok"), "{}", text.reason);
     // Healthy again: back on, and nothing changes a second time.
     m.p2p = P2pMatrix::from_healths(&all_ok);
-    assert_eq!(refresh_p2p(&m, &mut p, &Policy::default()), vec!["text".to_string()]);
+    assert_eq!(
+        refresh_p2p(&m, &mut p, &Policy::default()),
+        vec!["text".to_string()]
+    );
     assert!(!by_name(&p, "text").p2p_disabled);
     assert!(refresh_p2p(&m, &mut p, &Policy::default()).is_empty());
     assert!(by_name(&p, "text").reason.contains("P2P ok on every pair"));

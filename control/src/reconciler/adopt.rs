@@ -33,9 +33,7 @@ pub fn adopt(
     match observed {
         Observed::Awake => become_awake(m, now),
         Observed::Asleep(level) => set_phase(m, Phase::Asleep { level }, now),
-        Observed::NotServing if m.intent.desired == Desired::Stopped => {
-            terminate(m, now, &mut fx)
-        }
+        Observed::NotServing if m.intent.desired == Desired::Stopped => terminate(m, now, &mut fx),
         Observed::NotServing => {
             let deadline = now + m.settings.timeouts.start;
             set_phase(
@@ -68,10 +66,7 @@ mod tests {
                 sleep: s,
                 stop_grace: s,
             },
-            backoff: Backoff {
-                initial: s,
-                max: s,
-            },
+            backoff: Backoff { initial: s, max: s },
         };
         let now = Instant::now();
         let mut m = ModelState::new(settings, crate::config::Preload::None, now);
@@ -98,7 +93,15 @@ mod tests {
         let fx = adopt(&mut m, 1, 10, Observed::NotServing, now);
         assert!(matches!(m.phase, Phase::Starting { spawned: true, .. }));
         assert!(fx.contains(&Effect::ProbeHealth { epoch: m.epoch }));
-        let (m, _) = step(m, Event::HealthOk { epoch: m.epoch, asleep: None }, now);
+        let epoch = m.epoch;
+        let (m, _) = step(
+            m,
+            Event::HealthOk {
+                epoch,
+                asleep: None,
+            },
+            now,
+        );
         assert_eq!(m.phase, Phase::Awake);
 
         let mut m = fresh(Desired::Stopped);
@@ -124,6 +127,9 @@ mod tests {
         adopt(&mut m, 1, 10, Observed::Awake, now);
         let (m, fx) = step(m, Event::Tick, now);
         assert!(matches!(m.phase, Phase::Sleeping { level: 1, .. }));
-        assert!(fx.iter().any(|f| matches!(f, Effect::Sleep { level: 1, .. })));
+        assert!(
+            fx.iter()
+                .any(|f| matches!(f, Effect::Sleep { level: 1, .. }))
+        );
     }
 }

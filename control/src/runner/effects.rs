@@ -4,6 +4,7 @@
 use super::{Msg, Runner};
 use crate::config::Launch;
 use crate::reconciler::{Effect, Event, Phase, Signal};
+use crate::store::EngineRecord;
 use crate::supervisor::{self, free_port, spawn_spec};
 use nix::sys::signal::Signal as NixSignal;
 use std::time::Duration;
@@ -112,7 +113,8 @@ impl Runner {
                 tracing::info!(model = %self.cfg.name, "{line}");
                 self.logs.push("siesta", line);
             }
-            Effect::Persist => self.persist(),
+            // Done first, in `apply`.
+            Effect::Persist => {}
         }
     }
 
@@ -131,10 +133,27 @@ impl Runner {
             self.client = crate::engine::EngineClient::new(&self.facts.endpoint.url);
         }
         // A P2P probe since the last start may have changed the NCCL switches.
-        if let Some(off) = (self.shared.admission).p2p_disabled(&self.cfg.name, &self.placed.gpus) {
+        let admission = &self.shared.admission;
+        if let Some(off) = admission.p2p_disabled(&self.cfg.name, &self.placed.gpus) {
             (self.placed.p2p_disabled, self.facts.p2p_disabled) = (off, off);
         }
         let spec = spawn_spec(&self.cfg, self.port, &self.placed);
+        let record = EngineRecord {
+            pid: 0,
+            pgid: 0,
+            port: self.port,
+            start_time: 0,
+            command_hash: supervisor::command_hash(&spec),
+            tag: format!(
+                "{}/{}/{proc_gen}/{:016x}",
+                self.shared.control_id,
+                self.cfg.name,
+                rand::random::<u64>()
+            ),
+            proc_gen,
+            sleep_level: 0,
+            spawned_unix_ms: self.shared.clock.now_ms(),
+        };
         let old = self.proc.take();
         let (release_tx, release_rx) = oneshot::channel::<()>();
         self.lock_release = Some(release_tx);
@@ -164,19 +183,46 @@ impl Runner {
             if cancel.is_cancelled() {
                 return;
             }
+            // Recorded (durably) before the spawn: a siesta killed right
+            // after it finds the engine by its tag.
+            if !shared.store.set_engine(&name, &record) {
+                let error = "cannot record the engine in the state store".to_string();
+                let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
+                return;
+            }
             let exit_tx = tx.clone();
+            let store = shared.store.clone();
+            let exit_name = name.clone();
             let on_exit = move |status: String| {
+                store.remove_engine(&exit_name, Some(proc_gen));
                 let _ = exit_tx.send(Msg::Event(Event::ChildExited { proc_gen, status }, None));
             };
             logs.push(
                 "siesta",
                 format!("spawning: {} {}", spec.program, spec.args.join(" ")),
             );
-            match supervisor::spawn(&name, &spec, &shared.log_dir, proc_gen, logs, on_exit) {
+            let spawned = supervisor::spawn(
+                &name,
+                &spec,
+                &record.tag,
+                &shared.log_dir,
+                proc_gen,
+                logs,
+                on_exit,
+            );
+            match spawned {
                 Ok(handle) => {
+                    let mut record = record;
+                    record.pid = handle.pid;
+                    record.pgid = handle.pid;
+                    record.start_time = supervisor::procfs::start_time(handle.pid).unwrap_or(0);
+                    if !handle.has_exited() {
+                        shared.store.set_engine(&name, &record);
+                    }
                     let _ = tx.send(Msg::Spawned(handle));
                 }
                 Err(e) => {
+                    shared.store.remove_engine(&name, Some(proc_gen));
                     let error = format!("{}: {e}", spec.program);
                     let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
                     return;

@@ -1,0 +1,173 @@
+//! Faults around the proxy: the proxy killed with requests held, and an
+//! engine that dies in the middle of a streamed response.
+
+#[path = "control/util.rs"]
+mod util;
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+use siesta_proto::v1 as pb;
+use siesta_tests::{DEADLINE, spawn_proxy, wait_until};
+use std::time::Duration;
+use util::*;
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+fn chat_body(model: &str, stream: bool, max_tokens: u32) -> Value {
+    json!({"model": model, "max_tokens": max_tokens, "stream": stream,
+           "messages": [{"role": "user", "content": "hi"}]})
+}
+
+async fn ready(proxy: &siesta_tests::ProxyProc) {
+    let url = format!("{}/readyz", proxy.admin_url());
+    let url2 = format!("{}/readyz", proxy.url());
+    wait_until("proxy ready", DEADLINE, || async {
+        for u in [&url, &url2] {
+            if matches!(http().get(u).send().await, Ok(r) if r.status() == 200) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn proxy_killed_with_requests_held_then_restarted_serves_and_engines_are_untouched() {
+    let model = fake_model("sleepy", "asleep", &["--wake-time", "3s"], "");
+    let ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let pid = wait_state(&mut c, "sleepy", pb::ModelState::Asleep, LONG)
+        .await
+        .pid;
+    let mut proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    ready(&proxy).await;
+    let url = format!("{}/v1/chat/completions", proxy.url());
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                http()
+                    .post(&url)
+                    .json(&chat_body("sleepy", false, 4))
+                    .send()
+                    .await
+            })
+        })
+        .collect();
+    // The proxy asked for the model: it is waking, the requests are held.
+    wait_state(&mut c, "sleepy", pb::ModelState::Waking, LONG).await;
+    proxy.kill9();
+    for h in held {
+        assert!(h.await.unwrap().is_err(), "a held request got an answer");
+    }
+    proxy.restart().await;
+    ready(&proxy).await;
+    let url = format!("{}/v1/chat/completions", proxy.url());
+    let r = http()
+        .post(&url)
+        .json(&chat_body("sleepy", false, 4))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let s = status(&mut c, "sleepy").await;
+    assert_eq!(state(&s), pb::ModelState::Awake);
+    assert_eq!(s.pid, pid, "engine was replaced");
+    assert_eq!(s.failures, 0);
+}
+
+#[tokio::test]
+async fn engine_dying_mid_stream_ends_the_stream_with_an_error_event_and_is_restarted() {
+    let model = fake_model(
+        "chat",
+        "awake",
+        &["--tokens-per-second", "5"],
+        "backoff_initial = \"200ms\"",
+    );
+    let ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let pid = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG)
+        .await
+        .pid as i32;
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    ready(&proxy).await;
+    let resp = http()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(&chat_body("chat", true, 200))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let mut text = String::new();
+    while !text.contains("chat.completion.chunk") {
+        let chunk = tokio::time::timeout(DEADLINE, body.next())
+            .await
+            .expect("first chunk")
+            .expect("stream ended early")
+            .expect("chunk");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    // The engine dies while the response streams.
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // The rest of the stream ends cleanly (no transport error) with an error event.
+    while let Some(chunk) = tokio::time::timeout(DEADLINE, body.next())
+        .await
+        .expect("stream end")
+    {
+        text.push_str(&String::from_utf8_lossy(
+            &chunk.expect("clean end, not a cut stream"),
+        ));
+    }
+    let last = text
+        .trim_end()
+        .rsplit("\n\n")
+        .next()
+        .unwrap()
+        .trim()
+        .to_string();
+    let event: Value = serde_json::from_str(last.strip_prefix("data: ").expect(&last)).unwrap();
+    assert_eq!(event["error"]["code"], "engine_failed", "{text}");
+    assert!(!text.contains("[DONE]"));
+    // The engine is restarted and serves again.
+    let s = wait_status(&mut c, "chat", "restarted", LONG, |s| {
+        state(s) == pb::ModelState::Awake && s.pid as i32 != pid
+    })
+    .await;
+    assert!(chat(&endpoint(&s), "chat").await.contains("siesta"));
+    assert!(siesta_tests::group_members(pid).is_empty());
+}
+
+#[tokio::test]
+async fn engine_dying_before_answering_is_a_502() {
+    let model = fake_model(
+        "chat",
+        "awake",
+        &["--crash-after-requests", "0"],
+        "backoff_initial = \"200ms\"",
+    );
+    let ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    ready(&proxy).await;
+    let r = http()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .json(&chat_body("chat", true, 4))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 502);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].is_string(), "{v}");
+}

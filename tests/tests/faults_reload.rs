@@ -1,0 +1,85 @@
+//! Configuration reload by SIGHUP: added models appear, removed ones are
+//! stopped, changed ones restarted, unchanged ones not disturbed; an invalid
+//! file is refused and the running configuration stays.
+
+#[path = "control/util.rs"]
+mod util;
+
+use nix::sys::signal::Signal;
+use siesta_proto::v1 as pb;
+use siesta_tests::{DEADLINE, group_members, wait_until};
+use util::*;
+
+fn expand(ctl: &Ctl, text: &str) -> String {
+    text.replace("@DIR@", &ctl.dir.path().display().to_string())
+        .replace("@FAKE_VLLM@", &siesta_tests::fake_vllm_command())
+}
+
+#[tokio::test]
+async fn sighup_applies_additions_removals_and_changes_only() {
+    let (same, changed, removed) = (
+        fake_model("same", "awake", &[], ""),
+        fake_model("changed", "awake", &[], ""),
+        fake_model("removed", "awake", &[], ""),
+    );
+    let ctl = start(&config(&format!("{same}{changed}{removed}"))).await;
+    let mut c = ctl.client().await;
+    let mut pids = Vec::new();
+    for m in ["same", "changed", "removed"] {
+        pids.push(wait_state(&mut c, m, pb::ModelState::Awake, LONG).await.pid);
+    }
+    let changed2 = fake_model("changed", "awake", &["--max-model-len", "4096"], "");
+    let added = fake_model("added", "asleep", &[], "");
+    let new = config(&format!("{same}{changed2}{added}"));
+    std::fs::write(&ctl.config_path, expand(&ctl, &new)).unwrap();
+    ctl.child.signal(Signal::SIGHUP);
+    wait_until("added model listed", LONG, || {
+        let mut c = c.clone();
+        async move {
+            c.get_model(pb::GetModelRequest {
+                name: "added".into(),
+            })
+            .await
+            .is_ok()
+        }
+    })
+    .await;
+    wait_state(&mut c, "added", pb::ModelState::Asleep, LONG).await;
+    let s = wait_status(&mut c, "changed", "restarted", LONG, |s| {
+        state(s) == pb::ModelState::Awake && s.pid != pids[1]
+    })
+    .await;
+    assert!(s.pid != 0);
+    wait_until("removed model gone", LONG, || {
+        let mut c = c.clone();
+        async move {
+            c.get_model(pb::GetModelRequest {
+                name: "removed".into(),
+            })
+            .await
+            .is_err_and(|e| e.code() == tonic::Code::NotFound)
+        }
+    })
+    .await;
+    wait_until("removed model's engine stopped", LONG, || async {
+        group_members(pids[2] as i32).is_empty()
+    })
+    .await;
+    let s = status(&mut c, "same").await;
+    assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, pids[0]));
+    assert_eq!(s.restarts, 1, "unchanged model disturbed");
+
+    // An invalid file is refused: everything stays as it is.
+    let before = std::fs::read_to_string(&ctl.config_path).unwrap();
+    std::fs::write(&ctl.config_path, format!("{before}\n[[model]]\nname = 3\n")).unwrap();
+    ctl.child.signal(Signal::SIGHUP);
+    ctl.child
+        .output()
+        .wait_for("configuration refused", DEADLINE)
+        .await;
+    for m in ["same", "changed", "added"] {
+        status(&mut c, m).await;
+    }
+    let s = status(&mut c, "same").await;
+    assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, pids[0]));
+}

@@ -1,0 +1,316 @@
+//! GPUs end to end: the real siesta-control and fake-vllm on a `[[gpu]]`
+//! inventory. A model with a request in flight is never evicted: a wake
+//! that needs its room waits (and says so), then proceeds once the request
+//! ends. A tensor-parallel group over a pair whose saved P2P verdict is
+//! `corrupt` starts with NCCL P2P off. (Waking B puts idle A to sleep is
+//! control_placement.rs.)
+//!
+//! Where NVML is present the inventory is the real one, not the config:
+//! these tests then skip.
+
+#[path = "control/util.rs"]
+mod util;
+
+use futures::StreamExt;
+use siesta_proto::v1 as pb;
+use std::time::Duration;
+use util::*;
+
+/// `[control]` with the P2P probe off (deterministic), quick defaults,
+/// `gpus` GPUs of 80 GiB, and `models`.
+fn gpu_config(state_dir: &str, gpus: u32, models: &str) -> String {
+    let inventory: String = (0..gpus)
+        .map(|i| format!("[[gpu]]\nindex = {i}\nname = \"test-gpu\"\nmemory = \"80GiB\"\n"))
+        .collect();
+    let base = config(models).replace(
+        "state_dir = \"@DIR@/state\"",
+        &format!("state_dir = \"{state_dir}\"\np2p_probe = \"off\""),
+    );
+    format!("{base}\n{inventory}")
+}
+
+/// A fake-vllm model on GPUs.
+fn gpu_model(name: &str, extra: &str) -> String {
+    format!(
+        r#"
+[[model]]
+name = "{name}"
+model = "fake/{name}"
+executable = "@FAKE_VLLM@"
+preload = "none"
+env = {{ SIESTA_TEST_TAG = "@DIR@" }}
+args = ["--tokens-per-second", "20"]
+{extra}
+"#
+    )
+}
+
+async fn from_config(c: &mut Client) -> bool {
+    let gpus = c
+        .list_gpus(pb::ListGpusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    if gpus.source != "config" {
+        eprintln!(
+            "skipped: GPUs come from {} here, not the config",
+            gpus.source
+        );
+        return false;
+    }
+    true
+}
+
+async fn wake(c: &mut Client, name: &str, wait: bool) -> pb::OperationResponse {
+    c.wake(pb::WakeRequest {
+        name: name.into(),
+        wait,
+        timeout_ms: 0,
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+#[tokio::test]
+async fn a_model_with_a_request_in_flight_is_not_evicted_and_the_wake_waits() {
+    let ctl = start(&gpu_config(
+        "@DIR@/state",
+        1,
+        &format!(
+            "{}{}",
+            gpu_model("a", "gpus = 1\ngpu_memory = 0.6"),
+            gpu_model("b", "gpus = 1\ngpu_memory = 0.6")
+        ),
+    ))
+    .await;
+    let mut c = ctl.client().await;
+    if !from_config(&mut c).await {
+        return;
+    }
+    let r = wake(&mut c, "a", true).await;
+    let a = r.model.unwrap();
+    assert_eq!(state(&a), pb::ModelState::Awake, "{}", r.message);
+
+    // A long streaming request to a (20 tokens/s, 10000 tokens), held open.
+    let body = serde_json::json!({
+        "model": "a", "prompt": "x", "max_tokens": 10000, "stream": true, "ignore_eos": true,
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", endpoint(&a)))
+        .json(&body)
+        .send()
+        .await
+        .expect("streaming request");
+    assert!(resp.status().is_success(), "HTTP {}", resp.status());
+    let mut stream = resp.bytes_stream();
+    assert!(stream.next().await.is_some(), "first chunk");
+    wait_status(&mut c, "a", "a request in flight", LONG, |s| {
+        s.in_flight > 0
+    })
+    .await;
+
+    // b needs a's room; a is busy: b waits and says for what.
+    wake(&mut c, "b", false).await;
+    let b = wait_status(&mut c, "b", "waiting_for", LONG, |s| {
+        s.waiting_for.contains("in flight")
+    })
+    .await;
+    assert!(
+        b.waiting_for.contains("\"a\"") && b.waiting_for.contains("GPU 0"),
+        "{}",
+        b.waiting_for
+    );
+    assert_ne!(state(&b), pb::ModelState::Awake);
+    // Still serving: a keeps streaming while b waits.
+    for _ in 0..3 {
+        assert!(
+            stream.next().await.is_some_and(|c| c.is_ok()),
+            "a streams on"
+        );
+    }
+    let a = status(&mut c, "a").await;
+    assert_eq!(state(&a), pb::ModelState::Awake, "a is not evicted");
+    let b = status(&mut c, "b").await;
+    assert!(!b.waiting_for.is_empty(), "b still waits: {b:#?}");
+
+    // The request ends (the client goes away): b proceeds, a goes to sleep.
+    drop(stream);
+    let b = wait_state(&mut c, "b", pb::ModelState::Awake, LONG).await;
+    assert!(b.waiting_for.is_empty(), "{}", b.waiting_for);
+    let a = status(&mut c, "a").await;
+    assert_eq!(state(&a), pb::ModelState::Asleep);
+    assert_eq!(a.intent.unwrap().reason, pb::IntentReason::Eviction as i32);
+}
+
+/// The NUL-separated entries of /proc/PID/{cmdline,environ}.
+fn proc_list(pid: u32, what: &str) -> Vec<String> {
+    let raw = std::fs::read(format!("/proc/{pid}/{what}")).unwrap_or_default();
+    raw.split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
+}
+
+fn saved_p2p(corrupt: (u32, u32)) -> String {
+    let mut results = Vec::new();
+    for s in 0..3u32 {
+        for d in 0..3u32 {
+            if s != d {
+                let health = if (s, d) == corrupt { "corrupt" } else { "ok" };
+                results.push(serde_json::json!({
+                    "src": s, "dst": d, "health": health,
+                    "elements": 1024, "corrupt_elements": if health == "ok" { 0 } else { 1000 },
+                }));
+            }
+        }
+    }
+    serde_json::json!({"probed_unix_ms": 1_700_000_000_000_i64, "results": results}).to_string()
+}
+
+#[tokio::test]
+async fn a_tp_group_over_a_corrupt_pair_starts_with_p2p_off() {
+    // The daemon loads STATE_DIR/p2p.json at start: 0→1 corrupt, the rest ok.
+    let state_dir = tempfile::tempdir().unwrap();
+    std::fs::write(state_dir.path().join("p2p.json"), saved_p2p((0, 1))).unwrap();
+    let tp = |ids: &str| format!("gpus = 2\ngpu_ids = {ids}\ngpu_memory = 0.4");
+    let ctl = start(&gpu_config(
+        &state_dir.path().to_string_lossy(),
+        3,
+        &format!(
+            "{}{}",
+            gpu_model("tp01", &tp("[0, 1]")),
+            gpu_model("tp12", &tp("[1, 2]"))
+        ),
+    ))
+    .await;
+    let mut c = ctl.client().await;
+    if !from_config(&mut c).await {
+        return;
+    }
+    let gpus = c
+        .list_gpus(pb::ListGpusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(gpus.p2p.len(), 6, "{gpus:#?}");
+    assert_eq!(gpus.p2p_probed_unix_ms, 1_700_000_000_000);
+    let bad = gpus.p2p.iter().find(|r| (r.src, r.dst) == (0, 1)).unwrap();
+    assert_eq!(bad.health(), pb::P2pHealth::Corrupt);
+    assert_eq!(bad.corrupt_elements, 1000);
+    // Published on Watch too (the snapshot's GPUs).
+    let first = c
+        .watch(pb::WatchRequest {
+            since_revision: 0,
+            client_id: "gpu_eviction".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .next()
+        .await
+        .unwrap()
+        .unwrap();
+    let Some(pb::watch_event::Kind::Snapshot(snap)) = first.kind else {
+        panic!("first Watch event is not a snapshot: {first:?}");
+    };
+    assert_eq!(snap.gpus.unwrap().p2p.len(), 6);
+
+    for (name, off) in [("tp01", true), ("tp12", false)] {
+        let r = wake(&mut c, name, true).await;
+        let s = r.model.unwrap();
+        assert_eq!(state(&s), pb::ModelState::Awake, "{name}: {}", r.message);
+        assert_eq!(s.p2p_disabled, off, "{name}: {s:#?}");
+        assert!(s.pid > 0);
+        let argv = proc_list(s.pid, "cmdline");
+        let env = proc_list(s.pid, "environ");
+        let tp2 = argv
+            .windows(2)
+            .any(|w| w[0] == "--tensor-parallel-size" && w[1] == "2");
+        assert!(tp2, "{name}: {argv:?}");
+        assert_eq!(
+            argv.iter().any(|a| a == "--disable-custom-all-reduce"),
+            off,
+            "{name}: {argv:?}"
+        );
+        assert_eq!(
+            env.iter().any(|e| e == "NCCL_P2P_DISABLE=1"),
+            off,
+            "{name}: NCCL_P2P_DISABLE"
+        );
+        let visible = if off { "0,1" } else { "1,2" };
+        assert!(
+            env.iter()
+                .any(|e| *e == format!("CUDA_VISIBLE_DEVICES={visible}")),
+            "{name}: CUDA_VISIBLE_DEVICES"
+        );
+    }
+    let p = c
+        .get_placement(pb::GetPlacementRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let tp01 = p.models.iter().find(|m| m.model == "tp01").unwrap();
+    assert!(tp01.p2p_disabled);
+    assert!(
+        tp01.reason.contains("GPU 0→1 is corrupt"),
+        "{}",
+        tp01.reason
+    );
+
+    // No CUDA driver here: the probe says so, promptly, and the saved
+    // verdicts stay. (On a CUDA box it runs; then every pair is reported.)
+    let started = std::time::Instant::now();
+    let r = c
+        .diag_p2p(pb::DiagP2pRequest {
+            bytes: 1 << 20,
+            timeout_ms: 20_000,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(started.elapsed() < Duration::from_secs(30));
+    if r.message.is_empty() {
+        assert_eq!(r.results.len(), 6, "{r:#?}");
+    } else {
+        assert!(r.message.contains("P2P not probed"), "{}", r.message);
+        let gpus = c
+            .list_gpus(pb::ListGpusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(gpus.p2p_probed_unix_ms, 1_700_000_000_000);
+        assert!(status(&mut c, "tp01").await.p2p_disabled);
+    }
+}
+
+#[tokio::test]
+async fn the_probe_at_start_without_cuda_neither_fails_nor_hangs_start_up() {
+    // p2p_probe = "start" (the default) on a two-GPU inventory.
+    let text = gpu_config(
+        "@DIR@/state",
+        2,
+        &gpu_model("tp", "gpus = 2\ngpu_memory = 0.5"),
+    )
+    .replace("p2p_probe = \"off\"", "p2p_probe_timeout = \"20s\"");
+    let ctl = start(&text).await;
+    let mut c = ctl.client().await;
+    if !from_config(&mut c).await {
+        return;
+    }
+    let gpus = c
+        .list_gpus(pb::ListGpusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    if gpus.p2p.is_empty() {
+        // Not probed (no CUDA driver): unprobed pairs are not trusted.
+        assert_eq!(gpus.p2p_probed_unix_ms, 0);
+        let r = wake(&mut c, "tp", true).await;
+        let s = r.model.unwrap();
+        assert_eq!(state(&s), pb::ModelState::Awake, "{}", r.message);
+        assert!(s.p2p_disabled);
+    } else {
+        assert_eq!(gpus.p2p.len(), 2, "{gpus:#?}");
+    }
+}

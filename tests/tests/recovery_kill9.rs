@@ -1,0 +1,213 @@
+//! `kill -9` of siesta-control in the middle of a wake, a sleep, a start and
+//! a stop: after a restart every model converges to its intent, running
+//! engines are adopted (same pid), none is duplicated, none orphaned.
+
+#[path = "control/util.rs"]
+mod util;
+
+use siesta_proto::v1 as pb;
+use siesta_tests::{pids_with_env, proc_stat, wait_until};
+use std::collections::BTreeSet;
+use util::*;
+
+/// Process groups of every live engine process of this test (fake-vllm and
+/// its engine-core child share one).
+fn engine_groups(ctl: &Ctl) -> BTreeSet<i32> {
+    let tag = ctl.dir.path().display().to_string();
+    pids_with_env("SIESTA_TEST_TAG", &tag)
+        .into_iter()
+        .filter_map(|p| proc_stat(p).map(|s| s.pgrp))
+        .collect()
+}
+
+/// Exactly one engine process group runs, led by `pid`.
+async fn only_engine(ctl: &Ctl, pid: i32) {
+    wait_until("exactly the adopted engine's group", LONG, || async {
+        engine_groups(ctl) == BTreeSet::from([pid])
+    })
+    .await;
+}
+
+async fn wake(c: &mut Client, name: &str) {
+    c.wake(pb::WakeRequest {
+        name: name.into(),
+        wait: false,
+        timeout_ms: 0,
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn killed_during_a_wake_the_wake_is_carried_out_on_the_same_engine() {
+    let model = fake_model("chat", "asleep", &["--wake-time", "3s"], "");
+    let mut ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let pid = wait_state(&mut c, "chat", pb::ModelState::Asleep, LONG)
+        .await
+        .pid as i32;
+    wake(&mut c, "chat").await;
+    wait_state(&mut c, "chat", pb::ModelState::Waking, LONG).await;
+    ctl.restart().await;
+    let mut c = ctl.client().await;
+    let s = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    assert_eq!(s.pid as i32, pid, "engine not adopted");
+    let intent = s.intent.unwrap();
+    assert_eq!(intent.desired, pb::DesiredState::Awake as i32);
+    only_engine(&ctl, pid).await;
+    assert!(chat(&endpoint(&s), "chat").await.contains("siesta"));
+}
+
+#[tokio::test]
+async fn killed_during_a_sleep_the_engine_ends_asleep_at_that_level() {
+    let model = fake_model("chat", "awake", &["--sleep-time", "3s"], "");
+    let mut ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let pid = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG)
+        .await
+        .pid as i32;
+    c.sleep(pb::SleepRequest {
+        name: "chat".into(),
+        level: 2,
+    })
+    .await
+    .unwrap();
+    wait_state(&mut c, "chat", pb::ModelState::Sleeping, LONG).await;
+    ctl.restart().await;
+    let mut c = ctl.client().await;
+    let s = wait_state(&mut c, "chat", pb::ModelState::Asleep, LONG).await;
+    assert_eq!(s.sleep_level, 2);
+    assert_eq!(s.pid as i32, pid, "engine not adopted");
+    only_engine(&ctl, pid).await;
+}
+
+#[tokio::test]
+async fn killed_during_a_start_the_starting_engine_is_adopted() {
+    let model = fake_model("chat", "awake", &["--startup-time", "4s"], "");
+    let mut ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let pid = wait_status(&mut c, "chat", "spawned", LONG, |s| {
+        state(s) == pb::ModelState::Starting && s.pid != 0
+    })
+    .await
+    .pid as i32;
+    ctl.restart().await;
+    let mut c = ctl.client().await;
+    let s = status(&mut c, "chat").await;
+    assert_eq!(state(&s), pb::ModelState::Starting, "{s:#?}");
+    assert_eq!(s.pid as i32, pid);
+    let s = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    assert_eq!(s.pid as i32, pid, "engine not adopted");
+    assert_eq!(s.restarts, 0, "no new engine was spawned");
+    only_engine(&ctl, pid).await;
+}
+
+#[tokio::test]
+async fn killed_during_a_stop_the_engine_ends_stopped() {
+    let model = fake_model("chat", "awake", &[], "");
+    let mut ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    c.stop(pb::ModelRequest {
+        name: "chat".into(),
+    })
+    .await
+    .unwrap();
+    ctl.restart().await;
+    let mut c = ctl.client().await;
+    let s = wait_state(&mut c, "chat", pb::ModelState::Stopped, LONG).await;
+    assert_eq!(s.intent.unwrap().desired, pb::DesiredState::Stopped as i32);
+    wait_until("no engine left", LONG, || async {
+        engine_groups(&ctl).is_empty()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn engines_of_removed_models_are_stopped_and_dead_ones_respawned() {
+    let models = format!(
+        "{}{}{}",
+        fake_model("keep", "awake", &[], ""),
+        fake_model("gone", "awake", &[], ""),
+        fake_model("dead", "awake", &[], "")
+    );
+    let mut ctl = start(&config(&models)).await;
+    let mut c = ctl.client().await;
+    let mut pids = Vec::new();
+    for m in ["keep", "gone", "dead"] {
+        pids.push(wait_state(&mut c, m, pb::ModelState::Awake, LONG).await.pid as i32);
+    }
+    ctl.kill9();
+    // While siesta is down: one engine dies, one model leaves the config.
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pids[2]),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let text = std::fs::read_to_string(&ctl.config_path).unwrap();
+    let without = text.replacen(
+        &fake_model("gone", "awake", &[], "")
+            .replace("@DIR@", &ctl.dir.path().display().to_string())
+            .replace("@FAKE_VLLM@", &siesta_tests::fake_vllm_command()),
+        "",
+        1,
+    );
+    assert_ne!(without, text, "model not removed from the config");
+    std::fs::write(&ctl.config_path, without).unwrap();
+    ctl.restart().await;
+    let mut c = ctl.client().await;
+    let keep = wait_state(&mut c, "keep", pb::ModelState::Awake, LONG).await;
+    assert_eq!(keep.pid as i32, pids[0], "running engine not adopted");
+    let dead = wait_state(&mut c, "dead", pb::ModelState::Awake, LONG).await;
+    assert_ne!(dead.pid as i32, pids[2]);
+    wait_until("removed model's engine stopped", LONG, || async {
+        siesta_tests::group_members(pids[1]).is_empty()
+    })
+    .await;
+    assert_eq!(
+        engine_groups(&ctl),
+        BTreeSet::from([pids[0], dead.pid as i32])
+    );
+}
+
+/// Operations with kills at arbitrary moments: every model ends as its
+/// last intent says, with one engine per running model.
+#[tokio::test]
+async fn repeated_kills_at_arbitrary_moments_converge() {
+    let flags = [
+        "--startup-time",
+        "300ms",
+        "--sleep-time",
+        "300ms",
+        "--wake-time",
+        "300ms",
+    ];
+    let mut ctl = start(&config(&fake_model("chat", "awake", &flags, ""))).await;
+    let ops: [(&str, u64); 8] = [
+        ("sleep", 100),
+        ("wake", 150),
+        ("stop", 50),
+        ("start", 200),
+        ("sleep", 250),
+        ("restart", 120),
+        ("wake", 0),
+        ("sleep", 350),
+    ];
+    for (op, delay_ms) in ops {
+        let mut c = ctl.client().await;
+        let name = "chat".to_string();
+        match op {
+            "sleep" => drop(c.sleep(pb::SleepRequest { name, level: 1 }).await),
+            "wake" => wake(&mut c, &name).await,
+            "stop" => drop(c.stop(pb::ModelRequest { name }).await),
+            "start" => drop(c.start(pb::ModelRequest { name }).await),
+            _ => drop(c.restart(pb::ModelRequest { name }).await),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(delay_ms)).await;
+        ctl.restart().await;
+    }
+    let mut c = ctl.client().await;
+    let s = wait_state(&mut c, "chat", pb::ModelState::Asleep, LONG).await;
+    assert_eq!(s.sleep_level, 1);
+    only_engine(&ctl, s.pid as i32).await;
+}
