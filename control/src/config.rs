@@ -38,6 +38,9 @@ pub struct ControlConfig {
     pub control_id: String,
     /// The GPU peer-to-peer probe (`p2p_probe`, `p2p_probe_bytes`, `p2p_probe_timeout`).
     pub p2p_probe: P2pProbeConfig,
+    /// GPU memory placement counts for each asleep model per GPU
+    /// (`asleep_residual`, default 1.5 GiB; vLLM leaves 1–7 GiB asleep).
+    pub asleep_residual: u64,
 }
 
 /// When and how the GPU peer-to-peer probe runs.

@@ -133,7 +133,10 @@ impl GpuView {
                 placement_error: None,
             }),
             source: Mutex::new(source),
-            policy: Policy::default(),
+            policy: Policy {
+                residual_bytes: config.control.asleep_residual,
+                ..Policy::default()
+            },
             needs: config.models.iter().map(needs).collect(),
             state_dir: config.control.state_dir.clone(),
             probe: config.control.p2p_probe,

@@ -12,6 +12,8 @@
 //! A store that cannot be read (corrupt) or was written by an incompatible
 //! version is reported and moved aside (`siesta.redb.corrupt-<unix secs>`),
 //! never silently reset; an unusable state directory is an error naming it.
+// redb's own error type is large; it only travels inside this module.
+#![allow(clippy::result_large_err)]
 
 mod records;
 #[cfg(test)]

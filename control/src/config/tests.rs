@@ -158,3 +158,15 @@ fn backoff_is_capped() {
     assert_eq!(delays, [1, 2, 4, 8, 10, 10]);
     assert_eq!(b.delay(1000), Duration::from_secs(10));
 }
+
+#[test]
+fn asleep_residual_is_configurable() {
+    let c = Config::parse("", "empty.toml").unwrap();
+    assert_eq!(c.control.asleep_residual, 3 << 29, "default 1.5 GiB");
+    let c = Config::parse("[control]\nasleep_residual = \"4GiB\"\n", "r.toml").unwrap();
+    assert_eq!(c.control.asleep_residual, 4 << 30);
+    let err = Config::parse("[control]\nasleep_residual = \"lots\"\n", "r.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("r.toml: control.asleep_residual"), "{err}");
+}

@@ -112,6 +112,11 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
     let token = r.string(p, "token").filter(|t| !t.is_empty());
     let control_id = r.string(p, "control_id").filter(|s| !s.is_empty());
     let p2p_probe = read_p2p_probe(p, &mut r);
+    let residual_key = r.key("asleep_residual");
+    let asleep_residual = r
+        .raw("asleep_residual")
+        .and_then(|v| size_value(p, &residual_key, v))
+        .unwrap_or(crate::placement::DEFAULT_RESIDUAL_BYTES);
     r.finish(p);
     ControlConfig {
         listen: listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 50051))),
@@ -119,6 +124,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         token,
         control_id: control_id.unwrap_or_else(host_name),
         p2p_probe,
+        asleep_residual,
     }
 }
 
