@@ -12,6 +12,8 @@
 //!    `/metrics`, else the recorded one); no answer: still starting;
 //! 4. the model's task starts from that state ([`crate::reconciler::adopt`])
 //!    with its restored intent and drives on from there.
+//!
+//! Intents of models no longer configured are forgotten.
 
 use crate::config::{Config, Launch, ModelConfig};
 use crate::engine::EngineClient;
@@ -194,6 +196,13 @@ pub async fn recover(
     for w in waits {
         let _ = tokio::time::timeout(STOP_WAIT_MAX, w).await;
     }
+    // Intents of models no longer configured must not come back with them.
+    for name in store.intent_names() {
+        if !config.models.iter().any(|m| m.name == name) {
+            tracing::info!(model = %name, "forgetting the intent of a model no longer configured");
+            store.forget(&name);
+        }
+    }
     adopted
 }
 
@@ -231,6 +240,13 @@ mod tests {
         let mut child = sleeper(&tag);
         let pid = child.id();
         let start = procfs::start_time(pid).unwrap();
+        // The new environment shows in /proc a moment after the spawn returns.
+        for _ in 0..250 {
+            if !procfs::pids_with_env(TAG_ENV, &tag).is_empty() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         assert_eq!(locate(&record(0, 0, &tag)), Some((pid, start)));
         // A recorded pid with another start time is a reused pid: the tag decides.
         assert_eq!(locate(&record(pid, start + 1, &tag)), Some((pid, start)));

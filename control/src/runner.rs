@@ -2,14 +2,15 @@
 //! [`step`](crate::reconciler::step) and carries out the effects (I/O at the edges).
 
 mod effects;
+mod persist;
 
 use crate::config::{Launch, ModelConfig};
 use crate::engine::EngineClient;
 use crate::hub::Hub;
-use crate::reconciler::{Effect, Event, ModelState, Phase, Settings, adopt, step};
+use crate::reconciler::{Effect, Event, ModelState, Phase, Settings, step};
 use crate::recovery::Adopted;
 use crate::status::{Clock, Endpoint, EngineFacts, ModelStatus, model_status};
-use crate::store::{CalibrationRecord, IntentRecord, Store};
+use crate::store::Store;
 use crate::supervisor::{LogRing, ProcHandle, StartLocks, free_port};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -159,23 +160,8 @@ pub fn spawn_model_adopting(
     let (tx, rx) = mpsc::unbounded_channel();
     let (proc, initial_fx) = match &adopted {
         Some(a) => {
-            let fx = adopt(&mut state, a.proc_gen, a.pid, a.observed, now);
-            let exit_tx = tx.clone();
-            let proc_gen = a.proc_gen;
-            let (store, name) = (shared.store.clone(), cfg.name.clone());
-            let on_exit = move |status: String| {
-                store.remove_engine(&name, Some(proc_gen));
-                let _ = exit_tx.send(Msg::Event(Event::ChildExited { proc_gen, status }, None));
-            };
-            let handle = crate::supervisor::adopt(
-                &cfg.name,
-                a.pid,
-                a.start_time,
-                &shared.log_dir,
-                a.proc_gen,
-                logs.clone(),
-                on_exit,
-            );
+            let (handle, fx) =
+                persist::take_over(&cfg.name, a, &mut state, &shared, &tx, &logs, now);
             (Some(handle), fx)
         }
         None => (None, Vec::new()),
@@ -345,8 +331,7 @@ impl Runner {
             self.persist();
         }
         if self.state.calibration != calibration {
-            let rec = CalibrationRecord::from(&self.state.calibration);
-            self.shared.store.set_calibration(&self.cfg.name, &rec);
+            self.persist_calibration();
         }
         if self.state.epoch != epoch {
             self.facts.waiting_for.clear();
@@ -371,30 +356,6 @@ impl Runner {
             self.status_tx.send_replace(status.clone());
             self.shared.hub.publish_model(status);
         }
-    }
-
-    /// Keeps the engine record's sleep level current (a hint for recovery).
-    fn record_sleep_level(&self) {
-        let level = match self.state.phase {
-            Phase::Awake => 0,
-            Phase::Asleep { level } => level,
-            _ => return,
-        };
-        if self.cfg.is_attach() {
-            return;
-        }
-        if let Some(mut rec) = self.shared.store.engine(&self.cfg.name)
-            && rec.proc_gen == self.state.proc_gen
-            && rec.sleep_level != level
-        {
-            rec.sleep_level = level;
-            self.shared.store.set_engine(&self.cfg.name, &rec);
-        }
-    }
-
-    fn persist(&self) {
-        let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
-        self.shared.store.set(&self.cfg.name, rec);
     }
 
     /// Stops the engine if asked (SIGTERM, grace, SIGKILL), then ends.

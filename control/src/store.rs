@@ -15,13 +15,15 @@
 // redb's own error type is large; it only travels inside this module.
 #![allow(clippy::result_large_err)]
 
+mod open;
 mod records;
 #[cfg(test)]
 mod tests;
 
+use open::{Opened, io, try_open, unix_secs};
 pub use records::{AverageRecord, CalibrationRecord, EngineRecord, IntentRecord};
 
-use redb::{Database, ReadableTable, ReadableTableMetadata, TableDefinition, TableHandle};
+use redb::{Database, ReadableTable, TableDefinition, TableHandle};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::path::{Path, PathBuf};
@@ -66,103 +68,6 @@ impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Store").field("path", &self.path).finish()
     }
-}
-
-enum Opened {
-    Ok(Database),
-    /// Unreadable or incompatible: move aside (`why` names the suffix).
-    Reject {
-        why: &'static str,
-        detail: String,
-    },
-}
-
-fn io(path: &Path, source: std::io::Error) -> StoreError {
-    StoreError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
-fn try_open(path: &Path) -> Result<Opened, StoreError> {
-    use redb::{DatabaseError, StorageError};
-    let db = match Database::create(path) {
-        Ok(db) => db,
-        Err(DatabaseError::DatabaseAlreadyOpen) => return Err(StoreError::InUse(path.into())),
-        Err(DatabaseError::UpgradeRequired(v)) => {
-            return Ok(Opened::Reject {
-                why: "incompatible",
-                detail: format!("file format {v} needs an upgrade"),
-            });
-        }
-        Err(DatabaseError::Storage(StorageError::Io(e)))
-            if !matches!(
-                e.kind(),
-                std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof
-            ) =>
-        {
-            return Err(io(path, e));
-        }
-        Err(e) => {
-            return Ok(Opened::Reject {
-                why: "corrupt",
-                detail: e.to_string(),
-            });
-        }
-    };
-    let db_err = |e: redb::Error| StoreError::Db {
-        path: path.into(),
-        message: e.to_string(),
-    };
-    let version = {
-        let tx = db.begin_read().map_err(|e| db_err(e.into()))?;
-        match tx.open_table(META) {
-            Ok(t) => t
-                .get("schema_version")
-                .map_err(|e| db_err(e.into()))?
-                .map(|v| v.value()),
-            Err(redb::TableError::TableDoesNotExist(_)) => None,
-            Err(e) => {
-                return Ok(Opened::Reject {
-                    why: "corrupt",
-                    detail: e.to_string(),
-                });
-            }
-        }
-    };
-    match version {
-        Some(SCHEMA_VERSION) => Ok(Opened::Ok(db)),
-        Some(v) => Ok(Opened::Reject {
-            why: "incompatible",
-            detail: format!("schema version {v}, this siesta-control reads {SCHEMA_VERSION}"),
-        }),
-        None => {
-            // New (or never initialised): create every table and the version.
-            let tx = db.begin_write().map_err(|e| db_err(e.into()))?;
-            {
-                let mut meta = tx.open_table(META).map_err(|e| db_err(e.into()))?;
-                if meta.len().map_err(|e| db_err(e.into()))? > 0 {
-                    return Ok(Opened::Reject {
-                        why: "incompatible",
-                        detail: "no schema version".into(),
-                    });
-                }
-                meta.insert("schema_version", SCHEMA_VERSION)
-                    .map_err(|e| db_err(e.into()))?;
-                for t in [INTENTS, ENGINES, CALIBRATION, P2P] {
-                    tx.open_table(t).map_err(|e| db_err(e.into()))?;
-                }
-            }
-            tx.commit().map_err(|e| db_err(e.into()))?;
-            Ok(Opened::Ok(db))
-        }
-    }
-}
-
-fn unix_secs() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 impl Store {
@@ -347,6 +252,20 @@ impl Store {
     /// Forgets everything about a model (removed from the configuration).
     pub fn remove(&self, name: &str) {
         self.delete(&[INTENTS, ENGINES, CALIBRATION], name);
+    }
+
+    /// Names of the models with a recorded intent.
+    pub fn intent_names(&self) -> Vec<String> {
+        self.read_all::<IntentRecord>(INTENTS)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect()
+    }
+
+    /// Forgets a model's intent and calibration (its engine record stays
+    /// until its engine is gone).
+    pub fn forget(&self, name: &str) {
+        self.delete(&[INTENTS, CALIBRATION], name);
     }
 
     /// A model's engine record.

@@ -77,13 +77,20 @@ fuzz_target!(|data: &[u8]| {
 
     let served = SERVED[data.len() % SERVED.len()];
     let out = rewrite_model(&body, f.span.clone(), served);
-    let spliced: serde_json::Value = serde_json::from_slice(&out)
-        .unwrap_or_else(|e| panic!("spliced body is not JSON: {e}: {:?}", String::from_utf8_lossy(&out)));
+    let spliced: serde_json::Value = serde_json::from_slice(&out).unwrap_or_else(|e| {
+        panic!(
+            "spliced body is not JSON: {e}: {:?}",
+            String::from_utf8_lossy(&out)
+        )
+    });
     let mut expected = value;
     expected["model"] = serde_json::Value::from(served);
     assert_eq!(spliced, expected);
     // And the proxy finds the served name in what it forwards.
     if !served.is_empty() {
-        assert_eq!(find_model(&out).map(|g| g.name.into_owned()), Ok(served.to_owned()));
+        assert_eq!(
+            find_model(&out).map(|g| g.name.into_owned()),
+            Ok(served.to_owned())
+        );
     }
 });

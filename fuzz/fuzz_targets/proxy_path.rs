@@ -73,7 +73,10 @@ fuzz_target!(|data: &[u8]| {
             continue;
         }
         assert!(path.starts_with("/v1/") && path.len() > 4, "{path:?}");
-        assert!(path.is_ascii() && !path.contains('%') && !path.contains('?'), "{path:?}");
+        assert!(
+            path.is_ascii() && !path.contains('%') && !path.contains('?'),
+            "{path:?}"
+        );
         let norm = normalise(&path);
         assert!(norm.starts_with("/v1/"), "{path:?} normalises to {norm:?}");
         assert!(!ADMIN.contains(&norm.as_str()), "{path:?} reaches {norm:?}");

@@ -123,7 +123,15 @@ mod tests {
             .env("SIESTA_TEST_PROCFS", &tag)
             .spawn()
             .unwrap();
-        let found = pids_with_env("SIESTA_TEST_PROCFS", &tag);
+        // The new environment shows in /proc a moment after the spawn returns.
+        let mut found = Vec::new();
+        for _ in 0..250 {
+            found = pids_with_env("SIESTA_TEST_PROCFS", &tag);
+            if !found.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(found, vec![child.id() as i32]);

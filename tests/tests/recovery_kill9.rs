@@ -211,3 +211,49 @@ async fn repeated_kills_at_arbitrary_moments_converge() {
     assert_eq!(s.sleep_level, 1);
     only_engine(&ctl, s.pid as i32).await;
 }
+
+/// A proxy holding requests while siesta-control is killed in the middle
+/// of the wake they caused: after the restart they are served (within
+/// `max_hold`), by the same engine.
+#[tokio::test]
+async fn requests_held_across_a_control_restart_are_served() {
+    let model = fake_model("sleepy", "asleep", &["--wake-time", "2s"], "");
+    let mut ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let pid = wait_state(&mut c, "sleepy", pb::ModelState::Asleep, LONG)
+        .await
+        .pid;
+    let proxy = siesta_tests::spawn_proxy(&[ctl.url()], &[]).await;
+    let ready = format!("{}/readyz", proxy.url());
+    wait_until("proxy ready", LONG, || async {
+        reqwest::get(&ready).await.is_ok_and(|r| r.status() == 200)
+    })
+    .await;
+    let url = format!("{}/v1/chat/completions", proxy.url());
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let body = serde_json::json!({"model": "sleepy", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "hi"}]});
+                let r = reqwest::Client::new()
+                    .post(&url)
+                    .json(&body)
+                    .timeout(std::time::Duration::from_secs(60))
+                    .send()
+                    .await
+                    .unwrap();
+                r.status().as_u16()
+            })
+        })
+        .collect();
+    wait_state(&mut c, "sleepy", pb::ModelState::Waking, LONG).await;
+    ctl.restart().await;
+    for h in held {
+        assert_eq!(h.await.unwrap(), 200);
+    }
+    let mut c = ctl.client().await;
+    let s = status(&mut c, "sleepy").await;
+    assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, pid));
+    only_engine(&ctl, pid as i32).await;
+}

@@ -141,6 +141,10 @@ fn syntax_errors_name_the_line() {
 fn defaults_and_demo() {
     let c = Config::parse("", "empty.toml").unwrap();
     assert_eq!(c.control.listen.port(), 50051);
+    assert!(
+        c.control.listen.ip().is_loopback(),
+        "gRPC listens on loopback by default"
+    );
     assert!(c.models.is_empty());
     let d = Config::demo(vec!["siesta".into(), "fake-vllm".into()]);
     assert!(d.models.len() >= 2);

@@ -68,8 +68,26 @@ fn engine_records_calibration_and_p2p_round_trip() {
     assert_eq!(s.engines(), vec![("a".to_string(), engine(10, 1))]);
     assert_eq!(s.calibration("a").unwrap().start.samples, 2);
     assert_eq!(s.p2p("last").unwrap(), b"{\"pairs\":[]}");
+    s.set(
+        "a",
+        IntentRecord {
+            desired: "awake".into(),
+            level: 0,
+            reason: "operator".into(),
+            since_unix_ms: 1,
+            until_unix_ms: 0,
+            pinned_until_unix_ms: 0,
+        },
+    );
+    assert_eq!(s.intent_names(), ["a"]);
+    s.forget("a");
+    assert!(s.get("a").is_none() && s.calibration("a").is_none());
+    assert!(
+        s.engine("a").is_some(),
+        "engine record kept until it is gone"
+    );
     s.remove("a");
-    assert!(s.engine("a").is_none() && s.calibration("a").is_none());
+    assert!(s.engine("a").is_none());
 }
 
 #[test]
@@ -142,4 +160,22 @@ fn legacy_json_intents_are_imported_once() {
     assert_eq!(s.get("chat").unwrap().desired, "stopped");
     assert!(dir.path().join("intents.json.imported").exists());
     assert!(!dir.path().join("intents.json").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_work_from_workers_blocking_threads_and_block_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = r#"{"version":1,"intents":{"a":{"desired":"awake","reason":"operator","since_unix_ms":5}}}"#;
+    std::fs::write(dir.path().join("intents.json"), json).unwrap();
+    let path = dir.path().to_path_buf();
+    let s = tokio::task::spawn_blocking(move || Store::open(&path).unwrap())
+        .await
+        .unwrap();
+    assert!(s.get("a").is_some());
+    let s2 = s.clone();
+    tokio::spawn(async move { assert!(s2.set_engine("w", &engine(1, 1))) })
+        .await
+        .unwrap();
+    assert!(s.set_engine("main", &engine(2, 1)));
+    assert_eq!(s.engines().len(), 2);
 }

@@ -1,0 +1,74 @@
+//! What a model task keeps across restarts of siesta-control: it writes its
+//! intent (before acting on it), calibration and engine's last sleep level
+//! to the state store, and takes over an engine found running at start-up.
+
+use super::{Msg, Runner, Shared};
+use crate::reconciler::{Effect, Event, ModelState, Phase, adopt};
+use crate::recovery::Adopted;
+use crate::store::{CalibrationRecord, IntentRecord};
+use crate::supervisor::{LogRing, ProcHandle};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Supervises the adopted engine `a` of model `name` and puts `state` on
+/// it; returns the handle and the effects to carry out first.
+pub(super) fn take_over(
+    name: &str,
+    a: &Adopted,
+    state: &mut ModelState,
+    shared: &Arc<Shared>,
+    tx: &mpsc::UnboundedSender<Msg>,
+    logs: &Arc<LogRing>,
+    now: Instant,
+) -> (ProcHandle, Vec<Effect>) {
+    let fx = adopt(state, a.proc_gen, a.pid, a.observed, now);
+    let exit_tx = tx.clone();
+    let proc_gen = a.proc_gen;
+    let (store, model) = (shared.store.clone(), name.to_string());
+    let on_exit = move |status: String| {
+        store.remove_engine(&model, Some(proc_gen));
+        let _ = exit_tx.send(Msg::Event(Event::ChildExited { proc_gen, status }, None));
+    };
+    let handle = crate::supervisor::adopt(
+        name,
+        a.pid,
+        a.start_time,
+        &shared.log_dir,
+        a.proc_gen,
+        logs.clone(),
+        on_exit,
+    );
+    (handle, fx)
+}
+
+impl Runner {
+    /// Keeps the engine record's sleep level current (a hint for recovery).
+    pub(super) fn record_sleep_level(&self) {
+        let level = match self.state.phase {
+            Phase::Awake => 0,
+            Phase::Asleep { level } => level,
+            _ => return,
+        };
+        if self.cfg.is_attach() {
+            return;
+        }
+        if let Some(mut rec) = self.shared.store.engine(&self.cfg.name)
+            && rec.proc_gen == self.state.proc_gen
+            && rec.sleep_level != level
+        {
+            rec.sleep_level = level;
+            self.shared.store.set_engine(&self.cfg.name, &rec);
+        }
+    }
+
+    pub(super) fn persist(&self) {
+        let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
+        self.shared.store.set(&self.cfg.name, rec);
+    }
+
+    pub(super) fn persist_calibration(&self) {
+        let rec = CalibrationRecord::from(&self.state.calibration);
+        self.shared.store.set_calibration(&self.cfg.name, &rec);
+    }
+}
