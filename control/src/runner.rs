@@ -238,6 +238,7 @@ impl Runner {
         for effect in std::mem::take(&mut self.initial_fx) {
             self.perform(effect);
         }
+        self.hold_start_lock_if_starting();
         self.apply(Event::Tick);
         let mut poll = tokio::time::interval(self.shared.poll_every);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -242,11 +242,10 @@ impl Store {
         self.read(INTENTS, name)
     }
 
-    /// Records a model's intent (durable on return; unchanged ones are not rewritten).
-    pub fn set(&self, name: &str, record: IntentRecord) {
-        if self.get(name).as_ref() != Some(&record) {
-            self.put(INTENTS, name, &record);
-        }
+    /// Records a model's intent (durable on return; unchanged ones are not
+    /// rewritten); false when the write failed.
+    pub fn set(&self, name: &str, record: IntentRecord) -> bool {
+        self.get(name).as_ref() == Some(&record) || self.put(INTENTS, name, &record)
     }
 
     /// Forgets everything about a model (removed from the configuration).

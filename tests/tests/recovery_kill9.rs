@@ -257,3 +257,38 @@ async fn requests_held_across_a_control_restart_are_served() {
     assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, pid));
     only_engine(&ctl, pid as i32).await;
 }
+
+/// The engine's server died while siesta was down but its engine-core child
+/// lives on (as vLLM's does): the leftover is killed, a fresh engine started.
+#[tokio::test]
+async fn leftovers_of_an_engine_that_died_while_siesta_was_down_are_killed() {
+    let model = fake_model("chat", "awake", &["--orphan-engine-core"], "");
+    let mut ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let pid = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG)
+        .await
+        .pid as i32;
+    wait_until("engine-core child up", LONG, || async {
+        siesta_tests::group_members(pid).len() >= 2
+    })
+    .await;
+    ctl.kill9();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_until("server gone, engine core left", LONG, || async {
+        !siesta_tests::alive(pid) && !siesta_tests::group_members(pid).is_empty()
+    })
+    .await;
+    ctl.restart().await;
+    let mut c = ctl.client().await;
+    let s = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    assert_ne!(s.pid as i32, pid);
+    wait_until("leftover engine core killed", LONG, || async {
+        siesta_tests::group_members(pid).is_empty()
+    })
+    .await;
+    only_engine(&ctl, s.pid as i32).await;
+}

@@ -64,7 +64,31 @@ impl Runner {
 
     pub(super) fn persist(&self) {
         let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
-        self.shared.store.set(&self.cfg.name, rec);
+        if !self.shared.store.set(&self.cfg.name, rec) {
+            // Logged by the store too; the operator sees it in the model's log.
+            self.logs.push(
+                "siesta",
+                "state store write failed: this intent would not survive a restart",
+            );
+        }
+    }
+
+    /// An adopted engine still starting holds its GPUs' start lock, as a
+    /// spawned one does, until start-up is over.
+    pub(super) fn hold_start_lock_if_starting(&mut self) {
+        if !matches!(self.state.phase, Phase::Starting { spawned: true, .. })
+            || self.placed.gpus.is_empty()
+        {
+            return;
+        }
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        self.lock_release = Some(release);
+        let (shared, gpus) = (self.shared.clone(), self.placed.gpus.clone());
+        tokio::spawn(async move {
+            let guards = shared.locks.acquire(&gpus).await;
+            let _ = released.await;
+            drop(guards);
+        });
     }
 
     pub(super) fn persist_calibration(&self) {
