@@ -8,7 +8,6 @@ use siesta_control::config::Config;
 /// echoed raw in the problem's key, so one problem took two lines (and the
 /// second line did not name the file).
 #[test]
-#[ignore = "finding: control/src/config/read.rs Reader::key echoes quoted keys raw"]
 fn a_key_with_a_line_break_stays_on_one_line() {
     let text = "[[model]]\nname = \"x\"\nlaunch = \"attach\"\nurl = \"http://127.0.0.1:1/\"\n\"a\\nb\" = 1\n";
     let e = Config::parse(text, "fuzz.toml").unwrap_err();
@@ -22,7 +21,6 @@ fn a_key_with_a_line_break_stays_on_one_line() {
 
 /// The same with a carriage return and a key that looks like another problem.
 #[test]
-#[ignore = "finding: control/src/config/read.rs Reader::key echoes quoted keys raw"]
 fn a_key_cannot_forge_a_problem_line() {
     let text = "[control]\n\"x\\r\\nother.toml: control.listen: fine\" = 1\n";
     let e = Config::parse(text, "fuzz.toml").unwrap_err();

@@ -5,7 +5,12 @@
 #![forbid(unsafe_code)]
 
 /// Generated code for package `siesta.v1`.
-#[allow(missing_docs, clippy::all, clippy::pedantic, missing_debug_implementations)]
+#[allow(
+    missing_docs,
+    clippy::all,
+    clippy::pedantic,
+    missing_debug_implementations
+)]
 pub mod v1 {
     tonic::include_proto!("siesta.v1");
 

@@ -1,6 +1,6 @@
 //! One `[[model]]` table → [`ModelConfig`], with `[defaults]` applied.
 
-use super::read::{Problems, Reader, describe, size_value};
+use super::read::{Problems, Reader, describe, display_key, size_value};
 use super::validate::{read_backoff, read_tiers, read_timeouts};
 use super::*;
 use toml::Value;
@@ -120,7 +120,7 @@ pub(super) fn read_model(
                 Value::String(s) => Some((k.clone(), s.clone())),
                 v => {
                     p.push(
-                        format!("{}.{k}", r.key("env")),
+                        format!("{}.{}", r.key("env"), display_key(k)),
                         format!("expected a string, found {}", describe(v)),
                     );
                     None

@@ -40,6 +40,19 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
+/// A key as TOML would spell it: bare when it can be, quoted and escaped
+/// otherwise, so a key holding a newline cannot split or forge a problem line.
+pub(super) fn display_key(k: &str) -> String {
+    let bare = !k.is_empty()
+        && k.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if bare {
+        k.to_string()
+    } else {
+        format!("{k:?}")
+    }
+}
+
 pub(super) fn describe(v: &Value) -> String {
     match v {
         Value::String(s) => format!("{s:?}"),
@@ -57,8 +70,9 @@ impl<'a> Reader<'a> {
     }
 
     pub fn key(&self, k: &str) -> String {
+        let k = display_key(k);
         if self.path.is_empty() {
-            k.to_string()
+            k
         } else {
             format!("{}.{k}", self.path)
         }

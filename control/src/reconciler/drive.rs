@@ -67,6 +67,9 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
 fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     m.transition_start = now;
     m.engine_running = 0;
+    // The previous generation's process is the runner's to reap; its pid
+    // must not make a later stop wait for it.
+    m.pid = None;
     if m.settings.attach {
         let deadline = now + m.settings.timeouts.start;
         set_phase(

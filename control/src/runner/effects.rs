@@ -157,6 +157,9 @@ impl Runner {
         let old = self.proc.take();
         let (release_tx, release_rx) = oneshot::channel::<()>();
         self.lock_release = Some(release_tx);
+        // A spawn still on its way (a restart before it landed) must not
+        // launch a second engine.
+        self.spawn_cancel.cancel();
         self.spawn_cancel = CancellationToken::new();
         let cancel = self.spawn_cancel.clone();
         let shared = self.shared.clone();
