@@ -151,6 +151,9 @@ pub fn model_status(
     };
     let waiting_for = match m.phase {
         _ if !facts.waiting_for.is_empty() => facts.waiting_for.clone(),
+        Phase::Starting { spawned: false, .. } if facts.gpus.is_empty() => {
+            "the engine process to be spawned".to_string()
+        }
         Phase::Starting { spawned: false, .. } => {
             format!(
                 "start lock of GPUs {:?} (engines sharing a GPU start one at a time)",
