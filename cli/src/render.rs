@@ -74,17 +74,7 @@ pub fn bytes(n: u64) -> String {
 
 /// Lower-case name of a state: `awake`, `asleep`, ...
 pub fn state_name(s: ModelState) -> &'static str {
-    match s {
-        ModelState::Unspecified => "unknown",
-        ModelState::Stopped => "stopped",
-        ModelState::Starting => "starting",
-        ModelState::Awake => "awake",
-        ModelState::Sleeping => "sleeping",
-        ModelState::Asleep => "asleep",
-        ModelState::Waking => "waking",
-        ModelState::Stopping => "stopping",
-        ModelState::Failed => "failed",
-    }
+    s.label()
 }
 
 /// State with its sleep level where it has one: `asleep(l2)`.

@@ -20,3 +20,21 @@ pub mod v1 {
 }
 
 pub use v1::*;
+
+impl v1::ModelState {
+    /// The lower-case name operators and clients see: `awake`, `asleep`, ...
+    pub fn label(self) -> &'static str {
+        use v1::ModelState as S;
+        match self {
+            S::Unspecified => "unknown",
+            S::Stopped => "stopped",
+            S::Starting => "starting",
+            S::Awake => "awake",
+            S::Sleeping => "sleeping",
+            S::Asleep => "asleep",
+            S::Waking => "waking",
+            S::Stopping => "stopping",
+            S::Failed => "failed",
+        }
+    }
+}

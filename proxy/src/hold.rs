@@ -370,15 +370,5 @@ impl Holds {
 
 /// The lower-case state name used in messages and `/v1/models`.
 pub fn state_name(s: ModelState) -> &'static str {
-    match s {
-        ModelState::Unspecified => "unknown",
-        ModelState::Stopped => "stopped",
-        ModelState::Starting => "starting",
-        ModelState::Awake => "awake",
-        ModelState::Sleeping => "sleeping",
-        ModelState::Asleep => "asleep",
-        ModelState::Waking => "waking",
-        ModelState::Stopping => "stopping",
-        ModelState::Failed => "failed",
-    }
+    s.label()
 }
