@@ -24,6 +24,9 @@ pub enum Error {
     },
     #[error("{0}")]
     Store(#[from] crate::store::StoreError),
+    /// Anything else that stops start-up (a model task, GPU detection).
+    #[error("cannot start: {0}")]
+    Startup(std::io::Error),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
 }
@@ -31,7 +34,7 @@ pub enum Error {
 /// Why an operation on a model was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OpError {
-    #[error("no model named {0:?}")]
+    #[error("no model named {0:?} (`siesta status` lists the models and their aliases)")]
     NotFound(String),
     #[error("{0}")]
     InvalidArgument(String),

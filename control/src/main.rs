@@ -47,8 +47,9 @@ async fn main() -> anyhow::Result<()> {
     if let Some(path) = &args.addr_file {
         let mut tmp = path.clone().into_os_string();
         tmp.push(".tmp");
-        std::fs::write(&tmp, format!("grpc={addr}\n")).context("writing addr file")?;
-        std::fs::rename(&tmp, path).context("writing addr file")?;
+        let what = || format!("writing the address file {}", path.display());
+        std::fs::write(&tmp, format!("grpc={addr}\n")).with_context(what)?;
+        std::fs::rename(&tmp, path).with_context(what)?;
     }
     let shutdown = CancellationToken::new();
     let signals = shutdown.clone();

@@ -107,9 +107,8 @@ impl Server {
         let gpus = Arc::new(
             tokio::task::spawn_blocking(move || GpuView::detect(&cfg))
                 .await
-                .map_err(|e| Error::StateDir {
-                    path: state_dir.clone(),
-                    source: std::io::Error::other(e),
+                .map_err(|e| {
+                    Error::Startup(std::io::Error::other(format!("GPU detection: {e}")))
                 })?,
         );
         hub.set_gpus(gpus.list_gpus(&[]));
@@ -128,12 +127,8 @@ impl Server {
         let placed = gpus.placed();
         let adopted = crate::recovery::recover(&config, &placed, &store).await;
         let models = Arc::new(
-            Models::start(&config, &placed, adopted, shared.clone(), tasks.clone()).map_err(
-                |source| Error::StateDir {
-                    path: state_dir.clone(),
-                    source,
-                },
-            )?,
+            Models::start(&config, &placed, adopted, shared.clone(), tasks.clone())
+                .map_err(Error::Startup)?,
         );
         shared.admission.set_models(Arc::downgrade(&models));
         hub.set_placement(gpus.placement(&models.list()));
@@ -155,10 +150,7 @@ impl Server {
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .build_v1()
-            .map_err(|e| Error::StateDir {
-                path: PathBuf::from("<reflection>"),
-                source: std::io::Error::other(e),
-            })?;
+            .map_err(|e| Error::Startup(std::io::Error::other(format!("gRPC reflection: {e}"))))?;
         tokio::spawn(publish_placement_changes(
             hub.clone(),
             service.gpus.clone(),

@@ -110,8 +110,16 @@ pub fn command_hash(spec: &SpawnSpec) -> String {
 
 /// A free TCP port on `host` (bound and released).
 pub fn free_port(host: &str) -> std::io::Result<u16> {
-    let l = std::net::TcpListener::bind((host, 0))?;
-    Ok(l.local_addr()?.port())
+    let pick = || {
+        let l = std::net::TcpListener::bind((host, 0))?;
+        l.local_addr().map(|a| a.port())
+    };
+    pick().map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot pick a free port on {host:?}: {e} (a model's `host` must be an address of this machine)"),
+        )
+    })
 }
 
 /// A running (or exited) engine process group.
@@ -190,10 +198,14 @@ pub fn spawn(
     logs: Arc<LogRing>,
     on_exit: impl FnOnce(String) + Send + 'static,
 ) -> std::io::Result<ProcHandle> {
-    std::fs::create_dir_all(log_dir)?;
+    let at = |path: &Path| {
+        let path = path.display().to_string();
+        move |e: std::io::Error| std::io::Error::new(e.kind(), format!("{path}: {e}"))
+    };
+    std::fs::create_dir_all(log_dir).map_err(at(log_dir))?;
     let [(out_path, _), (err_path, _)] = log_paths(name, log_dir);
-    let out = std::fs::File::create(&out_path)?;
-    let err = std::fs::File::create(&err_path)?;
+    let out = std::fs::File::create(&out_path).map_err(at(&out_path))?;
+    let err = std::fs::File::create(&err_path).map_err(at(&err_path))?;
     let mut cmd = tokio::process::Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -203,7 +215,17 @@ pub fn spawn(
         .stderr(err)
         .process_group(0)
         .kill_on_drop(false);
-    let mut child = cmd.spawn()?;
+    let mut child = cmd.spawn().map_err(|e| {
+        let hint = if e.kind() == std::io::ErrorKind::NotFound {
+            " (set the model's `executable` or `command` to a program on PATH or a full path)"
+        } else {
+            ""
+        };
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot run {:?}: {e}{hint}", spec.program),
+        )
+    })?;
     let pid = child.id().unwrap_or(0);
     let (exited_tx, exited) = watch::channel(false);
     tokio::spawn(async move {
@@ -329,6 +351,23 @@ mod tests {
         assert!(
             spec.env
                 .contains(&("VLLM_SERVER_DEV_MODE".into(), "1".into()))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_missing_program_says_which_and_what_to_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = SpawnSpec {
+            program: "/nonexistent/vllm".into(),
+            args: vec![],
+            env: vec![],
+        };
+        let logs = Arc::new(LogRing::new(10));
+        let e = spawn("m", &spec, "tag", dir.path(), 1, logs, |_| {}).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("cannot run \"/nonexistent/vllm\": ") && msg.contains("`executable`"),
+            "{msg}"
         );
     }
 

@@ -554,7 +554,7 @@ proptest! {
         preload in preload(),
         steps in proptest::collection::vec((advance(), action()), 1..80),
     ) {
-        let strict = Strict { stop_needs_process: true, ..Strict::default() };
+        let strict = Strict { stop_needs_process: true };
         World::new(settings, preload, strict).run(steps)?;
     }
 

@@ -35,9 +35,13 @@ impl ShedReason {
 /// An error answered by the proxy itself.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
-    #[error("no route for {0}")]
+    #[error(
+        "no route for {0}: this proxy serves POST /v1/... requests with a `model` field and GET /v1/models"
+    )]
     NoRoute(String),
-    #[error("The model `{0}` does not exist.")]
+    #[error(
+        "The model `{0}` does not exist. GET /v1/models lists the models and aliases served here."
+    )]
     UnknownModel(String),
     #[error("the request body must be a JSON object with a string `model` field")]
     MissingModel,
@@ -51,7 +55,7 @@ pub enum ApiError {
     BodyTimeout,
     #[error("error reading the request body: {0}")]
     BodyRead(String),
-    #[error("missing or invalid API key")]
+    #[error("missing or invalid API key: send it as `Authorization: Bearer KEY`")]
     Unauthorized,
     #[error("{message}")]
     Shed {
@@ -59,7 +63,7 @@ pub enum ApiError {
         retry_after_s: Option<u64>,
         message: String,
     },
-    #[error("upstream error: {0}")]
+    #[error("the model's engine failed while answering (retrying may help): {0}")]
     Upstream(String),
 }
 

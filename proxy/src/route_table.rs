@@ -6,7 +6,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+// tokio's clock, so tests can drive the suspect window under paused time.
+use tokio::time::Instant;
 
 use http::uri::{Authority, Scheme};
 use siesta_proto::v1::{HoldPolicy, ModelState, ModelStatus, WatchEvent, watch_event};

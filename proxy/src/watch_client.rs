@@ -219,6 +219,10 @@ async fn watch_source(ctx: WatchCtx, group: String, source: SourceId, shutdown: 
         };
         match res {
             Ok(()) => tracing::warn!(control = %source, "watch stream ended; reconnecting"),
+            Err(status) if status.code() == tonic::Code::Unauthenticated => tracing::error!(
+                control = %source, error = %status.message(),
+                "control plane refused this proxy's token: pass the control plane's token with --token or SIESTA_TOKEN"
+            ),
             Err(status) => tracing::warn!(
                 control = %source, code = ?status.code(), error = %status.message(),
                 "control plane unreachable; serving from the last table"

@@ -117,3 +117,33 @@ async fn up_with_the_demo_answers_a_sleeping_model() {
     })
     .await;
 }
+
+/// An address file that cannot be written ends `up` at once, exit 1, with a
+/// message naming the file (after stopping what it had started).
+#[tokio::test]
+async fn up_fails_clearly_when_the_address_file_cannot_be_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr_file = dir.path().join("no-such-dir").join("up.addr");
+    let mut cmd = Command::new(bin_path("siesta"));
+    cmd.args([
+        "up",
+        "--listen",
+        "127.0.0.1:0",
+        "--control-listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .arg("--addr-file")
+    .arg(&addr_file)
+    .env("TMPDIR", dir.path())
+    .env_remove("SIESTA_TOKEN");
+    let mut up = Child::spawn("siesta-up", cmd);
+    let status = up.wait_exit(DEADLINE).await;
+    let text = up.output().text();
+    assert_eq!(status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("cannot write the address file") && text.contains("no-such-dir"),
+        "{text}"
+    );
+}

@@ -65,8 +65,17 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     let mut control_task = tokio::spawn(server.run(shutdown.child_token()));
     let mut proxy_task = tokio::spawn(proxy.run(shutdown.child_token()));
 
-    if let Some(path) = &args.addr_file {
-        write_addr_file(path, http, admin, grpc)?;
+    if let Some(path) = &args.addr_file
+        && let Err(e) = write_addr_file(path, http, admin, grpc)
+    {
+        // Both halves are running: stop them (and the engines) before failing.
+        shutdown.cancel();
+        let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            let _ = proxy_task.await;
+            let _ = control_task.await;
+        })
+        .await;
+        return Err(e);
     }
     let models = tokio::select! {
         m = list_models(&control_url, token) => m,
@@ -218,8 +227,14 @@ fn write_addr_file(
 ) -> Result<(), Failure> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
-    std::fs::write(&tmp, format!("http={http}\nadmin={admin}\ngrpc={grpc}\n"))?;
-    std::fs::rename(&tmp, path)?;
+    let failed = |e: std::io::Error| {
+        Failure::Failed(format!(
+            "cannot write the address file {}: {e} (check that its directory exists and is writable)",
+            path.display()
+        ))
+    };
+    std::fs::write(&tmp, format!("http={http}\nadmin={admin}\ngrpc={grpc}\n")).map_err(failed)?;
+    std::fs::rename(&tmp, path).map_err(failed)?;
     Ok(())
 }
 

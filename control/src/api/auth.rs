@@ -31,7 +31,9 @@ impl BearerAuth {
         if bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
             Ok(req)
         } else {
-            Err(Status::unauthenticated("missing or wrong bearer token"))
+            Err(Status::unauthenticated(
+                "missing or wrong bearer token (expected `authorization: Bearer TOKEN` with the control plane's [control] token or SIESTA_TOKEN)",
+            ))
         }
     }
 }

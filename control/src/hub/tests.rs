@@ -43,8 +43,11 @@ async fn snapshot_first_then_events() {
     };
     assert_eq!(s.models.len(), 1);
     assert!(!s.resync);
-    hub.publish_model(status("a", 1));
-    hub.publish_model(status("a", 1)); // unchanged: not published
+    // The same status twice (two `status()` calls could differ in their
+    // wall-clock timestamps): the second is unchanged, so not published.
+    let one = status("a", 1);
+    hub.publish_model(one.clone());
+    hub.publish_model(one);
     hub.publish_model(status("a", 2));
     assert_eq!(sub.next().await.unwrap().revision, 2);
     assert_eq!(sub.next().await.unwrap().revision, 3);

@@ -222,11 +222,18 @@ impl Runner {
                     if !handle.has_exited() {
                         shared.store.set_engine(&name, &record);
                     }
-                    let _ = tx.send(Msg::Spawned(handle));
+                    // The model task may have ended (shutdown) while this
+                    // spawn landed: nobody would own the engine, so kill it.
+                    if let Err(tokio::sync::mpsc::error::SendError(Msg::Spawned(handle))) =
+                        tx.send(Msg::Spawned(handle))
+                    {
+                        tracing::info!(model = %name, pid = handle.pid, "model task gone; killing the engine it was starting");
+                        handle.signal(NixSignal::SIGKILL);
+                    }
                 }
                 Err(e) => {
                     shared.store.remove_engine(&name, Some(proc_gen));
-                    let error = format!("{}: {e}", spec.program);
+                    let error = e.to_string();
                     let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
                     return;
                 }

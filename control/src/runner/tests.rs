@@ -63,3 +63,60 @@ backoff_max = "2m"
     cancel.cancel();
     h.join().await;
 }
+
+/// A restart while the first spawn still waits for the GPU's start lock
+/// cancels that spawn: once the lock is free only the new generation's
+/// engine is launched (the lock is FIFO, so a stale spawn would go first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_before_the_spawn_lands_launches_one_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = r#"
+[[model]]
+name = "m"
+model = "m"
+command = ["sh", "-c", "exec sleep 60", "engine"]
+gpus = 0
+preload = "awake"
+stop_grace = "5s"
+"#;
+    let cfg = Config::parse(text, "t.toml").unwrap().models.remove(0);
+    let shared = shared(dir.path());
+    // Someone else is starting on GPU 0: the model's spawn waits.
+    let held = shared.locks.acquire(&[0]).await;
+    let placed = Placed {
+        gpus: vec![0],
+        ..Placed::default()
+    };
+    let cancel = CancellationToken::new();
+    let h = spawn_model(cfg, placed, shared, cancel.clone()).unwrap();
+    let mut rx = h.status.clone();
+    rx.wait_for(|s| s.state == State::Starting).await.unwrap();
+    let s = h
+        .send(Event::Command(crate::reconciler::Command::Restart))
+        .await
+        .unwrap();
+    assert_eq!((s.state, s.pid), (State::Starting, 0), "{s:?}");
+    drop(held);
+    let s = tokio::time::timeout(Duration::from_secs(30), rx.wait_for(|s| s.pid != 0))
+        .await
+        .expect("the engine is spawned once the lock is free")
+        .unwrap()
+        .clone();
+    let spawns: Vec<String> = h
+        .logs
+        .tail(100)
+        .0
+        .into_iter()
+        .filter(|l| l.line.starts_with("spawning:"))
+        .map(|l| l.line)
+        .collect();
+    assert_eq!(spawns.len(), 1, "{spawns:#?}");
+    assert!(supervisor_alive(s.pid));
+    h.shutdown(true).await;
+    assert!(!supervisor_alive(s.pid));
+    cancel.cancel();
+}
+
+fn supervisor_alive(pid: u32) -> bool {
+    crate::supervisor::procfs::alive(pid, None)
+}

@@ -163,3 +163,22 @@ fn suspect_endpoints_are_skipped() {
     r.endpoints[1].mark_suspect(60_000);
     assert!(r.pick().is_none());
 }
+
+/// A suspect endpoint is avoided for the given time only (tokio's clock).
+#[tokio::test(start_paused = true)]
+async fn suspicion_expires() {
+    let t = table();
+    let a: SourceId = Arc::from("http://a");
+    t.apply(
+        &a,
+        snapshot(1, vec![status("m", ModelState::Awake, &["http://e:1"])]),
+    );
+    let v = t.view();
+    let r = &v.by_name["m"];
+    r.endpoints[0].mark_suspect(1_000);
+    assert!(r.pick().is_none());
+    tokio::time::advance(std::time::Duration::from_millis(999)).await;
+    assert!(r.pick().is_none());
+    tokio::time::advance(std::time::Duration::from_millis(2)).await;
+    assert_eq!(r.pick().unwrap().url, "http://e:1");
+}
