@@ -18,6 +18,8 @@ pub enum ShedReason {
     Failed,
     /// The control plane will not wake the model (stopped by an operator).
     Refused,
+    /// The proxy is shutting down.
+    ShuttingDown,
 }
 
 impl ShedReason {
@@ -28,6 +30,7 @@ impl ShedReason {
             ShedReason::HoldTimeout => "hold_timeout",
             ShedReason::Failed => "model_failed",
             ShedReason::Refused => "model_unavailable",
+            ShedReason::ShuttingDown => "proxy_shutting_down",
         }
     }
 }

@@ -237,6 +237,15 @@ async fn route_loop(
             }
             Wait::Released(Release::Fail(e)) => return Err(e),
             Wait::Timeout => return Err(hold_timeout(shared, &route)),
+            Wait::Draining => {
+                return Err(ApiError::Shed {
+                    reason: ShedReason::ShuttingDown,
+                    retry_after_s: Some(1),
+                    message: format!(
+                        "this proxy is shutting down before `{model}` woke; retry (another replica will hold it)"
+                    ),
+                });
+            }
         }
     }
 }

@@ -40,6 +40,8 @@ pub enum Wait {
     Timeout,
     /// The poll interval passed (re-check the route).
     Poll,
+    /// The proxy is shutting down and its drain time is nearly over.
+    Draining,
 }
 
 #[derive(Debug, Default)]
@@ -79,6 +81,8 @@ pub struct Holds {
     proxy_id: String,
     /// Ends demand retries when the proxy stops.
     shutdown: CancellationToken,
+    /// When held requests are shed because the proxy is shutting down.
+    shed_at: watch::Sender<Option<Instant>>,
 }
 
 /// A place in a model's queue; leaving (drop) frees it at once.
@@ -88,20 +92,31 @@ pub struct Ticket {
     id: u64,
     rx: oneshot::Receiver<Release>,
     metrics: Arc<Metrics>,
+    shed_at: watch::Receiver<Option<Instant>>,
 }
 
 impl Ticket {
     pub async fn wait(&mut self, deadline: Instant, poll: Option<Duration>) -> Wait {
-        let poll = async {
-            match poll {
-                Some(d) => tokio::time::sleep(d).await,
-                None => std::future::pending().await,
+        let poll = tokio::time::sleep(poll.unwrap_or(Duration::MAX / 4));
+        tokio::pin!(poll);
+        loop {
+            let shed_at = *self.shed_at.borrow_and_update();
+            let (until, on_time) = match shed_at {
+                Some(s) if s < deadline => (s, Wait::Draining),
+                _ => (deadline, Wait::Timeout),
+            };
+            tokio::select! {
+                r = &mut self.rx => return Wait::Released(r.unwrap_or(Release::Gone)),
+                _ = tokio::time::sleep_until(until) => return on_time,
+                _ = &mut poll => return Wait::Poll,
+                changed = self.shed_at.changed() => {
+                    if changed.is_err() {
+                        // The proxy is gone; the hold limit still applies.
+                        tokio::time::sleep_until(deadline).await;
+                        return Wait::Timeout;
+                    }
+                }
             }
-        };
-        tokio::select! {
-            r = &mut self.rx => Wait::Released(r.unwrap_or(Release::Gone)),
-            _ = tokio::time::sleep_until(deadline) => Wait::Timeout,
-            _ = poll => Wait::Poll,
         }
     }
 }
@@ -148,7 +163,15 @@ impl Holds {
             metrics,
             proxy_id,
             shutdown,
+            shed_at: watch::Sender::new(None),
         }
+    }
+
+    /// The proxy is draining: requests still held at `at` get 503 with a
+    /// short Retry-After (another replica can take them), not a cut
+    /// connection when the drain time ends.
+    pub fn shed_held_at(&self, at: Instant) {
+        self.shed_at.send_replace(Some(at));
     }
 
     fn queue(&self, model: &Arc<str>) -> Arc<HoldQueue> {
@@ -245,6 +268,7 @@ impl Holds {
             id,
             rx,
             metrics: self.metrics.clone(),
+            shed_at: self.shed_at.subscribe(),
         })
     }
 

@@ -214,6 +214,10 @@ impl Proxy {
         drop(listener);
         drop(admin);
         tracing::info!(connections = graceful.count(), "draining");
+        // Requests still held near the end of the drain get a 503 with
+        // Retry-After rather than a cut connection.
+        let margin = (cfg.drain_timeout / 10).min(Duration::from_secs(1));
+        holds.shed_held_at(tokio::time::Instant::now() + cfg.drain_timeout.saturating_sub(margin));
         if tokio::time::timeout(cfg.drain_timeout, graceful.shutdown())
             .await
             .is_err()

@@ -243,3 +243,26 @@ async fn held_streaming_request_streams_after_wake() {
     let rest = body.collect().await.unwrap().to_bytes();
     assert!(std::str::from_utf8(&rest).unwrap().contains("[DONE]"));
 }
+
+#[tokio::test]
+async fn held_requests_are_shed_not_cut_when_the_drain_ends() {
+    // Nobody wakes the model; the hold limit is far away.
+    let c = ScriptedControl::start(vec![held("m", 8, 600_000)]);
+    let mut p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.drain_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("held", || async { held_now(&p, "m").await == 1.0 }).await;
+    p.shutdown.cancel();
+    let r = tokio::time::timeout(DEADLINE, t)
+        .await
+        .expect("answered before the deadline")
+        .unwrap();
+    assert_eq!(r.status, 503, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(r.json()["error"]["code"], "proxy_shutting_down");
+    assert_eq!(r.retry_after(), Some(1));
+    let stopped = tokio::time::timeout(DEADLINE, &mut p.task).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+}
