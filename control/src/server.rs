@@ -170,7 +170,10 @@ impl Server {
             auth.check(req)
         });
         tracing::info!(addr = %local_addr, models = config.models.len(), origin = %config.origin, "serving");
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // TCP_NODELAY: without it small gRPC frames (Watch events, unary
+        // replies) can wait 40 ms for the peer's delayed ACK.
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         let served = tonic::transport::Server::builder()
             .add_service(health_service)
             .add_service(reflection)

@@ -116,6 +116,9 @@ impl Drop for InFlightGuard {
     }
 }
 
+/// Idle upstream connections kept per engine.
+const MAX_IDLE_PER_ENGINE: usize = 128;
+
 impl Forwarder {
     pub fn new(metrics: Arc<Metrics>, strip_authorization: bool) -> Self {
         let mut http = HttpConnector::new();
@@ -125,6 +128,10 @@ impl Forwarder {
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(Duration::from_secs(60))
+            // A burst (a queue of held requests released at once) opens one
+            // connection per request; keep only this many idle afterwards so
+            // their buffers are given back.
+            .pool_max_idle_per_host(MAX_IDLE_PER_ENGINE)
             .build(http);
         Forwarder {
             client,

@@ -91,6 +91,8 @@ pub struct Engine {
     pub wakes: AtomicU64,
     /// Unix ns at which the last full wake finished (0: never).
     pub last_wake_finished_ns: AtomicU64,
+    /// When the last generation request arrived (unix ns; 0: none yet).
+    pub last_request_arrived_ns: AtomicU64,
     ready_at: Mutex<Option<Instant>>,
 }
 
@@ -124,6 +126,7 @@ impl Engine {
             sleeps: AtomicU64::new(0),
             wakes: AtomicU64::new(0),
             last_wake_finished_ns: AtomicU64::new(0),
+            last_request_arrived_ns: AtomicU64::new(0),
             ready_at: Mutex::new(None),
         }
     }

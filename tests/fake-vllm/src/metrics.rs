@@ -101,6 +101,7 @@ pub fn stats(app: &App) -> Resp {
         (true, _) => "discard_all",
     };
     let last_wake = e.last_wake_finished_ns.load(Ordering::SeqCst);
+    let last_arrival = e.last_request_arrived_ns.load(Ordering::SeqCst);
     json(
         StatusCode::OK,
         &json!({
@@ -117,6 +118,7 @@ pub fn stats(app: &App) -> Resp {
             "sleeps": e.sleeps.load(Ordering::SeqCst),
             "wakes": e.wakes.load(Ordering::SeqCst),
             "last_wake_finished_unix_ns": (last_wake > 0).then_some(last_wake),
+            "last_request_arrived_unix_ns": (last_arrival > 0).then_some(last_arrival),
             "device_bytes": e.device_bytes(),
             "engine_core_pid": app.core.as_ref().and_then(|c| c.pid()),
             "pid": std::process::id(),

@@ -65,6 +65,9 @@ impl App {
     /// Counts a generation request; crashes on `--crash-after-requests`; refuses when the
     /// engine is "dead" (`--fail-health-after`).
     pub fn arrive(&self) -> Result<(), ApiError> {
+        self.engine
+            .last_request_arrived_ns
+            .store(crate::engine::unix_ns(), Ordering::SeqCst);
         let n = self.engine.arrived.fetch_add(1, Ordering::SeqCst) + 1;
         if self
             .engine
@@ -210,6 +213,9 @@ async fn accept(app: &Arc<App>, listener: tokio::net::TcpListener, shutdown: &Ca
                 }
             },
         };
+        // vLLM (uvicorn) sets TCP_NODELAY; without it small responses wait
+        // for the peer's delayed ACK.
+        let _ = stream.set_nodelay(true);
         let app = app.clone();
         let token = shutdown.clone();
         tokio::spawn(async move {
