@@ -23,17 +23,7 @@ async fn start_sleep_wake_at_both_levels() {
         pb::ModelState::Stopped
     );
 
-    let r = c
-        .wake(pb::WakeRequest {
-            name: "chat".into(),
-            wait: true,
-            timeout_ms: 30_000,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let s = r.model.unwrap();
-    assert_eq!(state(&s), pb::ModelState::Awake, "{}", r.message);
+    let s = wake_awake(&mut c, "chat").await;
     assert!(s.pid > 0);
     assert!(s.calibration.as_ref().unwrap().start_ms > 0);
     let url = endpoint(&s);

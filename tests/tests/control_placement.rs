@@ -45,34 +45,10 @@ async fn waking_one_model_evicts_the_idle_other() {
         );
         return;
     }
-    let r = c
-        .wake(pb::WakeRequest {
-            name: "a".into(),
-            wait: true,
-            timeout_ms: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    let a = r.model.unwrap();
-    assert_eq!(state(&a), pb::ModelState::Awake, "{}", r.message);
+    let a = wake_awake(&mut c, "a").await;
     assert_eq!(a.gpus, vec![0]);
     // Waking b must first put a to sleep: never both awake.
-    let r = c
-        .wake(pb::WakeRequest {
-            name: "b".into(),
-            wait: true,
-            timeout_ms: 0,
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(
-        state(r.model.as_ref().unwrap()),
-        pb::ModelState::Awake,
-        "{}",
-        r.message
-    );
+    wake_awake(&mut c, "b").await;
     let a = status(&mut c, "a").await;
     assert_eq!(state(&a), pb::ModelState::Asleep);
     assert_eq!(a.intent.unwrap().reason, pb::IntentReason::Eviction as i32);

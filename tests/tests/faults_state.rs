@@ -81,29 +81,25 @@ async fn an_unusable_part_of_the_state_dir_fails_without_touching_the_store() {
     .unwrap();
     wait_state(&mut c, "chat", pb::ModelState::Stopped, LONG).await;
     ctl.terminate().await;
-    let state = ctl.dir.path().join("state");
-    let store = std::fs::read(state.join("siesta.redb")).unwrap();
+    let state_dir = ctl.dir.path().join("state");
+    let store = std::fs::read(state_dir.join("siesta.redb")).unwrap();
     // The logs directory is replaced by a file: the state dir is unusable.
-    std::fs::remove_dir_all(state.join("logs")).unwrap();
-    std::fs::write(state.join("logs"), "not a directory").unwrap();
+    std::fs::remove_dir_all(state_dir.join("logs")).unwrap();
+    std::fs::write(state_dir.join("logs"), "not a directory").unwrap();
     let out = run_to_failure(ctl.dir.path(), &cfg);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains(&*state.join("logs").to_string_lossy()),
+        stderr.contains(&*state_dir.join("logs").to_string_lossy()),
         "{stderr}"
     );
-    assert_eq!(std::fs::read(state.join("siesta.redb")).unwrap(), store);
+    assert_eq!(std::fs::read(state_dir.join("siesta.redb")).unwrap(), store);
     // Repaired, the intent recorded before is still in force.
-    std::fs::remove_file(state.join("logs")).unwrap();
+    std::fs::remove_file(state_dir.join("logs")).unwrap();
     ctl.restart().await;
     let mut c = ctl.client().await;
     let s = status(&mut c, "chat").await;
-    assert_eq!(state_of(&s), pb::ModelState::Stopped);
+    assert_eq!(state(&s), pb::ModelState::Stopped);
     assert_eq!(s.intent.unwrap().reason, pb::IntentReason::Operator as i32);
-}
-
-fn state_of(s: &pb::ModelStatus) -> pb::ModelState {
-    state(s)
 }
 
 #[tokio::test]

@@ -61,17 +61,6 @@ async fn from_config(c: &mut Client) -> bool {
     true
 }
 
-async fn wake(c: &mut Client, name: &str, wait: bool) -> pb::OperationResponse {
-    c.wake(pb::WakeRequest {
-        name: name.into(),
-        wait,
-        timeout_ms: 0,
-    })
-    .await
-    .unwrap()
-    .into_inner()
-}
-
 #[tokio::test]
 async fn a_model_with_a_request_in_flight_is_not_evicted_and_the_wake_waits() {
     let ctl = start(&gpu_config(

@@ -28,16 +28,6 @@ async fn only_engine(ctl: &Ctl, pid: i32) {
     .await;
 }
 
-async fn wake(c: &mut Client, name: &str) {
-    c.wake(pb::WakeRequest {
-        name: name.into(),
-        wait: false,
-        timeout_ms: 0,
-    })
-    .await
-    .unwrap();
-}
-
 #[tokio::test]
 async fn killed_during_a_wake_the_wake_is_carried_out_on_the_same_engine() {
     let model = fake_model("chat", "asleep", &["--wake-time", "3s"], "");
@@ -46,7 +36,7 @@ async fn killed_during_a_wake_the_wake_is_carried_out_on_the_same_engine() {
     let pid = wait_state(&mut c, "chat", pb::ModelState::Asleep, LONG)
         .await
         .pid as i32;
-    wake(&mut c, "chat").await;
+    wake(&mut c, "chat", false).await;
     wait_state(&mut c, "chat", pb::ModelState::Waking, LONG).await;
     ctl.restart().await;
     let mut c = ctl.client().await;
@@ -198,7 +188,9 @@ async fn repeated_kills_at_arbitrary_moments_converge() {
         let name = "chat".to_string();
         match op {
             "sleep" => drop(c.sleep(pb::SleepRequest { name, level: 1 }).await),
-            "wake" => wake(&mut c, &name).await,
+            "wake" => {
+                wake(&mut c, &name, false).await;
+            }
             "stop" => drop(c.stop(pb::ModelRequest { name }).await),
             "start" => drop(c.start(pb::ModelRequest { name }).await),
             _ => drop(c.restart(pb::ModelRequest { name }).await),

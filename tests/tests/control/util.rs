@@ -121,6 +121,27 @@ pub async fn status(c: &mut Client, name: &str) -> pb::ModelStatus {
         .expect("model")
 }
 
+/// Sends `Wake`; with `wait`, the reply comes once the model is awake or
+/// failed (the model's own wake or start deadline).
+pub async fn wake(c: &mut Client, name: &str, wait: bool) -> pb::OperationResponse {
+    c.wake(pb::WakeRequest {
+        name: name.into(),
+        wait,
+        timeout_ms: 0,
+    })
+    .await
+    .expect("Wake")
+    .into_inner()
+}
+
+/// Wakes and waits; panics with the server's message unless it ended awake.
+pub async fn wake_awake(c: &mut Client, name: &str) -> pb::ModelStatus {
+    let r = wake(c, name, true).await;
+    let s = r.model.expect("model");
+    assert_eq!(state(&s), pb::ModelState::Awake, "{name}: {}", r.message);
+    s
+}
+
 pub fn state(s: &pb::ModelStatus) -> pb::ModelState {
     pb::ModelState::try_from(s.state).unwrap_or(pb::ModelState::Unspecified)
 }
