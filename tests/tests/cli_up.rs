@@ -36,10 +36,10 @@ fn model<'a>(status: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("{name} in {status}"))
 }
 
-#[tokio::test]
-async fn up_with_the_demo_answers_a_sleeping_model() {
-    let dir = tempfile::tempdir().unwrap();
-    let addr_file = dir.path().join("up.addr");
+/// `siesta up` with the built-in demo on port-0 listeners, its addresses
+/// written to `addr_file`; the demo keeps its state under `TMPDIR`, made this
+/// test's own.
+fn spawn_up(tmp: &std::path::Path, addr_file: &std::path::Path) -> Child {
     let mut cmd = Command::new(bin_path("siesta"));
     cmd.args([
         "up",
@@ -51,11 +51,17 @@ async fn up_with_the_demo_answers_a_sleeping_model() {
         "127.0.0.1:0",
     ])
     .arg("--addr-file")
-    .arg(&addr_file)
-    // The demo keeps its state under the temp dir: make it this test's own.
-    .env("TMPDIR", dir.path())
+    .arg(addr_file)
+    .env("TMPDIR", tmp)
     .env_remove("SIESTA_TOKEN");
-    let mut up = Child::spawn("siesta-up", cmd);
+    Child::spawn("siesta-up", cmd)
+}
+
+#[tokio::test]
+async fn up_with_the_demo_answers_a_sleeping_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let mut up = spawn_up(dir.path(), &addr_file);
     let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
     let (http, grpc) = (addrs[0], addrs[2]);
 
@@ -124,21 +130,7 @@ async fn up_with_the_demo_answers_a_sleeping_model() {
 async fn up_fails_clearly_when_the_address_file_cannot_be_written() {
     let dir = tempfile::tempdir().unwrap();
     let addr_file = dir.path().join("no-such-dir").join("up.addr");
-    let mut cmd = Command::new(bin_path("siesta"));
-    cmd.args([
-        "up",
-        "--listen",
-        "127.0.0.1:0",
-        "--control-listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-    ])
-    .arg("--addr-file")
-    .arg(&addr_file)
-    .env("TMPDIR", dir.path())
-    .env_remove("SIESTA_TOKEN");
-    let mut up = Child::spawn("siesta-up", cmd);
+    let mut up = spawn_up(dir.path(), &addr_file);
     let status = up.wait_exit(DEADLINE).await;
     let text = up.output().text();
     assert_eq!(status.code(), Some(1), "{text}");
