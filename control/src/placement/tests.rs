@@ -3,9 +3,9 @@
 use super::*;
 use crate::gpu::p2p::{P2pHealth, P2pMatrix};
 
-const GIB: u64 = 1 << 30;
+pub(super) const GIB: u64 = 1 << 30;
 
-fn need(name: &str, gpus: u32, memory: MemoryNeed) -> ModelNeeds {
+pub(super) fn need(name: &str, gpus: u32, memory: MemoryNeed) -> ModelNeeds {
     ModelNeeds {
         name: name.into(),
         gpus,
@@ -15,11 +15,11 @@ fn need(name: &str, gpus: u32, memory: MemoryNeed) -> ModelNeeds {
     }
 }
 
-fn frac(name: &str, gpus: u32, f: f64) -> ModelNeeds {
+pub(super) fn frac(name: &str, gpus: u32, f: f64) -> ModelNeeds {
     need(name, gpus, MemoryNeed::Fraction(f))
 }
 
-fn by_name<'a>(p: &'a [Placement], name: &str) -> &'a Placement {
+pub(super) fn by_name<'a>(p: &'a [Placement], name: &str) -> &'a Placement {
     p.iter().find(|p| p.model == name).unwrap()
 }
 

@@ -4,25 +4,7 @@ use super::*;
 use crate::gpu::p2p::{P2pHealth, P2pMatrix};
 use P2pHealth::{Corrupt, Hung, Ok as POk, Unsupported};
 
-const GIB: u64 = 1 << 30;
-
-fn need(name: &str, gpus: u32, memory: MemoryNeed) -> ModelNeeds {
-    ModelNeeds {
-        name: name.into(),
-        gpus,
-        memory,
-        pinned_gpus: Vec::new(),
-        exclusive: false,
-    }
-}
-
-fn frac(name: &str, gpus: u32, f: f64) -> ModelNeeds {
-    need(name, gpus, MemoryNeed::Fraction(f))
-}
-
-fn by_name<'a>(p: &'a [Placement], name: &str) -> &'a Placement {
-    p.iter().find(|p| p.model == name).unwrap()
-}
+use super::tests::{GIB, by_name, frac, need};
 
 #[test]
 fn a_model_larger_than_its_gpus_is_refused_with_the_arithmetic() {
