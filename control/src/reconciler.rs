@@ -296,8 +296,13 @@ pub struct ModelState {
     pub pin: Pin,
     /// End of the last request seen.
     pub last_activity: Option<Instant>,
-    /// Idle time never counts from before this (becoming awake, operator wake).
+    /// Idle time never counts from before this: the engine becoming ready
+    /// or awake, the end of a preload, a demand, an operator wake.
     pub idle_floor: Instant,
+    /// A proxy's demand not yet served (the model was not awake when it
+    /// came): no idle tier fires until the model is awake, and only an
+    /// operator's intent overrides it.
+    pub demand_since: Option<Instant>,
     /// Requests in flight per proxy, and when that proxy last said so.
     pub proxies: BTreeMap<String, (u32, Instant)>,
     /// The engine's own running-requests gauge.
@@ -334,6 +339,7 @@ impl ModelState {
             pin: Pin::None,
             last_activity: None,
             idle_floor: now,
+            demand_since: None,
             proxies: BTreeMap::new(),
             engine_running: 0,
             failures: 0,

@@ -566,3 +566,7 @@ proptest! {
         prop_assert!(b.delay(u32::MAX) <= b.max);
     }
 }
+
+// The crate root is this file, so its submodule needs the path.
+#[path = "reconciler_props/demand.rs"]
+mod demand;

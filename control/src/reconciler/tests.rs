@@ -457,3 +457,5 @@ fn a_silent_proxy_stops_counting() {
     s.advance(PROXY_STALE);
     assert_eq!(s.m.in_flight(), 0);
 }
+
+mod demand;
