@@ -22,6 +22,12 @@ use tokio::time::{Duration, Instant};
 /// silent this long is gone and its in-flight count no longer counts.
 pub const PROXY_STALE: Duration = Duration::from_secs(30);
 
+/// How long a wake may wait for room on its GPUs (other models to finish
+/// their requests and be put to sleep). A wake that gives up leaves its
+/// engine asleep, unharmed, and says why in the model's status; the next
+/// demand tries again. As long as the proxy's default `max_hold`.
+pub const ROOM_WAIT: Duration = Duration::from_secs(300);
+
 /// What the reconciler works towards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Desired {
@@ -79,11 +85,14 @@ pub enum Phase {
     Asleep {
         level: u8,
     },
-    /// `step` indexes [`wake_calls`]`(from_level)`.
+    /// `step` indexes [`wake_calls`]`(from_level)`. Until `admitted`, the
+    /// wake waits for room on its GPUs (at most [`ROOM_WAIT`]); the wake
+    /// deadline counts from admission.
     Waking {
         from_level: u8,
         step: usize,
         deadline: Instant,
+        admitted: bool,
     },
     /// `killed`: SIGKILL already sent.
     Stopping {

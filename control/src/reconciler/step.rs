@@ -212,6 +212,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 from_level,
                 step: current,
                 deadline,
+                admitted,
             } = m.phase
                 && step == current
             {
@@ -221,6 +222,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                         from_level,
                         step: step + 1,
                         deadline,
+                        admitted,
                     };
                     fx.push(Effect::Wake {
                         epoch,
@@ -242,6 +244,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             if let Phase::Waking {
                 from_level,
                 step: 0,
+                admitted: false,
                 ..
             } = m.phase
             {
@@ -250,6 +253,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     from_level,
                     step: 0,
                     deadline: now + m.settings.timeouts.wake,
+                    admitted: true,
                 };
             }
         }
