@@ -285,13 +285,7 @@ impl GpuView {
             return WakePlan::Ready;
         }
         let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
-        plan_wake(
-            target,
-            &machine,
-            &st.placements,
-            runtime,
-            &self.policy,
-        )
+        plan_wake(target, &machine, &st.placements, runtime, &self.policy)
     }
 
     pub fn placement(&self, models: &[ModelStatus]) -> pb::GetPlacementResponse {
