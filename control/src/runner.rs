@@ -51,6 +51,8 @@ pub(crate) enum Msg {
     Spawned(ProcHandle),
     /// What a start or wake waits for (None: nothing).
     WaitingFor(Option<String>),
+    /// The asleep residual measured after a sleep.
+    Residual(crate::status::Residual),
     Poll {
         epoch: u64,
         result: Result<Option<u32>, String>,
@@ -78,6 +80,7 @@ impl std::fmt::Debug for Msg {
             Msg::Event(e, _) => write!(f, "Event({e:?})"),
             Msg::Spawned(h) => write!(f, "Spawned({})", h.pid),
             Msg::WaitingFor(w) => write!(f, "WaitingFor({w:?})"),
+            Msg::Residual(r) => write!(f, "Residual({r:?})"),
             Msg::Poll { epoch, result } => write!(f, "Poll({epoch}, {result:?})"),
             Msg::Shutdown { stop_engine, .. } => write!(f, "Shutdown({stop_engine})"),
         }
@@ -175,6 +178,7 @@ pub fn spawn_model_adopting(
         p2p_disabled: placed.p2p_disabled,
         control_id: shared.control_id.clone(),
         waiting_for: String::new(),
+        asleep_residual: shared.admission.residual_of(&cfg.name, cfg.gpus),
     };
     let status = model_status(&cfg, &facts, &state, &shared.clock, now);
     let (status_tx, status_rx) = watch::channel(status.clone());
@@ -292,6 +296,10 @@ impl Runner {
                 self.facts.waiting_for = w.unwrap_or_default();
                 self.publish(Instant::now());
             }
+            Msg::Residual(r) => {
+                self.facts.asleep_residual = r;
+                self.publish(Instant::now());
+            }
             Msg::Poll { epoch, result } => {
                 self.polling = false;
                 if epoch != self.state.epoch {
@@ -344,6 +352,9 @@ impl Runner {
                 self.spawn_cancel.cancel();
             }
             self.record_sleep_level();
+            if let (Phase::Asleep { .. }, Some(pid)) = (self.state.phase, self.state.pid) {
+                self.measure_residual(pid);
+            }
         }
         for effect in effects {
             self.perform(effect);
@@ -357,6 +368,21 @@ impl Runner {
             self.status_tx.send_replace(status.clone());
             self.shared.hub.publish_model(status);
         }
+    }
+
+    /// Measures (NVML, where present) what the engine keeps on its GPUs
+    /// asleep; placement counts that from now on.
+    fn measure_residual(&self, pgid: u32) {
+        let (admission, name, tx) = (
+            self.shared.admission.clone(),
+            self.cfg.name.clone(),
+            self.tx.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            if let Some(r) = admission.measure_residual(&name, pgid) {
+                let _ = tx.send(Msg::Residual(r));
+            }
+        });
     }
 
     /// Stops the engine if asked (SIGTERM, grace, SIGKILL), then ends.

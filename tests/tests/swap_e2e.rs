@@ -145,7 +145,24 @@ async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
     for m in ["a", "b"] {
         let s = wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
         pids.insert(m, s.pid);
+        // No NVML here: the default for TP=1 until measured.
+        assert_eq!(
+            (s.asleep_residual_bytes, s.asleep_residual_measured),
+            (1 << 30, false)
+        );
     }
+    let placement = c
+        .get_placement(pb::GetPlacementRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        placement
+            .models
+            .iter()
+            .all(|p| p.asleep_residual_bytes == 1 << 30),
+        "{placement:#?}"
+    );
     let broken = watch_never_both_awake(ctl.client().await);
     for round in 0..10 {
         match round % 3 {

@@ -75,6 +75,7 @@ impl World {
             p2p_disabled: false,
             control_id: "t".into(),
             waiting_for: String::new(),
+            asleep_residual: Default::default(),
         };
         let now = tokio::time::Instant::now();
         let st = ModelState::new(Settings::from_config(m), m.preload, now);

@@ -166,9 +166,12 @@ fn backoff_is_capped() {
 #[test]
 fn asleep_residual_is_configurable() {
     let c = Config::parse("", "empty.toml").unwrap();
-    assert_eq!(c.control.asleep_residual, 3 << 29, "default 1.5 GiB");
+    assert_eq!(
+        c.control.asleep_residual, None,
+        "default: by TP size, then measured"
+    );
     let c = Config::parse("[control]\nasleep_residual = \"4GiB\"\n", "r.toml").unwrap();
-    assert_eq!(c.control.asleep_residual, 4 << 30);
+    assert_eq!(c.control.asleep_residual, Some(4 << 30));
     let err = Config::parse("[control]\nasleep_residual = \"lots\"\n", "r.toml")
         .unwrap_err()
         .to_string();

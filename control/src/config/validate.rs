@@ -115,8 +115,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
     let residual_key = r.key("asleep_residual");
     let asleep_residual = r
         .raw("asleep_residual")
-        .and_then(|v| size_value(p, &residual_key, v))
-        .unwrap_or(crate::placement::DEFAULT_RESIDUAL_BYTES);
+        .and_then(|v| size_value(p, &residual_key, v));
     let min_awake = r
         .duration(p, "min_awake")
         .unwrap_or(super::DEFAULT_MIN_AWAKE);
