@@ -444,6 +444,7 @@ impl Engine {
         if self.sleep_state().weights_asleep {
             return Err(MemoryError::WeightsAsleep.into());
         }
+        tracing::info!("reloading weights");
         tokio::time::sleep(self.args.sim.reload_time).await;
         self.blocking(|m| m.reload_weights()).await?;
         tracing::info!("weights reloaded");

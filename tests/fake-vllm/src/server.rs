@@ -155,9 +155,18 @@ pub async fn serve(
         shutdown.clone(),
     ));
     let started = tokio::select! {
-        () = shutdown.cancelled() => false,
-        () = died.cancelled() => false,
-        r = startup(&app) => { r?; true }
+        () = shutdown.cancelled() => Ok(false),
+        () = died.cancelled() => Ok(false),
+        r = startup(&app) => r.map(|()| true),
+    };
+    let started = match started {
+        Ok(s) => s,
+        Err(e) => {
+            if let Some(core) = &app.core {
+                core.stop(Duration::from_secs(2));
+            }
+            return Err(e);
+        }
     };
     if started {
         let listener = socket.listen(2048).map_err(|e| ServeError::Bind {
