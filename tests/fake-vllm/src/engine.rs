@@ -9,6 +9,8 @@ use tokio::sync::watch;
 use crate::cli::ServeArgs;
 use crate::memory::{Level, Memory, MemoryError, Tags};
 use crate::sim_gpu::{SimGpu, SimGpuError};
+
+mod gpu;
 use crate::version::Imitated;
 
 /// What `/sleep?mode=` does with requests in flight.
@@ -266,54 +268,6 @@ impl Engine {
             if rx.changed().await.is_err() {
                 std::future::pending::<()>().await;
             }
-        }
-    }
-
-    /// Bytes per GPU the simulated GPU holds for state `st`: all of `--gpu-memory-utilization`
-    /// awake (or without sleep mode), the residual asleep, half the rest per woken tag.
-    fn gpu_usage(&self, st: SleepState) -> u64 {
-        let Some(gpu) = &self.gpu else { return 0 };
-        let full = (self.args.gpu_memory_utilization * gpu.total() as f64) as u64;
-        if !self.args.enable_sleep_mode {
-            return full;
-        }
-        let residual = self.args.asleep_residual_bytes().min(full);
-        let weights = (full - residual) / 2;
-        residual
-            + if st.weights_asleep { 0 } else { weights }
-            + if st.kv_asleep {
-                0
-            } else {
-                full - residual - weights
-            }
-    }
-
-    fn set_gpu_usage(&self, to: u64, grow: bool) -> Result<(), SimGpuError> {
-        let Some(gpu) = &self.gpu else { return Ok(()) };
-        let holder = self.gpu_holder.load(Ordering::SeqCst);
-        let from = self.gpu_bytes.load(Ordering::SeqCst);
-        if grow {
-            gpu.grow(holder, from, to)?;
-        } else {
-            gpu.record(holder, to)?;
-        }
-        self.gpu_bytes.store(to, Ordering::SeqCst);
-        Ok(())
-    }
-
-    /// Start-up on the simulated GPU: enough free memory, then taken.
-    pub fn take_gpu(&self) -> Result<(), SimGpuError> {
-        let Some(gpu) = &self.gpu else { return Ok(()) };
-        let holder = self.gpu_holder.load(Ordering::SeqCst);
-        let bytes = gpu.start(holder, self.args.gpu_memory_utilization)?;
-        self.gpu_bytes.store(bytes, Ordering::SeqCst);
-        Ok(())
-    }
-
-    /// Gives the simulated GPU memory back (clean shutdown).
-    pub fn release_gpu(&self) {
-        if let Some(gpu) = &self.gpu {
-            gpu.release(self.gpu_holder.load(Ordering::SeqCst));
         }
     }
 
