@@ -159,3 +159,44 @@ async fn an_orphaned_engine_core_keeps_its_gpu_memory() {
         .await;
     assert_eq!(b.get("/health").await.status(), 200);
 }
+
+#[tokio::test]
+async fn engines_starting_together_miscount_and_one_runs_out_of_memory() {
+    let gpu = Gpu::new(10);
+    let env = gpu.env("0");
+    // As vllm#55827: both check free memory before either has taken any.
+    let mut engines = [("a", "0.5"), ("b", "0.6")].map(|(name, util)| {
+        spawn_fake_vllm_nowait(
+            &[
+                name,
+                "--gpu-memory-utilization",
+                util,
+                "--startup-time",
+                "4s",
+            ],
+            &env,
+        )
+    });
+    let failed = siesta_tests::wait_for("one engine to fail", DEADLINE, || {
+        engines.iter_mut().position(|e| e.try_exit().is_some())
+    })
+    .await;
+    let ok = 1 - failed;
+    engines[ok]
+        .output()
+        .wait_for("Uvicorn running on", DEADLINE)
+        .await;
+    let loser = &mut engines[failed];
+    assert_eq!(loser.try_exit().unwrap().code(), Some(1));
+    loser
+        .output()
+        .wait_for("CUDA out of memory", DEADLINE)
+        .await;
+    for e in &engines {
+        assert!(
+            !e.output().contains("less than desired"),
+            "the start-up check saw the other engine:\n{}",
+            e.output().text()
+        );
+    }
+}

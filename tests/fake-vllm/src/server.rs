@@ -237,14 +237,17 @@ async fn startup(app: &App) -> Result<(), ServeError> {
         tracing::warn!("fault: --hang-on-startup, start-up never finishes");
         std::future::pending::<()>().await;
     }
-    if let Err(e) = app.engine.take_gpu() {
-        tracing::error!("{e}");
-        return Err(e.into());
-    }
+    let gpu_bytes = app
+        .engine
+        .check_gpu()
+        .inspect_err(|e| tracing::error!("{e}"))?;
     tokio::time::sleep(app.engine.args.sim.startup_time).await;
     if f.exit_during_startup {
         return Err(ServeError::StartupFailed);
     }
+    app.engine
+        .take_gpu(gpu_bytes)
+        .inspect_err(|e| tracing::error!("{e}"))?;
     Ok(())
 }
 

@@ -147,8 +147,10 @@ impl SimGpu {
         Ok(used)
     }
 
-    /// Start-up: every GPU must have `fraction` x total free; then records that use.
-    pub fn start(&self, holder: u32, fraction: f64) -> Result<u64, SimGpuError> {
+    /// Start-up check: every GPU must have `fraction` x total free. Returns the bytes wanted,
+    /// which the engine takes only when its start-up ends ([`SimGpu::grow`]): as in vLLM
+    /// (vllm#55827), engines starting at the same time do not see each other.
+    pub fn check(&self, holder: u32, fraction: f64) -> Result<u64, SimGpuError> {
         let want = (fraction * self.total as f64) as u64;
         for gpu in &self.gpus {
             let free = self.total.saturating_sub(self.used_by_others(gpu, holder)?);
@@ -162,7 +164,6 @@ impl SimGpu {
                 });
             }
         }
-        self.record(holder, want)?;
         Ok(want)
     }
 
@@ -234,9 +235,12 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("fake-vllm-simgpu-{}", std::process::id()));
         let g = gpu(&dir);
         let me = std::process::id();
-        assert_eq!(g.start(me, 0.5).unwrap(), 5 << 30);
+        assert_eq!(g.check(me, 0.5).unwrap(), 5 << 30);
+        // Until it is taken, another engine sees the memory free.
+        assert!(g.check(1, 0.6).is_ok());
+        g.grow(me, 0, 5 << 30).unwrap();
         // Another engine wanting 60% does not fit beside this one.
-        let e = g.start(1, 0.6).unwrap_err();
+        let e = g.check(1, 0.6).unwrap_err();
         assert!(
             e.to_string()
                 .contains("Free memory on device cuda:0 (5.00/10.00 GiB)"),

@@ -39,13 +39,20 @@ impl Engine {
         Ok(())
     }
 
-    /// Start-up on the simulated GPU: enough free memory, then taken.
-    pub fn take_gpu(&self) -> Result<(), SimGpuError> {
-        let Some(gpu) = &self.gpu else { return Ok(()) };
-        let holder = self.gpu_holder.load(Ordering::SeqCst);
-        let bytes = gpu.start(holder, self.args.gpu_memory_utilization)?;
-        self.gpu_bytes.store(bytes, Ordering::SeqCst);
-        Ok(())
+    /// Start-up check on the simulated GPU: enough free memory. Returns the bytes to take
+    /// when start-up ends ([`Engine::take_gpu`]).
+    pub fn check_gpu(&self) -> Result<u64, SimGpuError> {
+        let Some(gpu) = &self.gpu else { return Ok(0) };
+        gpu.check(
+            self.gpu_holder.load(Ordering::SeqCst),
+            self.args.gpu_memory_utilization,
+        )
+    }
+
+    /// End of start-up: takes `bytes` per GPU (weights, then the KV cache); out of memory
+    /// when an engine that started at the same time took the room first.
+    pub fn take_gpu(&self, bytes: u64) -> Result<(), SimGpuError> {
+        self.set_gpu_usage(bytes, true)
     }
 
     /// Gives the simulated GPU memory back (clean shutdown).
