@@ -184,3 +184,14 @@ async fn is_sleeping_waits_behind_reload_weights_and_a_hung_wake() {
     let r = c.get(fv.at("/is_sleeping")).send().await;
     assert!(r.is_err_and(|e| e.is_timeout()), "/is_sleeping must hang");
 }
+
+#[tokio::test]
+async fn disable_log_stats_removes_every_vllm_metric() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--disable-log-stats"]).await;
+    assert_eq!(fv.post("/sleep").await.status(), 200);
+    let r = fv.get("/metrics").await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(!text.contains("vllm:"), "{text}");
+    assert!(text.contains("process_start_time_seconds"), "{text}");
+}

@@ -80,7 +80,6 @@ pub const IGNORED_BOOL_FLAGS: &[&str] = &[
     "disable-fastapi-docs",
     "disable-frontend-multiprocessing",
     "disable-log-requests",
-    "disable-log-stats",
     "disable-uvicorn-access-log",
     "enable-auto-tool-choice",
     "enable-chunked-prefill",

@@ -89,6 +89,9 @@ pub struct ServeArgs {
     /// The older spelling: `embed` (or another pooling task) makes an embedding model.
     #[arg(long)]
     pub task: Option<String>,
+    /// No stats: every `vllm:` metric is gone from `/metrics` (running, waiting, sleep state).
+    #[arg(long)]
+    pub disable_log_stats: bool,
     /// Seconds an idle HTTP/1 keep-alive connection stays open (uvicorn's, default 5).
     #[arg(long, default_value_t = 5)]
     pub timeout_keep_alive: u64,

@@ -12,6 +12,19 @@ use crate::server::App;
 /// Prometheus text exposition of the engine's gauges and counters.
 pub fn metrics(app: &App) -> Resp {
     let e = &app.engine;
+    if e.args.disable_log_stats {
+        // vLLM registers its `vllm:` metrics only when stats are logged.
+        let text = format!(
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in \
+             seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {:?}\n",
+            app.created as f64
+        );
+        return full(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            text,
+        );
+    }
     let model = e.args.served_names()[0]
         .replace('\\', "\\\\")
         .replace('"', "\\\"");
