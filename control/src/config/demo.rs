@@ -105,6 +105,8 @@ pub(super) fn demo(command_prefix: Vec<String>) -> Config {
             "Qwen/Qwen3-Embedding-0.6B",
             Preload::None,
             &[
+                "--runner",
+                "pooling",
                 "--startup-time",
                 "1s",
                 "--sleep-time",
