@@ -4,6 +4,7 @@
 use anyhow::Context;
 use clap::Parser;
 use siesta_control::{Config, ServeOptions, Server};
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use tokio_util::sync::CancellationToken;
@@ -34,6 +35,7 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(colour())
         .init();
     let config = Config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let opts = ServeOptions {
@@ -51,22 +53,19 @@ async fn main() -> anyhow::Result<()> {
         std::fs::write(&tmp, format!("grpc={addr}\n")).with_context(what)?;
         std::fs::rename(&tmp, path).with_context(what)?;
     }
+    let signal = siesta_signal::shutdown_signal()?;
     let shutdown = CancellationToken::new();
     let signals = shutdown.clone();
     tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
-        }
+        let signal = signal.await;
+        tracing::info!(%signal, "shutting down");
         signals.cancel();
     });
     server.run(shutdown).await?;
     Ok(())
+}
+
+/// Colour in the log only on a terminal, and never with `NO_COLOR` set.
+fn colour() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
