@@ -95,7 +95,8 @@ async fn sleep_says_in_flight_only_while_requests_are_and_wait_reports_the_outco
     let run = run::at(&ctl, &["sleep", "chat", "--wait", "--timeout", "1s"]).await;
     assert_eq!(run.code, 1, "{run:#?}");
     assert!(
-        run.stderr.starts_with("error: chat: not asleep: still awake after ")
+        run.stderr
+            .starts_with("error: chat: not asleep: still awake after ")
             && run.stderr.contains("in flight"),
         "{run:#?}"
     );
@@ -103,7 +104,9 @@ async fn sleep_says_in_flight_only_while_requests_are_and_wait_reports_the_outco
 }
 
 /// Collects a child's lines from `src` into a shared list.
-fn collect(src: impl AsyncRead + Unpin + Send + 'static) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+fn collect(
+    src: impl AsyncRead + Unpin + Send + 'static,
+) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
     let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let sink = lines.clone();
     tokio::spawn(async move {
@@ -148,6 +151,12 @@ async fn watch_resumes_across_a_control_plane_restart() {
     .await;
     let mut c = ctl.client().await;
     wait_state(&mut c, "chat", pb::ModelState::Asleep, LONG).await;
+    // The new run's revisions start over: it says so and resyncs.
+    wait_for("the resync snapshot", LONG, || {
+        seen(&out, "snapshot (resync)").then_some(())
+    })
+    .await;
+    assert!(seen(&err, "resyncing"), "{:?}", err.lock().unwrap());
     let before = out.lock().unwrap().len();
 
     // A change made through the new control plane reaches the same watch.
@@ -159,12 +168,6 @@ async fn watch_resumes_across_a_control_plane_restart() {
             .then_some(())
     })
     .await;
-    assert!(
-        watch.try_wait().unwrap().is_none(),
-        "siesta watch exited"
-    );
-    // The new run's revisions start over: it said so and resynced.
-    assert!(seen(&err, "resyncing"), "{:?}", err.lock().unwrap());
-    assert!(seen(&out, "snapshot (resync)"), "{:?}", out.lock().unwrap());
+    assert!(watch.try_wait().unwrap().is_none(), "siesta watch exited");
     let _ = tokio::time::timeout(Duration::from_secs(5), watch.kill()).await;
 }

@@ -94,7 +94,10 @@ pub async fn run(
     }
     match outcome {
         Ok(()) => Ok(()),
-        Err(why) => Err(Failure::Failed(format!("{}: not asleep: {why}", model.name))),
+        Err(why) => Err(Failure::Failed(format!(
+            "{}: not asleep: {why}",
+            model.name
+        ))),
     }
 }
 
@@ -174,7 +177,9 @@ mod tests {
         assert_eq!(outcome(&status(S::Sleeping, 2, D::Asleep), 2), None);
         assert_eq!(outcome(&status(S::Asleep, 1, D::Asleep), 2), None);
         assert_eq!(outcome(&status(S::Asleep, 2, D::Asleep), 1), Some(Ok(())));
-        let woken = outcome(&status(S::Waking, 0, D::Awake), 1).unwrap().unwrap_err();
+        let woken = outcome(&status(S::Waking, 0, D::Awake), 1)
+            .unwrap()
+            .unwrap_err();
         assert_eq!(woken, "the intent changed to awake (demand); now waking");
         let mut failed = status(S::Failed, 0, D::Asleep);
         failed.last_error = "sleep timed out\nmore".into();

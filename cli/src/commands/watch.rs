@@ -129,10 +129,7 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
             Err(status) if !connected_once => return Err(conn.err(status)),
             Err(status) => status.message().to_owned(),
         };
-        eprintln!(
-            "siesta watch: lost {} ({why}); reconnecting…",
-            conn.url
-        );
+        eprintln!("siesta watch: lost {} ({why}); reconnecting…", conn.url);
         // Until it answers again, retry with doubling waits.
         let now = loop {
             tokio::time::sleep(backoff).await;
