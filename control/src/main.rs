@@ -37,13 +37,23 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(colour())
         .init();
+    // Handlers first: a signal during start-up is not lost.
+    let mut signal = Box::pin(siesta_signal::shutdown_signal()?);
     let config = Config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let opts = ServeOptions {
         listen: args.listen,
         stop_engines_on_exit: args.stop_engines_on_exit,
         config_path: Some(args.config.clone()),
     };
-    let server = Server::bind(config, opts).await?;
+    // Start-up (recovery, the P2P probe) can take a while: a signal then
+    // ends the process as it would have without a handler.
+    let server = tokio::select! {
+        server = Server::bind(config, opts) => server?,
+        signal = &mut signal => {
+            tracing::info!(%signal, "exiting during start-up");
+            return Ok(());
+        }
+    };
     let addr = server.local_addr();
     tracing::info!(%addr, "siesta-control listening");
     if let Some(path) = &args.addr_file {
@@ -53,7 +63,6 @@ async fn main() -> anyhow::Result<()> {
         std::fs::write(&tmp, format!("grpc={addr}\n")).with_context(what)?;
         std::fs::rename(&tmp, path).with_context(what)?;
     }
-    let signal = siesta_signal::shutdown_signal()?;
     let shutdown = CancellationToken::new();
     let signals = shutdown.clone();
     tokio::spawn(async move {

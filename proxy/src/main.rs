@@ -90,6 +90,8 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(colour())
         .init();
+    // Handlers first: a signal during start-up is not lost.
+    let signal = siesta_signal::shutdown_signal()?;
     let args = Args::parse();
     let cfg = ProxyConfig {
         controls: args.controls,
@@ -113,7 +115,6 @@ async fn main() -> anyhow::Result<()> {
     if let Some(path) = &args.addr_file {
         write_addr_file(path, &proxy)?;
     }
-    let signal = siesta_signal::shutdown_signal()?;
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
     tokio::spawn(async move {
