@@ -333,11 +333,14 @@ impl Runner {
         let now = Instant::now();
         let epoch = self.state.epoch;
         let calibration = self.state.calibration;
+        let history = (self.state.restarts, self.state.last_activity);
         let (state, effects) = step(self.state.clone(), event, now);
         self.state = state;
         // The intent is durable before anything is done about it.
         if effects.contains(&Effect::Persist) {
             self.persist();
+        } else if (self.state.restarts, self.state.last_activity) != history {
+            self.persist_history();
         }
         if self.state.calibration != calibration {
             self.persist_calibration();

@@ -186,8 +186,8 @@ pub fn log_paths(name: &str, log_dir: &Path) -> [(PathBuf, &'static str); 2] {
 
 /// Spawns the engine in its own process group, with `SIESTA_ENGINE_TAG=tag`.
 /// Output goes to `log_dir/NAME.{stdout,stderr}.log` (so an engine left
-/// running outlives siesta without a broken pipe), tailed into `logs` and
-/// tracing. `on_exit` runs with the exit status once the leader is reaped
+/// running outlives siesta without a broken pipe), tailed into `logs` (and
+/// tracing at `trace` level only). `on_exit` runs with the exit status once the leader is reaped
 /// and the rest of its group killed.
 pub fn spawn(
     name: &str,
@@ -255,8 +255,8 @@ pub fn spawn(
     })
 }
 
-/// Follows a log file line by line from byte `from` until the process has
-/// exited.
+/// Follows a log file line by line from byte `from` into the ring buffer
+/// until the process has exited.
 pub(crate) async fn tail(
     path: PathBuf,
     from: u64,
@@ -283,7 +283,10 @@ pub(crate) async fn tail(
                 let text = String::from_utf8_lossy(&line[..line.len() - 1])
                     .trim_end()
                     .to_string();
-                tracing::info!(target: "siesta::engine", model = %model, stream, "{text}");
+                // Engine output lives in its files and `siesta logs`; repeating it
+                // (a /health access line every second) would flood the daemon's log.
+                // `RUST_LOG=info,siesta::engine=trace` shows it anyway.
+                tracing::trace!(target: "siesta::engine", model = %model, stream, "{text}");
                 logs.push(stream, text);
             }
         }

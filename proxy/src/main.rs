@@ -1,6 +1,7 @@
 //! `siesta-proxy`: parse flags, init tracing, bind, serve until SIGINT/SIGTERM.
 #![forbid(unsafe_code)]
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -87,7 +88,10 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(colour())
         .init();
+    // Handlers first: a signal during start-up is not lost.
+    let signal = siesta_signal::shutdown_signal()?;
     let args = Args::parse();
     let cfg = ProxyConfig {
         controls: args.controls,
@@ -112,17 +116,17 @@ async fn main() -> anyhow::Result<()> {
         write_addr_file(path, &proxy)?;
     }
     let shutdown = CancellationToken::new();
-    let signal = shutdown.clone();
+    let token = shutdown.clone();
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("install SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("signal received; shutting down");
-        signal.cancel();
+        let signal = signal.await;
+        tracing::info!(%signal, "shutting down");
+        token.cancel();
     });
     proxy.run(shutdown).await?;
     Ok(())
+}
+
+/// Colour in the log only on a terminal, and never with `NO_COLOR` set.
+fn colour() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }

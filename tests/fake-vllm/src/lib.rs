@@ -62,18 +62,15 @@ where
 async fn run(args: cli::ServeArgs, argv: &[OsString]) -> ExitCode {
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
-    tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => tracing::info!("received SIGTERM"),
-            _ = int.recv() => tracing::info!("received SIGINT"),
+    let signal = match siesta_signal::shutdown_signal() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("fake-vllm: {e}");
+            return ExitCode::from(1);
         }
+    };
+    tokio::spawn(async move {
+        tracing::info!("received {}", signal.await);
         token.cancel();
         // Like a process manager's stop timeout: whatever hangs, SIGTERM ends the process.
         std::thread::spawn(|| {
