@@ -41,6 +41,9 @@ pub struct ControlConfig {
     /// GPU memory placement counts for each asleep model per GPU
     /// (`asleep_residual`, default 1.5 GiB; vLLM leaves 1–7 GiB asleep).
     pub asleep_residual: u64,
+    /// How long a connection to an engine may idle in control's pool
+    /// (`engine_idle_timeout`, default 4s: below uvicorn's 5 s keep-alive).
+    pub engine_idle_timeout: Duration,
 }
 
 /// When and how the GPU peer-to-peer probe runs.

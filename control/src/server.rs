@@ -122,6 +122,7 @@ impl Server {
             poll_every: Duration::from_secs(1),
             stop_engines_on_exit: opts.stop_engines_on_exit,
             admission: Admission::new(Some(gpus.clone())),
+            engine_idle_timeout: config.control.engine_idle_timeout,
         });
         let tasks = shutdown.child_token();
         let placed = gpus.placed();

@@ -158,6 +158,31 @@ pub fn signal_group(pid: u32, sig: NixSignal) {
     }
 }
 
+/// SIGKILL to what is left of the process group `pgid` once its leader
+/// (started at `leader_start`, when known) is gone: vLLM's engine core and
+/// `VLLM::Worker_TPn` processes do not watch their parent and would keep
+/// their GPU memory. While any member lives the group id cannot be reused;
+/// a group id now led by another process (the pid was reused after the
+/// group emptied) is left alone.
+pub fn kill_group_leftovers(pgid: u32, leader_start: Option<u64>) {
+    if pgid <= 1 {
+        return;
+    }
+    let reused = match (procfs::start_time(pgid), leader_start) {
+        (None, _) => false,
+        (Some(now), Some(t)) => now != t,
+        (Some(_), None) => procfs::alive(pgid, None),
+    };
+    if reused {
+        tracing::debug!(
+            pgid,
+            "process group id reused by another process; not signalled"
+        );
+        return;
+    }
+    signal_group(pgid, NixSignal::SIGKILL);
+}
+
 pub(crate) fn file_name(name: &str) -> String {
     name.chars()
         .map(|c| {
@@ -227,6 +252,7 @@ pub fn spawn(
         )
     })?;
     let pid = child.id().unwrap_or(0);
+    let start = procfs::start_time(pid);
     let (exited_tx, exited) = watch::channel(false);
     tokio::spawn(async move {
         let status = match child.wait().await {
@@ -234,7 +260,7 @@ pub fn spawn(
             Err(e) => format!("wait failed: {e}"),
         };
         // The leader is gone; nothing of its group may stay behind.
-        signal_group(pid, NixSignal::SIGKILL);
+        kill_group_leftovers(pid, start);
         on_exit(status);
         let _ = exited_tx.send(true);
     });

@@ -127,6 +127,7 @@ pub(super) fn demo(command_prefix: Vec<String>) -> Config {
             control_id: validate::host_name(),
             p2p_probe: P2pProbeConfig::default(),
             asleep_residual: crate::placement::DEFAULT_RESIDUAL_BYTES,
+            engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
         },
         defaults,
         gpus: Vec::new(),

@@ -117,6 +117,13 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         .raw("asleep_residual")
         .and_then(|v| size_value(p, &residual_key, v))
         .unwrap_or(crate::placement::DEFAULT_RESIDUAL_BYTES);
+    let engine_idle_timeout = match r.duration(p, "engine_idle_timeout") {
+        Some(d) if d.is_zero() => {
+            p.push(r.key("engine_idle_timeout"), "must be more than 0");
+            None
+        }
+        d => d,
+    };
     r.finish(p);
     ControlConfig {
         listen: listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 50051))),
@@ -125,6 +132,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         control_id: control_id.unwrap_or_else(host_name),
         p2p_probe,
         asleep_residual,
+        engine_idle_timeout: engine_idle_timeout.unwrap_or(crate::engine::DEFAULT_IDLE_TIMEOUT),
     }
 }
 

@@ -17,6 +17,7 @@ fn shared(dir: &std::path::Path) -> Arc<Shared> {
         poll_every: Duration::from_secs(1),
         stop_engines_on_exit: false,
         admission: crate::admission::Admission::open(),
+        engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
     })
 }
 
