@@ -397,6 +397,47 @@ mod tests {
         );
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn children_left_by_an_exited_engine_are_killed_with_its_group() {
+        let dir = tempfile::tempdir().unwrap();
+        // The leader exits when told, leaving two children (engine core and
+        // a TP worker, neither watching its parent) in its group.
+        let go = dir.path().join("go");
+        let script = format!(
+            "sleep 600 & sleep 600 & while [ ! -e '{}' ]; do sleep 0.05; done",
+            go.display()
+        );
+        let spec = SpawnSpec {
+            program: "sh".into(),
+            args: vec!["-c".into(), script],
+            env: vec![],
+        };
+        let logs = Arc::new(LogRing::new(10));
+        let h = spawn("m", &spec, "tag-exit", dir.path(), 1, logs, |_| {}).unwrap();
+        let pid = h.pid;
+        let two_children = || procfs::group_members(pid).len() >= 3;
+        for _ in 0..500 {
+            if two_children() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(two_children(), "{:?}", procfs::group_members(pid));
+        std::fs::write(&go, "").unwrap();
+        let mut exited = h.exited.clone();
+        tokio::time::timeout(Duration::from_secs(10), exited.wait_for(|e| *e))
+            .await
+            .unwrap()
+            .unwrap();
+        for _ in 0..500 {
+            if procfs::group_members(pid).is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("left in the group: {:?}", procfs::group_members(pid));
+    }
+
     #[tokio::test]
     async fn start_locks_serialise_per_gpu() {
         let locks = Arc::new(StartLocks::default());

@@ -23,7 +23,7 @@ const CALL_SLACK: Duration = Duration::from_secs(5);
 /// decides (the metric alone reads awake after `wake_up?tags=weights`); it
 /// waits behind a running wake, so "no answer" is waited on up to the wake
 /// timeout and never taken for awake.
-async fn attach_sleep_level(
+pub(super) async fn attach_sleep_level(
     client: &crate::engine::EngineClient,
     name: &str,
     known: u8,
