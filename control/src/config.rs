@@ -44,6 +44,9 @@ pub struct ControlConfig {
     /// A woken model stays awake at least this long before admission may
     /// put it to sleep for another (`min_awake`, default 2s).
     pub min_awake: Duration,
+    /// How long a connection to an engine may idle in control's pool
+    /// (`engine_idle_timeout`, default 4s: below uvicorn's 5 s keep-alive).
+    pub engine_idle_timeout: Duration,
 }
 
 /// Default `[control] min_awake`.

@@ -35,6 +35,8 @@ pub struct Shared {
     pub stop_engines_on_exit: bool,
     /// Room on the GPUs before a start or wake.
     pub admission: crate::admission::Admission,
+    /// Idle time of pooled connections to engines (`[control] engine_idle_timeout`).
+    pub engine_idle_timeout: Duration,
 }
 
 /// Where a model runs (placement's answer).
@@ -186,7 +188,7 @@ pub fn spawn_model_adopting(
     let cfg = Arc::new(cfg);
     let runner = Runner {
         cfg: cfg.clone(),
-        client: EngineClient::new(&base_url),
+        client: EngineClient::with_idle_timeout(&base_url, shared.engine_idle_timeout),
         facts,
         port,
         placed,

@@ -66,6 +66,10 @@ struct Args {
     /// Time allowed for in-flight requests to finish on shutdown.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     drain_timeout: std::time::Duration,
+    /// How long an idle connection to an engine is kept; keep it below the
+    /// engines' keep-alive (vLLM: 5 s).
+    #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
+    upstream_idle_timeout: std::time::Duration,
 }
 
 fn write_addr_file(path: &PathBuf, proxy: &Proxy) -> anyhow::Result<()> {
@@ -109,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
         body_timeout: args.body_timeout,
         drain_timeout: args.drain_timeout,
         proxy_id: args.proxy_id,
+        upstream_idle_timeout: args.upstream_idle_timeout,
         ..ProxyConfig::default()
     };
     let proxy = Proxy::bind(cfg)?;

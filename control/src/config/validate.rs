@@ -119,6 +119,13 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
     let min_awake = r
         .duration(p, "min_awake")
         .unwrap_or(super::DEFAULT_MIN_AWAKE);
+    let engine_idle_timeout = match r.duration(p, "engine_idle_timeout") {
+        Some(d) if d.is_zero() => {
+            p.push(r.key("engine_idle_timeout"), "must be more than 0");
+            None
+        }
+        d => d,
+    };
     r.finish(p);
     ControlConfig {
         listen: listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 50051))),
@@ -128,6 +135,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         p2p_probe,
         asleep_residual,
         min_awake,
+        engine_idle_timeout: engine_idle_timeout.unwrap_or(crate::engine::DEFAULT_IDLE_TIMEOUT),
     }
 }
 
