@@ -5,16 +5,16 @@
 //! 1. find the process: the recorded pid if alive with the recorded start
 //!    time; if no pid was recorded (siesta died between spawn and recording
 //!    it), the first group leader carrying the record's `SIESTA_ENGINE_TAG`;
-//!    none: the record
-//!    is dropped, and what is left of the engine (its process group, and
-//!    anything carrying its tag) is killed;
+//!    none: the record is dropped, and what is left of the engine (its
+//!    process group, and anything carrying its tag) is killed;
 //! 2. an engine no longer wanted (model removed, now attach, or its command
 //!    changed) is stopped: SIGTERM to its group, SIGKILL after the grace;
 //! 3. otherwise probe it: `/health` (no answer: still starting), then
 //!    `/is_sleeping`, waited on up to the model's wake timeout (it queues
-//!    behind a running wake); asleep, or no answer, or an error: asleep at
-//!    the level from `/metrics` or else the recorded one (else 2), so a wake
-//!    cut short by the restart runs again;
+//!    behind a running wake). Asleep: at the level from `/metrics`, else
+//!    the recorded one, else 2. No answer or an error: asleep at the
+//!    recorded level (else 2), never awake, so a wake cut short by the
+//!    restart runs again;
 //! 4. the model's task starts from that state ([`crate::reconciler::adopt`])
 //!    with its restored intent and drives on from there.
 //!

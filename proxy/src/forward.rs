@@ -203,13 +203,16 @@ impl Forwarder {
         let sent = Instant::now();
         let mut result = self.client.request(req).await;
         let reused = conn::uses(&capture).is_some_and(|u| u.count());
+        let mut first_error = None;
         if let Err(e) = &result
             && reused
             && sent.elapsed() < RETRY_WINDOW
             && closed_before_answer(e)
         {
-            tracing::info!(model = %up.model, url = %up.url, error = %error_chain(e),
+            let error = error_chain(e);
+            tracing::info!(model = %up.model, url = %up.url, %error,
                 "engine closed a reused connection as the request went out; sending it again on a fresh one");
+            first_error = Some(error);
             result = self.fresh.request(build()).await;
         }
         match result {
@@ -236,6 +239,13 @@ impl Forwarder {
                     },
                 ))
             }
+            // The engine is gone, not closing an idle connection: the first
+            // attempt may have reached it, so the request goes nowhere else.
+            Err(e) if first_error.is_some() => Err(ForwardError::Other(format!(
+                "{} (sent again on a fresh connection: {})",
+                first_error.unwrap_or_default(),
+                error_chain(&e)
+            ))),
             Err(e) if e.is_connect() => {
                 guard.finish(false);
                 Err(ForwardError::Connect(error_chain(&e)))

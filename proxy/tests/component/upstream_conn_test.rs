@@ -52,21 +52,38 @@ async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
 
 impl RawEngine {
     async fn start(answered: usize) -> RawEngine {
+        Self::start_with(answered, false).await
+    }
+
+    /// `dies`: the cut also closes the listening socket (the engine died).
+    async fn start_with(answered: usize, dies: bool) -> RawEngine {
+        let died = Arc::new(tokio::sync::Notify::new());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let connections = Arc::new(AtomicUsize::new(0));
         let requests = Arc::new(AtomicUsize::new(0));
         let (conns, reqs) = (connections.clone(), requests.clone());
+        let dead = died.clone();
         tokio::spawn(async move {
-            while let Ok((mut s, _)) = listener.accept().await {
+            loop {
+                let mut s = tokio::select! {
+                    a = listener.accept() => match a {
+                        Ok((s, _)) => s,
+                        Err(_) => return,
+                    },
+                    _ = dead.notified() => return,
+                };
                 conns.fetch_add(1, Ordering::SeqCst);
-                let reqs = reqs.clone();
+                let (reqs, died) = (reqs.clone(), died.clone());
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut n = 0;
                     while read_request(&mut s, &mut buf).await {
                         reqs.fetch_add(1, Ordering::SeqCst);
                         if n == answered {
+                            if dies {
+                                died.notify_one();
+                            }
                             return;
                         }
                         n += 1;
@@ -134,4 +151,27 @@ async fn idle_upstream_connections_are_dropped_after_the_idle_timeout() {
     assert_eq!(r.status, 200);
     assert_eq!(e.connections.load(Ordering::SeqCst), 2);
     assert!(siesta_proxy::DEFAULT_UPSTREAM_IDLE_TIMEOUT < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn a_request_whose_engine_died_is_not_sent_anywhere_else() {
+    // The engine answers once, then dies with the next request: the resend
+    // finds its port closed. The request reached the engine: 502, not a
+    // refused connection to be retried elsewhere or held.
+    let e = RawEngine::start_with(1, true).await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.upstream_idle_timeout = Duration::from_secs(60);
+    })
+    .await;
+    assert_eq!(
+        post(&p.url("/v1/chat/completions"), &chat("m"))
+            .await
+            .status,
+        200
+    );
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 502, "{:?}", r.body);
+    let body = String::from_utf8_lossy(&r.body);
+    assert!(body.contains("sent again on a fresh connection"), "{body}");
 }
