@@ -253,6 +253,19 @@ impl Runner {
             tokio::select! {
                 _ = cancel.cancelled() => {
                     let stop = self.shared.stop_engines_on_exit;
+                    // A spawn that landed while the cancel won the race
+                    // is still queued: its engine is ours to stop too.
+                    rx.close();
+                    while let Ok(msg) = rx.try_recv() {
+                        if let Msg::Spawned(handle) = msg {
+                            if stop {
+                                tracing::info!(model = %self.cfg.name, pid = handle.pid, "stopping an engine spawned during shutdown");
+                                handle.kill_and_wait().await;
+                            } else {
+                                self.proc.get_or_insert(handle);
+                            }
+                        }
+                    }
                     self.finish(stop).await;
                     return;
                 }
