@@ -1,41 +1,150 @@
-//! The gate before a model takes its GPUs awake (start or wake): placement
-//! says whether it fits; if not, idle unpinned models sharing its GPUs are
-//! put to sleep first (least recently used first), or it waits.
+//! The one owner of GPU admission: every start and wake of a model that
+//! needs GPU memory asks this task for room, and it alone decides, in
+//! arrival order, who may take its GPUs and which idle models must sleep
+//! first.
+//!
+//! Data flow: a model's effect task calls [`Admission::admit`] (its ask
+//! joins the queue); the admission task plans over the models' published
+//! states (the hub) and the placement (the GPU view); an ask that fits is
+//! answered, one that needs room sends `Evict` to the victims through the
+//! registry (name → evictor, filled by `models`), one that cannot be helped
+//! is told what it waits for. It plans again on every published change.
+//!
+//! Why one task: each model used to decide alone from snapshots of the
+//! others, counting every Starting or Waking model at its full share, even
+//! one that was itself still waiting. Two wakes on a shared GPU then waited
+//! for each other until their deadlines. Here a queued ask counts only what
+//! its engine holds now (an asleep residual, or nothing before a start);
+//! once answered, the model's Waking or Starting state counts at full share
+//! until it is awake or gives up, so nothing waits on another model's wait
+//! and no GPU is promised twice.
+
+mod queue;
+#[cfg(test)]
+mod tests;
 
 use crate::gpu_view::GpuView;
-use crate::models::Models;
-use crate::placement::WakePlan;
-use crate::reconciler::Event;
-use crate::status::State;
-use std::sync::{Arc, OnceLock, Weak};
+use crate::hub::Hub;
+use crate::status::Clock;
+use queue::{Ask, Core};
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
 
-const RECHECK: Duration = Duration::from_millis(250);
-/// How long to wait for evicted models to be asleep before planning again.
-const EVICTION_WAIT: Duration = Duration::from_secs(120);
+/// Puts one model to sleep to make room (sends it `Event::Evict`).
+pub type Evictor = Arc<dyn Fn() + Send + Sync>;
 
-/// Shared by every model task.
-#[derive(Debug)]
+/// Tells a waiting model what it waits for (None: admitted).
+pub type Waiting = Box<dyn Fn(Option<String>) + Send + Sync>;
+
+/// Who can be asked to make room, by model name.
+#[derive(Default, Clone)]
+pub struct Registry(Arc<RwLock<BTreeMap<String, Evictor>>>);
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<String> = self.0.read().unwrap().keys().cloned().collect();
+        f.debug_tuple("Registry").field(&names).finish()
+    }
+}
+
+impl Registry {
+    pub fn insert(&self, model: &str, evict: Evictor) {
+        self.0.write().unwrap().insert(model.to_string(), evict);
+    }
+
+    pub fn remove(&self, model: &str) {
+        self.0.write().unwrap().remove(model);
+    }
+
+    fn evict(&self, model: &str) {
+        let f = self.0.read().unwrap().get(model).cloned();
+        if let Some(f) = f {
+            f();
+        }
+    }
+}
+
+/// Settings of the admission task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionPolicy {
+    /// A woken model stays awake at least this long before it may be put
+    /// to sleep for another (against thrashing when two models alternate).
+    pub min_awake: Duration,
+}
+
+enum Msg {
+    Ask(Ask),
+    Cancel(u64),
+}
+
+/// The handle every model task holds.
+#[derive(Debug, Clone)]
 pub struct Admission {
     gpus: Option<Arc<GpuView>>,
-    models: OnceLock<Weak<Models>>,
+    tx: Option<mpsc::UnboundedSender<Msg>>,
+    registry: Registry,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Msg::Ask(a) => write!(f, "Ask({}, {})", a.model, a.id),
+            Msg::Cancel(id) => write!(f, "Cancel({id})"),
+        }
+    }
+}
+
+/// Removes an ask from the queue when its waiter goes away unanswered.
+struct CancelOnDrop<'a> {
+    tx: &'a mpsc::UnboundedSender<Msg>,
+    id: u64,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.tx.send(Msg::Cancel(self.id));
+        }
+    }
 }
 
 impl Admission {
-    pub fn new(gpus: Option<Arc<GpuView>>) -> Self {
+    /// Starts the admission task over `gpus`, planning on every change
+    /// published on `hub`, until `cancel`.
+    pub fn start(
+        gpus: Arc<GpuView>,
+        hub: Arc<Hub>,
+        clock: Clock,
+        policy: AdmissionPolicy,
+        cancel: CancellationToken,
+    ) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let registry = Registry::default();
+        let core = Core::new(gpus.clone(), registry.clone(), clock, policy);
+        tokio::spawn(run(core, hub, rx, cancel));
         Self {
-            gpus,
-            models: OnceLock::new(),
+            gpus: Some(gpus),
+            tx: Some(tx),
+            registry,
         }
     }
 
     /// Lets everything through (tests, no GPUs).
     pub fn open() -> Self {
-        Self::new(None)
+        Self {
+            gpus: None,
+            tx: None,
+            registry: Registry::default(),
+        }
     }
 
-    pub fn set_models(&self, models: Weak<Models>) {
-        let _ = self.models.set(models);
+    /// Where models register how to put them to sleep.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// Whether `model`, running on `gpus`, must start with NCCL P2P off, as
@@ -50,49 +159,80 @@ impl Admission {
             .map(|p| p.p2p_disabled)
     }
 
-    /// Returns once `model` fits on its GPUs, evicting idle models as
-    /// needed. `waiting` is told what it waits for (None once it fits).
-    /// The caller's deadline bounds the wait (drop the future to stop).
-    pub async fn wait_for_room(&self, model: &str, waiting: impl Fn(Option<String>)) {
-        let Some(gpus) = &self.gpus else {
+    /// Returns once `model` may take its GPUs awake. `waiting` is told what
+    /// it waits for while it waits. The caller's deadline bounds the wait:
+    /// drop the future to leave the queue.
+    pub async fn admit(&self, model: &str, waiting: Waiting) {
+        let Some(tx) = &self.tx else {
             return;
         };
-        loop {
-            let Some(models) = self.models.get().and_then(Weak::upgrade) else {
-                return;
-            };
-            match gpus.plan_wake(model, &models.list()) {
-                WakePlan::Ready => {
-                    waiting(None);
-                    return;
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (reply, answered) = oneshot::channel();
+        let ask = Ask {
+            id,
+            model: model.to_string(),
+            waiting,
+            reply,
+            told: None,
+        };
+        if tx.send(Msg::Ask(ask)).is_err() {
+            // The task is gone (shutting down): nothing left to protect.
+            return;
+        }
+        let mut guard = CancelOnDrop {
+            tx,
+            id,
+            armed: true,
+        };
+        if answered.await.is_ok() {
+            guard.armed = false;
+        }
+    }
+}
+
+/// How often the queue is planned again with no change published (NVML
+/// memory moves, `min_awake` runs out).
+const RECHECK: Duration = Duration::from_millis(250);
+
+async fn run(
+    mut core: Core,
+    hub: Arc<Hub>,
+    mut rx: mpsc::UnboundedReceiver<Msg>,
+    cancel: CancellationToken,
+) {
+    let mut changes = hub.subscribe(0);
+    let mut tick = tokio::time::interval(RECHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            msg = rx.recv() => match msg {
+                None => return,
+                Some(Msg::Ask(ask)) => core.push(ask),
+                Some(Msg::Cancel(id)) => core.cancel(id),
+            },
+            item = async {
+                match changes.as_mut() {
+                    Some(s) => s.next().await,
+                    None => std::future::pending().await,
                 }
-                WakePlan::Evict(victims) => {
-                    tracing::info!(model, ?victims, "evicting idle models to make room");
-                    waiting(Some(format!(
-                        "room on its GPUs: putting {} to sleep",
-                        victims.join(", ")
-                    )));
-                    let mut pending = Vec::new();
-                    for v in &victims {
-                        if let Ok(h) = models.resolve(v) {
-                            h.notify(Event::Evict);
-                            pending.push(h.status.clone());
-                        }
-                    }
-                    drop(models);
-                    for mut rx in pending {
-                        let gone = |s: &crate::status::ModelStatus| {
-                            !matches!(s.state, State::Awake | State::Sleeping)
-                        };
-                        let _ = tokio::time::timeout(EVICTION_WAIT, rx.wait_for(gone)).await;
-                    }
-                }
-                WakePlan::Wait(reason) => {
-                    drop(models);
-                    waiting(Some(reason));
-                    tokio::time::sleep(RECHECK).await;
+            } => {
+                if item.is_none() {
+                    changes = None;
                 }
             }
+            _ = tick.tick() => {}
+        }
+        // Take what else is ready before planning once.
+        while let Ok(msg) = rx.try_recv() {
+            match msg {
+                Msg::Ask(ask) => core.push(ask),
+                Msg::Cancel(id) => core.cancel(id),
+            }
+        }
+        if !core.is_empty() {
+            core.plan(&hub.models().0);
         }
     }
 }

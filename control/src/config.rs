@@ -41,7 +41,13 @@ pub struct ControlConfig {
     /// GPU memory placement counts for each asleep model per GPU
     /// (`asleep_residual`, default 1.5 GiB; vLLM leaves 1–7 GiB asleep).
     pub asleep_residual: u64,
+    /// A woken model stays awake at least this long before admission may
+    /// put it to sleep for another (`min_awake`, default 2s).
+    pub min_awake: Duration,
 }
+
+/// Default `[control] min_awake`.
+pub const DEFAULT_MIN_AWAKE: Duration = Duration::from_secs(2);
 
 /// When and how the GPU peer-to-peer probe runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

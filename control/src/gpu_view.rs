@@ -80,7 +80,8 @@ fn run_state(s: State) -> RunState {
     }
 }
 
-fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> {
+/// What placement needs to know of each model's run time.
+pub(crate) fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> {
     models
         .iter()
         .map(|m| {
@@ -175,6 +176,18 @@ impl GpuView {
             .collect()
     }
 
+    /// Every placement (empty when placement failed).
+    #[cfg(test)]
+    pub(crate) fn placements(&self) -> Vec<Placement> {
+        self.state.lock().unwrap().placements.clone()
+    }
+
+    /// Whether placement failed for this config.
+    #[cfg(test)]
+    pub(crate) fn placement_failed(&self) -> bool {
+        self.state.lock().unwrap().placement_error.is_some()
+    }
+
     /// Where `model` runs now (None: not placed by this view, e.g. added by
     /// a reload). Read at every engine start, so a P2P verdict that changed
     /// since the last start applies.
@@ -254,6 +267,15 @@ impl GpuView {
     /// Whether `target` fits awake now (models without a placement or GPUs
     /// always do).
     pub fn plan_wake(&self, target: &str, models: &[ModelStatus]) -> WakePlan {
+        self.plan_wake_in(target, &runtime(models))
+    }
+
+    /// [`Self::plan_wake`] given each model's run time as admission sees it.
+    pub(crate) fn plan_wake_in(
+        &self,
+        target: &str,
+        runtime: &BTreeMap<String, ModelRuntime>,
+    ) -> WakePlan {
         let st = self.state.lock().unwrap();
         if !st
             .placements
@@ -267,7 +289,7 @@ impl GpuView {
             target,
             &machine,
             &st.placements,
-            &runtime(models),
+            runtime,
             &self.policy,
         )
     }

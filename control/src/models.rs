@@ -97,12 +97,22 @@ impl Models {
             self.shared.clone(),
             self.cancel.child_token(),
         )?;
+        let handle = Arc::new(handle);
+        let weak = Arc::downgrade(&handle);
+        self.shared.admission.registry().insert(
+            &cfg.name,
+            Arc::new(move || {
+                if let Some(h) = weak.upgrade() {
+                    h.notify(Event::Evict);
+                }
+            }),
+        );
         let mut reg = self.registry.write().unwrap();
         for alias in &cfg.aliases {
             reg.names.insert(alias.clone(), cfg.name.clone());
         }
         reg.names.insert(cfg.name.clone(), cfg.name.clone());
-        reg.models.insert(cfg.name.clone(), Arc::new(handle));
+        reg.models.insert(cfg.name.clone(), handle);
         Ok(())
     }
 
@@ -112,6 +122,7 @@ impl Models {
             reg.names.retain(|_, n| n != name);
             reg.models.remove(name)
         };
+        self.shared.admission.registry().remove(name);
         if let Some(h) = handle {
             h.shutdown(true).await;
         }

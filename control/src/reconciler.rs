@@ -22,6 +22,12 @@ use tokio::time::{Duration, Instant};
 /// silent this long is gone and its in-flight count no longer counts.
 pub const PROXY_STALE: Duration = Duration::from_secs(30);
 
+/// How long a wake may wait for room on its GPUs (other models to finish
+/// their requests and be put to sleep). A wake that gives up leaves its
+/// engine asleep, unharmed, and says why in the model's status; the next
+/// demand tries again. As long as the proxy's default `max_hold`.
+pub const ROOM_WAIT: Duration = Duration::from_secs(300);
+
 /// What the reconciler works towards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Desired {
@@ -79,11 +85,14 @@ pub enum Phase {
     Asleep {
         level: u8,
     },
-    /// `step` indexes [`wake_calls`]`(from_level)`.
+    /// `step` indexes [`wake_calls`]`(from_level)`. Until `admitted`, the
+    /// wake waits for room on its GPUs (at most [`ROOM_WAIT`]); the wake
+    /// deadline counts from admission.
     Waking {
         from_level: u8,
         step: usize,
         deadline: Instant,
+        admitted: bool,
     },
     /// `killed`: SIGKILL already sent.
     Stopping {
@@ -296,8 +305,13 @@ pub struct ModelState {
     pub pin: Pin,
     /// End of the last request seen.
     pub last_activity: Option<Instant>,
-    /// Idle time never counts from before this (becoming awake, operator wake).
+    /// Idle time never counts from before this: the engine becoming ready
+    /// or awake, the end of a preload, a demand, an operator wake.
     pub idle_floor: Instant,
+    /// A proxy's demand not yet served (the model was not awake when it
+    /// came): no idle tier fires until the model is awake, and only an
+    /// operator's intent overrides it.
+    pub demand_since: Option<Instant>,
     /// Requests in flight per proxy, and when that proxy last said so.
     pub proxies: BTreeMap<String, (u32, Instant)>,
     /// The engine's own running-requests gauge.
@@ -334,6 +348,7 @@ impl ModelState {
             pin: Pin::None,
             last_activity: None,
             idle_floor: now,
+            demand_since: None,
             proxies: BTreeMap::new(),
             engine_running: 0,
             failures: 0,

@@ -1,7 +1,7 @@
 //! The daemon: binds the gRPC listener, starts the model tasks, serves
 //! `siesta.v1.Control`, gRPC health and reflection, and shuts down cleanly.
 
-use crate::admission::Admission;
+use crate::admission::{Admission, AdmissionPolicy};
 use crate::api::ControlService;
 use crate::api::auth::BearerAuth;
 use crate::gpu_view::GpuView;
@@ -121,7 +121,15 @@ impl Server {
             control_id: config.control.control_id.clone(),
             poll_every: Duration::from_secs(1),
             stop_engines_on_exit: opts.stop_engines_on_exit,
-            admission: Admission::new(Some(gpus.clone())),
+            admission: Admission::start(
+                gpus.clone(),
+                hub.clone(),
+                clock,
+                AdmissionPolicy {
+                    min_awake: config.control.min_awake,
+                },
+                shutdown.child_token(),
+            ),
         });
         let tasks = shutdown.child_token();
         let placed = gpus.placed();
@@ -130,7 +138,6 @@ impl Server {
             Models::start(&config, &placed, adopted, shared.clone(), tasks.clone())
                 .map_err(Error::Startup)?,
         );
-        shared.admission.set_models(Arc::downgrade(&models));
         hub.set_placement(gpus.placement(&models.list()));
         let service = ControlService {
             models: models.clone(),

@@ -21,7 +21,8 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 use siesta_control::config::{Backoff, IdleAction, IdleTier, Preload, Timeouts};
 use siesta_control::reconciler::{
-    Command, Desired, Effect, Event, ModelState, Phase, Settings, Signal, step, wake_calls,
+    Command, Desired, Effect, Event, ModelState, Phase, ROOM_WAIT, Settings, Signal, step,
+    wake_calls,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use tokio::time::{Duration, Instant};
@@ -397,7 +398,7 @@ impl World {
             ctx()
         );
         let t = &m.settings.timeouts;
-        let longest = t.start * 2 + t.wake + t.sleep + t.stop_grace + KILL_GRACE;
+        let longest = t.start * 2 + t.wake + t.sleep + t.stop_grace + KILL_GRACE + ROOM_WAIT;
         if let Some(deadline) = m.phase.deadline() {
             prop_assert!(
                 self.timer.is_some_and(|at| at <= deadline),
@@ -566,3 +567,7 @@ proptest! {
         prop_assert!(b.delay(u32::MAX) <= b.max);
     }
 }
+
+// The crate root is this file, so its submodule needs the path.
+#[path = "reconciler_props/demand.rs"]
+mod demand;

@@ -127,6 +127,7 @@ pub(super) fn demo(command_prefix: Vec<String>) -> Config {
             control_id: validate::host_name(),
             p2p_probe: P2pProbeConfig::default(),
             asleep_residual: crate::placement::DEFAULT_RESIDUAL_BYTES,
+            min_awake: super::DEFAULT_MIN_AWAKE,
         },
         defaults,
         gpus: Vec::new(),

@@ -117,6 +117,9 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         .raw("asleep_residual")
         .and_then(|v| size_value(p, &residual_key, v))
         .unwrap_or(crate::placement::DEFAULT_RESIDUAL_BYTES);
+    let min_awake = r
+        .duration(p, "min_awake")
+        .unwrap_or(super::DEFAULT_MIN_AWAKE);
     r.finish(p);
     ControlConfig {
         listen: listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 50051))),
@@ -125,6 +128,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         control_id: control_id.unwrap_or_else(host_name),
         p2p_probe,
         asleep_residual,
+        min_awake,
     }
 }
 

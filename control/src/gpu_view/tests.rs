@@ -185,13 +185,21 @@ fn a_new_verdict_reaches_the_next_start_without_moving_models() {
     assert!(again.placed()["tp01"].p2p_disabled);
 }
 
-#[test]
-fn admission_hands_the_current_p2p_switch_to_the_next_start() {
-    use crate::admission::Admission;
+#[tokio::test]
+async fn admission_hands_the_current_p2p_switch_to_the_next_start() {
+    use crate::admission::{Admission, AdmissionPolicy};
     let dir = tempfile::tempdir().unwrap();
     save(dir.path(), &[]);
     let view = std::sync::Arc::new(GpuView::detect(&config(dir.path(), "p2p_probe = \"off\"")));
-    let admission = Admission::new(Some(view.clone()));
+    let admission = Admission::start(
+        view.clone(),
+        crate::hub::Hub::new(crate::status::Clock::new(), 16, 16),
+        crate::status::Clock::new(),
+        AdmissionPolicy {
+            min_awake: std::time::Duration::ZERO,
+        },
+        tokio_util::sync::CancellationToken::new(),
+    );
     assert_eq!(admission.p2p_disabled("tp01", &[0, 1]), Some(false));
     let mut results: Vec<_> = view.state.lock().unwrap().p2p.results().cloned().collect();
     results[0].health = P2pHealth::Corrupt;

@@ -45,6 +45,8 @@ pub struct ModelRuntime {
     pub last_activity_ms: i64,
     /// Pinned awake by an operator: never evicted.
     pub pinned_awake: bool,
+    /// Woken too recently to be evicted yet (`[control] min_awake`): ms left.
+    pub min_awake_left_ms: u64,
 }
 
 impl ModelRuntime {
@@ -54,6 +56,7 @@ impl ModelRuntime {
             in_flight: 0,
             last_activity_ms: 0,
             pinned_awake: false,
+            min_awake_left_ms: 0,
         }
     }
 }
@@ -193,7 +196,12 @@ pub fn plan_wake(
         .iter()
         .filter(|p| p.model != target && p.gpus.iter().any(|g| me.gpus.contains(g)))
         .map(|p| (p, state_of(runtime, &p.model)))
-        .filter(|(_, s)| s.state == RunState::Awake && s.in_flight == 0 && !s.pinned_awake)
+        .filter(|(_, s)| {
+            s.state == RunState::Awake
+                && s.in_flight == 0
+                && !s.pinned_awake
+                && s.min_awake_left_ms == 0
+        })
         .collect();
     candidates.sort_by(|a, b| {
         a.1.last_activity_ms
@@ -245,6 +253,10 @@ pub fn plan_wake(
                 RunState::Awake if s.in_flight > 0 => {
                     format!("{} request(s) in flight", s.in_flight)
                 }
+                RunState::Awake if s.min_awake_left_ms > 0 => format!(
+                    "woken recently, stays awake {} ms more",
+                    s.min_awake_left_ms
+                ),
                 RunState::Awake | RunState::Asleep | RunState::Stopped | RunState::Failed => {
                     return None;
                 }

@@ -27,6 +27,7 @@ fn rt(state: RunState, last: i64) -> ModelRuntime {
         in_flight: 0,
         last_activity_ms: last,
         pinned_awake: false,
+        min_awake_left_ms: 0,
     }
 }
 

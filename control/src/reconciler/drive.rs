@@ -41,6 +41,21 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         Phase::Sleeping { level, .. } => {
             fail(m, format!("sleep (level {level}) timed out"), now, fx)
         }
+        Phase::Waking {
+            from_level,
+            admitted: false,
+            ..
+        } => {
+            // No room within ROOM_WAIT: the engine stays asleep, unharmed.
+            let error = format!(
+                "no room on its GPUs within {ROOM_WAIT:?}: other models kept them busy"
+            );
+            fx.push(Effect::Log(format!("wake gave up: {error}")));
+            m.last_error = Some(error);
+            m.demand_since = None;
+            set_intent(m, Desired::Asleep(from_level), Reason::Eviction, now);
+            set_phase(m, Phase::Asleep { level: from_level }, now);
+        }
         Phase::Waking { from_level, .. } => fail(
             m,
             format!("wake from level {from_level} timed out"),
@@ -112,13 +127,14 @@ fn begin_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>
 
 fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Effect>) {
     m.transition_start = now;
-    let deadline = now + m.settings.timeouts.wake;
+    let deadline = now + ROOM_WAIT;
     set_phase(
         m,
         Phase::Waking {
             from_level,
             step: 0,
             deadline,
+            admitted: false,
         },
         now,
     );

@@ -12,6 +12,10 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
         .retain(|_, (_, at)| now.saturating_duration_since(*at) < PROXY_STALE);
     handle(&mut m, event, now, &mut fx);
     reconcile(&mut m, now, &mut fx);
+    if m.phase == Phase::Awake && m.intent.desired == Desired::Awake {
+        // Served: the proxies release what they held.
+        m.demand_since = None;
+    }
     if m.intent != intent_before {
         fx.push(Effect::Persist);
     }
@@ -71,8 +75,14 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         Event::Demand => {
             let operator_stop =
                 m.intent.desired == Desired::Stopped && m.intent.reason == Reason::Operator;
-            if !operator_stop && m.intent.desired != Desired::Awake {
-                set_intent(m, Desired::Awake, Reason::Demand, now);
+            if !operator_stop {
+                // A demand wins over idle tiers: the idle clock restarts
+                // here, and no tier fires until the model is awake.
+                if m.intent.desired != Desired::Awake {
+                    set_intent(m, Desired::Awake, Reason::Demand, now);
+                }
+                m.idle_floor = now;
+                m.demand_since.get_or_insert(now);
             }
         }
         Event::Evict => {
@@ -166,6 +176,9 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 }
                 m.failures = 0;
                 m.last_error = None;
+                // The idle clock starts when the engine is ready, not when
+                // it was asked for (real vLLM takes a minute or more).
+                m.idle_floor = now;
                 fx.push(Effect::ReleaseStartLock);
                 match asleep {
                     Some(level) => {
@@ -187,6 +200,10 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             if let Phase::Sleeping { level, .. } = m.phase {
                 m.calibration.sleep_mut(level).add(now - m.transition_start);
                 fx.push(Effect::Log(format!("asleep at level {level}")));
+                if m.intent.reason == Reason::Config {
+                    // A preload's tiers count from its end.
+                    m.idle_floor = now;
+                }
                 set_phase(m, Phase::Asleep { level }, now);
             }
         }
@@ -195,6 +212,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 from_level,
                 step: current,
                 deadline,
+                admitted,
             } = m.phase
                 && step == current
             {
@@ -204,6 +222,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                         from_level,
                         step: step + 1,
                         deadline,
+                        admitted,
                     };
                     fx.push(Effect::Wake {
                         epoch,
@@ -225,6 +244,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             if let Phase::Waking {
                 from_level,
                 step: 0,
+                admitted: false,
                 ..
             } = m.phase
             {
@@ -233,6 +253,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     from_level,
                     step: 0,
                     deadline: now + m.settings.timeouts.wake,
+                    admitted: true,
                 };
             }
         }
@@ -283,11 +304,13 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
         }
         Command::Sleep(level) => {
             m.pin = Pin::None;
+            m.demand_since = None;
             set_intent(m, Desired::Asleep(level), Reason::Operator, now);
             retry_now(m, now);
         }
         Command::Stop => {
             m.pin = Pin::None;
+            m.demand_since = None;
             set_intent(m, Desired::Stopped, Reason::Operator, now);
             // An operator stop interrupts a transition under way.
             let busy = matches!(

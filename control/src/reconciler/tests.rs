@@ -224,6 +224,7 @@ fn every_transition_has_a_deadline() {
     s.boot();
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     s.ev(Event::Demand);
+    s.ev(Event::Admitted { epoch: s.m.epoch });
     s.advance(secs(5));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
     assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
@@ -443,6 +444,29 @@ fn wake_deadline_counts_from_admission() {
 }
 
 #[test]
+fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
+    let mut s = Sim::new(Preload::Asleep);
+    s.m.settings.tiers.clear();
+    s.boot();
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.ev(Event::Demand);
+    s.advance(ROOM_WAIT - secs(1));
+    assert!(
+        matches!(s.m.phase, Phase::Waking { admitted: false, .. }),
+        "{:?}",
+        s.m
+    );
+    s.advance(secs(1));
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+    assert!(s.m.last_error.as_deref().unwrap().contains("no room"));
+    assert_eq!(s.m.intent.desired, Desired::Asleep(1));
+    // The next demand tries again.
+    s.ev(Event::Demand);
+    assert!(matches!(s.m.phase, Phase::Waking { .. }));
+}
+
+#[test]
 fn a_silent_proxy_stops_counting() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
@@ -457,3 +481,5 @@ fn a_silent_proxy_stops_counting() {
     s.advance(PROXY_STALE);
     assert_eq!(s.m.in_flight(), 0);
 }
+
+mod demand;

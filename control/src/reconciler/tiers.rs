@@ -14,9 +14,12 @@ pub fn tier_desired(tier: &IdleTier, attach: bool) -> Desired {
 }
 
 /// Whether tiers may fire at all now: a stable serving state, not pinned,
-/// nothing in flight.
+/// nothing in flight, no demand waiting to be served.
 fn idle_eligible(m: &ModelState, now: Instant) -> bool {
-    matches!(m.phase, Phase::Awake | Phase::Asleep { .. }) && !m.pinned(now) && m.in_flight() == 0
+    matches!(m.phase, Phase::Awake | Phase::Asleep { .. })
+        && !m.pinned(now)
+        && m.in_flight() == 0
+        && m.demand_since.is_none()
 }
 
 /// The deepest tier that is due now and deeper than the current intent.

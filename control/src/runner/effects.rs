@@ -79,15 +79,12 @@ impl Runner {
                     (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
                 self.op(async move {
                     if step == 0 {
-                        let waited = std::sync::atomic::AtomicBool::new(false);
-                        let waiting = |w: Option<String>| {
-                            waited.fetch_or(w.is_some(), std::sync::atomic::Ordering::Relaxed);
-                            let _ = tx.send(Msg::WaitingFor(w));
-                        };
-                        shared.admission.wait_for_room(&name, waiting).await;
-                        if waited.into_inner() {
-                            let _ = tx.send(Msg::Event(Event::Admitted { epoch }, None));
-                        }
+                        let waiting_tx = tx.clone();
+                        let waiting = Box::new(move |w: Option<String>| {
+                            let _ = waiting_tx.send(Msg::WaitingFor(w));
+                        });
+                        shared.admission.admit(&name, waiting).await;
+                        let _ = tx.send(Msg::Event(Event::Admitted { epoch }, None));
                     }
                     send(match client.wake(call, timeout).await {
                         Ok(()) => Event::WakeStepDone { epoch, step },
@@ -172,11 +169,11 @@ impl Runner {
                 old.kill_and_wait().await;
             }
             let waiting_tx = tx.clone();
-            let waiting = move |w: Option<String>| {
+            let waiting = Box::new(move |w: Option<String>| {
                 let _ = waiting_tx.send(Msg::WaitingFor(w));
-            };
+            });
             tokio::select! {
-                _ = shared.admission.wait_for_room(&name, waiting) => {}
+                _ = shared.admission.admit(&name, waiting) => {}
                 _ = cancel.cancelled() => return,
             }
             let guards = tokio::select! {

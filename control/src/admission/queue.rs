@@ -1,0 +1,162 @@
+//! The admission queue and its planning step: pure over the models'
+//! states, the placement and the clock, so tests drive it directly.
+
+use super::{AdmissionPolicy, Registry, Waiting};
+use crate::gpu_view::{GpuView, runtime};
+use crate::placement::{RunState, WakePlan};
+use crate::status::{Clock, ModelStatus, State};
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+use tokio::sync::oneshot;
+
+/// One model's request for room.
+pub(crate) struct Ask {
+    pub id: u64,
+    pub model: String,
+    pub waiting: Waiting,
+    pub reply: oneshot::Sender<()>,
+    /// What the waiter was last told (only changes are sent).
+    pub told: Option<String>,
+}
+
+impl Ask {
+    fn tell(&mut self, what: String) {
+        if self.told.as_deref() != Some(&what) {
+            (self.waiting)(Some(what.clone()));
+            self.told = Some(what);
+        }
+    }
+}
+
+/// The queue, in arrival order, and what planning needs.
+pub(crate) struct Core {
+    queue: VecDeque<Ask>,
+    gpus: Arc<GpuView>,
+    registry: Registry,
+    clock: Clock,
+    policy: AdmissionPolicy,
+}
+
+impl Core {
+    pub fn new(
+        gpus: Arc<GpuView>,
+        registry: Registry,
+        clock: Clock,
+        policy: AdmissionPolicy,
+    ) -> Self {
+        Self {
+            queue: VecDeque::new(),
+            gpus,
+            registry,
+            clock,
+            policy,
+        }
+    }
+
+    pub fn push(&mut self, ask: Ask) {
+        // One ask per model: a newer one (a new epoch) replaces the old.
+        self.queue.retain(|a| a.model != ask.model);
+        self.queue.push_back(ask);
+    }
+
+    pub fn cancel(&mut self, id: u64) {
+        self.queue.retain(|a| a.id != id);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Answers every ask that fits now, in arrival order; asks evictions
+    /// for those that need room; tells the rest what they wait for. An ask
+    /// waits behind an earlier one that shares a GPU with it.
+    pub fn plan(&mut self, models: &[ModelStatus]) {
+        // Waiters gone (their model task moved on) leave the queue.
+        self.queue.retain(|a| !a.reply.is_closed());
+        let now_ms = self.clock.now_ms();
+        let mut rt = runtime(models);
+        let queued: BTreeSet<&str> = self.queue.iter().map(|a| a.model.as_str()).collect();
+        for m in models {
+            let Some(r) = rt.get_mut(&m.name) else {
+                continue;
+            };
+            if queued.contains(m.name.as_str()) {
+                // Not admitted yet: it holds what its engine holds now.
+                r.state = match m.state {
+                    State::Waking => RunState::Asleep,
+                    State::Starting => RunState::Stopped,
+                    _ => r.state,
+                };
+            }
+            if m.state == State::Awake {
+                let min = self.policy.min_awake.as_millis() as i64;
+                let awake_for = now_ms - m.state_since_unix_ms;
+                r.min_awake_left_ms = (min - awake_for).max(0) as u64;
+            }
+        }
+        let mut blocked: BTreeSet<u32> = BTreeSet::new();
+        let mut i = 0;
+        while i < self.queue.len() {
+            let model = self.queue[i].model.clone();
+            let gpus = self
+                .gpus
+                .placed_one(&model)
+                .map(|p| p.gpus)
+                .unwrap_or_default();
+            if let Some(g) = gpus.iter().find(|g| blocked.contains(g)) {
+                let ahead = self.queue.iter().take(i).find(|a| {
+                    self.gpus
+                        .placed_one(&a.model)
+                        .is_some_and(|p| p.gpus.contains(g))
+                });
+                let who = ahead.map_or(String::new(), |a| format!(" behind \"{}\"", a.model));
+                self.queue[i].tell(format!("room on GPU {g}: in line{who}"));
+                i += 1;
+                continue;
+            }
+            match self.gpus.plan_wake_in(&model, &rt) {
+                WakePlan::Ready => {
+                    let ask = self.queue.remove(i).expect("index in range");
+                    tracing::info!(model = %ask.model, "admitted");
+                    if ask.told.is_some() {
+                        (ask.waiting)(None);
+                    }
+                    let _ = ask.reply.send(());
+                    // From now on it takes its full share.
+                    if let Some(r) = rt.get_mut(&model) {
+                        r.state = RunState::Waking;
+                    }
+                }
+                WakePlan::Evict(victims) => {
+                    for v in &victims {
+                        self.registry.evict(v);
+                        // Going to sleep: still full until it is asleep,
+                        // and no later ask counts on it again.
+                        if let Some(r) = rt.get_mut(v) {
+                            r.state = RunState::Sleeping;
+                        }
+                    }
+                    let what = format!(
+                        "room on its GPUs: putting {} to sleep",
+                        victims
+                            .iter()
+                            .map(|v| format!("\"{v}\""))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                    if self.queue[i].told.as_deref() != Some(&what) {
+                        tracing::info!(model = %model, ?victims, "evicting idle models to make room");
+                    }
+                    self.queue[i].tell(what);
+                    blocked.extend(&gpus);
+                    i += 1;
+                }
+                WakePlan::Wait(reason) => {
+                    self.queue[i].tell(reason);
+                    blocked.extend(&gpus);
+                    i += 1;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! The admission queue over random inventories and random sequences of
+//! demands, finished requests and engine steps: a GPU is never promised
+//! twice, a model with requests in flight is never evicted, and once
+//! traffic stops every waiting model is admitted (no deadlock).
+
+use super::queue::{Ask, Core};
+use super::*;
+use crate::config::Config;
+use crate::reconciler::{ModelState, Settings};
+use crate::status::{Endpoint, EngineFacts, ModelStatus, State, model_status};
+use proptest::prelude::*;
+use std::sync::Mutex;
+
+const GIB: u64 = 1 << 30;
+
+fn config(gpus: usize, models: &[(u32, f64)]) -> Config {
+    let mut text = String::from("[control]\nstate_dir = \"/nonexistent\"\np2p_probe = \"off\"\n");
+    for i in 0..gpus {
+        text += &format!("[[gpu]]\nindex = {i}\nmemory = \"80GiB\"\n");
+    }
+    for (i, (n, f)) in models.iter().enumerate() {
+        text += &format!(
+            "[[model]]\nname = \"m{i}\"\nmodel = \"x\"\nexecutable = \"vllm\"\ngpus = {n}\ngpu_memory = {f}\n"
+        );
+    }
+    Config::parse(&text, "t.toml").unwrap()
+}
+
+/// A model as the world runs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Run {
+    Asleep,
+    /// Asked for room; `true` once answered.
+    Waking(bool),
+    Awake,
+    Sleeping,
+}
+
+struct World {
+    core: Core,
+    view: Arc<GpuView>,
+    clock: Clock,
+    names: Vec<String>,
+    run: Vec<Run>,
+    in_flight: Vec<u32>,
+    answers: Vec<Option<oneshot::Receiver<()>>>,
+    evicted: Arc<Mutex<Vec<String>>>,
+    base: ModelStatus,
+}
+
+impl World {
+    fn new(cfg: &Config) -> Option<World> {
+        let view = Arc::new(GpuView::detect(cfg));
+        if view.placement_failed() {
+            return None;
+        }
+        let registry = Registry::default();
+        let evicted = Arc::new(Mutex::new(Vec::new()));
+        let names: Vec<String> = cfg.models.iter().map(|m| m.name.clone()).collect();
+        for n in &names {
+            let (ev, n2) = (evicted.clone(), n.clone());
+            registry.insert(n, Arc::new(move || ev.lock().unwrap().push(n2.clone())));
+        }
+        let clock = Clock::new();
+        let policy = AdmissionPolicy {
+            min_awake: Duration::ZERO,
+        };
+        let m = &cfg.models[0];
+        let facts = EngineFacts {
+            endpoint: Endpoint {
+                url: "http://x".into(),
+                served_model_name: "x".into(),
+            },
+            gpus: vec![],
+            p2p_disabled: false,
+            control_id: "t".into(),
+            waiting_for: String::new(),
+        };
+        let now = tokio::time::Instant::now();
+        let st = ModelState::new(Settings::from_config(m), m.preload, now);
+        let base = model_status(m, &facts, &st, &clock, now);
+        let n = names.len();
+        Some(World {
+            core: Core::new(view.clone(), registry, clock, policy),
+            view,
+            clock,
+            names,
+            run: vec![Run::Asleep; n],
+            in_flight: vec![0; n],
+            answers: (0..n).map(|_| None).collect(),
+            evicted,
+            base,
+        })
+    }
+
+    fn statuses(&self) -> Vec<ModelStatus> {
+        (0..self.names.len())
+            .map(|i| {
+                let mut s = self.base.clone();
+                s.name = self.names[i].clone();
+                s.state = match self.run[i] {
+                    Run::Asleep => State::Asleep,
+                    Run::Waking(_) => State::Waking,
+                    Run::Awake => State::Awake,
+                    Run::Sleeping => State::Sleeping,
+                };
+                s.in_flight = self.in_flight[i];
+                s.state_since_unix_ms = self.clock.now_ms();
+                s
+            })
+            .collect()
+    }
+
+    fn demand(&mut self, i: usize) {
+        if self.run[i] == Run::Awake {
+            self.in_flight[i] += 1;
+        } else if self.run[i] == Run::Asleep {
+            let (reply, rx) = oneshot::channel();
+            self.core.push(Ask {
+                id: i as u64,
+                model: self.names[i].clone(),
+                waiting: Box::new(|_| {}),
+                reply,
+                told: None,
+            });
+            self.answers[i] = Some(rx);
+            self.run[i] = Run::Waking(false);
+        }
+    }
+
+    /// Plans, then checks what planning promised and whom it evicted.
+    fn plan(&mut self) -> Result<(), TestCaseError> {
+        let statuses = self.statuses();
+        self.core.plan(&statuses);
+        for i in 0..self.names.len() {
+            if let Some(rx) = &mut self.answers[i]
+                && rx.try_recv().is_ok()
+            {
+                self.answers[i] = None;
+                self.run[i] = Run::Waking(true);
+            }
+        }
+        let evicted: Vec<String> = self.evicted.lock().unwrap().drain(..).collect();
+        for v in evicted {
+            let i = self.names.iter().position(|n| *n == v).unwrap();
+            prop_assert_eq!(self.run[i], Run::Awake, "evicted {} while {:?}", v, self.run[i]);
+            prop_assert_eq!(self.in_flight[i], 0, "evicted {} with requests in flight", v);
+            // The model's own reconciler sleeps it (it is idle).
+            self.run[i] = Run::Sleeping;
+        }
+        self.check_memory()
+    }
+
+    /// No GPU holds more than it has: full shares of what is admitted,
+    /// awake or going to sleep, residuals of the rest.
+    fn check_memory(&self) -> Result<(), TestCaseError> {
+        let placements = self.view.placements();
+        for g in 0..8u32 {
+            let mut used = 0;
+            for p in placements.iter().filter(|p| p.gpus.contains(&g)) {
+                let i = self.names.iter().position(|n| *n == p.model).unwrap();
+                used += match self.run[i] {
+                    Run::Waking(true) | Run::Awake | Run::Sleeping => p.awake_on(g),
+                    _ => p.awake_on(g).min(crate::placement::DEFAULT_RESIDUAL_BYTES),
+                };
+            }
+            prop_assert!(used <= 80 * GIB, "GPU {} over-committed: {:?}", g, self.run);
+        }
+        Ok(())
+    }
+
+    /// Engines finish what they were doing.
+    fn engines_step(&mut self) {
+        for r in &mut self.run {
+            *r = match *r {
+                Run::Waking(true) => Run::Awake,
+                Run::Sleeping => Run::Asleep,
+                other => other,
+            };
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Action {
+    Demand(usize),
+    Finish(usize),
+    Step,
+    Plan,
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        3 => (0usize..8).prop_map(Action::Demand),
+        2 => (0usize..8).prop_map(Action::Finish),
+        2 => Just(Action::Step),
+        3 => Just(Action::Plan),
+    ]
+}
+
+fn setup() -> impl Strategy<Value = (usize, Vec<(u32, f64)>)> {
+    (1usize..=3).prop_flat_map(|gpus| {
+        let model = (1u32..=gpus as u32, prop_oneof![Just(0.3), Just(0.45), Just(0.6), Just(0.85)]);
+        (Just(gpus), proptest::collection::vec(model, 2..=5))
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn admission_never_overcommits_never_evicts_busy_models_and_never_deadlocks(
+        (gpus, models) in setup(),
+        actions in proptest::collection::vec(action(), 1..120),
+    ) {
+        let Some(mut w) = World::new(&config(gpus, &models)) else {
+            return Ok(());
+        };
+        let n = w.names.len();
+        for a in actions {
+            match a {
+                Action::Demand(i) => w.demand(i % n),
+                Action::Finish(i) => {
+                    let i = i % n;
+                    w.in_flight[i] = w.in_flight[i].saturating_sub(1);
+                }
+                Action::Step => w.engines_step(),
+                Action::Plan => w.plan()?,
+            }
+        }
+        // Traffic stops: every waiting model gets its turn.
+        w.in_flight.iter_mut().for_each(|f| *f = 0);
+        for _ in 0..(4 * n + 4) {
+            w.plan()?;
+            w.engines_step();
+        }
+        let waiting: Vec<_> = (0..n)
+            .filter(|&i| w.run[i] == Run::Waking(false))
+            .map(|i| &w.names[i])
+            .collect();
+        prop_assert!(waiting.is_empty(), "still waiting: {:?} ({:?})", waiting, w.run);
+    }
+}
+
+/// The deadlock of the first real run: two models of 0.85 on one GPU
+/// woken at the same moment. One is admitted at once, the other once the
+/// first is idle and asleep.
+#[test]
+fn two_wakes_on_one_gpu_at_once_take_turns() {
+    let mut w = World::new(&config(1, &[(1, 0.85), (1, 0.85)])).unwrap();
+    w.demand(0);
+    w.demand(1);
+    w.plan().unwrap();
+    assert_eq!(w.run, [Run::Waking(true), Run::Waking(false)]);
+    w.engines_step();
+    w.demand(0); // a request in flight on m0
+    w.plan().unwrap();
+    assert_eq!(w.run[1], Run::Waking(false), "m0 is busy: m1 waits");
+    w.in_flight[0] = 0;
+    w.plan().unwrap();
+    assert_eq!(w.run[0], Run::Sleeping, "idle m0 is put to sleep");
+    w.engines_step();
+    w.plan().unwrap();
+    assert_eq!(w.run, [Run::Asleep, Run::Waking(true)]);
+}
+
+/// `min_awake`: a model woken a moment ago is not evicted yet.
+#[test]
+fn a_model_woken_recently_is_not_evicted() {
+    let mut w = World::new(&config(1, &[(1, 0.85), (1, 0.85)])).unwrap();
+    w.core = Core::new(
+        w.view.clone(),
+        Registry::default(),
+        w.clock,
+        AdmissionPolicy {
+            min_awake: Duration::from_secs(3600),
+        },
+    );
+    w.run[0] = Run::Awake;
+    w.demand(1);
+    w.plan().unwrap();
+    assert_eq!(w.run, [Run::Awake, Run::Waking(false)]);
+}

@@ -1,0 +1,166 @@
+//! A demand always wins over idle tiers (issue: a request for a model idle
+//! past its tiers was held and never woken), and the idle clock starts when
+//! the engine is ready.
+
+use super::*;
+
+fn is_wake(f: &Effect) -> bool {
+    matches!(f, Effect::Wake { step: 0, .. })
+}
+
+/// Preloaded asleep, then left alone `idle` after the preload ended.
+fn preloaded_then_idle(idle: Duration) -> Sim {
+    let mut s = Sim::new(Preload::Asleep);
+    s.boot();
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+    // Let every timer fire on the way, completing what the tiers start.
+    let end = s.now + idle;
+    while let Some(t) = s.timer().filter(|t| *t <= end) {
+        s.now = t;
+        s.ev(Event::Tick);
+        s.wake_all();
+        if let Phase::Sleeping { .. } = s.m.phase {
+            s.ev(Event::SleepDone { epoch: s.m.epoch });
+        }
+    }
+    s.now = end;
+    s.ev(Event::Tick);
+    s
+}
+
+#[test]
+fn a_demand_past_two_tiers_wakes_at_once() {
+    // Past L1 (10 s) and L2 (20 s), before the stop tier (30 s).
+    let mut s = preloaded_then_idle(secs(25));
+    assert_eq!(s.m.phase, Phase::Asleep { level: 2 });
+    s.ev(Event::Demand);
+    assert!(s.has(is_wake), "{:?} {:?}", s.m.phase, s.fx);
+    assert_eq!(s.m.intent.desired, Desired::Awake);
+    assert_eq!(s.m.intent.reason, Reason::Demand);
+    s.wake_all();
+    assert_eq!(s.m.phase, Phase::Awake);
+    // The idle clock counts from the wake: the next tier is 10 s away.
+    assert_eq!(s.timer(), Some(s.now + secs(10)));
+}
+
+#[test]
+fn a_demand_at_level_1_long_past_its_tier_wakes() {
+    let mut s = Sim::new(Preload::Asleep);
+    s.m.settings.tiers.truncate(1);
+    s.boot();
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.advance(secs(3600));
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+    s.ev(Event::Demand);
+    assert!(s.has(is_wake), "{:?}", s.fx);
+    s.wake_all();
+    assert_eq!(s.m.phase, Phase::Awake);
+}
+
+#[test]
+fn a_demand_after_a_stop_tier_starts_the_engine() {
+    let mut s = preloaded_then_idle(secs(40));
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit 0".into(),
+    });
+    assert_eq!(s.m.phase, Phase::Stopped);
+    s.now += secs(3600);
+    s.ev(Event::Demand);
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
+    s.boot();
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert_eq!(s.timer(), Some(s.now + secs(10)));
+}
+
+#[test]
+fn a_demand_during_a_slow_tier_sleep_wakes_when_it_ends() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.advance(secs(10));
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    s.ev(Event::Demand);
+    // The sleep ends long after both later tiers would have been due.
+    s.now += secs(4);
+    s.m.settings.tiers[1].after = secs(12);
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert!(s.has(is_wake), "{:?} {:?}", s.m.intent, s.fx);
+    assert_eq!(s.m.intent.reason, Reason::Demand);
+}
+
+#[test]
+fn no_tier_fires_while_a_demand_waits() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.advance(secs(10));
+    s.ev(Event::Demand);
+    // The sleep never answers; the deadline fails it, backoff retries.
+    s.advance(secs(5));
+    assert!(matches!(s.m.phase, Phase::Failed { .. }));
+    assert_eq!(s.m.intent.reason, Reason::Demand);
+    s.advance(secs(1));
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
+    // A slow start, longer than every tier.
+    s.ev(Event::Spawned {
+        proc_gen: s.m.proc_gen,
+        pid: 7,
+    });
+    s.advance(secs(50));
+    s.ev(Event::HealthOk {
+        epoch: s.m.epoch,
+        asleep: None,
+    });
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert_eq!(s.m.intent.reason, Reason::Demand);
+    assert_eq!(s.m.demand_since, None);
+}
+
+#[test]
+fn a_demand_during_a_stop_restarts_after_the_exit() {
+    let mut s = preloaded_then_idle(secs(30));
+    assert!(matches!(s.m.phase, Phase::Stopping { .. }));
+    s.ev(Event::Demand);
+    s.now += secs(2);
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit 0".into(),
+    });
+    assert!(
+        s.has(|f| matches!(f, Effect::Spawn { .. })),
+        "{:?}",
+        s.m.phase
+    );
+}
+
+#[test]
+fn an_operator_stop_still_wins_over_a_demand() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Command(Command::Stop));
+    s.ev(Event::Demand);
+    assert_eq!(s.m.intent.desired, Desired::Stopped);
+    assert_eq!(s.m.demand_since, None);
+}
+
+#[test]
+fn a_slow_preload_counts_its_tiers_from_the_end_of_the_preload() {
+    let mut s = Sim::new(Preload::Asleep);
+    s.ev(Event::Spawned {
+        proc_gen: s.m.proc_gen,
+        pid: 9,
+    });
+    // 92 s to start, longer than every tier.
+    s.now += secs(92);
+    s.ev(Event::HealthOk {
+        epoch: s.m.epoch,
+        asleep: None,
+    });
+    assert!(s.has(|f| matches!(f, Effect::Sleep { level: 1, .. })));
+    s.now += secs(1);
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+    // No tier fired on the way; the level-2 tier is 20 s from now.
+    assert!(!s.has(is_wake));
+    assert_eq!(s.timer(), Some(s.now + secs(20)));
+}

@@ -1,0 +1,189 @@
+//! A demand always wins (end to end, through the proxy): a request for a
+//! model idle past its tiers, stopped by a tier, preloaded and never used,
+//! or in the middle of a transition is answered within its wake time plus a
+//! margin. The waits here are longer than the tiers, as users' are.
+
+#[path = "control/util.rs"]
+mod util;
+
+use siesta_proto::v1 as pb;
+use siesta_tests::{ProxyProc, spawn_proxy, wait_until};
+use std::time::{Duration, Instant};
+use util::*;
+
+/// Wake or start time of fake-vllm plus a margin for a loaded 2-core CI box.
+const ANSWER_WITHIN: Duration = Duration::from_secs(30);
+
+struct Stack {
+    ctl: Ctl,
+    proxy: ProxyProc,
+    c: Client,
+}
+
+async fn stack(model: &str) -> Stack {
+    let ctl = start(&config(model)).await;
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    let ready = format!("{}/readyz", proxy.admin_url());
+    wait_until("proxy ready", LONG, || async {
+        matches!(reqwest::get(&ready).await, Ok(r) if r.status() == 200)
+    })
+    .await;
+    let c = ctl.client().await;
+    Stack { ctl, proxy, c }
+}
+
+impl Stack {
+    /// One chat completion through the proxy; panics unless 200 within
+    /// [`ANSWER_WITHIN`]. Returns how long it took.
+    async fn ask(&self, model: &str) -> Duration {
+        let t = Instant::now();
+        let body = serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+        });
+        let resp = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", self.proxy.url()))
+            .json(&body)
+            .timeout(ANSWER_WITHIN)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{model}: no answer within {ANSWER_WITHIN:?}: {e}"));
+        let status = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        assert_eq!(status, 200, "{model}: {text}");
+        t.elapsed()
+    }
+
+    async fn status(&mut self, name: &str) -> pb::ModelStatus {
+        status(&mut self.c, name).await
+    }
+}
+
+fn tiers(t: &str) -> String {
+    format!("idle = [ {t} ]")
+}
+
+fn asleep_by_tier(level: u32) -> impl Fn(&pb::ModelStatus) -> bool {
+    move |s| {
+        state(s) == pb::ModelState::Asleep
+            && s.sleep_level == level
+            && s.intent.as_ref().map(|i| i.reason) == Some(pb::IntentReason::IdleTier as i32)
+    }
+}
+
+#[tokio::test]
+async fn the_first_request_after_a_preload_past_two_tiers_is_answered() {
+    let t = tiers(
+        r#"{ after = "2s", action = "sleep", level = 1 }, { after = "4s", action = "sleep", level = 2 }"#,
+    );
+    let mut s = stack(&fake_model("tiny", "asleep", &[], &t)).await;
+    let st = wait_status(&mut s.c, "tiny", "asleep at 2 by its tier", LONG, asleep_by_tier(2)).await;
+    assert_eq!(st.restarts, 1, "{st:#?}");
+    s.ask("tiny").await;
+    let st = s.status("tiny").await;
+    assert_eq!(state(&st), pb::ModelState::Awake, "{st:#?}");
+    assert_eq!(st.intent.unwrap().reason, pb::IntentReason::Demand as i32);
+}
+
+#[tokio::test]
+async fn a_request_at_level_1_long_past_its_tier_is_answered() {
+    let t = tiers(r#"{ after = "1s", action = "sleep", level = 1 }"#);
+    let mut s = stack(&fake_model("tiny", "awake", &[], &t)).await;
+    let st = wait_status(&mut s.c, "tiny", "asleep by its tier", LONG, asleep_by_tier(1)).await;
+    // Idle well past the tier (3× it) before the request.
+    let since = st.state_since_unix_ms;
+    wait_until("3 s asleep", LONG, || {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64;
+        async move { now - since >= 3000 }
+    })
+    .await;
+    s.ask("tiny").await;
+    assert_eq!(state(&s.status("tiny").await), pb::ModelState::Awake);
+}
+
+#[tokio::test]
+async fn a_request_after_a_stop_tier_starts_the_engine_and_is_answered() {
+    let t = tiers(r#"{ after = "1s", action = "sleep", level = 2 }, { after = "2s", action = "stop" }"#);
+    let mut s = stack(&fake_model("tiny", "awake", &[], &t)).await;
+    wait_state(&mut s.c, "tiny", pb::ModelState::Stopped, LONG).await;
+    s.ask("tiny").await;
+    let st = s.status("tiny").await;
+    assert_eq!(state(&st), pb::ModelState::Awake);
+    assert_eq!(st.restarts, 2, "started again: {st:#?}");
+}
+
+/// fake-vllm with slow transitions: each one lasts long enough to be seen
+/// and to outlast the tiers.
+const SLOW: &[&str] = &["--startup-time", "3s", "--sleep-time", "3s", "--wake-time", "3s"];
+
+#[tokio::test]
+async fn a_request_while_the_engine_starts_for_a_preload_is_answered() {
+    let t = tiers(r#"{ after = "1s", action = "sleep", level = 1 }"#);
+    let mut s = stack(&fake_model("tiny", "asleep", SLOW, &t)).await;
+    wait_state(&mut s.c, "tiny", pb::ModelState::Starting, LONG).await;
+    s.ask("tiny").await;
+    assert_eq!(state(&s.status("tiny").await), pb::ModelState::Awake);
+}
+
+#[tokio::test]
+async fn a_request_while_a_tier_puts_the_model_to_sleep_is_answered() {
+    let t = tiers(
+        r#"{ after = "1s", action = "sleep", level = 1 }, { after = "2s", action = "sleep", level = 2 }"#,
+    );
+    let mut s = stack(&fake_model("tiny", "awake", SLOW, &t)).await;
+    wait_state(&mut s.c, "tiny", pb::ModelState::Sleeping, LONG).await;
+    // The sleep (3 s) ends after the level-2 tier (2 s) would be due.
+    s.ask("tiny").await;
+    let st = s.status("tiny").await;
+    assert_eq!(state(&st), pb::ModelState::Awake, "{st:#?}");
+}
+
+#[tokio::test]
+async fn a_request_while_a_level_1_to_2_step_wakes_the_model_is_answered() {
+    let t = tiers(
+        r#"{ after = "1s", action = "sleep", level = 1 }, { after = "2s", action = "sleep", level = 2 }"#,
+    );
+    let fast_sleep = &["--sleep-time", "50ms", "--wake-time", "3s"];
+    let mut s = stack(&fake_model("tiny", "awake", fast_sleep, &t)).await;
+    // Level 1 → 2 wakes the engine first (vLLM ignores a deeper sleep while asleep).
+    wait_status(&mut s.c, "tiny", "waking for the level-2 tier", LONG, |st| {
+        state(st) == pb::ModelState::Waking
+    })
+    .await;
+    s.ask("tiny").await;
+    let st = s.status("tiny").await;
+    assert_eq!(state(&st), pb::ModelState::Awake, "{st:#?}");
+}
+
+/// Real vLLM takes 42–104 s to start: a preload's tiers count from its end,
+/// not from the daemon's start.
+#[tokio::test]
+async fn a_slow_preload_counts_its_tiers_from_its_end() {
+    let t = tiers(
+        r#"{ after = "2s", action = "sleep", level = 1 }, { after = "4s", action = "sleep", level = 2 }"#,
+    );
+    let slow_start = &["--startup-time", "6s"];
+    let mut s = stack(&fake_model("tiny", "asleep", slow_start, &t)).await;
+    let preloaded = wait_status(&mut s.c, "tiny", "preloaded asleep", LONG, |st| {
+        state(st) == pb::ModelState::Asleep && st.sleep_level == 1
+    })
+    .await;
+    assert_eq!(
+        preloaded.intent.unwrap().reason,
+        pb::IntentReason::Config as i32
+    );
+    let deeper = wait_status(&mut s.c, "tiny", "level-2 tier", LONG, |st| {
+        state(st) != pb::ModelState::Asleep || st.sleep_level != 1
+    })
+    .await;
+    let gap = deeper.state_since_unix_ms - preloaded.state_since_unix_ms;
+    assert!(
+        gap >= 3_900,
+        "the level-2 tier (4 s) fired {gap} ms after the preload ended: {deeper:#?}"
+    );
+    drop(s.ctl);
+}
