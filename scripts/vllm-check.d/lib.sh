@@ -28,6 +28,8 @@ verdict() { if [ "$1" = 1 ]; then echo PASS; else echo FAIL; fi; }
 S() { "$B/siesta" "$@"; }
 # A field of `siesta get MODEL -o json`'s model (e.g. pid, state, endpoints.0.url).
 mget() { S get "$1" -o json 2>/dev/null | python3 "$PY" get "model.$2"; }
+# state(lLEVEL), read at once.
+mstate() { S get "$1" -o json 2>/dev/null | python3 "$PY" get model.state model.sleep_level | awk '{printf "%s(l%s)", $1, $2}'; }
 # The completion every check sends (temperature 0, so answers must be identical).
 cmpl() { printf '{"model":"%s","prompt":"hello world the model is","max_tokens":12,"temperature":0}' "$1"; }
 # req METHOD URL [BODY] [TIMEOUT_S]: sets RS (status), RMS (ms), RRA (Retry-After), RTXT (JSON text).

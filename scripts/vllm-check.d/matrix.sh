@@ -4,7 +4,7 @@
 # writes RUN/output.txt (one line per check), RUN/detail.txt, RUN/logs/, RUN/done (exit code).
 #
 # Engines and GPUs (NG = GPU count; LOCAL: two fake GPUs of 140 GiB):
-#   tiny  GPU 0, gpu_memory 0.2, preload asleep, tiers L1 5s / L2 12s / stop 30s:
+#   tiny  GPU 0, gpu_memory 0.2, preload asleep, tiers L1 5s / L2 12s / stop 40s:
 #         checks 1, 2, 3, 4, 7, 8, 9-stop, overhead          (track-tiny.sh)
 #   a, b  GPU 1 (GPU 0 when NG = 1), gpu_memory 0.55 each, preload asleep: both cannot be
 #         awake on one GPU, so they swap: check 5             (track-swap.sh)
@@ -25,13 +25,13 @@ trap 'log "matrix killed"; finish 1' TERM INT
 
 if [ "$LOCAL" = 1 ]; then
     NG=2
-    T_L1=3 T_L2=8 T_STOP=15 T_FIRST=11 BACKOFF=3
+    T_L1=3 T_L2=8 T_STOP=25 T_FIRST=11 BACKOFF=3
     START_DEADLINE=60 REQ_TIMEOUT=60 WAKE_REQ_TIMEOUT=30 STOP_DEADLINE=30
     # fake-vllm's timings: a start long enough to kill siesta-control during it.
     FAKE_ENV='env = { FAKE_VLLM_STARTUP_TIME = "3s", FAKE_VLLM_WAKE_TIME = "200ms", FAKE_VLLM_RELOAD_TIME = "200ms" }'
 else
     NG=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
-    T_L1=5 T_L2=12 T_STOP=30 T_FIRST=20 BACKOFF=10
+    T_L1=5 T_L2=12 T_STOP=40 T_FIRST=20 BACKOFF=10
     START_DEADLINE=420 REQ_TIMEOUT=330 WAKE_REQ_TIMEOUT=60 STOP_DEADLINE=90
     FAKE_ENV=
 fi

@@ -10,11 +10,12 @@ M=tiny
 
 # --- preload: started, then put to sleep at level 1; the idle clock starts now
 if waitst $M "$START_DEADLINE" asleep:1; then
+    READY=$SECONDS
     result PASS preload-tiny ready_ms="$WAIT_MS" start_ms="$(mget $M calibration.start_ms)" pid="$(mget $M pid)"
 else
+    READY=$SECONDS
     result FAIL preload-tiny "$WAIT_LAST" last_error="$(mget $M last_error)"
 fi
-READY=$SECONDS
 logcmd S status
 
 # --- 1: the first request, past both tiers (the L2 tier has fired), is answered
@@ -22,13 +23,13 @@ waitst $M $((T_L2 + 60)) asleep:2
 l2_seen=$?
 l2_ms=$WAIT_MS
 while [ $((SECONDS - READY)) -lt "$T_FIRST" ]; do sleep 0.2; done
-state_before="$(mget $M state)(l$(mget $M sleep_level))"
+state_before=$(mstate $M)
 preq $M "$WAKE_REQ_TIMEOUT"
 keep_text preload-then-l2 "$RTXT"
 ok=1
 [ "$RS" = 200 ] && [ "$RTXT" != '""' ] && [ "$state_before" = "asleep(l2)" ] || ok=0
 result "$(verdict $ok)" 1-first-request-after-tiers status=$RS ms=$RMS after_preload_s=$((SECONDS - READY)) \
-    state_before=$state_before l2_tier_seen=$([ $l2_seen = 0 ] && echo yes || echo no) text=$RTXT
+    state_before=$state_before l2_tier_seen=$([ $l2_seen = 0 ] && echo "yes(${l2_ms}ms)" || echo no) text=$RTXT
 PID=$(mget $M pid)
 mem_awake=$(nvml_mib $(group_pids "$PID"))
 mem_snapshot
@@ -127,6 +128,8 @@ result "$(verdict $ok)" 2-idle-tiers fired="${fired[*]}" requests="${statuses[*]
 # --- 8: kill -9 of the engine core: failed, restarted after the backoff, the proxy answers
 # 503 + Retry-After meanwhile, then 200. (fake-vllm's engine core is a bystander whose death
 # the server does not notice, so LOCAL kills the API server instead.)
+preq $M "$WAKE_REQ_TIMEOUT" # awake and serving when it crashes
+log "before the crash: $RS"
 PID=$(mget $M pid)
 restarts0=$(mget $M restarts)
 EC=$(engine_core "$PID")
@@ -146,7 +149,8 @@ else
     keep_text while-failed "$RTXT" tiny-failed
     waitst $M $((BACKOFF + START_DEADLINE)) 'starting|awake'
     backoff_ms=$(($(now_ms) - t_failed))
-    waitst $M $((START_DEADLINE)) awake
+    # Back: awake, or asleep if an idle tier fired meanwhile (the intent it had).
+    waitst $M $((START_DEADLINE)) 'awake|asleep'
     back_ms=$(($(now_ms) - t_failed))
     preq $M
     keep_text after-engine-crash "$RTXT"
@@ -156,7 +160,7 @@ else
     [ "$failed_ok" = 0 ] && [ "$s_failed" = 503 ] && [[ "$ra" =~ ^[0-9]+$ ]] && [ "$RS" = 200 ] &&
         [ "$PID2" != "$PID" ] && [ "$count" = 1 ] || ok=0
     result "$(verdict $ok)" 8-engine-core-kill9 killed=$what:$victim failed_after_ms=$failed_ms retry_in_ms=$retry_in \
-        while_failed=$s_failed retry_after_s=$ra restart_after_ms=$backoff_ms awake_after_ms=$back_ms then=$RS \
+        while_failed=$s_failed retry_after_s=$ra restart_after_ms=$backoff_ms back_after_ms=$back_ms then=$RS \
         pid=$PID-\>$PID2 restarts=$restarts0-\>$(mget $M restarts) api_servers=$count
 fi
 

@@ -42,22 +42,20 @@ result "$(verdict $ok)" 6-tp2 requests="${statuses[*]}" ms="${ms[*]}" distinct_a
 
 # The verdict siesta placed the model with, and the environment the engine got.
 S gpus -o json >"$RUN/gpus.json" 2>/dev/null
-verdict_p2p=$(python3 -c '
-import json, sys
-d = json.load(open(sys.argv[1]))
-print(",".join(f"{p[\"src\"]}->{p[\"dst\"]}:{p[\"health\"]}" for p in d.get("p2p", [])) or "none")' "$RUN/gpus.json")
+verdict_p2p=$(python3 "$PY" p2p "$RUN/gpus.json")
 disabled=$(mget $M p2p_disabled)
 envs=$(python3 "$PY" environ "$PID")
 cvd=$(echo "$envs" | tr ' ' '\n' | sed -n 's/^CUDA_VISIBLE_DEVICES=//p')
 ok=1
 [ "$(echo "$cvd" | tr ',' '\n' | grep -c .)" = 2 ] || ok=0
-# A pair that is not ok must mean NCCL_P2P_DISABLE=1 (and the flag); all ok must not.
-if echo "$verdict_p2p" | tr ',' '\n' | grep -qv -e ':ok$' -e '^none$'; then
-    [ "$disabled" = true ] && [[ " $envs " == *" NCCL_P2P_DISABLE=1 "* ]] || ok=0
-else
-    [ "$disabled" = false ] && [[ " $envs " != *" NCCL_P2P_DISABLE=1 "* ]] || ok=0
-fi
 args_has_flag=$(tr '\0' ' ' <"/proc/$PID/cmdline" 2>/dev/null | grep -c -- --disable-custom-all-reduce)
+# Both pairs probed ok: P2P stays on. Any pair not ok, or not probed: NCCL_P2P_DISABLE=1
+# and --disable-custom-all-reduce.
+if [[ ",$verdict_p2p," == *",0->1:ok,"* && ",$verdict_p2p," == *",1->0:ok,"* ]]; then
+    [ "$disabled" = false ] && [[ " $envs " != *" NCCL_P2P_DISABLE=1 "* ]] && [ "$args_has_flag" = 0 ] || ok=0
+else
+    [ "$disabled" = true ] && [[ " $envs " == *" NCCL_P2P_DISABLE=1 "* ]] && [ "$args_has_flag" = 1 ] || ok=0
+fi
 result "$(verdict $ok)" 6-tp2-p2p-env p2p=$verdict_p2p p2p_disabled=$disabled disable_custom_all_reduce=$args_has_flag \
     env="$envs"
 flag tp-done

@@ -9,16 +9,18 @@
 #       N completions at once, spread over the comma-separated MODELS in turn; one line:
 #       ok=K total=N max_ms=.. p50_ms=.. per_model=a:5/5,b:5/5 statuses=200:20 distinct_texts=D
 #       text=FIRST_OK_TEXT_JSON
-#   get JSON_PATH            reads JSON on stdin, prints the value at a.b.0.c (empty if absent)
+#   get JSON_PATH...         reads JSON on stdin, prints the values at a.b.0.c (empty if absent),
+#                            separated by spaces
 #   wait SIESTA MODEL DEADLINE_S TARGET...
 #       polls `SIESTA get MODEL -o json` until each TARGET (state or state:level, e.g.
 #       asleep:1; `|` between alternatives) is seen, in order; one line per target:
 #       `TARGET ELAPSED_MS`, or `TIMEOUT TARGET last=STATE:LEVEL` and exit 1
 #   engines [SCOPE]          every process carrying SIESTA_ENGINE_TAG (an engine siesta spawned,
-#                            its engine core and workers): PID PGID PPID COMM SERVED_NAME;
+#                            its engine core and workers): PID PGID PPID COMM MODEL (from the tag);
 #                            with SCOPE, only those whose stdout or stderr is a file under SCOPE
 #                            (siesta's state_dir/logs), not other siesta instances' engines
 #   environ PID              the engine-relevant variables of /proc/PID/environ, one line
+#   p2p GPUS_JSON            the P2P verdicts of `siesta gpus -o json`: 0->1:ok,1->0:ok (or none)
 #   residual PLACEMENT_JSON STATUS_JSON GPU
 #       siesta's asleep residual on GPU: `placement.gpus[GPU].asleep_bytes` / the models asleep
 #       there (from `siesta status -o json`), in MiB: RESIDUAL_MIB ASLEEP_BYTES N_ASLEEP
@@ -120,19 +122,22 @@ def dig(value, path):
     return value
 
 
+def show(v):
+    if v is None:
+        return ""
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
 def cmd_get(args):
     try:
-        v = dig(json.load(sys.stdin), args[0])
+        d = json.load(sys.stdin)
     except ValueError:
-        v = None
-    if v is None:
-        print("")
-    elif isinstance(v, (dict, list)):
-        print(json.dumps(v))
-    elif isinstance(v, bool):
-        print("true" if v else "false")
-    else:
-        print(v)
+        d = None
+    print(" ".join(show(dig(d, p)) for p in args))
 
 
 def model_state(siesta, model):
@@ -208,13 +213,10 @@ def cmd_engines(args):
                 stat = f.read()
             comm = stat[stat.index("(") + 1:stat.rindex(")")]
             fields = stat[stat.rindex(")") + 2:].split()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            served = "-"
-            if b"--served-model-name" in argv:
-                i = argv.index(b"--served-model-name") + 1
-                served = argv[i].decode(errors="replace") if i < len(argv) else "-"
-            print(name, fields[2], fields[1], comm.replace(" ", "_"), served)
+            # The tag is CONTROL_ID/MODEL/GENERATION/RANDOM (control/src/runner/effects.rs).
+            parts = env["SIESTA_ENGINE_TAG"].rsplit("/", 3)
+            model = parts[1] if len(parts) == 4 else "-"
+            print(name, fields[2], fields[1], comm.replace(" ", "_"), model)
         except (OSError, ValueError, IndexError):
             continue
 
@@ -227,6 +229,13 @@ def cmd_environ(args):
     keep = sorted(k for k in env if k.startswith(("NCCL_", "CUDA_", "TORCH_", "NVSHMEM_"))
                   or k in ("VLLM_SERVER_DEV_MODE", "SIESTA_ENGINE_TAG"))
     print(" ".join(f"{k}={env[k]}" for k in keep))
+
+
+def cmd_p2p(args):
+    with open(args[0]) as f:
+        d = json.load(f)
+    pairs = [f"{p['src']}->{p['dst']}:{p['health']}" for p in d.get("p2p", [])]
+    print(",".join(pairs) or "none")
 
 
 def cmd_residual(args):
@@ -245,7 +254,7 @@ def cmd_residual(args):
 
 if __name__ == "__main__":
     cmds = {"req": cmd_req, "many": cmd_many, "get": cmd_get, "wait": cmd_wait,
-            "engines": cmd_engines, "environ": cmd_environ, "residual": cmd_residual}
+            "engines": cmd_engines, "environ": cmd_environ, "residual": cmd_residual, "p2p": cmd_p2p}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         sys.exit(f"usage: vcheck.py {{{'|'.join(cmds)}}} ARGS... (see the header)")
     cmds[sys.argv[1]](sys.argv[2:])
