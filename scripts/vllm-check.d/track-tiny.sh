@@ -90,7 +90,8 @@ end=$((SECONDS + START_DEADLINE))
 while [ $SECONDS -lt $end ]; do
     P7=$(mget $M pid)
     st=$(mget $M state)
-    if [ "$st" = starting ] && [ -n "$P7" ] && [ "$P7" != 0 ]; then
+    # spawned: a new pid (not the engine the stop tier ended)
+    if [ "$st" = starting ] && valid_pid "$P7" && [ "$P7" != "$PID" ]; then
         spawned=1
         break
     fi
