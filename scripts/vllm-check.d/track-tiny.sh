@@ -1,0 +1,240 @@
+#!/usr/bin/env bash
+# The `tiny` engine's track (GPU 0): checks 1, 2, 4, 7, 8, 3 + overhead, 9-stop, in that
+# order, all on one engine (a cold start at preload, one after the stop tier, one after the
+# engine-core crash). Run by matrix.sh with its environment.
+set -uo pipefail
+source "$D/lib.sh"
+proxy_env
+control_env
+M=tiny
+
+# --- preload: started, then put to sleep at level 1; the idle clock starts now
+if waitst $M "$START_DEADLINE" asleep:1; then
+    READY=$SECONDS
+    result PASS preload-tiny ready_ms="$WAIT_MS" start_ms="$(mget $M calibration.start_ms)" pid="$(mget $M pid)"
+else
+    READY=$SECONDS
+    result FAIL preload-tiny "$WAIT_LAST" last_error="$(mget $M last_error)"
+fi
+logcmd S status
+
+# --- 1: the first request, past both tiers (the L2 tier has fired), is answered
+waitst $M $((T_L2 + 60)) asleep:2
+l2_seen=$?
+l2_ms=$WAIT_MS
+while [ $((SECONDS - READY)) -lt "$T_FIRST" ]; do sleep 0.2; done
+state_before=$(mstate $M)
+preq $M "$WAKE_REQ_TIMEOUT"
+keep_text preload-then-l2 "$RTXT"
+ok=1
+[ "$RS" = 200 ] && [ "$RTXT" != '""' ] && [ "$state_before" = "asleep(l2)" ] || ok=0
+result "$(verdict $ok)" 1-first-request-after-tiers status=$RS ms=$RMS after_preload_s=$((SECONDS - READY)) \
+    state_before=$state_before l2_tier_seen=$([ $l2_seen = 0 ] && echo "yes(${l2_ms}ms)" || echo no) text=$RTXT
+PID=$(mget $M pid)
+mem_awake=$(nvml_mib $(group_pids "$PID"))
+mem_snapshot
+
+# --- 2: tiers fire in order, each followed by a held request that is answered
+# 2a: level 1
+fired=() statuses=()
+waitst $M $((T_L1 + 60)) asleep:1 && fired+=("l1@${WAIT_MS}ms") || fired+=("l1:$WAIT_LAST")
+mem_l1=$(nvml_mib $(group_pids "$PID"))
+mem_snapshot
+preq $M "$WAKE_REQ_TIMEOUT"
+statuses+=("l1-wake:$RS")
+PROXY_L1_MS=$RMS
+keep_text l1-wake "$RTXT"
+# 2b: level 1, then level 2
+waitst $M $((T_L2 + 60)) asleep:1 asleep:2 && fired+=("l1,l2@${WAIT_MS}ms") || fired+=("l2:$WAIT_LAST")
+mem_l2=$(nvml_mib $(group_pids "$PID"))
+mem_snapshot
+S placement -o json >"$RUN/placement-l2.json" 2>/dev/null
+S status -o json >"$RUN/status-l2.json" 2>/dev/null
+logcmd S placement
+preq $M "$WAKE_REQ_TIMEOUT"
+statuses+=("l2-wake:$RS")
+PROXY_L2_MS=$RMS
+keep_text l2-wake "$RTXT"
+
+# --- 4: NVML per-process memory of the engine's process group, and siesta's residual
+if have_nvml; then
+    ok=1
+    [ "$mem_awake" -gt 0 ] && [ $((mem_l1 * 4)) -lt "$mem_awake" ] && [ $((mem_l2 * 4)) -lt "$mem_awake" ] || ok=0
+    pa=$(S get $M -o json | python3 "$PY" get placement.awake_bytes_per_gpu)
+    result "$(verdict $ok)" 4-nvml-memory engine=tiny awake_mib=$mem_awake asleep_l1_mib=$mem_l1 asleep_l2_mib=$mem_l2 \
+        siesta_awake_mib=$((${pa:-0} / 1048576))
+else
+    result SKIP 4-nvml-memory "no nvidia-smi (LOCAL=$LOCAL)"
+fi
+read -r res_mib res_bytes res_n < <(python3 "$PY" residual "$RUN/placement-l2.json" "$RUN/status-l2.json" 0)
+if have_nvml; then
+    worst=$((mem_l1 > mem_l2 ? mem_l1 : mem_l2))
+    result "$(verdict $([ "$worst" -le "$res_mib" ] && echo 1 || echo 0))" 4-residual nvml_asleep_mib=$worst \
+        siesta_residual_mib=$res_mib placement_gpu0_asleep_bytes=$res_bytes asleep_models_on_gpu0=$res_n
+else
+    result SKIP 4-residual "no nvidia-smi; siesta_residual_mib=$res_mib placement_gpu0_asleep_bytes=$res_bytes asleep_models_on_gpu0=$res_n"
+fi
+
+# 2c: level 1, level 2, stop; the next request starts it from cold. That start is check 7.
+waitst $M $((T_STOP + 60)) asleep:1 asleep:2 stopped && fired+=("l1,l2,stop@${WAIT_MS}ms") || fired+=("stop:$WAIT_LAST")
+pid_stopped_left=$(group_pids "$PID")
+
+# --- 7: kill -9 of siesta-control while the demand start is under way with requests held
+wait_flag swap-done $((START_DEADLINE + 300)) || log "swap track not done; going on"
+others="a:$(mget a pid) b:$(mget b pid)"
+python3 "$PY" many "$P/v1/completions" $M 3 "$REQ_TIMEOUT" >"$RUN/held7.txt" 2>>"$RUN/detail.txt" &
+HELD=$!
+t7=$(now_ms)
+spawned=0
+end=$((SECONDS + START_DEADLINE))
+while [ $SECONDS -lt $end ]; do
+    P7=$(mget $M pid)
+    st=$(mget $M state)
+    # spawned: a new pid (not the engine the stop tier ended)
+    if [ "$st" = starting ] && valid_pid "$P7" && [ "$P7" != "$PID" ]; then
+        spawned=1
+        break
+    fi
+    [ "$st" = awake ] && break
+    sleep 0.1
+done
+state_at_kill=$(mget $M state)
+CPID=$(cat "$RUN/control.pid")
+kill_pid KILL "$CPID"
+log "kill -9 siesta-control $CPID; tiny was $state_at_kill, pid $P7, $(($(now_ms) - t7)) ms after the request"
+while kill -0 "$CPID" 2>/dev/null; do sleep 0.05; done
+start_control after-kill9 || result FAIL 7-control-restart log=logs/control-after-kill9.log
+wait $HELD
+held=$(tail -1 "$RUN/held7.txt")
+held_ms=$(($(now_ms) - t7))
+P7b=$(mget $M pid)
+others_after="a:$(mget a pid) b:$(mget b pid)"
+count=$(engine_count $M)
+keep_text after-control-restart "$(echo "$held" | sed -n 's/.* text=//p')"
+statuses+=("cold-start:$(echo "$held" | sed 's/.*statuses=\([^ ]*\).*/\1/')")
+ok=1
+[ "$spawned" = 1 ] && [ "$P7" = "$P7b" ] && [ "$count" = 1 ] && [ "$others" = "$others_after" ] || ok=0
+case "$held" in "ok=3 total=3"*) ;; *) ok=0 ;; esac
+result "$(verdict $ok)" 7-control-kill9-during-start state_at_kill=$state_at_kill pid_before=$P7 pid_after=$P7b \
+    api_servers=$count others_same=$([ "$others" = "$others_after" ] && echo yes || echo no) held_answered_ms=$held_ms \
+    held="$(echo "$held" | cut -d' ' -f1-2,6,7)"
+
+ok=1
+[ ${#fired[@]} = 3 ] && [[ "${fired[0]}" == l1@* ]] && [[ "${fired[1]}" == l1,l2@* ]] && [[ "${fired[2]}" == l1,l2,stop@* ]] || ok=0
+for s in "${statuses[@]}"; do [[ "$s" == *:200 || "$s" == *:200:3 ]] || ok=0; done
+result "$(verdict $ok)" 2-idle-tiers fired="${fired[*]}" requests="${statuses[*]}" tiers_s=$T_L1/$T_L2/$T_STOP \
+    engine_gone_after_stop=$([ -z "$pid_stopped_left" ] && echo yes || echo "no($pid_stopped_left)")
+
+
+# --- 8: kill -9 of the engine core: failed, restarted after the backoff, the proxy answers
+# 503 + Retry-After meanwhile, then 200. (fake-vllm's engine core is a bystander whose death
+# the server does not notice, so LOCAL kills the API server instead.)
+preq $M "$WAKE_REQ_TIMEOUT" # awake and serving when it crashes
+log "before the crash: $RS"
+PID=$(mget $M pid)
+restarts0=$(mget $M restarts)
+EC=$(engine_core "$PID")
+if [ "$LOCAL" = 1 ]; then victim=$PID what=api-server; else victim=$EC what=engine-core; fi
+if [ -z "$victim" ]; then
+    result FAIL 8-engine-core-kill9 "no VLLM::EngineCore child of pid $PID"
+else
+    kill_pid KILL "$victim"
+    log "kill -9 $what $victim (API server $PID)"
+    waitst $M 120 failed
+    failed_ok=$?
+    failed_ms=$WAIT_MS
+    t_failed=$(now_ms)
+    retry_in=$(($(mget $M retry_at_unix_ms) - t_failed))
+    preq $M 30
+    s_failed=$RS ra=$RRA
+    keep_text while-failed "$RTXT" tiny-failed
+    waitst $M $((BACKOFF + START_DEADLINE)) 'starting|awake'
+    backoff_ms=$(($(now_ms) - t_failed))
+    # Back: awake, or asleep if an idle tier fired meanwhile (the intent it had).
+    waitst $M $((START_DEADLINE)) 'awake|asleep'
+    back_ms=$(($(now_ms) - t_failed))
+    preq $M
+    keep_text after-engine-crash "$RTXT"
+    PID2=$(mget $M pid)
+    count=$(engine_count $M)
+    ok=1
+    [ "$failed_ok" = 0 ] && [ "$s_failed" = 503 ] && [[ "$ra" =~ ^[0-9]+$ ]] && [ "$RS" = 200 ] &&
+        [ "$PID2" != "$PID" ] && [ "$count" = 1 ] || ok=0
+    result "$(verdict $ok)" 8-engine-core-kill9 killed=$what:$victim failed_after_ms=$failed_ms retry_in_ms=$retry_in \
+        while_failed=$s_failed retry_after_s=$ra restart_after_ms=$backoff_ms back_after_ms=$back_ms then=$RS \
+        pid=$PID-\>$PID2 restarts=$restarts0-\>$(mget $M restarts) api_servers=$count
+fi
+
+# --- 3 and overhead: vLLM's own wake times measured directly on the engine (pinned, so
+# siesta leaves it alone), the answers compared, and the negative control: a level-2 wake
+# without reload_weights must answer differently.
+S pin $M >/dev/null 2>&1
+U=$(mget $M endpoints.0.url)
+errors=""
+call() { # METHOD PATH [BODY]: a direct call; adds its ms to W, notes a non-200
+    req "$1" "$U$2" "${3:-}" 120
+    W=$((W + RMS))
+    [ "$RS" = 200 ] || errors+=" $2:$RS"
+}
+wake_l2() { call POST "/wake_up?tags=weights" && call POST /collective_rpc '{"method":"reload_weights"}' &&
+    call POST "/wake_up?tags=kv_cache" && call POST /reset_prefix_cache; }
+W=0 && call POST "/sleep?level=1&mode=wait"
+W=0 && call POST /wake_up && D_W1=$W
+W=0 && call POST /v1/completions "$(cmpl $M)" && D_A1=$W
+keep_text direct-l1 "$RTXT"
+W=0 && call POST "/sleep?level=2&mode=wait"
+W=0 && wake_l2 && D_W2=$W
+W=0 && call POST /v1/completions "$(cmpl $M)" && D_A2=$W
+keep_text direct-l2 "$RTXT"
+W=0 && call POST "/sleep?level=2&mode=wait"
+W=0 && call POST /wake_up
+call POST /v1/completions "$(cmpl $M)"
+NEG=$RTXT
+NEG_S=$RS
+W=0 && call POST "/sleep?level=2&mode=wait"
+W=0 && wake_l2
+call POST /v1/completions "$(cmpl $M)"
+keep_text direct-repaired "$RTXT"
+S unpin $M >/dev/null 2>&1
+for lv in 1 2; do
+    pm=$([ $lv = 1 ] && echo "$PROXY_L1_MS" || echo "$PROXY_L2_MS")
+    dw=$([ $lv = 1 ] && echo "${D_W1:-0}" || echo "${D_W2:-0}")
+    da=$([ $lv = 1 ] && echo "${D_A1:-0}" || echo "${D_A2:-0}")
+    ov=$((pm - dw - da))
+    ok=1
+    [ -z "$errors" ] && [ "$ov" -lt 2000 ] || ok=0
+    result "$(verdict $ok)" overhead-l$lv proxy_request_ms=$pm direct_wake_ms=$dw direct_answer_ms=$da overhead_ms=$ov \
+        siesta_calibrated_wake_ms=$(mget $M calibration.wake_l${lv}_ms)
+done
+# The reference: the answer most of them gave (a failed request's error text cannot be it).
+REF=$(cut -f2 "$RUN/texts-tiny.tsv" | sort | uniq -c | sort -rn | head -1 | sed 's/^ *[0-9]* //')
+n=$(wc -l <"$RUN/texts-tiny.tsv")
+distinct=$(cut -f2 "$RUN/texts-tiny.tsv" | sort -u | wc -l)
+ok=1
+[ "$distinct" = 1 ] && [ "$REF" != '""' ] && [ -n "$REF" ] || ok=0
+result "$(verdict $ok)" 3-answers-identical answers=$n distinct=$distinct \
+    labels=$(cut -f1 "$RUN/texts-tiny.tsv" | paste -sd, -) text=$REF${errors:+ direct_errors=$errors}
+ok=1
+[ "$NEG_S" = 200 ] && [ "$NEG" != "$REF" ] || ok=0
+result "$(verdict $ok)" 3-no-reload-differs status=$NEG_S without_reload=$NEG reference=$REF
+
+# --- 9 (stop): `siesta stop` leaves no process of the engine's group and no GPU memory
+PID=$(mget $M pid)
+GP=$(group_pids "$PID")
+mem_before=$(nvml_mib $GP)
+S stop $M >/dev/null 2>&1
+stop_rc=$?
+waitst $M "$STOP_DEADLINE" stopped
+stopped=$?
+end=$((SECONDS + 30))
+alive() { for p in $GP; do valid_pid "$p" && kill -0 "$p" 2>/dev/null && echo -n "$p "; done; }
+while [ -n "$(alive)" ] && [ $SECONDS -lt $end ]; do sleep 0.2; done
+left=$(alive)
+mem_after=$(nvml_mib $GP)
+count=$(engine_count $M)
+ok=1
+[ "$stop_rc" = 0 ] && [ "$stopped" = 0 ] && [ -z "$left" ] && [ "$count" = 0 ] || ok=0
+[ "$mem_after" = - ] || [ "$mem_after" = 0 ] || ok=0
+result "$(verdict $ok)" 9-stop stopped_ms=$WAIT_MS group_pids="$(echo $GP | tr ' ' ,)" left="${left:-none}" \
+    nvml_mib_before=$mem_before after=$mem_after api_servers=$count
+flag tiny-done
