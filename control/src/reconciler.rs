@@ -28,6 +28,10 @@ pub const PROXY_STALE: Duration = Duration::from_secs(30);
 /// demand tries again. As long as the proxy's default `max_hold`.
 pub const ROOM_WAIT: Duration = Duration::from_secs(300);
 
+/// Failed periodic probes in a row that fail an engine (one slow answer or
+/// a connection the engine just closed is not a fault).
+pub const HEALTH_STRIKES: u8 = 3;
+
 /// What the reconciler works towards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Desired {
@@ -195,9 +199,15 @@ pub enum Event {
         epoch: u64,
         asleep: Option<u8>,
     },
+    /// A periodic probe of an awake or asleep engine failed (one strike;
+    /// [`HEALTH_STRIKES`] in a row fail the engine).
     HealthFailed {
         epoch: u64,
         error: String,
+    },
+    /// A periodic probe answered: the strikes start again from zero.
+    ProbeOk {
+        epoch: u64,
     },
     SleepDone {
         epoch: u64,
@@ -234,8 +244,19 @@ pub enum Signal {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Effect {
     /// Take the start lock of the model's GPUs, make sure no old process is
-    /// left, spawn; answer `Spawned` or `SpawnFailed`.
+    /// left, spawn; answer `Spawned` or `SpawnFailed`. `fresh_port`: pick a
+    /// new free port first (after a failure, the old one may be taken).
     Spawn {
+        proc_gen: u64,
+        fresh_port: bool,
+    },
+    /// The engine of `proc_gen` that was just spawned is wanted: supervise it.
+    KeepSpawned {
+        proc_gen: u64,
+    },
+    /// The engine of `proc_gen` that was just spawned is no longer wanted
+    /// (a stop or restart came first): SIGKILL its process group.
+    KillStray {
         proc_gen: u64,
     },
     /// Probe `/health` until it answers 200; answer `HealthOk` (tagged `epoch`).
@@ -260,6 +281,16 @@ pub enum Effect {
     Log(String),
     /// The intent changed: persist it.
     Persist,
+    /// The restart count or the last activity changed: persist them (the
+    /// runner may batch a busy model's activity).
+    PersistHistory,
+    /// The calibration changed: persist it.
+    PersistCalibration,
+    /// The engine is now awake (0) or asleep at this level: record it for
+    /// recovery.
+    RecordSleepLevel(u8),
+    /// The engine is asleep now: measure what it still holds on its GPUs.
+    MeasureResidual,
 }
 
 /// Pin state.
@@ -317,6 +348,8 @@ pub struct ModelState {
     /// The engine's own running-requests gauge.
     pub engine_running: u32,
     pub failures: u32,
+    /// Failed periodic probes in a row (see [`HEALTH_STRIKES`]).
+    pub health_strikes: u8,
     pub last_error: Option<String>,
     pub pid: Option<u32>,
     pub restarts: u32,
@@ -352,6 +385,7 @@ impl ModelState {
             proxies: BTreeMap::new(),
             engine_running: 0,
             failures: 0,
+            health_strikes: 0,
             last_error: None,
             pid: None,
             restarts: 0,

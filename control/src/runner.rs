@@ -204,7 +204,7 @@ pub fn spawn_model_adopting(
         ops: Vec::new(),
         timer: None,
         polling: false,
-        poll_failures: 0,
+        landed: None,
     };
     let task = tokio::spawn(runner.run(rx, cancel));
     Ok(ModelHandle {
@@ -236,7 +236,8 @@ struct Runner {
     ops: Vec<AbortHandle>,
     timer: Option<Instant>,
     polling: bool,
-    poll_failures: u32,
+    /// A spawned engine waiting for `step` to keep it or kill it.
+    landed: Option<ProcHandle>,
 }
 
 impl Runner {
@@ -296,16 +297,10 @@ impl Runner {
                 }
             }
             Msg::Spawned(handle) => {
-                let current = handle.proc_gen == self.state.proc_gen
-                    && matches!(self.state.phase, Phase::Starting { spawned: false, .. });
-                if current {
-                    let (proc_gen, pid) = (handle.proc_gen, handle.pid);
-                    self.proc = Some(handle);
-                    self.apply(Event::Spawned { proc_gen, pid });
-                } else {
-                    tracing::info!(model = %self.cfg.name, pid = handle.pid, "killing an engine spawned for a start no longer wanted");
-                    handle.signal(nix::sys::signal::Signal::SIGKILL);
-                }
+                // `step` decides: KeepSpawned or KillStray takes it.
+                let (proc_gen, pid) = (handle.proc_gen, handle.pid);
+                self.landed = Some(handle);
+                self.apply(Event::Spawned { proc_gen, pid });
             }
             Msg::WaitingFor(w) => {
                 self.facts.waiting_for = w.unwrap_or_default();
@@ -322,7 +317,9 @@ impl Runner {
                 }
                 match result {
                     Ok(running) => {
-                        self.poll_failures = 0;
+                        if self.state.health_strikes > 0 {
+                            self.apply(Event::ProbeOk { epoch });
+                        }
                         if let Some(running) = running
                             && (running > 0 || running != self.state.engine_running)
                         {
@@ -330,12 +327,8 @@ impl Runner {
                         }
                     }
                     Err(error) => {
-                        self.poll_failures += 1;
-                        tracing::warn!(model = %self.cfg.name, failures = self.poll_failures, %error, "engine probe failed");
-                        if self.poll_failures >= 3 {
-                            self.poll_failures = 0;
-                            self.apply(Event::HealthFailed { epoch, error });
-                        }
+                        tracing::warn!(model = %self.cfg.name, %error, "engine probe failed");
+                        self.apply(Event::HealthFailed { epoch, error });
                     }
                 }
             }
@@ -347,31 +340,20 @@ impl Runner {
     fn apply(&mut self, event: Event) {
         let now = Instant::now();
         let epoch = self.state.epoch;
-        let calibration = self.state.calibration;
-        let history = (self.state.restarts, self.state.last_activity);
         let (state, effects) = step(self.state.clone(), event, now);
         self.state = state;
         // The intent is durable before anything is done about it.
         if effects.contains(&Effect::Persist) {
             self.persist();
-        } else if (self.state.restarts, self.state.last_activity) != history {
-            self.persist_history();
-        }
-        if self.state.calibration != calibration {
-            self.persist_calibration();
         }
         if self.state.epoch != epoch {
+            // Results of the old epoch's operations would be ignored anyway.
             self.facts.waiting_for.clear();
             for op in self.ops.drain(..) {
                 op.abort();
             }
-            self.poll_failures = 0;
             if !matches!(self.state.phase, Phase::Starting { .. }) {
                 self.spawn_cancel.cancel();
-            }
-            self.record_sleep_level();
-            if let (Phase::Asleep { .. }, Some(pid)) = (self.state.phase, self.state.pid) {
-                self.measure_residual(pid);
             }
         }
         for effect in effects {

@@ -237,13 +237,10 @@ impl World {
             Action::EngineMetrics(running) => Event::EngineMetrics { running },
             Action::SpawnOk(sel) => {
                 let s = take(&mut self.spawns, sel)?;
-                // The runner's own check (runner.rs, Msg::Spawned).
-                let current = s.proc_gen == self.m.proc_gen
-                    && matches!(self.m.phase, Phase::Starting { spawned: false, .. });
-                self.procs.insert(s.proc_gen, s.cancelled || !current);
-                if !current {
-                    return None;
-                }
+                // A cancelled spawn's process is killed by the runner at
+                // once; `step` decides about the others (KeepSpawned or
+                // KillStray).
+                self.procs.insert(s.proc_gen, s.cancelled);
                 Event::Spawned {
                     proc_gen: s.proc_gen,
                     pid: 1000 + s.proc_gen as u32,
@@ -335,7 +332,20 @@ impl World {
 
         for e in &fx {
             match *e {
-                Effect::Spawn { proc_gen } => {
+                Effect::KillStray { proc_gen } => {
+                    prop_assert!(
+                        proc_gen != m.proc_gen || !matches!(m.phase, Phase::Starting { .. }),
+                        "the wanted spawn was killed\n{}",
+                        ctx()
+                    );
+                    if let Some(k) = self.procs.get_mut(&proc_gen) {
+                        *k = true;
+                    }
+                }
+                Effect::KeepSpawned { proc_gen } => {
+                    prop_assert_eq!(proc_gen, m.proc_gen, "kept a stale spawn\n{}", ctx());
+                }
+                Effect::Spawn { proc_gen, .. } => {
                     prop_assert!(!m.settings.attach, "spawn for an attach engine\n{}", ctx());
                     let alive: Vec<_> = self.procs.iter().filter(|(_, k)| !**k).collect();
                     prop_assert!(
@@ -384,7 +394,13 @@ impl World {
                     self.wakes.push((epoch, step));
                 }
                 Effect::Timer(t) => self.timer = t,
-                Effect::ReleaseStartLock | Effect::Log(_) | Effect::Persist => {}
+                Effect::ReleaseStartLock
+                | Effect::Log(_)
+                | Effect::Persist
+                | Effect::PersistHistory
+                | Effect::PersistCalibration
+                | Effect::RecordSleepLevel(_)
+                | Effect::MeasureResidual => {}
             }
         }
         // The runner cancels a pending spawn once the phase leaves Starting.

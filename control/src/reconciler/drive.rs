@@ -109,6 +109,7 @@ fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
         m.proc_gen += 1;
         fx.push(Effect::Spawn {
             proc_gen: m.proc_gen,
+            fresh_port: m.failures > 0,
         });
     }
 }

@@ -7,6 +7,8 @@ use super::*;
 pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<Effect>) {
     let mut fx = Vec::new();
     let intent_before = m.intent;
+    let (epoch_before, calibration_before) = (m.epoch, m.calibration);
+    let history_before = (m.restarts, m.last_activity);
     expire_pin(&mut m, now);
     m.proxies
         .retain(|_, (_, at)| now.saturating_duration_since(*at) < PROXY_STALE);
@@ -18,6 +20,21 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
     }
     if m.intent != intent_before {
         fx.push(Effect::Persist);
+    } else if (m.restarts, m.last_activity) != history_before {
+        fx.push(Effect::PersistHistory);
+    }
+    if m.calibration != calibration_before {
+        fx.push(Effect::PersistCalibration);
+    }
+    if m.epoch != epoch_before {
+        match m.phase {
+            Phase::Awake => fx.push(Effect::RecordSleepLevel(0)),
+            Phase::Asleep { level } => {
+                fx.push(Effect::RecordSleepLevel(level));
+                fx.push(Effect::MeasureResidual);
+            }
+            _ => {}
+        }
     }
     fx.push(Effect::Timer(next_wakeup(&m, now)));
     (m, fx)
@@ -27,6 +44,7 @@ pub(super) fn set_phase(m: &mut ModelState, phase: Phase, now: Instant) {
     m.phase = phase;
     m.since = now;
     m.epoch += 1;
+    m.health_strikes = 0;
 }
 
 pub(super) fn set_intent(m: &mut ModelState, desired: Desired, reason: Reason, now: Instant) {
@@ -135,9 +153,16 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             m.engine_running = running;
         }
         Event::Spawned { proc_gen, pid } => {
-            if let Phase::Starting { spawned: false, .. } = m.phase
-                && proc_gen == m.proc_gen
-            {
+            let wanted =
+                matches!(m.phase, Phase::Starting { spawned: false, .. }) && proc_gen == m.proc_gen;
+            if !wanted {
+                fx.push(Effect::KillStray { proc_gen });
+                fx.push(Effect::Log(format!(
+                    "killing engine pid {pid}: spawned for a start no longer wanted"
+                )));
+            }
+            if wanted {
+                fx.push(Effect::KeepSpawned { proc_gen });
                 m.pid = Some(pid);
                 m.restarts = m.restarts.saturating_add(1);
                 m.transition_start = now;
@@ -193,9 +218,23 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         }
         Event::HealthFailed { epoch: e, error } if e == epoch => {
             if matches!(m.phase, Phase::Awake | Phase::Asleep { .. }) {
-                fail(m, format!("health check failed: {error}"), now, fx);
+                m.health_strikes = m.health_strikes.saturating_add(1);
+                if m.health_strikes >= HEALTH_STRIKES {
+                    fail(
+                        m,
+                        format!("health check failed {HEALTH_STRIKES} times in a row: {error}"),
+                        now,
+                        fx,
+                    );
+                } else {
+                    fx.push(Effect::Log(format!(
+                        "probe failed ({} of {HEALTH_STRIKES}): {error}",
+                        m.health_strikes
+                    )));
+                }
             }
         }
+        Event::ProbeOk { epoch: e } if e == epoch => m.health_strikes = 0,
         Event::SleepDone { epoch: e } if e == epoch => {
             if let Phase::Sleeping { level, .. } = m.phase {
                 m.calibration.sleep_mut(level).add(now - m.transition_start);
@@ -270,6 +309,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         Event::Tick => deadlines(m, now, fx),
         Event::HealthOk { .. }
         | Event::HealthFailed { .. }
+        | Event::ProbeOk { .. }
         | Event::SleepDone { .. }
         | Event::SleepFailed { .. }
         | Event::WakeStepDone { .. }

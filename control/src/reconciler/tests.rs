@@ -488,4 +488,5 @@ fn a_silent_proxy_stops_counting() {
     assert_eq!(s.m.in_flight(), 0);
 }
 
+mod decisions;
 mod demand;

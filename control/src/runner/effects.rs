@@ -71,7 +71,30 @@ impl Runner {
 
     pub(super) fn perform(&mut self, effect: Effect) {
         match effect {
-            Effect::Spawn { proc_gen } => self.spawn_engine(proc_gen),
+            Effect::Spawn {
+                proc_gen,
+                fresh_port,
+            } => self.spawn_engine(proc_gen, fresh_port),
+            Effect::KeepSpawned { proc_gen } => {
+                if let Some(h) = self.landed.take() {
+                    debug_assert_eq!(h.proc_gen, proc_gen);
+                    self.proc = Some(h);
+                }
+            }
+            Effect::KillStray { proc_gen } => {
+                if let Some(h) = self.landed.take() {
+                    debug_assert_eq!(h.proc_gen, proc_gen);
+                    h.signal(NixSignal::SIGKILL);
+                }
+            }
+            Effect::PersistHistory => self.persist_history(),
+            Effect::PersistCalibration => self.persist_calibration(),
+            Effect::RecordSleepLevel(level) => self.record_sleep_level(level),
+            Effect::MeasureResidual => {
+                if let Some(pid) = self.state.pid {
+                    self.measure_residual(pid);
+                }
+            }
             Effect::ProbeHealth { epoch } => {
                 let client = self.client.clone();
                 let attach = self.cfg.is_attach();
@@ -157,11 +180,11 @@ impl Runner {
 
     /// Kills what is left of the previous process, takes the GPUs' start
     /// lock, spawns; the lock is held until `ReleaseStartLock`.
-    fn spawn_engine(&mut self, proc_gen: u64) {
+    fn spawn_engine(&mut self, proc_gen: u64, fresh_port: bool) {
         if let Launch::Process {
             host, port: None, ..
         } = &self.cfg.launch
-            && self.state.failures > 0
+            && fresh_port
             && let Ok(p) = free_port(host)
         {
             // A fresh port after a failure, in case the old one is taken.

@@ -52,12 +52,7 @@ pub(super) fn take_over(
 
 impl Runner {
     /// Keeps the engine record's sleep level current (a hint for recovery).
-    pub(super) fn record_sleep_level(&self) {
-        let level = match self.state.phase {
-            Phase::Awake => 0,
-            Phase::Asleep { level } => level,
-            _ => return,
-        };
+    pub(super) fn record_sleep_level(&self, level: u8) {
         if self.cfg.is_attach() {
             return;
         }
