@@ -83,6 +83,13 @@ pub enum Command {
         /// 1: weights offloaded to CPU RAM (fast wake); 2: weights discarded.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=2))]
         level: u32,
+        /// Wait until it is asleep at that level (requests in flight finish
+        /// first), failed, or wanted otherwise; exit 1 unless asleep.
+        #[arg(long)]
+        wait: bool,
+        /// With --wait: stop waiting after this long (the sleep goes on). Default: 5m.
+        #[arg(long, requires = "wait")]
+        timeout: Option<humantime::Duration>,
         #[command(flatten)]
         out: OutputArg,
     },

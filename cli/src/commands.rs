@@ -54,7 +54,16 @@ pub async fn run(cli: Cli) -> Result<(), Failure> {
             timeout,
             out,
         } => wake::run(conn, &model, wait, timeout.map(Into::into), out.format).await,
-        Command::Sleep { model, level, out } => sleep::run(conn, &model, level, out.format).await,
+        Command::Sleep {
+            model,
+            level,
+            wait,
+            timeout,
+            out,
+        } => {
+            let wait = wait.then(|| timeout.map(Into::into));
+            sleep::run(conn, &model, level, wait, out.format).await
+        }
         Command::Start(m) => {
             lifecycle::run(conn, lifecycle::Op::Start, &m.model, m.out.format).await
         }

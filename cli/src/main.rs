@@ -9,6 +9,7 @@ mod render;
 mod view;
 
 use std::ffi::OsString;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -68,5 +69,11 @@ fn init_tracing(default: &str) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(colour())
         .try_init();
+}
+
+/// Colour in the log only on a terminal, and never with `NO_COLOR` set.
+fn colour() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }

@@ -184,6 +184,15 @@ impl Table {
     }
 }
 
+/// An asleep residual per GPU, and whether it was measured.
+pub fn residual(bytes: u64, measured: bool) -> String {
+    if bytes == 0 {
+        return "-".into();
+    }
+    let how = if measured { "measured" } else { "default" };
+    format!("{} ({how})", self::bytes(bytes))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

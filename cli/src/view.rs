@@ -36,6 +36,8 @@ pub struct ModelView {
     pub restarts: u32,
     pub p2p_disabled: bool,
     pub control_id: String,
+    pub asleep_residual_bytes: u64,
+    pub asleep_residual_measured: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -130,6 +132,8 @@ impl From<&pb::ModelStatus> for ModelView {
             restarts: m.restarts,
             p2p_disabled: m.p2p_disabled,
             control_id: m.control_id.clone(),
+            asleep_residual_bytes: m.asleep_residual_bytes,
+            asleep_residual_measured: m.asleep_residual_measured,
         }
     }
 }
@@ -298,6 +302,8 @@ pub struct ModelPlacementView {
     pub p2p_disabled: bool,
     pub reason: String,
     pub exclusive: bool,
+    pub asleep_residual_bytes: u64,
+    pub asleep_residual_measured: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -340,6 +346,8 @@ impl From<&pb::ModelPlacement> for ModelPlacementView {
             p2p_disabled: p.p2p_disabled,
             reason: p.reason.clone(),
             exclusive: p.exclusive,
+            asleep_residual_bytes: p.asleep_residual_bytes,
+            asleep_residual_measured: p.asleep_residual_measured,
         }
     }
 }

@@ -159,6 +159,24 @@ impl Admission {
             .map(|p| p.p2p_disabled)
     }
 
+    /// What `model` (on `gpus` GPUs) holds per GPU asleep, as placement
+    /// counts it.
+    pub fn residual_of(&self, model: &str, gpus: u32) -> crate::status::Residual {
+        match &self.gpus {
+            Some(v) => v.residual_of(model),
+            None => crate::status::Residual {
+                bytes: crate::placement::default_residual(gpus),
+                measured: false,
+            },
+        }
+    }
+
+    /// Measures the asleep residual of `model`'s engine (process group
+    /// `pgid`) with NVML. Blocking.
+    pub fn measure_residual(&self, model: &str, pgid: u32) -> Option<crate::status::Residual> {
+        self.gpus.as_ref()?.measure_residual(model, pgid)
+    }
+
     /// Returns once `model` may take its GPUs awake. `waiting` is told what
     /// it waits for while it waits. The caller's deadline bounds the wait:
     /// drop the future to leave the queue.

@@ -40,10 +40,13 @@ pub struct ControlConfig {
     pub p2p_probe: P2pProbeConfig,
     /// GPU memory placement counts for each asleep model per GPU
     /// (`asleep_residual`, default 1.5 GiB; vLLM leaves 1–7 GiB asleep).
-    pub asleep_residual: u64,
+    pub asleep_residual: Option<u64>,
     /// A woken model stays awake at least this long before admission may
     /// put it to sleep for another (`min_awake`, default 2s).
     pub min_awake: Duration,
+    /// How long a connection to an engine may idle in control's pool
+    /// (`engine_idle_timeout`, default 4s: below uvicorn's 5 s keep-alive).
+    pub engine_idle_timeout: Duration,
 }
 
 /// Default `[control] min_awake`.

@@ -1,5 +1,23 @@
 //! HTTP client for one engine's admin and probe endpoints (vLLM's API
 //! server or fake-vllm): health, sleep, wake, metrics.
+//!
+//! Written against vLLM 0.2x–0.33 (see the README's design notes):
+//! - pooled connections idle at most [`DEFAULT_IDLE_TIMEOUT`] (uvicorn
+//!   closes them after 5 s), and every call, all idempotent for vLLM, is
+//!   tried once more on a fresh connection after a transport error (a
+//!   pooled connection the engine closed as the request went out);
+//! - `/sleep` and `/wake_up` bodies are read ([`replies`]): a wake whose
+//!   last call leaves a tag asleep fails;
+//! - `/metrics` is parsed as Prometheus text ([`prom`]).
+
+mod prom;
+mod replies;
+#[cfg(test)]
+pub(crate) mod test_server;
+#[cfg(test)]
+mod tests;
+
+pub use replies::WakeReply;
 
 use crate::reconciler::WakeCall;
 use bytes::Bytes;
@@ -8,15 +26,25 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use std::time::Duration;
+use tokio::time::Instant;
 
 /// Why a call failed, as one line.
 pub type EngineError = String;
+
+/// How long a connection to an engine may sit idle in the pool: below
+/// uvicorn's 5 s keep-alive, so siesta never sends on a connection the
+/// engine is closing. `[control] engine_idle_timeout` overrides it.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
 /// One engine's base URL with a shared connection pool.
 #[derive(Debug, Clone)]
 pub struct EngineClient {
     base: String,
-    http: Client<HttpConnector, Full<Bytes>>,
+    pooled: HttpClient,
+    /// Keeps no idle connection: every call opens a fresh one (retries).
+    fresh: HttpClient,
 }
 
 /// What `/metrics` says.
@@ -24,20 +52,66 @@ pub struct EngineClient {
 pub struct EngineMetrics {
     /// Sum of `vllm:num_requests_running`.
     pub running: u32,
-    /// From `vllm:engine_sleep_state`: 0 awake, 1 weights offloaded, 2 all discarded.
+    /// From `vllm:engine_sleep_state`: 0 awake, 1 weights offloaded, 2 all
+    /// discarded (the deepest when several engines report). Never enough on
+    /// its own to call an engine awake: after `wake_up?tags=weights` it reads
+    /// awake while `/is_sleeping` is still true.
     pub sleep_level: Option<u8>,
+    /// Whether any `vllm:` metric was served (none with `--disable-log-stats`).
+    pub has_vllm_metrics: bool,
+}
+
+/// How a call failed.
+#[derive(Debug)]
+enum Failure {
+    /// No answer within the deadline (the engine may be busy: not retried).
+    Timeout(String),
+    /// Connection refused, closed or reset; body cut short.
+    Transport(String),
+    /// The engine answered, but not what was wanted.
+    Answer(String),
+}
+
+impl Failure {
+    fn into_message(self) -> String {
+        match self {
+            Failure::Timeout(m) | Failure::Transport(m) | Failure::Answer(m) => m,
+        }
+    }
+}
+
+fn client(idle: Duration, max_idle: usize) -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(Duration::from_secs(2)));
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(idle)
+        .pool_max_idle_per_host(max_idle)
+        .build(connector)
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
 }
 
 impl EngineClient {
     pub fn new(base: &str) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_secs(2)));
-        connector.set_nodelay(true);
+        Self::with_idle_timeout(base, DEFAULT_IDLE_TIMEOUT)
+    }
+
+    /// A client whose pooled connections idle at most `idle`.
+    pub fn with_idle_timeout(base: &str, idle: Duration) -> Self {
         Self {
             base: base.trim_end_matches('/').to_string(),
-            http: Client::builder(TokioExecutor::new())
-                .pool_idle_timeout(Duration::from_secs(30))
-                .build(connector),
+            pooled: client(idle, usize::MAX),
+            fresh: client(idle, 0),
         }
     }
 
@@ -45,13 +119,15 @@ impl EngineClient {
         &self.base
     }
 
-    async fn call(
+    async fn send(
         &self,
-        method: hyper::Method,
+        http: &HttpClient,
+        method: &hyper::Method,
         path: &str,
         body: Option<&str>,
-        timeout: Duration,
-    ) -> Result<(hyper::StatusCode, Bytes), EngineError> {
+        deadline: Instant,
+    ) -> Result<(hyper::StatusCode, Bytes), Failure> {
+        let what = format!("{method} {path}");
         let uri = format!("{}{path}", self.base);
         let mut req = hyper::Request::builder().method(method.clone()).uri(&uri);
         if body.is_some() {
@@ -59,28 +135,53 @@ impl EngineClient {
         }
         let req = req
             .body(Full::new(Bytes::from(body.unwrap_or("").to_string())))
-            .map_err(|e| format!("{method} {path}: {e}"))?;
+            .map_err(|e| Failure::Answer(format!("{what}: {e}")))?;
         let fut = async {
-            let resp = self.http.request(req).await.map_err(|e| {
-                let mut msg = e.to_string();
-                if let Some(src) = std::error::Error::source(&e) {
-                    msg = format!("{msg}: {src}");
-                }
-                msg
-            })?;
+            let resp = http.request(req).await.map_err(|e| error_chain(&e))?;
             let status = resp.status();
             let bytes = resp
                 .into_body()
                 .collect()
                 .await
-                .map_err(|e| e.to_string())?
+                .map_err(|e| format!("reading the answer: {}", error_chain(&e)))?
                 .to_bytes();
             Ok::<_, String>((status, bytes))
         };
-        match tokio::time::timeout(timeout, fut).await {
+        match tokio::time::timeout_at(deadline, fut).await {
             Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Err(format!("{method} {path}: {e}")),
-            Err(_) => Err(format!("{method} {path}: no answer within {timeout:?}")),
+            Ok(Err(e)) => Err(Failure::Transport(format!("{what}: {e}"))),
+            Err(_) => Err(Failure::Timeout(format!("{what}: no answer in time"))),
+        }
+    }
+
+    /// One call within `timeout`; a transport error is tried once more on
+    /// a fresh connection (every admin call siesta makes is idempotent).
+    async fn call(
+        &self,
+        method: hyper::Method,
+        path: &str,
+        body: Option<&str>,
+        timeout: Duration,
+    ) -> Result<(hyper::StatusCode, Bytes), Failure> {
+        let deadline = Instant::now() + timeout;
+        let first = match self.send(&self.pooled, &method, path, body, deadline).await {
+            Err(Failure::Transport(e)) => e,
+            Err(Failure::Timeout(_)) => {
+                return Err(Failure::Timeout(format!(
+                    "{method} {path}: no answer within {timeout:?}"
+                )));
+            }
+            r => return r,
+        };
+        tracing::debug!(engine = %self.base, error = %first, "engine call failed; trying once more on a fresh connection");
+        match self.send(&self.fresh, &method, path, body, deadline).await {
+            Err(Failure::Transport(e)) => Err(Failure::Transport(format!(
+                "{e} (tried twice; first attempt: {first})"
+            ))),
+            Err(Failure::Timeout(_)) => Err(Failure::Timeout(format!(
+                "{method} {path}: no answer within {timeout:?} (after a first attempt failed: {first})"
+            ))),
+            r => r,
         }
     }
 
@@ -90,14 +191,16 @@ impl EngineClient {
         path: &str,
         body: Option<&str>,
         timeout: Duration,
-    ) -> Result<Bytes, EngineError> {
+    ) -> Result<Bytes, Failure> {
         let (status, bytes) = self.call(method.clone(), path, body, timeout).await?;
         if status.is_success() {
             Ok(bytes)
         } else {
             let text = String::from_utf8_lossy(&bytes);
             let text: String = text.chars().take(200).collect();
-            Err(format!("{method} {path}: HTTP {status}: {text}"))
+            Err(Failure::Answer(format!(
+                "{method} {path}: HTTP {status}: {text}"
+            )))
         }
     }
 
@@ -107,29 +210,50 @@ impl EngineClient {
         self.expect_ok(hyper::Method::GET, "/health", None, timeout)
             .await
             .map(|_| ())
+            .map_err(Failure::into_message)
     }
 
     /// `GET /is_sleeping`.
     pub async fn is_sleeping(&self, timeout: Duration) -> Result<bool, EngineError> {
-        let bytes = self
+        match self.is_sleeping_within(timeout).await? {
+            Some(b) => Ok(b),
+            None => Err(format!("GET /is_sleeping: no answer within {timeout:?}")),
+        }
+    }
+
+    /// `GET /is_sleeping`, telling "no answer yet" (`Ok(None)`) from an
+    /// answer: vLLM queues it behind a running wake or `reload_weights`.
+    pub async fn is_sleeping_within(&self, timeout: Duration) -> Result<Option<bool>, EngineError> {
+        let bytes = match self
             .expect_ok(hyper::Method::GET, "/is_sleeping", None, timeout)
-            .await?;
+            .await
+        {
+            Ok(b) => b,
+            Err(Failure::Timeout(_)) => return Ok(None),
+            Err(e) => return Err(e.into_message()),
+        };
         let v: serde_json::Value = serde_json::from_slice(&bytes)
             .map_err(|e| format!("GET /is_sleeping: bad JSON: {e}"))?;
         v.get("is_sleeping")
             .and_then(|b| b.as_bool())
+            .map(Some)
             .ok_or_else(|| "GET /is_sleeping: no is_sleeping field".to_string())
     }
 
-    /// `POST /sleep?level=N&mode=wait`.
+    /// `POST /sleep?level=N&mode=wait`; its body, when there is one, must
+    /// say the engine sleeps at that level.
     pub async fn sleep(&self, level: u8, timeout: Duration) -> Result<(), EngineError> {
         let path = format!("/sleep?level={level}&mode=wait");
-        self.expect_ok(hyper::Method::POST, &path, None, timeout)
+        let body = self
+            .expect_ok(hyper::Method::POST, &path, None, timeout)
             .await
-            .map(|_| ())
+            .map_err(Failure::into_message)?;
+        replies::check_sleep_reply(&body, level).map_err(|e| format!("POST {path}: {e}"))
     }
 
-    /// One call of a wake sequence.
+    /// One call of a wake sequence. The last `/wake_up` of a sequence (all
+    /// tags, or `kv_cache` after the weights) must leave the engine awake;
+    /// after `tags=weights` alone it is expected to still sleep.
     pub async fn wake(&self, call: WakeCall, timeout: Duration) -> Result<(), EngineError> {
         let (path, body) = match call {
             WakeCall::WakeUp => ("/wake_up", None),
@@ -138,16 +262,25 @@ impl EngineClient {
             WakeCall::WakeKvCache => ("/wake_up?tags=kv_cache", None),
             WakeCall::ResetPrefixCache => ("/reset_prefix_cache", None),
         };
-        self.expect_ok(hyper::Method::POST, path, body, timeout)
+        let reply = self
+            .expect_ok(hyper::Method::POST, path, body, timeout)
             .await
-            .map(|_| ())
+            .map_err(Failure::into_message)?;
+        let last = matches!(call, WakeCall::WakeUp | WakeCall::WakeKvCache);
+        if last && let WakeReply::StillAsleep { tags } = replies::wake_reply(&reply) {
+            return Err(format!(
+                "POST {path}: engine still asleep after /wake_up: tags {tags:?}"
+            ));
+        }
+        Ok(())
     }
 
     /// `GET /metrics`, parsed.
     pub async fn metrics(&self, timeout: Duration) -> Result<EngineMetrics, EngineError> {
         let bytes = self
             .expect_ok(hyper::Method::GET, "/metrics", None, timeout)
-            .await?;
+            .await
+            .map_err(Failure::into_message)?;
         Ok(parse_metrics(&String::from_utf8_lossy(&bytes)))
     }
 }
@@ -156,47 +289,26 @@ impl EngineClient {
 pub fn parse_metrics(text: &str) -> EngineMetrics {
     let mut m = EngineMetrics::default();
     let mut running = 0f64;
-    for line in text.lines() {
-        if line.starts_with('#') {
+    let (samples, _bad) = prom::samples(text);
+    for s in samples {
+        m.has_vllm_metrics |= s.name.starts_with("vllm:");
+        if !s.value.is_finite() {
             continue;
         }
-        let Some((name_labels, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let Ok(value) = value.trim().parse::<f64>() else {
-            continue;
-        };
-        let name = name_labels.split('{').next().unwrap_or("");
-        match name {
-            "vllm:num_requests_running" => running += value,
-            "vllm:engine_sleep_state" if value >= 1.0 => {
-                if name_labels.contains("discard_all") {
-                    m.sleep_level = Some(2);
-                } else if name_labels.contains("weights_offloaded") {
-                    m.sleep_level = Some(1);
-                } else if name_labels.contains("awake") {
-                    m.sleep_level = Some(0);
-                }
+        match s.name.as_str() {
+            "vllm:num_requests_running" => running += s.value,
+            "vllm:engine_sleep_state" if s.value >= 1.0 => {
+                let level = match s.label("sleep_state") {
+                    Some("awake") => 0,
+                    Some("weights_offloaded") => 1,
+                    Some("discard_all") => 2,
+                    _ => continue,
+                };
+                m.sleep_level = Some(m.sleep_level.map_or(level, |l| l.max(level)));
             }
             _ => {}
         }
     }
     m.running = running.max(0.0).round() as u32;
     m
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn metrics_parse() {
-        let text = "# HELP x\nvllm:num_requests_running{model_name=\"a\",engine=\"0\"} 2.0\n\
-            vllm:num_requests_running{model_name=\"a\",engine=\"1\"} 1.0\n\
-            vllm:engine_sleep_state{sleep_state=\"awake\"} 0.0\n\
-            vllm:engine_sleep_state{sleep_state=\"discard_all\"} 1.0\n";
-        let m = parse_metrics(text);
-        assert_eq!(m.running, 3);
-        assert_eq!(m.sleep_level, Some(2));
-    }
 }

@@ -7,11 +7,13 @@ use crate::config::{Config, GpuMemory, ModelConfig, P2pProbeConfig};
 use crate::gpu::convert::{gpu_to_proto, p2p_to_proto};
 use crate::gpu::p2p::P2pMatrix;
 use crate::gpu::{GpuSource, GpuSpec, Inventory, InventorySource};
+use crate::placement::default_residual;
 use crate::placement::{
     Machine, MemoryNeed, ModelNeeds, ModelRuntime, Placement, Policy, RunState, WakePlan, budgets,
     place, plan_wake,
 };
 use crate::runner::Placed;
+use crate::status::Residual;
 use crate::status::{ModelStatus, State};
 use siesta_proto::v1 as pb;
 use std::collections::BTreeMap;
@@ -41,6 +43,9 @@ pub struct GpuView {
     state: Mutex<ViewState>,
     source: Mutex<GpuSource>,
     policy: Policy,
+    /// What each model holds per GPU while asleep: its default until an
+    /// NVML measurement after a sleep replaces it.
+    residuals: Mutex<BTreeMap<String, Residual>>,
     needs: Vec<ModelNeeds>,
     /// Where `p2p.json` lives.
     state_dir: PathBuf,
@@ -135,9 +140,29 @@ impl GpuView {
             }),
             source: Mutex::new(source),
             policy: Policy {
-                residual_bytes: config.control.asleep_residual,
+                residual_bytes: config
+                    .control
+                    .asleep_residual
+                    .unwrap_or(crate::placement::DEFAULT_RESIDUAL_BYTES),
                 ..Policy::default()
             },
+            residuals: Mutex::new(
+                config
+                    .models
+                    .iter()
+                    .map(|m| {
+                        let bytes = config
+                            .control
+                            .asleep_residual
+                            .unwrap_or_else(|| default_residual(m.gpus));
+                        let r = Residual {
+                            bytes,
+                            measured: false,
+                        };
+                        (m.name.clone(), r)
+                    })
+                    .collect(),
+            ),
             needs: config.models.iter().map(needs).collect(),
             state_dir: config.control.state_dir.clone(),
             probe: config.control.p2p_probe,
@@ -174,6 +199,59 @@ impl GpuView {
             .iter()
             .map(|p| (p.model.clone(), placed_of(p)))
             .collect()
+    }
+
+    /// The run-time policy: the base one with each model's residual.
+    fn run_policy(&self) -> Policy {
+        let mut p = self.policy.clone();
+        p.residuals = self
+            .residuals
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(m, r)| (m.clone(), r.bytes))
+            .collect();
+        p
+    }
+
+    /// What `model` holds per GPU while asleep, as placement counts it.
+    pub fn residual_of(&self, model: &str) -> Residual {
+        self.residuals
+            .lock()
+            .unwrap()
+            .get(model)
+            .copied()
+            .unwrap_or(Residual {
+                bytes: self.policy.residual_bytes,
+                measured: false,
+            })
+    }
+
+    /// Measures what the engine whose process group is `pgid` holds on
+    /// each GPU now (NVML per-process memory) and keeps the largest as the
+    /// model's asleep residual. None where NVML is absent or shows none of
+    /// the engine's processes. Blocking (NVML): call from `spawn_blocking`.
+    pub fn measure_residual(&self, model: &str, pgid: u32) -> Option<Residual> {
+        {
+            let mut st = self.state.lock().unwrap();
+            // Read NVML now, whatever the age of the last read.
+            st.read_at = Instant::now() - INVENTORY_MAX_AGE;
+        }
+        self.refresh_inventory();
+        let bytes = {
+            let st = self.state.lock().unwrap();
+            if st.inventory.source != InventorySource::Nvml {
+                return None;
+            }
+            engine_bytes_per_gpu(&st.inventory, pgid, pgid_of)
+        };
+        let r = Residual {
+            bytes: bytes.values().copied().max().filter(|b| *b > 0)?,
+            measured: true,
+        };
+        self.residuals.lock().unwrap().insert(model.to_string(), r);
+        tracing::info!(model, bytes = r.bytes, "measured asleep residual per GPU");
+        Some(r)
     }
 
     /// Every placement (empty when placement failed).
@@ -290,7 +368,7 @@ impl GpuView {
             &machine,
             &st.placements,
             runtime,
-            &self.policy,
+            &self.run_policy(),
         )
     }
 
@@ -298,8 +376,18 @@ impl GpuView {
         let st = self.state.lock().unwrap();
         let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
         let runtime = runtime(models);
-        let mut placements: Vec<pb::ModelPlacement> =
-            st.placements.iter().map(Placement::to_proto).collect();
+        let mut placements: Vec<pb::ModelPlacement> = st
+            .placements
+            .iter()
+            .map(|p| {
+                let r = self.residual_of(&p.model);
+                pb::ModelPlacement {
+                    asleep_residual_bytes: r.bytes,
+                    asleep_residual_measured: r.measured,
+                    ..p.to_proto()
+                }
+            })
+            .collect();
         if let Some(err) = &st.placement_error {
             for m in models {
                 placements.push(pb::ModelPlacement {
@@ -312,12 +400,33 @@ impl GpuView {
         }
         pb::GetPlacementResponse {
             models: placements,
-            gpus: budgets(&machine, &st.placements, &runtime, &self.policy)
+            gpus: budgets(&machine, &st.placements, &runtime, &self.run_policy())
                 .iter()
                 .map(|b| b.to_proto())
                 .collect(),
         }
     }
+}
+
+/// Memory held on each GPU by the processes of process group `pgid`.
+pub(crate) fn engine_bytes_per_gpu(
+    inventory: &Inventory,
+    pgid: u32,
+    pgid_of: impl Fn(u32) -> Option<u32>,
+) -> BTreeMap<u32, u64> {
+    inventory
+        .gpus
+        .iter()
+        .map(|g| {
+            let sum = g
+                .processes
+                .iter()
+                .filter(|p| p.pid == pgid || pgid_of(p.pid) == Some(pgid))
+                .map(|p| p.used_bytes)
+                .sum();
+            (g.index, sum)
+        })
+        .collect()
 }
 
 fn placed_of(p: &Placement) -> Placed {

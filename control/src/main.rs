@@ -4,6 +4,7 @@
 use anyhow::Context;
 use clap::Parser;
 use siesta_control::{Config, ServeOptions, Server};
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use tokio_util::sync::CancellationToken;
@@ -34,14 +35,25 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(colour())
         .init();
+    // Handlers first: a signal during start-up is not lost.
+    let mut signal = Box::pin(siesta_signal::shutdown_signal()?);
     let config = Config::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?;
     let opts = ServeOptions {
         listen: args.listen,
         stop_engines_on_exit: args.stop_engines_on_exit,
         config_path: Some(args.config.clone()),
     };
-    let server = Server::bind(config, opts).await?;
+    // Start-up (recovery, the P2P probe) can take a while: a signal then
+    // ends the process as it would have without a handler.
+    let server = tokio::select! {
+        server = Server::bind(config, opts) => server?,
+        signal = &mut signal => {
+            tracing::info!(%signal, "exiting during start-up");
+            return Ok(());
+        }
+    };
     let addr = server.local_addr();
     tracing::info!(%addr, "siesta-control listening");
     if let Some(path) = &args.addr_file {
@@ -54,19 +66,15 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let signals = shutdown.clone();
     tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
-        }
+        let signal = signal.await;
+        tracing::info!(%signal, "shutting down");
         signals.cancel();
     });
     server.run(shutdown).await?;
     Ok(())
+}
+
+/// Colour in the log only on a terminal, and never with `NO_COLOR` set.
+fn colour() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }

@@ -207,9 +207,24 @@ impl Models {
             }
             _ => {}
         }
-        let after = self.send(&h, Event::Command(cmd)).await?;
+        let mut after = self.send(&h, Event::Command(cmd)).await?;
+        if matches!(cmd, Command::Sleep(_)) && holds_for_requests(&after) {
+            after = self.fresh_in_flight(&h).await;
+        }
         let msg = account(&before, &after, cmd);
         Ok((after, msg))
+    }
+
+    /// The status once the in-flight count is fresh: proxies report every
+    /// 100 ms and the engine's gauge is read every poll, so a request that
+    /// just finished may still be counted. Waits up to one poll (plus a
+    /// margin) for the sleep to begin; what is still counted after that is
+    /// really in flight.
+    async fn fresh_in_flight(&self, h: &ModelHandle) -> ModelStatus {
+        let mut rx = h.status.clone();
+        let within = self.shared.poll_every + Duration::from_millis(300);
+        let _ = tokio::time::timeout(within, rx.wait_for(|s| !holds_for_requests(s))).await;
+        h.status.borrow().clone()
     }
 
     /// Wake, optionally waiting until awake or failed (or `timeout`).
@@ -357,6 +372,11 @@ impl Models {
         }
         Ok(s)
     }
+}
+
+/// Awake, asked to go elsewhere, and held by requests in flight.
+fn holds_for_requests(s: &ModelStatus) -> bool {
+    s.state == State::Awake && s.in_flight > 0 && s.intent.desired != Desired::Awake
 }
 
 fn account(before: &ModelStatus, after: &ModelStatus, cmd: Command) -> String {

@@ -3,13 +3,18 @@
 //!
 //! For each engine record in the store:
 //! 1. find the process: the recorded pid if alive with the recorded start
-//!    time, else the group leader carrying the record's `SIESTA_ENGINE_TAG`
-//!    (siesta died between spawn and recording the pid); none: the record
-//!    is dropped (and tagged leftovers killed);
+//!    time; if no pid was recorded (siesta died between spawn and recording
+//!    it), the first group leader carrying the record's `SIESTA_ENGINE_TAG`;
+//!    none: the record is dropped, and what is left of the engine (its
+//!    process group, and anything carrying its tag) is killed;
 //! 2. an engine no longer wanted (model removed, now attach, or its command
 //!    changed) is stopped: SIGTERM to its group, SIGKILL after the grace;
-//! 3. otherwise probe it: `/health`, then `/is_sleeping` (level from
-//!    `/metrics`, else the recorded one); no answer: still starting;
+//! 3. otherwise probe it: `/health` (no answer: still starting), then
+//!    `/is_sleeping`, waited on up to the model's wake timeout (it queues
+//!    behind a running wake). Asleep: at the level from `/metrics`, else
+//!    the recorded one, else 2. No answer or an error: asleep at the
+//!    recorded level (else 2), never awake, so a wake cut short by the
+//!    restart runs again;
 //! 4. the model's task starts from that state ([`crate::reconciler::adopt`])
 //!    with its restored intent and drives on from there.
 //!
@@ -21,7 +26,9 @@ use crate::models::default_placement;
 use crate::reconciler::Observed;
 use crate::runner::Placed;
 use crate::store::{EngineRecord, Store};
-use crate::supervisor::{TAG_ENV, command_hash, procfs, signal_group, spawn_spec};
+use crate::supervisor::{
+    TAG_ENV, command_hash, kill_group_leftovers, procfs, signal_group, spawn_spec,
+};
 use nix::sys::signal::Signal;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -42,26 +49,53 @@ pub struct Adopted {
 }
 
 /// The leader of the recorded engine's process group, and its start time.
+/// None: the engine is gone, and whatever its group left behind was killed.
 fn locate(rec: &EngineRecord) -> Option<(u32, u64)> {
     if rec.pid > 1 && procfs::alive(rec.pid, Some(rec.start_time)) {
         return Some((rec.pid, rec.start_time));
     }
     let tagged = procfs::pids_with_env(TAG_ENV, &rec.tag);
+    if rec.pid > 1 && rec.start_time != 0 {
+        // The recorded leader is gone: whatever still carries the tag is
+        // a leftover, even one that leads a group of its own.
+        sweep(rec, &tagged);
+        return None;
+    }
+    // The first process started with the tag (a child that made a group
+    // of its own started later).
     let leader = tagged
         .iter()
-        .copied()
-        .find(|p| procfs::pgid(*p) == Some(*p));
+        .filter(|p| procfs::pgid(**p) == Some(**p))
+        .filter_map(|p| Some((*p, procfs::start_time(*p)?)))
+        .min_by_key(|(_, t)| *t);
     match leader {
-        Some(p) => procfs::start_time(p).map(|t| (p, t)),
+        Some(found) => Some(found),
         None => {
-            // The leader is gone: no member of its group may stay behind.
-            for p in tagged {
-                if let Some(g) = procfs::pgid(p) {
-                    signal_group(g, Signal::SIGKILL);
-                }
-            }
+            sweep(rec, &tagged);
             None
         }
+    }
+}
+
+/// The leader is gone; no member of its group may stay behind (vLLM's
+/// engine core and TP workers do not watch their parent and keep their GPU
+/// memory): SIGKILL to the recorded group, found by its id, and to the
+/// group of every process still carrying the engine's tag (one that left
+/// the group keeps the tag in its environment).
+fn sweep(rec: &EngineRecord, tagged: &[u32]) {
+    let mut groups: Vec<u32> = tagged.iter().filter_map(|p| procfs::pgid(*p)).collect();
+    if rec.pgid > 1 {
+        let left = procfs::group_members(rec.pgid);
+        if !left.is_empty() {
+            tracing::warn!(pgid = rec.pgid, pids = ?left, tag = %rec.tag, "killing what is left of a dead engine's process group");
+        }
+        kill_group_leftovers(rec.pgid, (rec.pid == rec.pgid).then_some(rec.start_time));
+    }
+    groups.sort_unstable();
+    groups.dedup();
+    for g in groups.into_iter().filter(|g| *g != rec.pgid) {
+        tracing::warn!(pgid = g, tag = %rec.tag, "killing leftover processes of a dead engine (found by its tag)");
+        signal_group(g, Signal::SIGKILL);
     }
 }
 
@@ -85,24 +119,56 @@ fn unwanted(
         .then_some("its command line changed in the configuration")
 }
 
-async fn observe(host: &str, rec: &EngineRecord) -> Observed {
-    let client = EngineClient::new(&format!("http://{host}:{}", rec.port));
+/// The level to wake an engine from when it does not say: the one recorded
+/// in the store, else 2 (a level-2 wake reloads the weights and is right
+/// for any state; a level-1 wake on a level-2 engine serves garbage).
+fn recorded_level(rec: &EngineRecord) -> u8 {
+    match rec.sleep_level {
+        0 => 2,
+        l => l.min(2),
+    }
+}
+
+/// What the adopted engine is doing. `/is_sleeping` waits behind a running
+/// wake or `reload_weights` (a control plane restarted mid-wake): "no
+/// answer yet" is waited on up to `wake_timeout`, and is never taken for
+/// awake; still nothing (or an error), the engine is taken as asleep at
+/// the recorded level and the reconciler runs the wake sequence again.
+async fn observe(client: &EngineClient, rec: &EngineRecord, wake_timeout: Duration) -> Observed {
+    let url = client.base();
     if client.health(PROBE_TIMEOUT).await.is_err() {
         return Observed::NotServing;
     }
-    match client.is_sleeping(PROBE_TIMEOUT).await {
-        Ok(false) => Observed::Awake,
-        Ok(true) => {
-            let level = client
+    let mut answer = client.is_sleeping_within(PROBE_TIMEOUT).await;
+    if let Ok(None) = answer {
+        let wait = wake_timeout
+            .saturating_sub(PROBE_TIMEOUT)
+            .max(PROBE_TIMEOUT);
+        tracing::info!(engine = %url, ?wait, "/is_sleeping not answered yet (a wake or reload_weights may be running); waiting");
+        answer = client.is_sleeping_within(wait).await;
+    }
+    let level = recorded_level(rec);
+    match answer {
+        Ok(Some(false)) => Observed::Awake,
+        Ok(Some(true)) => {
+            // The metric alone never says awake (it reads awake after
+            // `wake_up?tags=weights`); it only refines a deeper level.
+            let metric = client
                 .metrics(PROBE_TIMEOUT)
                 .await
                 .ok()
                 .and_then(|m| m.sleep_level)
-                .filter(|l| *l > 0)
-                .unwrap_or(rec.sleep_level.max(1));
-            Observed::Asleep(level.min(2))
+                .filter(|l| *l > 0);
+            Observed::Asleep(metric.unwrap_or(level).min(2))
         }
-        Err(_) => Observed::NotServing,
+        Ok(None) => {
+            tracing::warn!(engine = %url, level, "/is_sleeping never answered; taking the engine as asleep so it is woken again");
+            Observed::Asleep(level)
+        }
+        Err(error) => {
+            tracing::warn!(engine = %url, level, %error, "/is_sleeping failed; taking the engine as asleep so it is woken again");
+            Observed::Asleep(level)
+        }
     }
 }
 
@@ -173,12 +239,15 @@ pub async fn recover(
             }
             continue;
         }
-        let host = match cfg.map(|c| &c.launch) {
-            Some(Launch::Process { host, .. }) => host.clone(),
+        let (host, wake_timeout) = match cfg.map(|c| (&c.launch, c.timeouts.wake)) {
+            Some((Launch::Process { host, .. }, wake)) => (host.clone(), wake),
             _ => continue,
         };
+        let idle = config.control.engine_idle_timeout;
         probes.push(async move {
-            let observed = observe(&host, &rec).await;
+            let url = format!("http://{host}:{}", rec.port);
+            let client = EngineClient::with_idle_timeout(&url, idle);
+            let observed = observe(&client, &rec, wake_timeout).await;
             let a = Adopted {
                 pid,
                 start_time,
@@ -209,6 +278,7 @@ pub async fn recover(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::test_server::{Act, engine};
     use std::os::unix::process::CommandExt;
 
     fn sleeper(tag: &str) -> std::process::Child {
@@ -248,8 +318,9 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         }
         assert_eq!(locate(&record(0, 0, &tag)), Some((pid, start)));
-        // A recorded pid with another start time is a reused pid: the tag decides.
-        assert_eq!(locate(&record(pid, start + 1, &tag)), Some((pid, start)));
+        // A recorded pid without its start time: the tag decides.
+        assert_eq!(locate(&record(pid, 0, &tag)), Some((pid, start)));
+        assert_eq!(locate(&record(pid, start, &tag)), Some((pid, start)));
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(locate(&record(pid, start, &tag)), None);
@@ -279,5 +350,140 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         panic!("record of the stopped engine kept");
+    }
+
+    /// Polls `done` every 20 ms for up to 10 s.
+    fn eventually(mut done: impl FnMut() -> bool) -> bool {
+        for _ in 0..500 {
+            if done() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        done()
+    }
+
+    #[test]
+    fn a_dead_engines_leftovers_are_killed_by_their_group() {
+        let tag = format!("recovery-orphans-{}", std::process::id());
+        // An engine leader with two children that ignore its death, as
+        // vLLM's engine core and TP workers do, here without the tag in
+        // their environment: only the process group finds them.
+        let mut leader = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("env -u SIESTA_ENGINE_TAG sleep 600 & env -u SIESTA_ENGINE_TAG sleep 600 & wait")
+            .env(TAG_ENV, &tag)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pid = leader.id();
+        let start = procfs::start_time(pid).unwrap();
+        let untagged_in_group = || {
+            let tagged = procfs::pids_with_env(TAG_ENV, &tag);
+            procfs::group_members(pid)
+                .iter()
+                .filter(|p| !tagged.contains(p))
+                .count()
+        };
+        assert!(eventually(|| untagged_in_group() == 2));
+        // The leader alone dies (SIGKILL to it, not its group).
+        leader.kill().unwrap();
+        leader.wait().unwrap();
+        assert_eq!(
+            procfs::group_members(pid).len(),
+            2,
+            "children died with the leader"
+        );
+        assert_eq!(locate(&record(pid, start, &tag)), None);
+        assert!(
+            eventually(|| procfs::group_members(pid).is_empty()),
+            "left in the group: {:?}",
+            procfs::group_members(pid)
+        );
+    }
+
+    #[test]
+    fn a_tagged_leftover_in_a_group_of_its_own_is_killed_too() {
+        let tag = format!("recovery-setsid-{}", std::process::id());
+        let mut leader = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("setsid sleep 600 & wait")
+            .env(TAG_ENV, &tag)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pid = leader.id();
+        let start = procfs::start_time(pid).unwrap();
+        let elsewhere = || {
+            procfs::pids_with_env(TAG_ENV, &tag)
+                .into_iter()
+                .filter(|p| procfs::pgid(*p).is_some_and(|g| g != pid))
+                .collect::<Vec<_>>()
+        };
+        assert!(eventually(|| !elsewhere().is_empty()));
+        // While the leader lives, it (the first started) is the engine.
+        assert_eq!(locate(&record(0, 0, &tag)), Some((pid, start)));
+        leader.kill().unwrap();
+        leader.wait().unwrap();
+        // The leftover leads a group of its own; it is still not the engine.
+        assert!(!elsewhere().is_empty());
+        assert_eq!(locate(&record(pid, start, &tag)), None);
+        assert!(
+            eventually(|| procfs::pids_with_env(TAG_ENV, &tag).is_empty()),
+            "tagged left: {:?}",
+            procfs::pids_with_env(TAG_ENV, &tag)
+        );
+    }
+
+    #[tokio::test]
+    async fn an_engine_whose_is_sleeping_never_answers_is_asleep_at_the_recorded_level() {
+        // A control plane restarted mid-wake: /health answers, /is_sleeping
+        // waits behind the reload.
+        let e = engine(|_, _, line| {
+            if line.contains("/is_sleeping") {
+                Act::Hang
+            } else {
+                Act::Ok("")
+            }
+        })
+        .await;
+        let client = EngineClient::new(&e.url);
+        let mut rec = record(1, 0, "t");
+        rec.sleep_level = 1;
+        let observed = observe(&client, &rec, Duration::from_secs(3)).await;
+        assert_eq!(observed, Observed::Asleep(1));
+        // Asked again after the first deadline (waiting longer), never awake.
+        let asked = e.requests.lock().unwrap().clone();
+        let probes = asked.iter().filter(|l| l.contains("/is_sleeping")).count();
+        assert_eq!(probes, 2, "{asked:?}");
+    }
+
+    #[tokio::test]
+    async fn the_sleep_metric_alone_never_makes_an_engine_awake() {
+        // After `wake_up?tags=weights`: the metric reads awake, /is_sleeping
+        // is still true. The recorded level (2) stands.
+        let e = engine(|_, _, line| {
+            if line.contains("/is_sleeping") {
+                Act::Ok(r#"{"is_sleeping":true}"#)
+            } else if line.contains("/metrics") {
+                Act::Ok("vllm:engine_sleep_state{sleep_state=\"awake\"} 1.0\n")
+            } else {
+                Act::Ok("")
+            }
+        })
+        .await;
+        let client = EngineClient::new(&e.url);
+        let mut rec = record(1, 0, "t");
+        rec.sleep_level = 2;
+        let observed = observe(&client, &rec, Duration::from_secs(3)).await;
+        assert_eq!(observed, Observed::Asleep(2));
+    }
+
+    #[test]
+    fn no_recorded_level_means_the_safe_level_two() {
+        let mut rec = record(1, 0, "t");
+        assert_eq!(recorded_level(&rec), 2);
+        rec.sleep_level = 1;
+        assert_eq!(recorded_level(&rec), 1);
     }
 }

@@ -35,6 +35,8 @@ pub struct Shared {
     pub stop_engines_on_exit: bool,
     /// Room on the GPUs before a start or wake.
     pub admission: crate::admission::Admission,
+    /// Idle time of pooled connections to engines (`[control] engine_idle_timeout`).
+    pub engine_idle_timeout: Duration,
 }
 
 /// Where a model runs (placement's answer).
@@ -51,6 +53,8 @@ pub(crate) enum Msg {
     Spawned(ProcHandle),
     /// What a start or wake waits for (None: nothing).
     WaitingFor(Option<String>),
+    /// The asleep residual measured after a sleep.
+    Residual(crate::status::Residual),
     Poll {
         epoch: u64,
         result: Result<Option<u32>, String>,
@@ -78,6 +82,7 @@ impl std::fmt::Debug for Msg {
             Msg::Event(e, _) => write!(f, "Event({e:?})"),
             Msg::Spawned(h) => write!(f, "Spawned({})", h.pid),
             Msg::WaitingFor(w) => write!(f, "WaitingFor({w:?})"),
+            Msg::Residual(r) => write!(f, "Residual({r:?})"),
             Msg::Poll { epoch, result } => write!(f, "Poll({epoch}, {result:?})"),
             Msg::Shutdown { stop_engine, .. } => write!(f, "Shutdown({stop_engine})"),
         }
@@ -175,6 +180,7 @@ pub fn spawn_model_adopting(
         p2p_disabled: placed.p2p_disabled,
         control_id: shared.control_id.clone(),
         waiting_for: String::new(),
+        asleep_residual: shared.admission.residual_of(&cfg.name, cfg.gpus),
     };
     let status = model_status(&cfg, &facts, &state, &shared.clock, now);
     let (status_tx, status_rx) = watch::channel(status.clone());
@@ -182,7 +188,7 @@ pub fn spawn_model_adopting(
     let cfg = Arc::new(cfg);
     let runner = Runner {
         cfg: cfg.clone(),
-        client: EngineClient::new(&base_url),
+        client: EngineClient::with_idle_timeout(&base_url, shared.engine_idle_timeout),
         facts,
         port,
         placed,
@@ -247,6 +253,19 @@ impl Runner {
             tokio::select! {
                 _ = cancel.cancelled() => {
                     let stop = self.shared.stop_engines_on_exit;
+                    // A spawn that landed while the cancel won the race
+                    // is still queued: its engine is ours to stop too.
+                    rx.close();
+                    while let Ok(msg) = rx.try_recv() {
+                        if let Msg::Spawned(handle) = msg {
+                            if stop {
+                                tracing::info!(model = %self.cfg.name, pid = handle.pid, "stopping an engine spawned during shutdown");
+                                handle.kill_and_wait().await;
+                            } else {
+                                self.proc.get_or_insert(handle);
+                            }
+                        }
+                    }
                     self.finish(stop).await;
                     return;
                 }
@@ -292,6 +311,10 @@ impl Runner {
                 self.facts.waiting_for = w.unwrap_or_default();
                 self.publish(Instant::now());
             }
+            Msg::Residual(r) => {
+                self.facts.asleep_residual = r;
+                self.publish(Instant::now());
+            }
             Msg::Poll { epoch, result } => {
                 self.polling = false;
                 if epoch != self.state.epoch {
@@ -325,11 +348,14 @@ impl Runner {
         let now = Instant::now();
         let epoch = self.state.epoch;
         let calibration = self.state.calibration;
+        let history = (self.state.restarts, self.state.last_activity);
         let (state, effects) = step(self.state.clone(), event, now);
         self.state = state;
         // The intent is durable before anything is done about it.
         if effects.contains(&Effect::Persist) {
             self.persist();
+        } else if (self.state.restarts, self.state.last_activity) != history {
+            self.persist_history();
         }
         if self.state.calibration != calibration {
             self.persist_calibration();
@@ -344,6 +370,9 @@ impl Runner {
                 self.spawn_cancel.cancel();
             }
             self.record_sleep_level();
+            if let (Phase::Asleep { .. }, Some(pid)) = (self.state.phase, self.state.pid) {
+                self.measure_residual(pid);
+            }
         }
         for effect in effects {
             self.perform(effect);
@@ -357,6 +386,21 @@ impl Runner {
             self.status_tx.send_replace(status.clone());
             self.shared.hub.publish_model(status);
         }
+    }
+
+    /// Measures (NVML, where present) what the engine keeps on its GPUs
+    /// asleep; placement counts that from now on.
+    fn measure_residual(&self, pgid: u32) {
+        let (admission, name, tx) = (
+            self.shared.admission.clone(),
+            self.cfg.name.clone(),
+            self.tx.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            if let Some(r) = admission.measure_residual(&name, pgid) {
+                let _ = tx.send(Msg::Residual(r));
+            }
+        });
     }
 
     /// Stops the engine if asked (SIGTERM, grace, SIGKILL), then ends.

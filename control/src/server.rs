@@ -130,6 +130,7 @@ impl Server {
                 },
                 shutdown.child_token(),
             ),
+            engine_idle_timeout: config.control.engine_idle_timeout,
         });
         let tasks = shutdown.child_token();
         let placed = gpus.placed();

@@ -113,6 +113,15 @@ pub struct ModelStatus {
     pub restarts: u32,
     pub p2p_disabled: bool,
     pub control_id: String,
+    pub asleep_residual: Residual,
+}
+
+/// GPU memory placement counts per GPU for a model while it is asleep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Residual {
+    pub bytes: u64,
+    /// Measured with NVML after the engine's last sleep (else a default).
+    pub measured: bool,
 }
 
 /// Static facts about a model's engine that the state does not hold.
@@ -124,6 +133,7 @@ pub struct EngineFacts {
     pub control_id: String,
     /// What a start or wake waits for right now (room on the GPUs).
     pub waiting_for: String,
+    pub asleep_residual: Residual,
 }
 
 /// Builds the status from config, facts and state.
@@ -201,5 +211,6 @@ pub fn model_status(
         restarts: m.restarts,
         p2p_disabled: facts.p2p_disabled,
         control_id: facts.control_id.clone(),
+        asleep_residual: facts.asleep_residual,
     }
 }

@@ -158,6 +158,31 @@ pub fn signal_group(pid: u32, sig: NixSignal) {
     }
 }
 
+/// SIGKILL to what is left of the process group `pgid` once its leader
+/// (started at `leader_start`, when known) is gone: vLLM's engine core and
+/// `VLLM::Worker_TPn` processes do not watch their parent and would keep
+/// their GPU memory. While any member lives the group id cannot be reused;
+/// a group id now led by another process (the pid was reused after the
+/// group emptied) is left alone.
+pub fn kill_group_leftovers(pgid: u32, leader_start: Option<u64>) {
+    if pgid <= 1 {
+        return;
+    }
+    let reused = match (procfs::start_time(pgid), leader_start) {
+        (None, _) => false,
+        (Some(now), Some(t)) => now != t,
+        (Some(_), None) => procfs::alive(pgid, None),
+    };
+    if reused {
+        tracing::debug!(
+            pgid,
+            "process group id reused by another process; not signalled"
+        );
+        return;
+    }
+    signal_group(pgid, NixSignal::SIGKILL);
+}
+
 pub(crate) fn file_name(name: &str) -> String {
     name.chars()
         .map(|c| {
@@ -186,8 +211,8 @@ pub fn log_paths(name: &str, log_dir: &Path) -> [(PathBuf, &'static str); 2] {
 
 /// Spawns the engine in its own process group, with `SIESTA_ENGINE_TAG=tag`.
 /// Output goes to `log_dir/NAME.{stdout,stderr}.log` (so an engine left
-/// running outlives siesta without a broken pipe), tailed into `logs` and
-/// tracing. `on_exit` runs with the exit status once the leader is reaped
+/// running outlives siesta without a broken pipe), tailed into `logs` (and
+/// tracing at `trace` level only). `on_exit` runs with the exit status once the leader is reaped
 /// and the rest of its group killed.
 pub fn spawn(
     name: &str,
@@ -227,6 +252,7 @@ pub fn spawn(
         )
     })?;
     let pid = child.id().unwrap_or(0);
+    let start = procfs::start_time(pid);
     let (exited_tx, exited) = watch::channel(false);
     tokio::spawn(async move {
         let status = match child.wait().await {
@@ -234,7 +260,7 @@ pub fn spawn(
             Err(e) => format!("wait failed: {e}"),
         };
         // The leader is gone; nothing of its group may stay behind.
-        signal_group(pid, NixSignal::SIGKILL);
+        kill_group_leftovers(pid, start);
         on_exit(status);
         let _ = exited_tx.send(true);
     });
@@ -255,8 +281,8 @@ pub fn spawn(
     })
 }
 
-/// Follows a log file line by line from byte `from` until the process has
-/// exited.
+/// Follows a log file line by line from byte `from` into the ring buffer
+/// until the process has exited.
 pub(crate) async fn tail(
     path: PathBuf,
     from: u64,
@@ -283,7 +309,10 @@ pub(crate) async fn tail(
                 let text = String::from_utf8_lossy(&line[..line.len() - 1])
                     .trim_end()
                     .to_string();
-                tracing::info!(target: "siesta::engine", model = %model, stream, "{text}");
+                // Engine output lives in its files and `siesta logs`; repeating it
+                // (a /health access line every second) would flood the daemon's log.
+                // `RUST_LOG=info,siesta::engine=trace` shows it anyway.
+                tracing::trace!(target: "siesta::engine", model = %model, stream, "{text}");
                 logs.push(stream, text);
             }
         }
@@ -369,6 +398,47 @@ mod tests {
             msg.starts_with("cannot run \"/nonexistent/vllm\": ") && msg.contains("`executable`"),
             "{msg}"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn children_left_by_an_exited_engine_are_killed_with_its_group() {
+        let dir = tempfile::tempdir().unwrap();
+        // The leader exits when told, leaving two children (engine core and
+        // a TP worker, neither watching its parent) in its group.
+        let go = dir.path().join("go");
+        let script = format!(
+            "sleep 600 & sleep 600 & while [ ! -e '{}' ]; do sleep 0.05; done",
+            go.display()
+        );
+        let spec = SpawnSpec {
+            program: "sh".into(),
+            args: vec!["-c".into(), script],
+            env: vec![],
+        };
+        let logs = Arc::new(LogRing::new(10));
+        let h = spawn("m", &spec, "tag-exit", dir.path(), 1, logs, |_| {}).unwrap();
+        let pid = h.pid;
+        let two_children = || procfs::group_members(pid).len() >= 3;
+        for _ in 0..500 {
+            if two_children() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(two_children(), "{:?}", procfs::group_members(pid));
+        std::fs::write(&go, "").unwrap();
+        let mut exited = h.exited.clone();
+        tokio::time::timeout(Duration::from_secs(10), exited.wait_for(|e| *e))
+            .await
+            .unwrap()
+            .unwrap();
+        for _ in 0..500 {
+            if procfs::group_members(pid).is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("left in the group: {:?}", procfs::group_members(pid));
     }
 
     #[tokio::test]

@@ -36,6 +36,9 @@ pub struct ProxyConfig {
     pub drain_timeout: Duration,
     /// Identity sent to control planes ("proxy@host:port"); derived if `None`.
     pub proxy_id: Option<String>,
+    /// How long an idle connection to an engine is kept; below the engines'
+    /// keep-alive (vLLM's uvicorn: 5 s).
+    pub upstream_idle_timeout: Duration,
 }
 
 impl Default for ProxyConfig {
@@ -53,6 +56,7 @@ impl Default for ProxyConfig {
             resolve_interval: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(30),
             proxy_id: None,
+            upstream_idle_timeout: crate::forward::DEFAULT_UPSTREAM_IDLE_TIMEOUT,
         }
     }
 }
@@ -73,6 +77,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("resolve_interval", &self.resolve_interval)
             .field("drain_timeout", &self.drain_timeout)
             .field("proxy_id", &self.proxy_id)
+            .field("upstream_idle_timeout", &self.upstream_idle_timeout)
             .finish()
     }
 }

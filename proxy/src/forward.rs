@@ -1,5 +1,13 @@
 //! Forwarding to engines over a pooled hyper client: the request body is
 //! already buffered (the model was inside it); the response streams through.
+//!
+//! Idle pooled connections are dropped after the upstream idle timeout
+//! (default 4 s, below the 5 s after which vLLM's uvicorn closes them). A
+//! request that fails because the engine closed a reused pooled connection
+//! as the request went out (closed or reset before any answer, within
+//! [`RETRY_WINDOW`]) is sent once more on a fresh connection.
+
+mod conn;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -10,12 +18,19 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri, Version};
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::ProxyBody;
 use crate::metrics::{Metrics, ModelLabels};
 use crate::route_table::Upstream;
+use conn::CountingConnector;
+
+/// Default time an idle upstream connection is kept: below uvicorn's 5 s.
+pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+/// A failure on a reused connection this soon after sending is the engine
+/// closing it as the request went out, not an engine dying mid-request.
+pub const RETRY_WINDOW: Duration = Duration::from_secs(1);
 
 /// Why a forward failed.
 #[derive(Debug)]
@@ -30,7 +45,9 @@ pub enum ForwardError {
 /// The pooled client to engines.
 #[derive(Debug, Clone)]
 pub struct Forwarder {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<CountingConnector, Full<Bytes>>,
+    /// Keeps no idle connection: a retry always goes out on a fresh one.
+    fresh: Client<HttpConnector, Full<Bytes>>,
     metrics: Arc<Metrics>,
     /// Drop the client's Authorization header (it carries the proxy's API key).
     strip_authorization: bool,
@@ -119,22 +136,32 @@ impl Drop for InFlightGuard {
 /// Idle upstream connections kept per engine.
 const MAX_IDLE_PER_ENGINE: usize = 128;
 
+fn connector() -> HttpConnector {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(Duration::from_secs(3)));
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    http
+}
+
 impl Forwarder {
-    pub fn new(metrics: Arc<Metrics>, strip_authorization: bool) -> Self {
-        let mut http = HttpConnector::new();
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(Duration::from_secs(3)));
-        http.set_keepalive(Some(Duration::from_secs(60)));
+    /// `idle`: how long an idle upstream connection is kept (keep it below
+    /// the engines' keep-alive; [`DEFAULT_UPSTREAM_IDLE_TIMEOUT`]).
+    pub fn new(metrics: Arc<Metrics>, strip_authorization: bool, idle: Duration) -> Self {
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_idle_timeout(idle)
             // A burst (a queue of held requests released at once) opens one
             // connection per request; keep only this many idle afterwards so
             // their buffers are given back.
             .pool_max_idle_per_host(MAX_IDLE_PER_ENGINE)
-            .build(http);
+            .build(CountingConnector::new(connector()));
+        let fresh = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
+            .build(connector());
         Forwarder {
             client,
+            fresh,
             metrics,
             strip_authorization,
         }
@@ -154,21 +181,41 @@ impl Forwarder {
         let uri = Uri::from_parts(uri).map_err(|e| ForwardError::Other(e.to_string()))?;
 
         let len = body.len();
-        let mut req = Request::new(Full::new(body));
-        *req.method_mut() = parts.method.clone();
-        *req.uri_mut() = uri;
-        *req.version_mut() = Version::HTTP_11;
-        let h = req.headers_mut();
-        *h = parts.headers.clone();
-        strip_hop_by_hop(h);
-        h.remove(header::HOST);
+        let mut headers = parts.headers.clone();
+        strip_hop_by_hop(&mut headers);
+        headers.remove(header::HOST);
         if self.strip_authorization {
-            h.remove(header::AUTHORIZATION);
+            headers.remove(header::AUTHORIZATION);
         }
-        h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+        let build = || {
+            let mut req = Request::new(Full::new(body.clone()));
+            *req.method_mut() = parts.method.clone();
+            *req.uri_mut() = uri.clone();
+            *req.version_mut() = Version::HTTP_11;
+            *req.headers_mut() = headers.clone();
+            req
+        };
+        let mut req = build();
 
         let guard = InFlightGuard::new(up.clone(), self.metrics.clone());
-        match self.client.request(req).await {
+        let capture = capture_connection(&mut req);
+        let sent = Instant::now();
+        let mut result = self.client.request(req).await;
+        let reused = conn::uses(&capture).is_some_and(|u| u.count());
+        let mut first_error = None;
+        if let Err(e) = &result
+            && reused
+            && sent.elapsed() < RETRY_WINDOW
+            && closed_before_answer(e)
+        {
+            let error = error_chain(e);
+            tracing::info!(model = %up.model, url = %up.url, %error,
+                "engine closed a reused connection as the request went out; sending it again on a fresh one");
+            first_error = Some(error);
+            result = self.fresh.request(build()).await;
+        }
+        match result {
             Ok(resp) => {
                 self.metrics
                     .upstream_ttfb
@@ -192,6 +239,13 @@ impl Forwarder {
                     },
                 ))
             }
+            // The engine is gone, not closing an idle connection: the first
+            // attempt may have reached it, so the request goes nowhere else.
+            Err(e) if first_error.is_some() => Err(ForwardError::Other(format!(
+                "{} (sent again on a fresh connection: {})",
+                first_error.unwrap_or_default(),
+                error_chain(&e)
+            ))),
             Err(e) if e.is_connect() => {
                 guard.finish(false);
                 Err(ForwardError::Connect(error_chain(&e)))
@@ -199,6 +253,35 @@ impl Forwarder {
             Err(e) => Err(ForwardError::Other(error_chain(&e))),
         }
     }
+}
+
+/// The connection was closed or reset before any answer came: hyper's
+/// "connection closed before message completed" or a reset/broken pipe.
+fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
+    if e.is_connect() {
+        return false;
+    }
+    let mut src = std::error::Error::source(e);
+    while let Some(c) = src {
+        if let Some(h) = c.downcast_ref::<hyper::Error>()
+            && (h.is_incomplete_message() || h.is_canceled())
+        {
+            return true;
+        }
+        if let Some(io) = c.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        {
+            return true;
+        }
+        src = c.source();
+    }
+    false
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

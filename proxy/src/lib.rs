@@ -20,6 +20,7 @@ mod server;
 mod watch_client;
 
 pub use config::{DEFAULT_CONTROL, DEFAULT_MAX_BODY_BYTES, ProxyConfig};
+pub use forward::DEFAULT_UPSTREAM_IDLE_TIMEOUT;
 pub use server::Proxy;
 
 /// Errors that stop the proxy from starting or running.

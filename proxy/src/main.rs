@@ -1,6 +1,7 @@
 //! `siesta-proxy`: parse flags, init tracing, bind, serve until SIGINT/SIGTERM.
 #![forbid(unsafe_code)]
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -65,6 +66,10 @@ struct Args {
     /// Time allowed for in-flight requests to finish on shutdown.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     drain_timeout: std::time::Duration,
+    /// How long an idle connection to an engine is kept; keep it below the
+    /// engines' keep-alive (vLLM: 5 s).
+    #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
+    upstream_idle_timeout: std::time::Duration,
 }
 
 fn write_addr_file(path: &PathBuf, proxy: &Proxy) -> anyhow::Result<()> {
@@ -87,7 +92,10 @@ async fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(colour())
         .init();
+    // Handlers first: a signal during start-up is not lost.
+    let signal = siesta_signal::shutdown_signal()?;
     let args = Args::parse();
     let cfg = ProxyConfig {
         controls: args.controls,
@@ -105,6 +113,7 @@ async fn main() -> anyhow::Result<()> {
         body_timeout: args.body_timeout,
         drain_timeout: args.drain_timeout,
         proxy_id: args.proxy_id,
+        upstream_idle_timeout: args.upstream_idle_timeout,
         ..ProxyConfig::default()
     };
     let proxy = Proxy::bind(cfg)?;
@@ -112,17 +121,17 @@ async fn main() -> anyhow::Result<()> {
         write_addr_file(path, &proxy)?;
     }
     let shutdown = CancellationToken::new();
-    let signal = shutdown.clone();
+    let token = shutdown.clone();
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("install SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("signal received; shutting down");
-        signal.cancel();
+        let signal = signal.await;
+        tracing::info!(%signal, "shutting down");
+        token.cancel();
     });
     proxy.run(shutdown).await?;
     Ok(())
+}
+
+/// Colour in the log only on a terminal, and never with `NO_COLOR` set.
+fn colour() -> bool {
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }

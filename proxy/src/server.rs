@@ -122,7 +122,11 @@ impl Proxy {
         let shared = Arc::new(Shared {
             table: table.clone(),
             holds: holds.clone(),
-            forwarder: Forwarder::new(metrics.clone(), !cfg.api_keys.is_empty()),
+            forwarder: Forwarder::new(
+                metrics.clone(),
+                !cfg.api_keys.is_empty(),
+                cfg.upstream_idle_timeout,
+            ),
             metrics: metrics.clone(),
             activity: activity.clone(),
             api_keys: cfg.api_keys.iter().map(|k| k.as_bytes().to_vec()).collect(),

@@ -14,5 +14,7 @@ mod errors_test;
 mod forward_test;
 #[path = "component/hold_test.rs"]
 mod hold_test;
+#[path = "component/upstream_conn_test.rs"]
+mod upstream_conn_test;
 #[path = "component/watch_test.rs"]
 mod watch_test;

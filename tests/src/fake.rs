@@ -22,6 +22,57 @@ impl FakeVllm {
     pub fn at(&self, path: &str) -> String {
         format!("{}{path}", self.url)
     }
+
+    /// `POST path` with no body.
+    pub async fn post(&self, path: &str) -> reqwest::Response {
+        reqwest::Client::new()
+            .post(self.at(path))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+    }
+
+    /// `GET path`.
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        reqwest::Client::new()
+            .get(self.at(path))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
+    }
+
+    /// `GET /fake/stats`.
+    pub async fn stats(&self) -> serde_json::Value {
+        self.get("/fake/stats").await.json().await.unwrap()
+    }
+
+    /// The value of the `/metrics` sample of `name` whose labels contain `label`
+    /// (e.g. `sleep_state="awake"`, or `""` for the first sample).
+    pub async fn metric(&self, name: &str, label: &str) -> f64 {
+        let text = self.get("/metrics").await.text().await.unwrap();
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}{{")) && l.contains(label))
+            .unwrap_or_else(|| panic!("no {name} {label} in:\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
+    /// `vllm:engine_sleep_state` as (awake, weights_offloaded, discard_all).
+    pub async fn sleep_state(&self) -> (f64, f64, f64) {
+        let s = "vllm:engine_sleep_state";
+        (
+            self.metric(s, "sleep_state=\"awake\"").await,
+            self.metric(s, "sleep_state=\"weights_offloaded\"").await,
+            self.metric(s, "sleep_state=\"discard_all\"").await,
+        )
+    }
+
+    /// The engine core's pid (from `/fake/stats`).
+    pub async fn engine_core_pid(&self) -> i32 {
+        self.stats().await["engine_core_pid"]
+            .as_i64()
+            .expect("engine core runs") as i32
+    }
 }
 
 /// The command `fake-vllm serve ARGS... --host 127.0.0.1 --port 0`, with

@@ -78,7 +78,14 @@ async fn the_first_request_after_a_preload_past_two_tiers_is_answered() {
         r#"{ after = "2s", action = "sleep", level = 1 }, { after = "4s", action = "sleep", level = 2 }"#,
     );
     let mut s = stack(&fake_model("tiny", "asleep", &[], &t)).await;
-    let st = wait_status(&mut s.c, "tiny", "asleep at 2 by its tier", LONG, asleep_by_tier(2)).await;
+    let st = wait_status(
+        &mut s.c,
+        "tiny",
+        "asleep at 2 by its tier",
+        LONG,
+        asleep_by_tier(2),
+    )
+    .await;
     assert_eq!(st.restarts, 1, "{st:#?}");
     s.ask("tiny").await;
     let st = s.status("tiny").await;
@@ -90,7 +97,14 @@ async fn the_first_request_after_a_preload_past_two_tiers_is_answered() {
 async fn a_request_at_level_1_long_past_its_tier_is_answered() {
     let t = tiers(r#"{ after = "1s", action = "sleep", level = 1 }"#);
     let mut s = stack(&fake_model("tiny", "awake", &[], &t)).await;
-    let st = wait_status(&mut s.c, "tiny", "asleep by its tier", LONG, asleep_by_tier(1)).await;
+    let st = wait_status(
+        &mut s.c,
+        "tiny",
+        "asleep by its tier",
+        LONG,
+        asleep_by_tier(1),
+    )
+    .await;
     // Idle well past the tier (3× it) before the request.
     let since = st.state_since_unix_ms;
     wait_until("3 s asleep", LONG, || {
@@ -107,7 +121,9 @@ async fn a_request_at_level_1_long_past_its_tier_is_answered() {
 
 #[tokio::test]
 async fn a_request_after_a_stop_tier_starts_the_engine_and_is_answered() {
-    let t = tiers(r#"{ after = "1s", action = "sleep", level = 2 }, { after = "2s", action = "stop" }"#);
+    let t = tiers(
+        r#"{ after = "1s", action = "sleep", level = 2 }, { after = "2s", action = "stop" }"#,
+    );
     let mut s = stack(&fake_model("tiny", "awake", &[], &t)).await;
     wait_state(&mut s.c, "tiny", pb::ModelState::Stopped, LONG).await;
     s.ask("tiny").await;
@@ -118,7 +134,14 @@ async fn a_request_after_a_stop_tier_starts_the_engine_and_is_answered() {
 
 /// fake-vllm with slow transitions: each one lasts long enough to be seen
 /// and to outlast the tiers.
-const SLOW: &[&str] = &["--startup-time", "3s", "--sleep-time", "3s", "--wake-time", "3s"];
+const SLOW: &[&str] = &[
+    "--startup-time",
+    "3s",
+    "--sleep-time",
+    "3s",
+    "--wake-time",
+    "3s",
+];
 
 #[tokio::test]
 async fn a_request_while_the_engine_starts_for_a_preload_is_answered() {
@@ -150,9 +173,13 @@ async fn a_request_while_a_level_1_to_2_step_wakes_the_model_is_answered() {
     let fast_sleep = &["--sleep-time", "50ms", "--wake-time", "3s"];
     let mut s = stack(&fake_model("tiny", "awake", fast_sleep, &t)).await;
     // Level 1 → 2 wakes the engine first (vLLM ignores a deeper sleep while asleep).
-    wait_status(&mut s.c, "tiny", "waking for the level-2 tier", LONG, |st| {
-        state(st) == pb::ModelState::Waking
-    })
+    wait_status(
+        &mut s.c,
+        "tiny",
+        "waking for the level-2 tier",
+        LONG,
+        |st| state(st) == pb::ModelState::Waking,
+    )
     .await;
     s.ask("tiny").await;
     let st = s.status("tiny").await;

@@ -87,7 +87,13 @@ async fn sleep_and_wake_level_1() {
     let good = complete(&fv, 4).await;
     assert!(!is_garbage(&good), "{good}");
 
-    assert_eq!(post(&fv.at("/sleep?level=1")).await.status(), 200);
+    let r = post(&fv.at("/sleep?level=1")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"status": "sleeping", "level": 1}),
+        "vLLM 0.33's body"
+    );
     assert!(is_sleeping(&fv).await);
     assert_eq!(sleep_state(&fv).await, (0.0, 1.0, 0.0));
     assert_eq!(
@@ -105,7 +111,10 @@ async fn sleep_and_wake_level_1() {
     assert!(before.is_null());
     let r = post(&fv.at("/wake_up")).await;
     assert_eq!(r.status(), 200);
-    assert!(r.text().await.unwrap().is_empty());
+    assert_eq!(
+        r.json::<Value>().await.unwrap(),
+        json!({"status": "awake", "tags": ["weights", "kv_cache", "scheduling"]})
+    );
     assert!(!is_sleeping(&fv).await);
     assert_eq!(sleep_state(&fv).await, (1.0, 0.0, 0.0));
     assert_eq!(complete(&fv, 4).await, good, "level 1 keeps the weights");
@@ -179,11 +188,13 @@ async fn a_request_is_held_while_asleep_and_answered_after_wake() {
         let r = post_json(&url, &body).await;
         (r.status(), r.json::<Value>().await.unwrap())
     });
-    wait_until("the request to wait", DEADLINE, || async {
-        stats(&fv).await["waiting"] == 1
+    wait_until("the request to be held", DEADLINE, || async {
+        stats(&fv).await["held"] == 1
     })
     .await;
-    assert_eq!(metric(&fv, "vllm:num_requests_waiting", "").await, 1.0);
+    // A paused vLLM engine takes no steps: its gauges do not count the held request.
+    assert_eq!(metric(&fv, "vllm:num_requests_waiting", "").await, 0.0);
+    assert_eq!(metric(&fv, "vllm:num_requests_running", "").await, 0.0);
     assert!(
         !held.is_finished(),
         "a request to a sleeping engine must not be answered"
@@ -193,7 +204,7 @@ async fn a_request_is_held_while_asleep_and_answered_after_wake() {
     assert_eq!(status, 200);
     assert_eq!(body["choices"][0]["message"]["content"], "Hello! I am");
     assert_eq!(body["usage"]["completion_tokens"], 3);
-    assert_eq!(stats(&fv).await["waiting"], 0);
+    assert_eq!(stats(&fv).await["held"], 0);
 }
 
 /// Splits an SSE body into its `data:` payloads, checking the framing.
@@ -304,6 +315,8 @@ async fn openai_shapes_models_errors_embeddings() {
         "-tp",
         "2",
         "--trust-remote-code",
+        "--runner",
+        "pooling",
     ])
     .await;
     let models = get_json(&fv.at("/v1/models")).await;
@@ -382,8 +395,12 @@ async fn dev_endpoints_exist_only_in_dev_mode() {
         200
     );
 
-    // Dev mode without --enable-sleep-mode: the routes exist but the engine refuses.
+    // Dev mode without --enable-sleep-mode: vLLM 0.33 sleeps (freeing nothing); older
+    // versions refuse.
     let fv = spawn_fake_vllm(&["m"]).await;
+    assert_eq!(post(&fv.at("/sleep?level=1")).await.status(), 200);
+    assert!(is_sleeping(&fv).await);
+    let fv = spawn_fake_vllm(&["m", "--imitate-version", "0.24.0"]).await;
     assert_eq!(post(&fv.at("/sleep?level=1")).await.status(), 500);
     assert!(!is_sleeping(&fv).await);
 }
@@ -411,8 +428,8 @@ async fn engine_core_child_is_gone_after_sigterm() {
 }
 
 #[tokio::test]
-async fn engine_core_exits_when_its_server_is_sigkilled() {
-    let mut fv = spawn_fake_vllm(&["m"]).await;
+async fn kind_engine_core_exits_when_its_server_is_sigkilled() {
+    let mut fv = spawn_fake_vllm(&["m", "--engine-core-dies-with-parent"]).await;
     let core = stats(&fv).await["engine_core_pid"].as_i64().unwrap() as i32;
     fv.child.signal(Signal::SIGKILL);
     fv.child.wait_exit(DEADLINE).await;
@@ -423,8 +440,8 @@ async fn engine_core_exits_when_its_server_is_sigkilled() {
 }
 
 #[tokio::test]
-async fn orphan_engine_core_fault_outlives_a_sigkilled_server() {
-    let mut fv = spawn_fake_vllm(&["m", "--orphan-engine-core"]).await;
+async fn engine_core_outlives_a_sigkilled_server_by_default() {
+    let mut fv = spawn_fake_vllm(&["m"]).await;
     let core = stats(&fv).await["engine_core_pid"].as_i64().unwrap() as i32;
     fv.child.signal(Signal::SIGKILL);
     fv.child.wait_exit(DEADLINE).await;

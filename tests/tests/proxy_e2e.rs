@@ -439,7 +439,13 @@ async fn openai_client_chat_streaming_and_embeddings() {
             "",
             &["--startup-time", "100ms", "--wake-time", "300ms"],
         ),
-        model_toml("embed", "awake", "", &["--startup-time", "100ms"]),
+        // vLLM serves /v1/embeddings only for a pooling model.
+        model_toml(
+            "embed",
+            "awake",
+            "",
+            &["--runner", "pooling", "--startup-time", "100ms"],
+        ),
     ];
     let mut s = Stack::start(&models, &[]).await;
     s.wait_state("chat", "asleep").await;

@@ -100,6 +100,16 @@ pub fn describe(now: i64, m: &pb::ModelStatus, placement: Option<&pb::ModelPlace
         kv(&mut o, "PID", m.pid.to_string());
     }
     kv(&mut o, "Restarts", m.restarts.to_string());
+    if !m.gpus.is_empty() {
+        kv(
+            &mut o,
+            "Asleep holds",
+            format!(
+                "{} per GPU",
+                render::residual(m.asleep_residual_bytes, m.asleep_residual_measured)
+            ),
+        );
+    }
     if m.p2p_disabled {
         kv(
             &mut o,

@@ -27,6 +27,7 @@ pub fn describe(r: &pb::GetPlacementResponse) -> String {
         "model",
         "gpus",
         "awake per gpu",
+        "asleep per gpu",
         "mem util",
         "exclusive",
         "p2p",
@@ -41,6 +42,7 @@ pub fn describe(r: &pb::GetPlacementResponse) -> String {
             } else {
                 render::bytes(p.awake_bytes_per_gpu)
             },
+            render::residual(p.asleep_residual_bytes, p.asleep_residual_measured),
             if p.gpu_memory_utilization > 0.0 {
                 format!("{:.2}", p.gpu_memory_utilization)
             } else {

@@ -23,10 +23,12 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
 pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     // Ctrl-C or SIGTERM from the very start, not only once everything runs.
+    let signal = siesta_signal::shutdown_signal().map_err(|e| Failure::Failed(e.to_string()))?;
     let shutdown = CancellationToken::new();
     let on_signal = shutdown.clone();
     tokio::spawn(async move {
-        shutdown_signal().await;
+        let signal = signal.await;
+        tracing::info!(%signal, "shutting down");
         on_signal.cancel();
     });
     let (config, config_path) = match &args.config {
@@ -163,30 +165,6 @@ async fn print_events(control_url: String, token: Option<String>, shutdown: Canc
                 println!("{line}");
             }
         }
-    }
-}
-
-/// Waits for Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
     }
 }
 

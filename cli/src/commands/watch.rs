@@ -1,6 +1,8 @@
 //! `siesta watch`: live events; `-o json` prints one JSON object per line.
+//! Survives control-plane restarts: reconnects and resumes.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use serde::Serialize;
 use siesta_proto::v1 as pb;
@@ -9,7 +11,7 @@ use tokio_stream::StreamExt;
 
 use super::print_json_line;
 use crate::args::Format;
-use crate::client::Conn;
+use crate::client::{Conn, RPC_TIMEOUT};
 use crate::failure::Failure;
 use crate::render;
 use crate::view::{GpusView, ModelView, PlacementView};
@@ -80,32 +82,129 @@ impl From<&pb::WatchEvent> for EventView {
     }
 }
 
+/// First wait before reconnecting a watch that ended.
+const BACKOFF_MIN: Duration = Duration::from_millis(200);
+/// Longest wait between reconnection attempts.
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Which run of which control plane: revisions only compare within one.
+type Incarnation = (String, i64);
+
+/// Prints events until interrupted. When the stream ends or breaks (the
+/// control plane restarted, the network went away) it reconnects with
+/// capped backoff and resumes after the last revision it printed; a
+/// restarted control plane (new revisions) or lost history gives a fresh
+/// snapshot, marked as a resync.
 pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
-    let mut events = conn
-        .call(|mut c| async move {
-            c.watch(pb::WatchRequest {
-                since_revision: 0,
-                client_id: "siesta watch".into(),
-            })
-            .await
-        })
-        .await?;
+    let mut incarnation = incarnation(&conn).await?;
     let mut text = TextWatch::default();
-    while let Some(ev) = events.next().await {
-        let ev = ev.map_err(|s| conn.err(s))?;
-        match format {
-            Format::Json => print_json_line(&EventView::from(&ev))?,
-            Format::Text => {
-                for line in text.lines(&ev) {
-                    println!("{line}");
+    let mut since = 0;
+    let mut resynced = false;
+    let mut backoff = BACKOFF_MIN;
+    let mut connected_once = false;
+    loop {
+        let why = match open(&conn, since).await {
+            Ok(mut events) => {
+                if connected_once {
+                    eprintln!("siesta watch: reconnected to {}", conn.url);
                 }
+                connected_once = true;
+                loop {
+                    match events.next().await {
+                        Some(Ok(mut ev)) => {
+                            backoff = BACKOFF_MIN;
+                            if let Some(Kind::Snapshot(s)) = &mut ev.kind {
+                                // A restart's snapshot replaces what was printed.
+                                s.resync |= std::mem::take(&mut resynced);
+                            }
+                            since = ev.revision;
+                            print(&ev, format, &mut text)?;
+                        }
+                        Some(Err(status)) => break status.message().to_owned(),
+                        None => break "the control plane ended the stream".to_owned(),
+                    }
+                }
+            }
+            Err(status) if !retryable(&status) => return Err(conn.err(status)),
+            Err(status) if !connected_once => return Err(conn.err(status)),
+            Err(status) => status.message().to_owned(),
+        };
+        eprintln!("siesta watch: lost {} ({why}); reconnecting…", conn.url);
+        // Until it answers again, retry with doubling waits.
+        let now = loop {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+            match incarnation_now(&conn).await {
+                Ok(now) => break now,
+                Err(status) if !retryable(&status) => return Err(conn.err(status)),
+                Err(_) => {}
+            }
+        };
+        if now.0 != incarnation || now.1 < since {
+            // Another run of the control plane: its revisions are not ours.
+            eprintln!(
+                "siesta watch: siesta-control at {} restarted; resyncing from a fresh snapshot",
+                conn.url
+            );
+            incarnation = now.0;
+            since = 0;
+            resynced = true;
+        }
+    }
+}
+
+fn print(ev: &pb::WatchEvent, format: Format, text: &mut TextWatch) -> Result<(), Failure> {
+    match format {
+        Format::Json => print_json_line(&EventView::from(ev))?,
+        Format::Text => {
+            for line in text.lines(ev) {
+                println!("{line}");
             }
         }
     }
-    Err(Failure::Failed(format!(
-        "siesta-control at {} ended the watch stream",
-        conn.url
-    )))
+    Ok(())
+}
+
+async fn open(conn: &Conn, since: u64) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
+    let mut client = conn.client.clone();
+    let req = pb::WatchRequest {
+        since_revision: since,
+        client_id: "siesta watch".into(),
+    };
+    match tokio::time::timeout(RPC_TIMEOUT, client.watch(req)).await {
+        Ok(r) => r.map(tonic::Response::into_inner),
+        Err(_) => Err(tonic::Status::unavailable("no answer to Watch")),
+    }
+}
+
+/// The control plane's identity and start time, and its current revision.
+async fn incarnation_now(conn: &Conn) -> Result<(Incarnation, u64), tonic::Status> {
+    let mut client = conn.client.clone();
+    let info = match tokio::time::timeout(RPC_TIMEOUT, client.get_info(pb::GetInfoRequest {})).await
+    {
+        Ok(r) => r?.into_inner(),
+        Err(_) => return Err(tonic::Status::unavailable("no answer to GetInfo")),
+    };
+    Ok(((info.control_id, info.started_unix_ms), info.revision))
+}
+
+async fn incarnation(conn: &Conn) -> Result<Incarnation, Failure> {
+    incarnation_now(conn)
+        .await
+        .map(|(i, _)| i)
+        .map_err(|s| conn.err(s))
+}
+
+/// Errors that another attempt can cure (the control plane away or
+/// restarting); not a refused token or an unknown method.
+fn retryable(status: &tonic::Status) -> bool {
+    !matches!(
+        status.code(),
+        tonic::Code::Unauthenticated
+            | tonic::Code::PermissionDenied
+            | tonic::Code::InvalidArgument
+            | tonic::Code::Unimplemented
+    )
 }
 
 /// Human-readable event lines; remembers each model's last state to show

@@ -75,6 +75,7 @@ impl World {
             p2p_disabled: false,
             control_id: "t".into(),
             waiting_for: String::new(),
+            asleep_residual: Default::default(),
         };
         let now = tokio::time::Instant::now();
         let st = ModelState::new(Settings::from_config(m), m.preload, now);
@@ -143,8 +144,19 @@ impl World {
         let evicted: Vec<String> = self.evicted.lock().unwrap().drain(..).collect();
         for v in evicted {
             let i = self.names.iter().position(|n| *n == v).unwrap();
-            prop_assert_eq!(self.run[i], Run::Awake, "evicted {} while {:?}", v, self.run[i]);
-            prop_assert_eq!(self.in_flight[i], 0, "evicted {} with requests in flight", v);
+            prop_assert_eq!(
+                self.run[i],
+                Run::Awake,
+                "evicted {} while {:?}",
+                v,
+                self.run[i]
+            );
+            prop_assert_eq!(
+                self.in_flight[i],
+                0,
+                "evicted {} with requests in flight",
+                v
+            );
             // The model's own reconciler sleeps it (it is idle).
             self.run[i] = Run::Sleeping;
         }
@@ -200,7 +212,10 @@ fn action() -> impl Strategy<Value = Action> {
 
 fn setup() -> impl Strategy<Value = (usize, Vec<(u32, f64)>)> {
     (1usize..=3).prop_flat_map(|gpus| {
-        let model = (1u32..=gpus as u32, prop_oneof![Just(0.3), Just(0.45), Just(0.6), Just(0.85)]);
+        let model = (
+            1u32..=gpus as u32,
+            prop_oneof![Just(0.3), Just(0.45), Just(0.6), Just(0.85)],
+        );
         (Just(gpus), proptest::collection::vec(model, 2..=5))
     })
 }

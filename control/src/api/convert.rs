@@ -122,6 +122,8 @@ pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
         restarts: s.restarts,
         p2p_disabled: s.p2p_disabled,
         control_id: s.control_id.clone(),
+        asleep_residual_bytes: s.asleep_residual.bytes,
+        asleep_residual_measured: s.asleep_residual.measured,
     }
 }
 

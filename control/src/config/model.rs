@@ -112,6 +112,9 @@ pub(super) fn read_model(
         }
     };
     let args = r.strings(p, "args").unwrap_or_default();
+    if launch_kind == "process" {
+        check_args(p, &r.key("args"), &args);
+    }
     let env = match r.table(p, "env") {
         None => BTreeMap::new(),
         Some(t) => t
@@ -217,6 +220,19 @@ pub(super) fn read_model(
         timeouts,
         backoff,
     })
+}
+
+/// `vllm serve` flags siesta cannot work with.
+fn check_args(p: &mut Problems, key: &str, args: &[String]) {
+    for a in args {
+        let flag = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
+        if flag == "--disable-log-stats" {
+            p.push(
+                key,
+                "--disable-log-stats removes the vllm: metrics siesta needs for activity and sleep level; remove it",
+            );
+        }
+    }
 }
 
 fn valid_name(n: &str) -> bool {

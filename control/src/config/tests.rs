@@ -166,11 +166,41 @@ fn backoff_is_capped() {
 #[test]
 fn asleep_residual_is_configurable() {
     let c = Config::parse("", "empty.toml").unwrap();
-    assert_eq!(c.control.asleep_residual, 3 << 29, "default 1.5 GiB");
+    assert_eq!(
+        c.control.asleep_residual, None,
+        "default: by TP size, then measured"
+    );
     let c = Config::parse("[control]\nasleep_residual = \"4GiB\"\n", "r.toml").unwrap();
-    assert_eq!(c.control.asleep_residual, 4 << 30);
+    assert_eq!(c.control.asleep_residual, Some(4 << 30));
     let err = Config::parse("[control]\nasleep_residual = \"lots\"\n", "r.toml")
         .unwrap_err()
         .to_string();
     assert!(err.contains("r.toml: control.asleep_residual"), "{err}");
+}
+
+#[test]
+fn disable_log_stats_is_refused_for_process_models() {
+    let text = "[[model]]\nname = \"chat\"\nmodel = \"m\"\nargs = [\"--max-model-len\", \"4096\", \"--disable-log-stats\"]\n";
+    let err = Config::parse(text, "m.toml").unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "m.toml: model[0].args: --disable-log-stats removes the vllm: metrics siesta needs for activity and sleep level; remove it"
+    );
+    let ok = "[[model]]\nname = \"chat\"\nmodel = \"m\"\nargs = [\"--max-model-len\", \"4096\"]\n";
+    assert!(Config::parse(ok, "m.toml").is_ok());
+}
+
+#[test]
+fn engine_idle_timeout_is_configurable() {
+    let c = Config::parse("", "empty.toml").unwrap();
+    assert_eq!(c.control.engine_idle_timeout, Duration::from_secs(4));
+    let c = Config::parse("[control]\nengine_idle_timeout = \"2s\"\n", "i.toml").unwrap();
+    assert_eq!(c.control.engine_idle_timeout, Duration::from_secs(2));
+    let err = Config::parse("[control]\nengine_idle_timeout = \"0s\"\n", "i.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("i.toml: control.engine_idle_timeout: must be more than 0"),
+        "{err}"
+    );
 }

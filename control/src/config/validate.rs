@@ -115,11 +115,17 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
     let residual_key = r.key("asleep_residual");
     let asleep_residual = r
         .raw("asleep_residual")
-        .and_then(|v| size_value(p, &residual_key, v))
-        .unwrap_or(crate::placement::DEFAULT_RESIDUAL_BYTES);
+        .and_then(|v| size_value(p, &residual_key, v));
     let min_awake = r
         .duration(p, "min_awake")
         .unwrap_or(super::DEFAULT_MIN_AWAKE);
+    let engine_idle_timeout = match r.duration(p, "engine_idle_timeout") {
+        Some(d) if d.is_zero() => {
+            p.push(r.key("engine_idle_timeout"), "must be more than 0");
+            None
+        }
+        d => d,
+    };
     r.finish(p);
     ControlConfig {
         listen: listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 50051))),
@@ -129,6 +135,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         p2p_probe,
         asleep_residual,
         min_awake,
+        engine_idle_timeout: engine_idle_timeout.unwrap_or(crate::engine::DEFAULT_IDLE_TIMEOUT),
     }
 }
 

@@ -210,3 +210,57 @@ async fn admission_hands_the_current_p2p_switch_to_the_next_start() {
     assert_eq!(admission.p2p_disabled("nope", &[0, 1]), None);
     assert_eq!(Admission::open().p2p_disabled("tp01", &[0, 1]), None);
 }
+
+#[test]
+fn an_engines_residual_is_the_memory_of_its_process_group_per_gpu() {
+    use crate::gpu::{GpuInfo, GpuProcessInfo, Inventory, InventorySource};
+    let gpu = |index: u32, procs: &[(u32, u64)]| {
+        let mut g = GpuInfo::from_spec(&crate::gpu::GpuSpec {
+            index,
+            name: "g".into(),
+            memory_bytes: 80 << 30,
+        });
+        g.processes = procs
+            .iter()
+            .map(|&(pid, used_bytes)| GpuProcessInfo { pid, used_bytes })
+            .collect();
+        g
+    };
+    // TP=2: the workers (pids 11, 12) are in the engine's group 10; 20 is
+    // another engine.
+    let inv = Inventory {
+        source: InventorySource::Nvml,
+        gpus: vec![
+            gpu(0, &[(11, 2204 << 20), (20, 5 << 30)]),
+            gpu(1, &[(12, 2204 << 20)]),
+        ],
+        note: None,
+    };
+    let group = |pid: u32| Some(if pid == 20 { 20 } else { 10 });
+    let per_gpu = engine_bytes_per_gpu(&inv, 10, group);
+    assert_eq!(per_gpu[&0], 2204 << 20);
+    assert_eq!(per_gpu[&1], 2204 << 20);
+    assert_eq!(
+        engine_bytes_per_gpu(&inv, 30, group).values().sum::<u64>(),
+        0
+    );
+}
+
+#[test]
+fn residuals_default_by_tensor_parallel_size_until_measured() {
+    let dir = tempfile::tempdir().unwrap();
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    let r = view.residual_of("tp01");
+    assert_eq!(
+        (r.bytes, r.measured),
+        (5 << 29, false),
+        "TP=2: 2.5 GiB per GPU"
+    );
+    let view = GpuView::detect(&config(
+        dir.path(),
+        "p2p_probe = \"off\"\nasleep_residual = \"3GiB\"",
+    ));
+    assert_eq!(view.residual_of("tp01").bytes, 3 << 30, "configured");
+    // No NVML here: nothing to measure.
+    assert_eq!(view.measure_residual("tp01", std::process::id()), None);
+}

@@ -17,6 +17,7 @@ fn status(name: &str, restarts: u32) -> ModelStatus {
         p2p_disabled: false,
         control_id: "t".into(),
         waiting_for: String::new(),
+        asleep_residual: Default::default(),
     };
     let now = Instant::now();
     let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);

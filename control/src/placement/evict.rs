@@ -141,7 +141,7 @@ pub fn budgets(
                     p,
                     g.index,
                     state_of(runtime, &p.model).state,
-                    policy.residual_bytes,
+                    policy.residual_of(&p.model),
                 );
                 b.awake_bytes += a;
                 b.asleep_bytes += r;
@@ -167,7 +167,7 @@ pub fn plan_wake(
     let Some(me) = placements.iter().find(|p| p.model == target) else {
         return WakePlan::Wait(format!("\"{target}\" has no placement"));
     };
-    let res = policy.residual_bytes;
+    let res = |m: &str| policy.residual_of(m);
     // Deficit per GPU of the target: held by others + its awake share − total.
     let mut deficit: BTreeMap<u32, i128> = BTreeMap::new();
     for &g in &me.gpus {
@@ -176,7 +176,7 @@ pub fn plan_wake(
             .iter()
             .filter(|p| p.model != target && p.gpus.contains(&g))
             .map(|p| {
-                let (a, r) = usage(p, g, state_of(runtime, &p.model).state, res);
+                let (a, r) = usage(p, g, state_of(runtime, &p.model).state, res(&p.model));
                 a + r
             })
             .sum();
@@ -190,8 +190,9 @@ pub fn plan_wake(
         return WakePlan::Ready;
     }
 
-    let freed =
-        |p: &Placement, g: u32| i128::from(p.awake_on(g)) - i128::from(p.awake_on(g).min(res));
+    let freed = |p: &Placement, g: u32| {
+        i128::from(p.awake_on(g)) - i128::from(p.awake_on(g).min(res(&p.model)))
+    };
     let mut candidates: Vec<(&Placement, ModelRuntime)> = placements
         .iter()
         .filter(|p| p.model != target && p.gpus.iter().any(|g| me.gpus.contains(g)))

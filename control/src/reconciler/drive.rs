@@ -47,9 +47,8 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             ..
         } => {
             // No room within ROOM_WAIT: the engine stays asleep, unharmed.
-            let error = format!(
-                "no room on its GPUs within {ROOM_WAIT:?}: other models kept them busy"
-            );
+            let error =
+                format!("no room on its GPUs within {ROOM_WAIT:?}: other models kept them busy");
             fx.push(Effect::Log(format!("wake gave up: {error}")));
             m.last_error = Some(error);
             m.demand_since = None;

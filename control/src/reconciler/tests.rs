@@ -452,7 +452,13 @@ fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
     s.ev(Event::Demand);
     s.advance(ROOM_WAIT - secs(1));
     assert!(
-        matches!(s.m.phase, Phase::Waking { admitted: false, .. }),
+        matches!(
+            s.m.phase,
+            Phase::Waking {
+                admitted: false,
+                ..
+            }
+        ),
         "{:?}",
         s.m
     );

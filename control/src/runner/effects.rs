@@ -19,6 +19,41 @@ const PROBE_EVERY: Duration = Duration::from_millis(200);
 /// itself is enforced by the state machine).
 const CALL_SLACK: Duration = Duration::from_secs(5);
 
+/// Whether an attach engine sleeps, and at which level. `/is_sleeping`
+/// decides (the metric alone reads awake after `wake_up?tags=weights`); it
+/// waits behind a running wake, so "no answer" is waited on up to the wake
+/// timeout and never taken for awake.
+pub(super) async fn attach_sleep_level(
+    client: &crate::engine::EngineClient,
+    name: &str,
+    known: u8,
+    wake_timeout: Duration,
+) -> Option<u8> {
+    let mut answer = client.is_sleeping_within(PROBE_TIMEOUT).await;
+    if let Ok(None) = answer {
+        answer = client.is_sleeping_within(wake_timeout).await;
+    }
+    match answer {
+        Ok(Some(false)) => None,
+        Ok(Some(true)) => {
+            let m = client.metrics(PROBE_TIMEOUT).await.ok();
+            if m.is_some_and(|m| !m.has_vllm_metrics) {
+                tracing::warn!(model = %name, "engine serves no vllm: metrics (--disable-log-stats?): its sleep level and activity are unknown");
+            }
+            let level = m.and_then(|m| m.sleep_level).filter(|l| *l > 0);
+            Some(level.unwrap_or(known).min(2))
+        }
+        Ok(None) => {
+            tracing::warn!(model = %name, level = known, "/is_sleeping never answered; taking the engine as asleep");
+            Some(known)
+        }
+        Err(error) => {
+            tracing::warn!(model = %name, level = known, %error, "/is_sleeping failed; taking the engine as asleep");
+            Some(known)
+        }
+    }
+}
+
 impl Runner {
     fn event_sender(&self) -> impl Fn(Event) + Send + 'static {
         let tx = self.tx.clone();
@@ -41,18 +76,23 @@ impl Runner {
                 let client = self.client.clone();
                 let attach = self.cfg.is_attach();
                 let send = self.event_sender();
+                // An attach engine that does not say its level is asleep at
+                // the level siesta last put it to (the intent in the
+                // store), else 2: a level-1 wake of a level-2 engine serves
+                // garbage, a level-2 wake is right for any state.
+                let known = match self.state.intent.desired {
+                    crate::reconciler::Desired::Asleep(l) => l,
+                    _ => 2,
+                };
+                let (name, wake_timeout) = (self.cfg.name.clone(), self.cfg.timeouts.wake);
                 self.op(async move {
                     loop {
                         if client.health(PROBE_TIMEOUT).await.is_ok() {
-                            let mut asleep = None;
-                            if attach && client.is_sleeping(PROBE_TIMEOUT).await.unwrap_or(false) {
-                                let level = client
-                                    .metrics(PROBE_TIMEOUT)
-                                    .await
-                                    .ok()
-                                    .and_then(|m| m.sleep_level);
-                                asleep = Some(level.filter(|l| *l > 0).unwrap_or(1));
-                            }
+                            let asleep = if attach {
+                                attach_sleep_level(&client, &name, known, wake_timeout).await
+                            } else {
+                                None
+                            };
                             send(Event::HealthOk { epoch, asleep });
                             return;
                         }
@@ -127,7 +167,10 @@ impl Runner {
             // A fresh port after a failure, in case the old one is taken.
             self.port = p;
             self.facts.endpoint.url = format!("http://{host}:{p}");
-            self.client = crate::engine::EngineClient::new(&self.facts.endpoint.url);
+            self.client = crate::engine::EngineClient::with_idle_timeout(
+                &self.facts.endpoint.url,
+                self.shared.engine_idle_timeout,
+            );
         }
         // A P2P probe since the last start may have changed the NCCL switches.
         let admission = &self.shared.admission;

@@ -1,6 +1,7 @@
 //! What a model task keeps across restarts of siesta-control: it writes its
-//! intent (before acting on it), calibration and engine's last sleep level
-//! to the state store, and takes over an engine found running at start-up.
+//! intent (before acting on it), restart count and last activity,
+//! calibration and engine's last sleep level to the state store, and takes
+//! over an engine found running at start-up.
 
 use super::{Msg, Runner, Shared};
 use crate::reconciler::{Effect, Event, ModelState, Phase, adopt};
@@ -10,6 +11,10 @@ use crate::supervisor::{LogRing, ProcHandle};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+
+/// While requests are in flight, the last activity is recorded at most this
+/// often (every proxy report moves it).
+const HISTORY_EVERY_MS: i64 = 1000;
 
 /// Supervises the adopted engine `a` of model `name` and puts `state` on
 /// it; returns the handle and the effects to carry out first.
@@ -22,6 +27,9 @@ pub(super) fn take_over(
     logs: &Arc<LogRing>,
     now: Instant,
 ) -> (ProcHandle, Vec<Effect>) {
+    if let Some(rec) = shared.store.get(name) {
+        rec.restore_history(state, &shared.clock);
+    }
     let fx = adopt(state, a.proc_gen, a.pid, a.observed, now);
     let exit_tx = tx.clone();
     let proc_gen = a.proc_gen;
@@ -59,6 +67,26 @@ impl Runner {
         {
             rec.sleep_level = level;
             self.shared.store.set_engine(&self.cfg.name, &rec);
+        }
+    }
+
+    /// Records a changed restart count or last activity, so an adopting
+    /// daemon shows them. A busy model's activity is written at most about
+    /// once a second; the end of a burst (nothing in flight) at once.
+    pub(super) fn persist_history(&self) {
+        let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
+        let due = match self.shared.store.get(&self.cfg.name) {
+            None => true,
+            Some(old) => {
+                old.restarts != rec.restarts
+                    || (old.last_activity_unix_ms != rec.last_activity_unix_ms
+                        && (self.state.in_flight() == 0
+                            || rec.last_activity_unix_ms - old.last_activity_unix_ms
+                                >= HISTORY_EVERY_MS))
+            }
+        };
+        if due {
+            self.persist();
         }
     }
 

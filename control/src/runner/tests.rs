@@ -17,6 +17,7 @@ fn shared(dir: &std::path::Path) -> Arc<Shared> {
         poll_every: Duration::from_secs(1),
         stop_engines_on_exit: false,
         admission: crate::admission::Admission::open(),
+        engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
     })
 }
 
@@ -119,4 +120,50 @@ stop_grace = "5s"
 
 fn supervisor_alive(pid: u32) -> bool {
     crate::supervisor::procfs::alive(pid, None)
+}
+
+#[tokio::test]
+async fn an_attach_engine_that_does_not_say_its_level_is_not_taken_for_level_one() {
+    use crate::engine::test_server::{Act, engine};
+    // Asleep, but no vllm:engine_sleep_state (--disable-log-stats).
+    let e = engine(|_, _, line| {
+        if line.contains("/is_sleeping") {
+            Act::Ok(r#"{"is_sleeping":true}"#)
+        } else {
+            Act::Ok("")
+        }
+    })
+    .await;
+    let client = EngineClient::new(&e.url);
+    let t = Duration::from_secs(5);
+    // Nothing recorded: the safe level 2.
+    assert_eq!(
+        super::effects::attach_sleep_level(&client, "ext", 2, t).await,
+        Some(2)
+    );
+    // The level siesta put it to, from the intent in the store.
+    assert_eq!(
+        super::effects::attach_sleep_level(&client, "ext", 1, t).await,
+        Some(1)
+    );
+    // /is_sleeping decides: the metric alone never says awake.
+    let awake_metric = engine(|_, _, line| {
+        if line.contains("/is_sleeping") {
+            Act::Ok(r#"{"is_sleeping":true}"#)
+        } else {
+            Act::Ok("vllm:engine_sleep_state{sleep_state=\"awake\"} 1\n")
+        }
+    })
+    .await;
+    let client = EngineClient::new(&awake_metric.url);
+    assert_eq!(
+        super::effects::attach_sleep_level(&client, "ext", 2, t).await,
+        Some(2)
+    );
+    let awake = engine(|_, _, _| Act::Ok(r#"{"is_sleeping":false}"#)).await;
+    let client = EngineClient::new(&awake.url);
+    assert_eq!(
+        super::effects::attach_sleep_level(&client, "ext", 2, t).await,
+        None
+    );
 }

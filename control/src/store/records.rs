@@ -20,6 +20,12 @@ pub struct IntentRecord {
     /// 0: not pinned; i64::MAX: until Unpin.
     #[serde(default)]
     pub pinned_until_unix_ms: i64,
+    /// Engine (re)starts so far, restored when a running engine is adopted.
+    #[serde(default)]
+    pub restarts: u32,
+    /// End of the last request (0: none yet), restored on adoption.
+    #[serde(default)]
+    pub last_activity_unix_ms: i64,
 }
 
 fn reason_name(r: Reason) -> &'static str {
@@ -51,6 +57,19 @@ impl IntentRecord {
                 Pin::Forever => i64::MAX,
                 Pin::Until(t) => clock.unix_ms(t),
             },
+            restarts: m.restarts,
+            last_activity_unix_ms: m.last_activity.map_or(0, |t| clock.unix_ms(t)),
+        }
+    }
+
+    /// Puts the recorded restart count and last activity into the state of
+    /// a model whose running engine is adopted: it is the same engine, so
+    /// its history goes on.
+    pub fn restore_history(&self, m: &mut ModelState, clock: &Clock) {
+        m.restarts = m.restarts.max(self.restarts);
+        if self.last_activity_unix_ms > 0 {
+            let at = clock.instant(self.last_activity_unix_ms);
+            m.last_activity = Some(m.last_activity.map_or(at, |a| a.max(at)));
         }
     }
 

@@ -77,6 +77,8 @@ fn engine_records_calibration_and_p2p_round_trip() {
             since_unix_ms: 1,
             until_unix_ms: 0,
             pinned_until_unix_ms: 0,
+            restarts: 0,
+            last_activity_unix_ms: 0,
         },
     );
     assert_eq!(s.intent_names(), ["a"]);
@@ -88,6 +90,39 @@ fn engine_records_calibration_and_p2p_round_trip() {
     );
     s.remove("a");
     assert!(s.engine("a").is_none());
+}
+
+#[test]
+fn restarts_and_last_activity_survive_into_an_adopting_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Clock::new();
+    let cfg = Config::demo(vec!["x".into()]);
+    let settings = Settings::from_config(&cfg.models[0]);
+    let mut m = ModelState::new(settings.clone(), cfg.models[0].preload, Instant::now());
+    m.restarts = 3;
+    m.last_activity = Some(Instant::now() - std::time::Duration::from_secs(7));
+    let at = clock.unix_ms(m.last_activity.unwrap());
+    {
+        let store = Store::open(dir.path()).unwrap();
+        store.set("chat", IntentRecord::from_state(&m, &clock));
+    }
+    let rec = Store::open(dir.path()).unwrap().get("chat").unwrap();
+    assert_eq!((rec.restarts, rec.last_activity_unix_ms), (3, at));
+    // A fresh state (config intent: not restored) still gets the history.
+    let mut fresh = ModelState::new(settings, cfg.models[0].preload, Instant::now());
+    rec.restore(&mut fresh, &clock);
+    assert_eq!((fresh.restarts, fresh.last_activity), (0, None));
+    rec.restore_history(&mut fresh, &clock);
+    assert_eq!(fresh.restarts, 3);
+    assert_eq!(clock.unix_ms(fresh.last_activity.unwrap()), at);
+}
+
+#[test]
+fn intent_records_written_before_the_history_fields_still_load() {
+    let old = r#"{"desired":"asleep","level":1,"reason":"idle_tier","since_unix_ms":5}"#;
+    let rec: IntentRecord = serde_json::from_str(old).unwrap();
+    assert_eq!((rec.restarts, rec.last_activity_unix_ms), (0, 0));
+    assert_eq!(rec.desired, "asleep");
 }
 
 #[test]

@@ -2,8 +2,7 @@
 //! child, so its end is noticed by polling `/proc` (pid and start time),
 //! and its output files are tailed from where they are.
 
-use super::{LogRing, ProcHandle, log_paths, procfs, signal_group, tail};
-use nix::sys::signal::Signal as NixSignal;
+use super::{LogRing, ProcHandle, kill_group_leftovers, log_paths, procfs, tail};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,7 +31,7 @@ pub fn adopt(
             tokio::time::sleep(POLL).await;
         }
         // The leader is gone; nothing of its group may stay behind.
-        signal_group(pid, NixSignal::SIGKILL);
+        kill_group_leftovers(pid, Some(start_time));
         on_exit("exited (adopted engine: exit status unknown)".into());
         let _ = exited_tx.send(true);
     });

@@ -34,6 +34,25 @@ pub fn pgid(pid: u32) -> Option<u32> {
     stat_fields(pid)?.get(2)?.parse().ok()
 }
 
+/// Live members of process group `pgid` (its leader included, if alive).
+pub fn group_members(pgid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| pgid_of_live(*pid) == Some(pgid))
+        .collect()
+}
+
+/// Process group of `pid` if it runs (not a zombie).
+fn pgid_of_live(pid: u32) -> Option<u32> {
+    let f = stat_fields(pid)?;
+    if f.first().is_none_or(|s| s == "Z" || s == "X") {
+        return None;
+    }
+    f.get(2)?.parse().ok()
+}
+
 /// Live processes whose environment holds `key=value` (our own processes'
 /// environments are readable).
 pub fn pids_with_env(key: &str, value: &str) -> Vec<u32> {

@@ -1,11 +1,27 @@
-//! Command line: vLLM's `serve` argv (unknown vLLM flags are accepted and ignored), plus the
-//! simulation and fault-injection knobs, each also read from `FAKE_VLLM_<FLAG>`.
+//! Command line: vLLM's `serve` argv (the vLLM flags listed in [`crate::argv`] are accepted
+//! and ignored, others refused like argparse), plus the simulation and fault-injection knobs,
+//! each also read from `FAKE_VLLM_<FLAG>`.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::BoolishValueParser;
-use clap::{Args, CommandFactory, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+
+use crate::argv::{self, ArgvError};
+
+/// `serve --help` epilogue: which defaults resemble real vLLM and how to get them.
+const REALISTIC: &str = "\
+Timing defaults are short so tests run fast. vLLM 0.24.0 on an H200 measured:
+  start-up 42-104 s            --startup-time 60s
+  level-1 sleep 0.11-0.14 s    --sleep-time 120ms
+  wake 0.05-0.4 s              --wake-time 300ms
+  reload_weights 0.18 s        --reload-time 180ms
+  asleep residual 836 MiB at TP=1, 2,204 MiB per GPU at TP=2 (--asleep-residual-mib, the
+  default already follows TP).
+A simulated GPU (memory check at start-up, per-GPU accounting shared by engines) is on when
+FAKE_VLLM_GPU_TOTAL_BYTES and FAKE_VLLM_GPU_DIR are set; GPUs come from CUDA_VISIBLE_DEVICES.";
 
 /// `fake-vllm`: a stand-in for `vllm serve`.
 #[derive(Debug, Parser)]
@@ -24,12 +40,16 @@ pub struct Cli {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Serve a model over HTTP like `vllm serve`. vLLM flags not listed here are accepted and
-    /// ignored.
+    /// Serve a model over HTTP like `vllm serve`. Common vLLM flags not listed here are
+    /// accepted and ignored; unknown ones exit with status 2 like vLLM's argparse.
+    #[command(after_long_help = REALISTIC)]
     Serve(Box<ServeArgs>),
-    /// Internal: the engine-core child process (waits until its parent is gone).
+    /// Internal: the engine-core child process.
     #[command(hide = true, name = "engine-core")]
     EngineCore(EngineCoreArgs),
+    /// Internal: a tensor-parallel worker (child of the engine core).
+    #[command(hide = true, name = "worker")]
+    Worker(WorkerArgs),
 }
 
 /// `serve` arguments.
@@ -59,9 +79,22 @@ pub struct ServeArgs {
     /// Context length reported by /v1/models.
     #[arg(long, default_value_t = 8192)]
     pub max_model_len: u64,
-    /// Accepted like vLLM's flag; not modelled.
+    /// Fraction (0 < f <= 1) of each GPU's TOTAL memory this engine takes; start-up fails
+    /// when less is free (only checked with a simulated GPU, see below).
+    #[arg(long, default_value_t = 0.92, value_parser = parse_fraction)]
+    pub gpu_memory_utilization: f64,
+    /// `pooling` makes an embedding model (`/v1/embeddings` exists only then).
+    #[arg(long, value_parser = ["auto", "generate", "pooling", "draft"])]
+    pub runner: Option<String>,
+    /// The older spelling: `embed` (or another pooling task) makes an embedding model.
     #[arg(long)]
-    pub gpu_memory_utilization: Option<f64>,
+    pub task: Option<String>,
+    /// No stats: every `vllm:` metric is gone from `/metrics` (running, waiting, sleep state).
+    #[arg(long)]
+    pub disable_log_stats: bool,
+    /// Seconds an idle HTTP/1 keep-alive connection stays open (uvicorn's, default 5).
+    #[arg(long, default_value_t = 5)]
+    pub timeout_keep_alive: u64,
     /// Simulation knobs.
     #[command(flatten)]
     pub sim: SimArgs,
@@ -77,6 +110,29 @@ impl ServeArgs {
             .clone()
             .or_else(|| self.model_flag.clone())
             .unwrap_or_else(|| "fake-model".to_string())
+    }
+
+    /// Whether this is a pooling (embedding) model: `--runner pooling` or a pooling `--task`.
+    pub fn pooling(&self) -> bool {
+        self.runner.as_deref() == Some("pooling")
+            || matches!(
+                self.task.as_deref(),
+                Some("embed" | "embedding" | "classify" | "score" | "reward")
+            )
+    }
+
+    /// GPU memory held asleep, per GPU: `--asleep-residual-mib`, else vLLM's measured 836 MiB
+    /// at TP=1 and 2,204 MiB per GPU at TP>1.
+    pub fn asleep_residual_bytes(&self) -> u64 {
+        let mib = self
+            .sim
+            .asleep_residual_mib
+            .unwrap_or(if self.tensor_parallel_size > 1 {
+                2204
+            } else {
+                836
+            });
+        mib << 20
     }
 
     /// The served names: `--served-model-name`, else the model.
@@ -116,6 +172,21 @@ pub struct SimArgs {
     /// KV cache) and move on sleep and wake. Without the feature it is ignored.
     #[arg(long, env = "FAKE_VLLM_GPU_MEMORY", value_name = "BYTES")]
     pub gpu_memory: Option<u64>,
+    /// The vLLM version to imitate: `/version`, and the `/sleep` and `/wake_up` bodies (empty
+    /// before 0.33, JSON from 0.33) and accepted sleep levels.
+    #[arg(long, env = "FAKE_VLLM_IMITATE_VERSION", default_value = "0.33.0", value_parser = parse_version)]
+    pub imitate_version: String,
+    /// GPU memory (MiB per GPU) still held while asleep [default: 836 at TP=1, 2204 at TP>1].
+    #[arg(long, env = "FAKE_VLLM_ASLEEP_RESIDUAL_MIB", value_name = "MIB")]
+    pub asleep_residual_mib: Option<u64>,
+    /// Simulated GPU: total bytes of each GPU. With --sim-gpu-dir, start-up needs
+    /// `--gpu-memory-utilization` x this free on every GPU in CUDA_VISIBLE_DEVICES (default 0).
+    #[arg(long, env = "FAKE_VLLM_GPU_TOTAL_BYTES", value_name = "BYTES")]
+    pub sim_gpu_total_bytes: Option<u64>,
+    /// Simulated GPU: directory where live fake engines record what they use of each GPU,
+    /// shared by every engine on the "machine".
+    #[arg(long, env = "FAKE_VLLM_GPU_DIR", value_name = "DIR")]
+    pub sim_gpu_dir: Option<PathBuf>,
 }
 
 /// Fault injection (fake-vllm only).
@@ -137,20 +208,47 @@ pub struct FaultArgs {
     /// This long after start-up, /health and /ping answer 503 and generation 500 (engine dead).
     #[arg(long, env = "FAKE_VLLM_FAIL_HEALTH_AFTER", value_parser = parse_duration, value_name = "DURATION")]
     pub fail_health_after: Option<Duration>,
-    /// The engine-core child outlives a SIGKILLed server, like vLLM's does (vllm#55510).
-    #[arg(long, env = "FAKE_VLLM_ORPHAN_ENGINE_CORE", value_parser = BoolishValueParser::new())]
+    /// Kinder than vLLM: the engine core exits when its server is gone. By default it outlives
+    /// a SIGKILLed server holding its GPU memory, like vLLM's does (vllm#55510).
+    #[arg(long, env = "FAKE_VLLM_ENGINE_CORE_DIES_WITH_PARENT", value_parser = BoolishValueParser::new())]
+    pub engine_core_dies_with_parent: bool,
+    /// Old spelling of the default (the engine core outlives a SIGKILLed server).
+    #[arg(long, hide = true, value_parser = BoolishValueParser::new())]
     pub orphan_engine_core: bool,
 }
 
 /// Arguments of the hidden engine-core child.
 #[derive(Debug, Clone, Args)]
 pub struct EngineCoreArgs {
-    /// The server's pid; the child exits when its parent is no longer this.
+    /// The server's pid.
     #[arg(long)]
     pub parent_pid: i32,
-    /// Keep running after the parent is gone.
+    /// Exit when the parent is gone (not vLLM's behaviour).
     #[arg(long)]
-    pub orphan: bool,
+    pub dies_with_parent: bool,
+    /// Worker processes to start (one per GPU when > 1).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: u32,
+}
+
+/// Arguments of the hidden worker.
+#[derive(Debug, Clone, Args)]
+pub struct WorkerArgs {
+    /// Tensor-parallel rank.
+    #[arg(long)]
+    pub rank: u32,
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(f) if f > 0.0 && f <= 1.0 => Ok(f),
+        Ok(f) => Err(format!("{f} is not in (0, 1]")),
+        Err(e) => Err(format!("{s:?}: {e}")),
+    }
+}
+
+fn parse_version(s: &str) -> Result<String, String> {
+    crate::version::Imitated::parse(s).map(|_| s.trim().to_string())
 }
 
 /// Parses `1.5s`, `300ms`, `2m`, `100us`, `0`, a bare number of seconds, or humantime
@@ -178,83 +276,14 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(t).map_err(|e| format!("invalid duration {s:?}: {e}"))
 }
 
-/// vLLM flags that take no value (so a following word is not eaten as theirs).
-const VLLM_BOOL_FLAGS: &[&str] = &[
-    "trust-remote-code",
-    "enforce-eager",
-    "async-scheduling",
-    "skip-tokenizer-init",
-    "headless",
-];
-
-/// Drops the vLLM flags that `serve` does not model (and their value), so clap accepts any
-/// vLLM command line. Only arguments after `serve` are filtered.
-pub fn filter_argv(args: Vec<OsString>) -> Vec<OsString> {
-    let Some(serve_at) = args.iter().position(|a| a == "serve") else {
-        return args;
-    };
-    let cmd = Cli::command();
-    let serve = cmd.find_subcommand("serve").expect("serve subcommand");
-    let mut known: Vec<String> = vec!["help".into()];
-    for a in serve.get_arguments() {
-        known.extend(a.get_long().map(str::to_string));
-        known.extend(
-            a.get_all_aliases()
-                .unwrap_or_default()
-                .into_iter()
-                .map(str::to_string),
-        );
-    }
-    let mut out: Vec<OsString> = args[..=serve_at].to_vec();
-    let mut rest = args[serve_at + 1..].iter().peekable();
-    while let Some(arg) = rest.next() {
-        let s = arg.to_string_lossy();
-        if s == "-tp" {
-            out.push("--tensor-parallel-size".into());
-            continue;
-        }
-        if s == "--" || !s.starts_with('-') || s == "-h" || is_number(&s) {
-            out.push(arg.clone());
-            continue;
-        }
-        let name = s.trim_start_matches('-');
-        let (name, has_value) = match name.split_once('=') {
-            Some((n, _)) => (n, true),
-            None => (name, false),
-        };
-        if s.starts_with("--") && known.iter().any(|k| k == name) {
-            out.push(arg.clone());
-            continue;
-        }
-        tracing::debug!(flag = %s, "ignoring a vLLM flag fake-vllm does not model");
-        let takes_value = !has_value
-            && !VLLM_BOOL_FLAGS.contains(&name)
-            && !name.starts_with("enable-")
-            && !name.starts_with("disable-")
-            && !name.starts_with("no-");
-        if takes_value
-            && rest.peek().is_some_and(|n| {
-                !n.to_string_lossy().starts_with('-') || is_number(&n.to_string_lossy())
-            })
-        {
-            rest.next();
-        }
-    }
-    out
-}
-
-fn is_number(s: &str) -> bool {
-    s.parse::<f64>().is_ok()
-}
-
-/// Parses argv (including argv[0]) after [`filter_argv`].
-pub fn parse<I, T>(args: I) -> Result<Cli, clap::Error>
+/// Parses argv (including argv[0]) after [`argv::normalize`].
+pub fn parse<I, T>(args: I) -> Result<Cli, ArgvError>
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
     let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
-    Cli::try_parse_from(filter_argv(args))
+    Ok(Cli::try_parse_from(argv::normalize(args)?)?)
 }
 
 #[cfg(test)]
@@ -266,7 +295,7 @@ mod tests {
         v.extend_from_slice(args);
         match parse(v).unwrap().command {
             Command::Serve(s) => *s,
-            Command::EngineCore(_) => panic!("not serve"),
+            Command::EngineCore(_) | Command::Worker(_) => panic!("not serve"),
         }
     }
 
@@ -307,6 +336,8 @@ mod tests {
             "-1",
             "--trust-remote-code",
             "--compilation-config={\"level\":3}",
+            "--runner",
+            "pooling",
             "--startup-time",
             "1.5s",
         ]);
@@ -316,7 +347,8 @@ mod tests {
         assert!(s.enable_sleep_mode);
         assert_eq!(s.tensor_parallel_size, 2);
         assert_eq!(s.max_model_len, 4096);
-        assert_eq!(s.gpu_memory_utilization, Some(0.4));
+        assert_eq!(s.gpu_memory_utilization, 0.4);
+        assert!(s.pooling());
         assert_eq!(s.sim.startup_time, Duration::from_millis(1500));
     }
 
@@ -330,6 +362,11 @@ mod tests {
         assert!(s.sim.wake_time < Duration::from_secs(1));
         assert_eq!(s.sim.tokens_per_second, 0.0);
         assert!(!s.faults.hang_on_wake && s.faults.crash_after_requests.is_none());
+        assert_eq!(s.gpu_memory_utilization, 0.92);
+        assert_eq!(s.timeout_keep_alive, 5);
+        assert_eq!(s.sim.imitate_version, "0.33.0");
+        assert_eq!(s.asleep_residual_bytes(), 836 << 20);
+        assert!(!s.pooling() && !s.faults.engine_core_dies_with_parent);
         let s = serve(&[
             "--model",
             "x",
@@ -345,6 +382,7 @@ mod tests {
 
     #[test]
     fn help_lists_every_knob() {
+        use clap::CommandFactory;
         let help = Cli::command()
             .find_subcommand_mut("serve")
             .unwrap()
@@ -363,6 +401,12 @@ mod tests {
             "--hang-on-startup",
             "--fail-health-after",
             "FAKE_VLLM_WAKE_TIME",
+            "--imitate-version",
+            "--asleep-residual-mib",
+            "FAKE_VLLM_GPU_TOTAL_BYTES",
+            "FAKE_VLLM_GPU_DIR",
+            "--engine-core-dies-with-parent",
+            "42-104 s",
         ] {
             assert!(help.contains(knob), "{knob} missing from --help");
         }

@@ -6,9 +6,9 @@ use http::{Method, StatusCode, Uri};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
-use crate::engine::{EngineError, SleepMode};
+use crate::engine::{EngineError, SleepMode, WakeTags};
 use crate::http::{Resp, detail, empty, error, json, query_pairs, read_json};
-use crate::memory::{Level, Tags};
+use crate::memory::Tags;
 use crate::server::App;
 
 /// Whether `VLLM_SERVER_DEV_MODE` enables the dev routes (vLLM: `bool(int(value))`).
@@ -22,42 +22,12 @@ pub fn dev_mode_from_env() -> bool {
 /// Routes a dev path; `None` when `path` is not a dev route.
 pub async fn route(app: Arc<App>, method: &Method, uri: &Uri, body: Incoming) -> Option<Resp> {
     let q = query_pairs(uri.query());
-    let get = |k: &str| q.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
     let resp = match (method, uri.path()) {
-        (&Method::POST, "/sleep") => {
-            let level = match get("level").unwrap_or("1") {
-                "1" => Level::One,
-                "2" => Level::Two,
-                other => return Some(bad(&format!("invalid sleep level {other:?}"))),
-            };
-            let mode = match get("mode").unwrap_or("abort") {
-                "abort" => SleepMode::Abort,
-                "wait" => SleepMode::Wait,
-                "keep" => SleepMode::Keep,
-                other => return Some(bad(&format!("invalid sleep mode {other:?}"))),
-            };
-            done(app.engine.sleep(level, mode).await)
-        }
-        (&Method::POST, "/wake_up") => {
-            let tags: Vec<&str> = q
-                .iter()
-                .filter(|(k, _)| k == "tags")
-                .map(|(_, v)| v.as_str())
-                .collect();
-            let tags = if tags.is_empty() {
-                Tags::ALL
-            } else {
-                Tags {
-                    weights: tags.contains(&"weights"),
-                    kv_cache: tags.contains(&"kv_cache"),
-                }
-            };
-            tracing::info!(?tags, "wake up the engine");
-            done(app.engine.wake(tags).await)
-        }
+        (&Method::POST, "/sleep") => sleep(&app, &q).await,
+        (&Method::POST, "/wake_up") => wake_up(&app, &q).await,
         (&Method::GET, "/is_sleeping") => json(
             StatusCode::OK,
-            &json!({"is_sleeping": app.engine.sleep_state().is_sleeping()}),
+            &json!({"is_sleeping": app.engine.is_sleeping().await}),
         ),
         (&Method::POST, "/collective_rpc") => collective_rpc(&app, body).await,
         (&Method::POST, "/reset_prefix_cache") => empty(StatusCode::OK),
@@ -92,9 +62,108 @@ async fn collective_rpc(app: &App, body: Incoming) -> Resp {
     json(StatusCode::OK, &json!({"results": results}))
 }
 
-fn done(r: Result<(), EngineError>) -> Resp {
-    match r {
+/// FastAPI's 422 for a bad query parameter.
+fn unprocessable(kind: &str, param: &str, msg: &str, input: &str) -> Resp {
+    json(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        &json!({"detail": [{"type": kind, "loc": ["query", param], "msg": msg, "input": input}]}),
+    )
+}
+
+/// `POST /sleep?level=&mode=`. Levels 0-2 (0.33 answers 422 above; older versions treat
+/// 3 and up as 2); 0.33 answers `{"status":"sleeping","level":N}`, older an empty 200.
+async fn sleep(app: &App, q: &[(String, String)]) -> Resp {
+    let get = |k: &str| {
+        q.iter()
+            .rev()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+    };
+    let json_bodies = app.engine.version().json_sleep_bodies();
+    let raw = get("level").unwrap_or("1");
+    let level = match raw.trim().parse::<i64>() {
+        Ok(l @ 0..=2) => l as u8,
+        Ok(l) if l > 2 && !json_bodies => 2,
+        Ok(_) => {
+            return unprocessable(
+                "less_than_equal",
+                "level",
+                "Input should be less than or equal to 2",
+                raw,
+            );
+        }
+        Err(_) => {
+            return unprocessable(
+                "int_parsing",
+                "level",
+                "Input should be a valid integer, unable to parse string as an integer",
+                raw,
+            );
+        }
+    };
+    let mode = match get("mode").unwrap_or("abort") {
+        "abort" => SleepMode::Abort,
+        "wait" => SleepMode::Wait,
+        "keep" => SleepMode::Keep,
+        other => {
+            return unprocessable(
+                "literal_error",
+                "mode",
+                "Input should be 'abort', 'wait' or 'keep'",
+                other,
+            );
+        }
+    };
+    match app.engine.sleep(level, mode).await {
+        Ok(()) if json_bodies => json(
+            StatusCode::OK,
+            &json!({"status": "sleeping", "level": level}),
+        ),
         Ok(()) => empty(StatusCode::OK),
+        Err(e) => engine_error(&e),
+    }
+}
+
+/// `POST /wake_up[?tags=..]`: 0.33 answers `{"status":"awake"|"sleeping","tags":[..]}`
+/// ("sleeping" while a tag is still asleep), older an empty 200.
+async fn wake_up(app: &App, q: &[(String, String)]) -> Resp {
+    let json_bodies = app.engine.version().json_sleep_bodies();
+    let named: Vec<&str> = q
+        .iter()
+        .filter(|(k, _)| k == "tags")
+        .map(|(_, v)| v.as_str())
+        .collect();
+    let known: &[&str] = if json_bodies {
+        &["weights", "kv_cache", "scheduling"]
+    } else {
+        &["weights", "kv_cache"]
+    };
+    if let Some(bad) = named.iter().find(|t| !known.contains(t)) {
+        let quoted: Vec<String> = known.iter().map(|k| format!("'{k}'")).collect();
+        let msg = format!("Input should be {}", quoted.join(", "));
+        return unprocessable("literal_error", "tags", &msg, bad);
+    }
+    let tags = if named.is_empty() {
+        WakeTags::ALL
+    } else {
+        WakeTags {
+            memory: Tags {
+                weights: named.contains(&"weights"),
+                kv_cache: named.contains(&"kv_cache"),
+            },
+            scheduling: named.contains(&"scheduling"),
+        }
+    };
+    tracing::info!(?tags, "wake up the engine");
+    match app.engine.wake(tags).await {
+        Ok(st) if json_bodies => json(
+            StatusCode::OK,
+            &json!({
+                "status": if st.is_sleeping() { "sleeping" } else { "awake" },
+                "tags": tags.names(),
+            }),
+        ),
+        Ok(_) => empty(StatusCode::OK),
         Err(e) => engine_error(&e),
     }
 }
@@ -106,8 +175,4 @@ fn engine_error(e: &EngineError) -> Resp {
         &e.to_string(),
         None,
     )
-}
-
-fn bad(msg: &str) -> Resp {
-    error(StatusCode::BAD_REQUEST, "BadRequestError", msg, None)
 }

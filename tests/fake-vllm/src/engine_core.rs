@@ -1,11 +1,14 @@
-//! The engine-core child process, as vLLM runs `VLLM::EngineCore` beside its API server.
+//! The engine-core child process, as vLLM runs `VLLM::EngineCore` beside its API server, and
+//! its tensor-parallel workers `VLLM::Worker_TPn`.
 //!
-//! The child is this same executable re-run with the hidden `engine-core` subcommand (with
-//! the argv prefix that led to `serve`, so it also works under `siesta fake-vllm serve ...`).
-//! It stays in the server's process group, is SIGTERMed when the server stops, and exits by
-//! itself when its parent is gone (unless `--orphan-engine-core`).
+//! The children are this same executable re-run with the hidden `engine-core` and `worker`
+//! subcommands (with the argv prefix that led to `serve`, so they also work under
+//! `siesta fake-vllm serve ...`). All stay in the server's process group. Like vLLM's, the
+//! engine core does not watch its parent: it outlives a SIGKILLed server (vllm#55510) unless
+//! `--engine-core-dies-with-parent`; workers never watch theirs. A SIGTERMed engine core
+//! stops its workers first.
 
-use std::ffi::OsString;
+use std::ffi::{CString, OsString};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -13,7 +16,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use crate::cli::EngineCoreArgs;
+use crate::cli::{EngineCoreArgs, WorkerArgs};
 
 /// Handle on the running child.
 #[derive(Debug)]
@@ -21,28 +24,48 @@ pub struct EngineCore {
     child: Mutex<Option<Child>>,
 }
 
+/// The argv between argv[0] and the subcommand `marker` (e.g. `["fake-vllm"]` under
+/// `siesta fake-vllm serve`), from the process's real argv or else `argv`.
+fn prefix(argv: &[OsString], marker: &str) -> Vec<OsString> {
+    let real: Vec<OsString> = std::env::args_os().collect();
+    match real.iter().position(|a| a == marker) {
+        Some(i) if i >= 1 => real[1..i].to_vec(),
+        _ => argv
+            .iter()
+            .position(|a| a == marker)
+            .map(|i| argv[1.min(i)..i].to_vec())
+            .unwrap_or_default(),
+    }
+}
+
+/// `exe PREFIX... sub`, stdin closed.
+fn this_exe(argv: &[OsString], marker: &str, sub: &str) -> std::io::Result<Command> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args(prefix(argv, marker)).arg(sub).stdin(Stdio::null());
+    Ok(cmd)
+}
+
+fn set_name(name: &str) {
+    if let Ok(c) = CString::new(name) {
+        // The kernel keeps 15 bytes: `VLLM::EngineCor`, `VLLM::Worker_TP`, as with vLLM.
+        let _ = nix::sys::prctl::set_name(&c);
+    }
+}
+
 impl EngineCore {
     /// Spawns the child. `argv` is the argv `main_with_args` got.
-    pub fn spawn(argv: &[OsString], orphan: bool) -> std::io::Result<EngineCore> {
-        let exe = std::env::current_exe()?;
-        // The process's real argv tells how this code was reached (e.g. `siesta fake-vllm`).
-        let real: Vec<OsString> = std::env::args_os().collect();
-        let prefix: Vec<OsString> = match real.iter().position(|a| a == "serve") {
-            Some(i) if i >= 1 => real[1..i].to_vec(),
-            _ => argv
-                .iter()
-                .position(|a| a == "serve")
-                .map(|i| argv[1.min(i)..i].to_vec())
-                .unwrap_or_default(),
-        };
-        let mut cmd = Command::new(exe);
-        cmd.args(prefix)
-            .arg("engine-core")
-            .arg("--parent-pid")
+    pub fn spawn(
+        argv: &[OsString],
+        dies_with_parent: bool,
+        tensor_parallel_size: u32,
+    ) -> std::io::Result<EngineCore> {
+        let mut cmd = this_exe(argv, "serve", "engine-core")?;
+        cmd.arg("--parent-pid")
             .arg(std::process::id().to_string())
-            .stdin(Stdio::null());
-        if orphan {
-            cmd.arg("--orphan");
+            .arg("--tensor-parallel-size")
+            .arg(tensor_parallel_size.to_string());
+        if dies_with_parent {
+            cmd.arg("--dies-with-parent");
         }
         let child = cmd.spawn()?;
         tracing::info!(pid = child.id(), "started engine core process");
@@ -54,6 +77,15 @@ impl EngineCore {
     /// The child's pid, while it is running.
     pub fn pid(&self) -> Option<u32> {
         self.child.lock().unwrap().as_ref().map(Child::id)
+    }
+
+    /// Whether the child has exited (reaping it); false once stopped by [`EngineCore::stop`].
+    pub fn exited(&self) -> bool {
+        self.child
+            .lock()
+            .unwrap()
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))))
     }
 
     /// SIGTERMs the child, waits up to `grace`, then SIGKILLs it; reaps it.
@@ -81,13 +113,64 @@ impl Drop for EngineCore {
     }
 }
 
-/// The child's main: names itself like vLLM's engine core and waits for its parent to go.
+/// The engine core's main: names itself like vLLM's, starts one worker per tensor-parallel
+/// rank when TP > 1, and runs until SIGTERM (stopping its workers) or, only with
+/// `--dies-with-parent`, until its parent is gone.
 pub fn run_child(args: &EngineCoreArgs) -> std::process::ExitCode {
-    let _ = nix::sys::prctl::set_name(c"VLLM::EngineCor");
-    loop {
-        if !args.orphan && nix::unistd::getppid().as_raw() != args.parent_pid {
-            return std::process::ExitCode::SUCCESS;
+    set_name("VLLM::EngineCore");
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let mut workers: Vec<Child> = Vec::new();
+    if args.tensor_parallel_size > 1 {
+        for rank in 0..args.tensor_parallel_size {
+            let spawned = this_exe(&argv, "engine-core", "worker")
+                .and_then(|mut c| c.arg("--rank").arg(rank.to_string()).spawn());
+            match spawned {
+                Ok(c) => workers.push(c),
+                Err(e) => eprintln!("fake-vllm engine core: starting worker {rank}: {e}"),
+            }
         }
-        std::thread::sleep(Duration::from_millis(50));
+    }
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fake-vllm engine core: building the runtime: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    rt.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let Ok(mut term) = signal(SignalKind::terminate()) else {
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = term.recv() => return,
+                () = tokio::time::sleep(Duration::from_millis(50)) => {
+                    if args.dies_with_parent
+                        && nix::unistd::getppid().as_raw() != args.parent_pid
+                    {
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    for w in &workers {
+        let _ = kill(Pid::from_raw(w.id() as i32), Signal::SIGTERM);
+    }
+    for mut w in workers {
+        let _ = w.wait();
+    }
+    std::process::ExitCode::SUCCESS
+}
+
+/// A worker's main: names itself `VLLM::Worker_TPn` and waits to be killed.
+pub fn run_worker(args: &WorkerArgs) -> std::process::ExitCode {
+    set_name(&format!("VLLM::Worker_TP{}", args.rank));
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
     }
 }

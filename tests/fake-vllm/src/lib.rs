@@ -4,7 +4,9 @@
 //! and fault injection (see `fake-vllm serve --help`).
 #![forbid(unsafe_code)]
 
+pub mod argv;
 pub mod cli;
+mod conn;
 mod dev;
 pub mod engine;
 mod engine_core;
@@ -13,6 +15,8 @@ pub mod memory;
 mod metrics;
 mod openai;
 pub mod server;
+pub mod sim_gpu;
+pub mod version;
 
 use std::ffi::OsString;
 use std::process::ExitCode;
@@ -29,17 +33,11 @@ where
     let argv: Vec<OsString> = args.into_iter().map(Into::into).collect();
     let cli = match cli::parse(argv.clone()) {
         Ok(c) => c,
-        Err(e) => {
-            let _ = e.print();
-            return if e.use_stderr() {
-                ExitCode::from(2)
-            } else {
-                ExitCode::SUCCESS
-            };
-        }
+        Err(e) => return ExitCode::from(e.report()),
     };
     match cli.command {
         cli::Command::EngineCore(a) => engine_core::run_child(&a),
+        cli::Command::Worker(a) => engine_core::run_worker(&a),
         cli::Command::Serve(a) => {
             init_tracing();
             let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -64,18 +62,15 @@ where
 async fn run(args: cli::ServeArgs, argv: &[OsString]) -> ExitCode {
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
-    tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            return;
-        };
-        tokio::select! {
-            _ = term.recv() => tracing::info!("received SIGTERM"),
-            _ = int.recv() => tracing::info!("received SIGINT"),
+    let signal = match siesta_signal::shutdown_signal() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("fake-vllm: {e}");
+            return ExitCode::from(1);
         }
+    };
+    tokio::spawn(async move {
+        tracing::info!("received {}", signal.await);
         token.cancel();
         // Like a process manager's stop timeout: whatever hangs, SIGTERM ends the process.
         std::thread::spawn(|| {

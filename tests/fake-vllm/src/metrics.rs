@@ -12,12 +12,27 @@ use crate::server::App;
 /// Prometheus text exposition of the engine's gauges and counters.
 pub fn metrics(app: &App) -> Resp {
     let e = &app.engine;
+    if e.args.disable_log_stats {
+        // vLLM registers its `vllm:` metrics only when stats are logged.
+        let text = format!(
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in \
+             seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {:?}\n",
+            app.created as f64
+        );
+        return full(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            text,
+        );
+    }
     let model = e.args.served_names()[0]
         .replace('\\', "\\\\")
         .replace('"', "\\\"");
     let labels = format!("model_name=\"{model}\",engine=\"0\"");
     let running = e.running.load(Ordering::SeqCst);
-    let waiting = e.waiting.load(Ordering::SeqCst);
+    // fake-vllm has no scheduler queue, and requests held by a sleeping engine are in no
+    // gauge: a paused vLLM engine takes no steps, so its waiting gauge does not move.
+    let waiting = 0u64;
     let st = e.sleep_state();
     let kv = if st.is_sleeping() {
         0.0
@@ -114,7 +129,12 @@ pub fn stats(app: &App) -> Resp {
             "requests_arrived": e.arrived.load(Ordering::SeqCst),
             "requests_served": e.served.load(Ordering::SeqCst),
             "running": e.running.load(Ordering::SeqCst),
-            "waiting": e.waiting.load(Ordering::SeqCst),
+            "held": e.held.load(Ordering::SeqCst),
+            "gpu_bytes": e.gpu.as_ref().map(|_| e.gpu_bytes.load(Ordering::SeqCst)),
+            "gpu_used_bytes": e.gpu.as_ref().map(|g| {
+                g.used().into_iter().collect::<std::collections::BTreeMap<_, _>>()
+            }),
+            "healthy": e.healthy(),
             "sleeps": e.sleeps.load(Ordering::SeqCst),
             "wakes": e.wakes.load(Ordering::SeqCst),
             "last_wake_finished_unix_ns": (last_wake > 0).then_some(last_wake),

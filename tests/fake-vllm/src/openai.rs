@@ -123,7 +123,15 @@ pub async fn embeddings(app: Arc<App>, body: Incoming) -> Resp {
     if let Err(e) = app.arrive() {
         return e.resp();
     }
-    app.engine.admit().await;
+    if app.engine.admit().await.is_err() {
+        return ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "InternalServerError",
+            message: "The request was aborted (the engine was put to sleep).".into(),
+            param: None,
+        }
+        .resp();
+    }
     let prompt_tokens: u64 = inputs.iter().map(|s| count_tokens(s)).sum();
     let data: Vec<Value> = inputs
         .iter()
@@ -243,7 +251,13 @@ async fn run_tokens(
     mut emit: impl FnMut(&str) -> bool,
 ) -> (u64, &'static str) {
     let engine = &app.engine;
-    let epoch = engine.admit().await;
+    let Ok(epoch) = engine.admit().await else {
+        // Aborted by a `/sleep` while held: nothing was generated.
+        engine
+            .prompt_tokens
+            .fetch_add(job.prompt_tokens, Ordering::SeqCst);
+        return (0, "abort");
+    };
     engine.running.fetch_add(1, Ordering::SeqCst);
     let garbage = !engine.weights_intact();
     let natural = ANSWER.len() as u64;

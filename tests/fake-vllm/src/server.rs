@@ -1,7 +1,7 @@
-//! The HTTP server: binds at once, serves nothing until start-up is done (like vLLM), then
-//! routes requests; stops on the shutdown token, taking the engine core down with it.
+//! The HTTP server: binds at once but listens only once start-up is done (like vLLM:
+//! connections are refused until then), then routes requests; stops on the shutdown token,
+//! taking the engine core down with it, or a few seconds after the engine core died.
 
-use std::convert::Infallible;
 use std::ffi::OsString;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -11,9 +11,6 @@ use std::time::Duration;
 
 use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -22,10 +19,11 @@ use crate::engine::{Engine, unix_ns};
 use crate::engine_core::EngineCore;
 use crate::http::{ApiError, Resp, detail, empty, json};
 use crate::memory::{self, MemoryError};
-use crate::{dev, metrics, openai};
+use crate::sim_gpu::{SimGpu, SimGpuError};
+use crate::{conn, dev, metrics, openai};
 
-/// The vLLM version fake-vllm answers on `/version`.
-pub const VLLM_VERSION: &str = "0.11.0";
+/// How long the server lives on after its engine core died (/health answers 503 meanwhile).
+const EXIT_AFTER_ENGINE_DEATH: Duration = Duration::from_secs(2);
 
 /// Why serving stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +44,12 @@ pub enum ServeError {
     /// The memory backend could not be set up.
     #[error(transparent)]
     Memory(#[from] MemoryError),
+    /// The simulated GPU has too little free memory.
+    #[error("Engine core initialization failed. See root cause above. ({0})")]
+    Gpu(#[from] SimGpuError),
+    /// The engine core process died.
+    #[error("Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.")]
+    EngineDied,
 }
 
 /// State shared by every connection.
@@ -116,9 +120,14 @@ pub async fn serve(
             source: e,
         })?;
     let port = socket.local_addr().map(|a| a.port()).unwrap_or(args.port);
-    tracing::info!(model = %args.model(), "vLLM API server version {VLLM_VERSION}");
+    let version = args.sim.imitate_version.clone();
+    tracing::info!(model = %args.model(), "vLLM API server version {version}");
     tracing::info!("Starting vLLM API server 0 on http://{}:{port}", args.host);
-    let core = match EngineCore::spawn(argv, args.faults.orphan_engine_core) {
+    let core = match EngineCore::spawn(
+        argv,
+        args.faults.engine_core_dies_with_parent,
+        args.tensor_parallel_size,
+    ) {
         Ok(c) => Some(c),
         Err(e) => {
             tracing::warn!(error = %e, "could not start the engine core process");
@@ -127,15 +136,37 @@ pub async fn serve(
     };
     let memory = memory::from_settings(args.sim.gpu_memory)?;
     let host = args.host.clone();
+    let keep_alive = Duration::from_secs(args.timeout_keep_alive);
+    let gpu = SimGpu::from_args(&args);
+    let engine = Engine::new(args, memory, gpu);
+    if let Some(pid) = core.as_ref().and_then(EngineCore::pid) {
+        engine.gpu_holder.store(pid, Ordering::SeqCst);
+    }
     let app = Arc::new(App {
-        engine: Engine::new(args, memory),
+        engine,
         core,
         dev_mode: dev::dev_mode_from_env(),
         created: unix_ns() / 1_000_000_000,
     });
+    let died = CancellationToken::new();
+    tokio::spawn(watch_engine_core(
+        app.clone(),
+        died.clone(),
+        shutdown.clone(),
+    ));
     let started = tokio::select! {
-        () = shutdown.cancelled() => false,
-        r = startup(&app) => { r?; true }
+        () = shutdown.cancelled() => Ok(false),
+        () = died.cancelled() => Ok(false),
+        r = startup(&app) => r.map(|()| true),
+    };
+    let started = match started {
+        Ok(s) => s,
+        Err(e) => {
+            if let Some(core) = &app.core {
+                core.stop(Duration::from_secs(2));
+            }
+            return Err(e);
+        }
     };
     if started {
         let listener = socket.listen(2048).map_err(|e| ServeError::Bind {
@@ -144,17 +175,47 @@ pub async fn serve(
         })?;
         banner(&host, port);
         app.engine.set_ready();
-        accept(&app, listener, &shutdown).await;
+        accept(&app, listener, keep_alive, &shutdown).await;
     }
     tracing::info!("Shutting down FastAPI HTTP server.");
     if let Some(core) = &app.core {
         core.stop(Duration::from_secs(2));
     }
+    if died.is_cancelled() {
+        return Err(ServeError::EngineDied);
+    }
+    app.engine.release_gpu();
     Ok(())
 }
 
-/// Binds like vLLM's `create_server_socket`: SO_REUSEADDR and SO_REUSEPORT, no `listen()`
-/// yet, so connections are refused until start-up is done.
+/// Watches the engine core: once it is gone, /health answers 503 and, a moment later, the
+/// server exits with an error, as vLLM's does.
+async fn watch_engine_core(app: Arc<App>, died: CancellationToken, shutdown: CancellationToken) {
+    let Some(core) = &app.core else { return };
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if shutdown.is_cancelled() {
+            return;
+        }
+        if core.exited() {
+            // A group-wide SIGTERM reaches the engine core and the server together.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if shutdown.is_cancelled() {
+                return;
+            }
+            break;
+        }
+    }
+    app.engine.dead.store(true, Ordering::SeqCst);
+    tracing::error!("Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.");
+    died.cancel();
+    tokio::time::sleep(EXIT_AFTER_ENGINE_DEATH).await;
+    shutdown.cancel();
+}
+
+/// Binds like vLLM's `create_server_socket`: SO_REUSEADDR but not SO_REUSEPORT (a second
+/// engine on a taken port fails with "Address already in use"), and no `listen()` yet, so
+/// connections are refused until start-up is done.
 async fn bind_socket(host: &str, port: u16) -> std::io::Result<tokio::net::TcpSocket> {
     let addr = tokio::net::lookup_host((host, port))
         .await?
@@ -166,7 +227,6 @@ async fn bind_socket(host: &str, port: u16) -> std::io::Result<tokio::net::TcpSo
         tokio::net::TcpSocket::new_v6()?
     };
     socket.set_reuseaddr(true)?;
-    socket.set_reuseport(true)?;
     socket.bind(addr)?;
     Ok(socket)
 }
@@ -177,10 +237,17 @@ async fn startup(app: &App) -> Result<(), ServeError> {
         tracing::warn!("fault: --hang-on-startup, start-up never finishes");
         std::future::pending::<()>().await;
     }
+    let gpu_bytes = app
+        .engine
+        .check_gpu()
+        .inspect_err(|e| tracing::error!("{e}"))?;
     tokio::time::sleep(app.engine.args.sim.startup_time).await;
     if f.exit_during_startup {
         return Err(ServeError::StartupFailed);
     }
+    app.engine
+        .take_gpu(gpu_bytes)
+        .inspect_err(|e| tracing::error!("{e}"))?;
     Ok(())
 }
 
@@ -200,7 +267,12 @@ fn banner(host: &str, port: u16) {
     let _ = out.flush();
 }
 
-async fn accept(app: &Arc<App>, listener: tokio::net::TcpListener, shutdown: &CancellationToken) {
+async fn accept(
+    app: &Arc<App>,
+    listener: tokio::net::TcpListener,
+    keep_alive: Duration,
+    shutdown: &CancellationToken,
+) {
     loop {
         let (stream, peer) = tokio::select! {
             () = shutdown.cancelled() => return,
@@ -216,23 +288,18 @@ async fn accept(app: &Arc<App>, listener: tokio::net::TcpListener, shutdown: &Ca
         // vLLM (uvicorn) sets TCP_NODELAY; without it small responses wait
         // for the peer's delayed ACK.
         let _ = stream.set_nodelay(true);
-        let app = app.clone();
-        let token = shutdown.clone();
-        tokio::spawn(async move {
-            let svc = service_fn(move |req| {
-                let app = app.clone();
-                async move { Ok::<_, Infallible>(handle(app, req, peer).await) }
-            });
-            let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), svc);
-            tokio::select! {
-                r = conn => if let Err(e) = r { tracing::debug!(error = %e, "connection ended") },
-                () = token.cancelled() => {}
-            }
-        });
+        tokio::spawn(conn::serve(
+            app.clone(),
+            stream,
+            peer,
+            keep_alive,
+            shutdown.clone(),
+        ));
     }
 }
 
-async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Resp {
+/// Routes one request (and writes uvicorn's access-log line).
+pub(crate) async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Resp {
     let (parts, body) = req.into_parts();
     let (method, uri) = (parts.method, parts.uri);
     let health = || {
@@ -244,11 +311,17 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Resp
     };
     let resp = match (&method, uri.path()) {
         (&Method::GET, "/health") | (&Method::GET | &Method::POST, "/ping") => health(),
-        (&Method::GET, "/version") => json(StatusCode::OK, &json!({"version": VLLM_VERSION})),
+        (&Method::GET, "/version") => json(
+            StatusCode::OK,
+            &json!({"version": app.engine.args.sim.imitate_version}),
+        ),
         (&Method::GET, "/v1/models") => openai::models(&app),
         (&Method::POST, "/v1/chat/completions") => openai::chat(app.clone(), body).await,
         (&Method::POST, "/v1/completions") => openai::completions(app.clone(), body).await,
-        (&Method::POST, "/v1/embeddings") => openai::embeddings(app.clone(), body).await,
+        // Only pooling models (`--runner pooling`) have the route.
+        (&Method::POST, "/v1/embeddings") if app.engine.args.pooling() => {
+            openai::embeddings(app.clone(), body).await
+        }
         (&Method::GET, "/metrics") => metrics::metrics(&app),
         (&Method::GET, "/fake/stats") => metrics::stats(&app),
         (
@@ -259,10 +332,12 @@ async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Resp
             | "/v1/models"
             | "/v1/chat/completions"
             | "/v1/completions"
-            | "/v1/embeddings"
             | "/metrics"
             | "/fake/stats",
         ) => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed"),
+        (_, "/v1/embeddings") if app.engine.args.pooling() => {
+            detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
+        }
         _ if app.dev_mode => match dev::route(app.clone(), &method, &uri, body).await {
             Some(r) => r,
             None => detail(StatusCode::NOT_FOUND, "Not Found"),

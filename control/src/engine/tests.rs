@@ -1,0 +1,124 @@
+//! The engine client against a small scripted HTTP/1.1 server on port 0.
+
+use super::test_server::{Act, engine};
+use super::*;
+use std::sync::atomic::Ordering;
+
+const T: Duration = Duration::from_secs(10);
+
+#[tokio::test]
+async fn a_wake_that_leaves_a_tag_asleep_fails_on_its_last_call_only() {
+    let e = engine(|_, _, line| {
+        if line.contains("/wake_up") {
+            Act::Ok(r#"{"status":"sleeping","tags":["kv_cache"]}"#)
+        } else {
+            Act::Ok("")
+        }
+    })
+    .await;
+    let c = EngineClient::new(&e.url);
+    // After the weights alone, the engine still sleeps: that is the plan.
+    c.wake(WakeCall::WakeWeights, T).await.unwrap();
+    for call in [WakeCall::WakeUp, WakeCall::WakeKvCache] {
+        let err = c.wake(call, T).await.unwrap_err();
+        assert!(
+            err.contains("engine still asleep after /wake_up: tags [\"kv_cache\"]"),
+            "{err}"
+        );
+    }
+    // vLLM 0.2x answers an empty 200: a success.
+    let old = engine(|_, _, _| Act::Ok("")).await;
+    let c = EngineClient::new(&old.url);
+    c.wake(WakeCall::WakeUp, T).await.unwrap();
+    c.wake(WakeCall::WakeKvCache, T).await.unwrap();
+    let new = engine(|_, _, _| Act::Ok(r#"{"status":"awake","tags":null}"#)).await;
+    EngineClient::new(&new.url)
+        .wake(WakeCall::WakeUp, T)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_sleep_answer_at_another_level_fails() {
+    let e = engine(|_, _, _| Act::Ok(r#"{"status":"sleeping","level":1}"#)).await;
+    let c = EngineClient::new(&e.url);
+    c.sleep(1, T).await.unwrap();
+    let err = c.sleep(2, T).await.unwrap_err();
+    assert!(err.contains("level 1, level 2 was asked"), "{err}");
+}
+
+#[tokio::test]
+async fn a_pooled_connection_the_engine_closed_is_retried_on_a_fresh_one() {
+    // Each connection answers one request and closes on the next, as
+    // uvicorn does when its keep-alive ends just as a request goes out.
+    let e = engine(|_, n, _| if n == 0 { Act::Ok("") } else { Act::Close }).await;
+    let c = EngineClient::with_idle_timeout(&e.url, Duration::from_secs(60));
+    c.health(T).await.unwrap();
+    c.health(T).await.unwrap();
+    c.sleep(1, T).await.unwrap();
+    assert_eq!(e.connections.load(Ordering::SeqCst), 3);
+    // Still one retry only: an engine that always closes is an error.
+    let dead = engine(|_, _, _| Act::Close).await;
+    let err = EngineClient::new(&dead.url).health(T).await.unwrap_err();
+    assert!(err.contains("tried twice"), "{err}");
+    assert_eq!(dead.requests.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn idle_connections_are_dropped_before_the_engines_keep_alive() {
+    let e = engine(|_, _, _| Act::Ok("")).await;
+    let c = EngineClient::with_idle_timeout(&e.url, Duration::from_millis(100));
+    c.health(T).await.unwrap();
+    c.health(T).await.unwrap();
+    // Back to back: the pooled connection is reused.
+    assert_eq!(e.connections.load(Ordering::SeqCst), 1);
+    // Idle longer than the idle timeout: a new connection.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    c.health(T).await.unwrap();
+    assert_eq!(e.connections.load(Ordering::SeqCst), 2);
+    assert!(DEFAULT_IDLE_TIMEOUT < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn is_sleeping_tells_no_answer_from_an_answer() {
+    let busy = engine(|_, _, _| Act::Hang).await;
+    let c = EngineClient::new(&busy.url);
+    assert_eq!(
+        c.is_sleeping_within(Duration::from_millis(200))
+            .await
+            .unwrap(),
+        None
+    );
+    assert!(c.is_sleeping(Duration::from_millis(200)).await.is_err());
+    // A timeout is not retried: one request only.
+    assert_eq!(busy.requests.lock().unwrap().len(), 2);
+    let awake = engine(|_, _, _| Act::Ok(r#"{"is_sleeping":false}"#)).await;
+    let c = EngineClient::new(&awake.url);
+    assert_eq!(c.is_sleeping_within(T).await.unwrap(), Some(false));
+}
+
+#[test]
+fn metrics_parse() {
+    let text = "# HELP x\nvllm:num_requests_running{model_name=\"a\",engine=\"0\"} 2.0\n\
+        vllm:num_requests_running{model_name=\"a\",engine=\"1\"} 1.0\n\
+        vllm:engine_sleep_state{sleep_state=\"awake\"} 0.0\n\
+        vllm:engine_sleep_state{sleep_state=\"discard_all\"} 1.0\n";
+    let m = parse_metrics(text);
+    assert_eq!(m.running, 3);
+    assert_eq!(m.sleep_level, Some(2));
+    assert!(m.has_vllm_metrics);
+}
+
+#[test]
+fn a_model_named_like_a_sleep_state_does_not_change_the_level() {
+    let text = "vllm:engine_sleep_state{engine=\"0\",model_name=\"discard_all-7b\",sleep_state=\"awake\"} 1.0\n\
+        vllm:engine_sleep_state{engine=\"0\",model_name=\"discard_all-7b\",sleep_state=\"weights_offloaded\"} 0.0\n\
+        vllm:engine_sleep_state{engine=\"0\",model_name=\"discard_all-7b\",sleep_state=\"discard_all\"} 0.0\n\
+        vllm:num_requests_running{engine=\"0\",model_name=\"discard_all-7b\"} NaN\n";
+    let m = parse_metrics(text);
+    assert_eq!(m.sleep_level, Some(0));
+    assert_eq!(m.running, 0);
+    // Without vLLM's metrics (--disable-log-stats) nothing is known.
+    let m = parse_metrics("process_cpu_seconds_total 1.0\n");
+    assert_eq!(m, EngineMetrics::default());
+}

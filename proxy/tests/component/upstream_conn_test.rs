@@ -1,0 +1,177 @@
+//! Upstream connections: idle ones are dropped before the engine's
+//! keep-alive ends, and a request the engine cut on a reused connection as
+//! it went out is sent again on a fresh one (never one cut on a fresh one).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use siesta_proto::v1::ModelState;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::control::{ScriptedControl, model};
+use crate::support::*;
+
+/// A raw HTTP/1.1 engine: on each connection, the first `answered`
+/// requests get a chat completion; the next one is read and the connection
+/// closed without an answer (uvicorn closing an idle connection as a
+/// request arrives).
+struct RawEngine {
+    url: String,
+    connections: Arc<AtomicUsize>,
+    requests: Arc<AtomicUsize>,
+}
+
+async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+            let len = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            while buf.len() < end + 4 + len {
+                let mut chunk = [0u8; 4096];
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return false,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            }
+            buf.drain(..end + 4 + len);
+            return true;
+        }
+        let mut chunk = [0u8; 4096];
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+impl RawEngine {
+    async fn start(answered: usize) -> RawEngine {
+        Self::start_with(answered, false).await
+    }
+
+    /// `dies`: the cut also closes the listening socket (the engine died).
+    async fn start_with(answered: usize, dies: bool) -> RawEngine {
+        let died = Arc::new(tokio::sync::Notify::new());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let connections = Arc::new(AtomicUsize::new(0));
+        let requests = Arc::new(AtomicUsize::new(0));
+        let (conns, reqs) = (connections.clone(), requests.clone());
+        let dead = died.clone();
+        tokio::spawn(async move {
+            loop {
+                let mut s = tokio::select! {
+                    a = listener.accept() => match a {
+                        Ok((s, _)) => s,
+                        Err(_) => return,
+                    },
+                    _ = dead.notified() => return,
+                };
+                conns.fetch_add(1, Ordering::SeqCst);
+                let (reqs, died) = (reqs.clone(), died.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut n = 0;
+                    while read_request(&mut s, &mut buf).await {
+                        reqs.fetch_add(1, Ordering::SeqCst);
+                        if n == answered {
+                            if dies {
+                                died.notify_one();
+                            }
+                            return;
+                        }
+                        n += 1;
+                        let body = r#"{"object":"chat.completion","choices":[]}"#;
+                        let resp = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        );
+                        if s.write_all(resp.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        RawEngine {
+            url,
+            connections,
+            requests,
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_request_cut_on_a_reused_connection_is_sent_again_on_a_fresh_one() {
+    let e = RawEngine::start(1).await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    for i in 0..3 {
+        let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+        assert_eq!(r.status, 200, "request {i}: {:?}", r.body);
+    }
+    // 1st: new connection; 2nd: reused, cut, sent again on a fresh one;
+    // 3rd: the pool's connection was the cut one, so a new connection.
+    assert_eq!(e.requests.load(Ordering::SeqCst), 4);
+    assert_eq!(e.connections.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn a_request_cut_on_a_fresh_connection_is_not_sent_again() {
+    let e = RawEngine::start(0).await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 502, "{:?}", r.body);
+    assert_eq!(e.requests.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn idle_upstream_connections_are_dropped_after_the_idle_timeout() {
+    let e = RawEngine::start(usize::MAX).await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.upstream_idle_timeout = Duration::from_millis(100);
+    })
+    .await;
+    for _ in 0..2 {
+        let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(e.connections.load(Ordering::SeqCst), 1, "not reused");
+    // Idle past the timeout: the next request opens a new connection.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(e.connections.load(Ordering::SeqCst), 2);
+    assert!(siesta_proxy::DEFAULT_UPSTREAM_IDLE_TIMEOUT < Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn a_request_whose_engine_died_is_not_sent_anywhere_else() {
+    // The engine answers once, then dies with the next request: the resend
+    // finds its port closed. The request reached the engine: 502, not a
+    // refused connection to be retried elsewhere or held.
+    let e = RawEngine::start_with(1, true).await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.upstream_idle_timeout = Duration::from_secs(60);
+    })
+    .await;
+    assert_eq!(
+        post(&p.url("/v1/chat/completions"), &chat("m"))
+            .await
+            .status,
+        200
+    );
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 502, "{:?}", r.body);
+    let body = String::from_utf8_lossy(&r.body);
+    assert!(body.contains("sent again on a fresh connection"), "{body}");
+}

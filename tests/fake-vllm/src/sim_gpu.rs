@@ -1,0 +1,264 @@
+//! A simulated GPU shared by every fake engine on the machine, so that memory runs out as it
+//! does under vLLM: start-up needs `--gpu-memory-utilization` x total free on each GPU, and a
+//! wake needs room for what it allocates again.
+//!
+//! On only when `FAKE_VLLM_GPU_TOTAL_BYTES` (`--sim-gpu-total-bytes`) and `FAKE_VLLM_GPU_DIR`
+//! (`--sim-gpu-dir`) are set. GPUs are the ids in `CUDA_VISIBLE_DEVICES` (default `0`). Each
+//! live engine records its use of GPU `ID` in `DIR/gpu-ID/PID` (bytes, decimal), PID being the
+//! process that holds the memory: the engine core, which outlives a SIGKILLed server as in
+//! vLLM. Entries of dead processes are ignored.
+
+use std::path::{Path, PathBuf};
+
+use crate::cli::ServeArgs;
+
+/// Errors of the simulated GPU, worded like vLLM's and PyTorch's.
+#[derive(Debug, thiserror::Error)]
+pub enum SimGpuError {
+    /// Start-up: less free memory than `--gpu-memory-utilization` asks for.
+    #[error(
+        "ValueError: Free memory on device cuda:{gpu} ({free:.2}/{total:.2} GiB) on startup is \
+         less than desired GPU memory utilization ({fraction}, {want:.2} GiB). Decrease GPU \
+         memory utilization or reduce GPU memory used by other processes."
+    )]
+    Startup {
+        /// GPU id.
+        gpu: String,
+        /// Free GiB.
+        free: f64,
+        /// Total GiB.
+        total: f64,
+        /// `--gpu-memory-utilization`.
+        fraction: f64,
+        /// GiB wanted.
+        want: f64,
+    },
+    /// A wake could not allocate.
+    #[error(
+        "CUDA out of memory. Tried to allocate {want:.2} GiB. GPU {gpu} has a total capacity of \
+         {total:.2} GiB of which {free:.2} GiB is free."
+    )]
+    OutOfMemory {
+        /// GPU id.
+        gpu: String,
+        /// GiB wanted.
+        want: f64,
+        /// Total GiB.
+        total: f64,
+        /// Free GiB.
+        free: f64,
+    },
+    /// The accounting directory could not be read or written.
+    #[error("simulated GPU accounting {path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// This engine's view of the simulated GPUs.
+#[derive(Debug)]
+pub struct SimGpu {
+    dir: PathBuf,
+    total: u64,
+    gpus: Vec<String>,
+}
+
+/// Whether `pid` is a live (non-zombie) process.
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .and_then(|(_, r)| r.trim_start().chars().next())
+        })
+        .is_some_and(|state| state != 'Z' && state != 'X')
+}
+
+impl SimGpu {
+    /// The simulated GPUs, when configured.
+    pub fn from_args(args: &ServeArgs) -> Option<SimGpu> {
+        let (Some(total), Some(dir)) = (args.sim.sim_gpu_total_bytes, &args.sim.sim_gpu_dir) else {
+            return None;
+        };
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
+        let mut gpus: Vec<String> = visible
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect();
+        if gpus.is_empty() {
+            gpus.push("0".into());
+        }
+        Some(SimGpu {
+            dir: dir.clone(),
+            total,
+            gpus,
+        })
+    }
+
+    /// Bytes per GPU.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    fn gpu_dir(&self, gpu: &str) -> PathBuf {
+        self.dir.join(format!("gpu-{gpu}"))
+    }
+
+    fn io(path: &Path, source: std::io::Error) -> SimGpuError {
+        SimGpuError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    /// Bytes of `gpu` used by live processes other than `holder`.
+    fn used_by_others(&self, gpu: &str, holder: u32) -> Result<u64, SimGpuError> {
+        let dir = self.gpu_dir(gpu);
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(Self::io(&dir, e)),
+        };
+        let mut used = 0u64;
+        for entry in entries.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if pid == holder || !alive(pid) {
+                continue;
+            }
+            let bytes = std::fs::read_to_string(entry.path())
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+            used = used.saturating_add(bytes);
+        }
+        Ok(used)
+    }
+
+    /// Start-up check: every GPU must have `fraction` x total free. Returns the bytes wanted,
+    /// which the engine takes only when its start-up ends ([`SimGpu::grow`]): as in vLLM
+    /// (vllm#55827), engines starting at the same time do not see each other.
+    pub fn check(&self, holder: u32, fraction: f64) -> Result<u64, SimGpuError> {
+        let want = (fraction * self.total as f64) as u64;
+        for gpu in &self.gpus {
+            let free = self.total.saturating_sub(self.used_by_others(gpu, holder)?);
+            if free < want {
+                return Err(SimGpuError::Startup {
+                    gpu: gpu.clone(),
+                    free: free as f64 / GIB,
+                    total: self.total as f64 / GIB,
+                    fraction,
+                    want: want as f64 / GIB,
+                });
+            }
+        }
+        Ok(want)
+    }
+
+    /// Grows this engine's use from `from` to `to` bytes per GPU: out of memory when another
+    /// engine took the room meanwhile.
+    pub fn grow(&self, holder: u32, from: u64, to: u64) -> Result<(), SimGpuError> {
+        if to > from {
+            for gpu in &self.gpus {
+                let free = self
+                    .total
+                    .saturating_sub(self.used_by_others(gpu, holder)?)
+                    .saturating_sub(from);
+                if free < to - from {
+                    return Err(SimGpuError::OutOfMemory {
+                        gpu: gpu.clone(),
+                        want: (to - from) as f64 / GIB,
+                        total: self.total as f64 / GIB,
+                        free: free as f64 / GIB,
+                    });
+                }
+            }
+        }
+        self.record(holder, to)
+    }
+
+    /// Records `bytes` per GPU as used by `holder` (atomically: write, then rename).
+    pub fn record(&self, holder: u32, bytes: u64) -> Result<(), SimGpuError> {
+        for gpu in &self.gpus {
+            let dir = self.gpu_dir(gpu);
+            std::fs::create_dir_all(&dir).map_err(|e| Self::io(&dir, e))?;
+            let tmp = dir.join(format!(".{holder}.tmp"));
+            std::fs::write(&tmp, bytes.to_string()).map_err(|e| Self::io(&tmp, e))?;
+            let path = dir.join(holder.to_string());
+            std::fs::rename(&tmp, &path).map_err(|e| Self::io(&path, e))?;
+        }
+        Ok(())
+    }
+
+    /// Forgets `holder` (clean shutdown).
+    pub fn release(&self, holder: u32) {
+        for gpu in &self.gpus {
+            let _ = std::fs::remove_file(self.gpu_dir(gpu).join(holder.to_string()));
+        }
+    }
+
+    /// Bytes used on each GPU by every live engine (for `/fake/stats`).
+    pub fn used(&self) -> Vec<(String, u64)> {
+        self.gpus
+            .iter()
+            .map(|g| (g.clone(), self.used_by_others(g, 0).unwrap_or(0)))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(dir: &Path) -> SimGpu {
+        SimGpu {
+            dir: dir.to_path_buf(),
+            total: 10 << 30,
+            gpus: vec!["0".into(), "3".into()],
+        }
+    }
+
+    #[test]
+    fn start_checks_free_memory_and_dead_holders_are_ignored() {
+        let dir = std::env::temp_dir().join(format!("fake-vllm-simgpu-{}", std::process::id()));
+        let g = gpu(&dir);
+        let me = std::process::id();
+        assert_eq!(g.check(me, 0.5).unwrap(), 5 << 30);
+        // Until it is taken, another engine sees the memory free.
+        assert!(g.check(1, 0.6).is_ok());
+        g.grow(me, 0, 5 << 30).unwrap();
+        // Another engine wanting 60% does not fit beside this one.
+        let e = g.check(1, 0.6).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("Free memory on device cuda:0 (5.00/10.00 GiB)"),
+            "{e}"
+        );
+        // pid 1's entry is live (init); a dead pid's entry counts for nothing.
+        g.record(u32::MAX - 1, 9 << 30).unwrap();
+        assert_eq!(g.used(), vec![("0".into(), 5 << 30), ("3".into(), 5 << 30)]);
+        assert!(g.grow(me, 5 << 30, 10 << 30).is_ok());
+        g.record(1, 1 << 30).unwrap();
+        let e = g.grow(me, 1 << 30, 10 << 30).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("CUDA out of memory. Tried to allocate 9.00 GiB"),
+            "{e}"
+        );
+        g.release(me);
+        g.release(1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

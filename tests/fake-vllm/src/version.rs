@@ -1,0 +1,72 @@
+//! The vLLM version fake-vllm imitates (`--imitate-version`): what `/version` says and which
+//! dev-endpoint behaviour it copies.
+
+/// A parsed `MAJOR.MINOR[.PATCH]` version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Imitated {
+    /// Major.
+    pub major: u32,
+    /// Minor.
+    pub minor: u32,
+    /// Patch (0 when absent).
+    pub patch: u32,
+}
+
+impl Imitated {
+    /// The first version whose `/sleep` and `/wake_up` answer JSON and that refuses level 3.
+    pub const JSON_SLEEP: Imitated = Imitated {
+        major: 0,
+        minor: 33,
+        patch: 0,
+    };
+
+    /// Parses `0.33.0`, `0.24` (a suffix like `0.33.0rc1` or `+cu128` is ignored).
+    pub fn parse(s: &str) -> Result<Imitated, String> {
+        let core = s
+            .trim()
+            .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .next()
+            .unwrap_or("");
+        let mut parts = core.split('.').filter(|p| !p.is_empty());
+        let mut next = |what: &str, required: bool| match parts.next() {
+            Some(p) => p
+                .parse::<u32>()
+                .map_err(|e| format!("vLLM version {s:?}: {what}: {e}")),
+            None if required => Err(format!(
+                "vLLM version {s:?}: expected MAJOR.MINOR[.PATCH], e.g. 0.33.0"
+            )),
+            None => Ok(0),
+        };
+        Ok(Imitated {
+            major: next("major", true)?,
+            minor: next("minor", true)?,
+            patch: next("patch", false)?,
+        })
+    }
+
+    /// `/sleep` answers `{"status":"sleeping","level":N}` and `/wake_up` its status and tags
+    /// (0.33 and later); before, both answer an empty 200.
+    pub fn json_sleep_bodies(self) -> bool {
+        self >= Self::JSON_SLEEP
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_orders() {
+        let v = Imitated::parse("0.24.0").unwrap();
+        assert!(!v.json_sleep_bodies());
+        assert!(Imitated::parse("0.33").unwrap().json_sleep_bodies());
+        assert!(
+            Imitated::parse("0.33.1rc1+cu128")
+                .unwrap()
+                .json_sleep_bodies()
+        );
+        assert!(Imitated::parse("1.0.0").unwrap().json_sleep_bodies());
+        assert!(Imitated::parse("latest").is_err());
+        assert!(Imitated::parse("1").is_err());
+    }
+}

@@ -1,0 +1,124 @@
+//! fake-vllm's command line and socket, as unkind as vLLM's: argparse errors, no
+//! `SO_REUSEPORT`, and every flag siesta and its examples pass still accepted.
+
+use std::time::Duration;
+
+use siesta_tests::{DEADLINE, spawn_fake_vllm, spawn_fake_vllm_nowait};
+
+/// Runs fake-vllm with `args` and expects it to exit by itself; returns (code, output).
+async fn exits(args: &[&str]) -> (Option<i32>, String) {
+    let mut child = spawn_fake_vllm_nowait(args, &[]);
+    let status = child.wait_exit(DEADLINE).await;
+    // The output readers may lag the exit a little.
+    let out = child.output().clone();
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        while !out.contains("error") && !out.contains("Error") {
+            tokio::time::sleep(siesta_tests::POLL).await;
+        }
+    })
+    .await;
+    (status.code(), out.text())
+}
+
+#[tokio::test]
+async fn unknown_and_mistyped_flags_exit_2_like_argparse() {
+    let (code, out) = exits(&["m", "--enable-sleep-mode", "--foo"]).await;
+    assert_eq!(code, Some(2), "{out}");
+    assert!(
+        out.contains("vllm serve: error: unrecognized arguments: --foo"),
+        "{out}"
+    );
+    assert!(!out.contains("Uvicorn running"), "{out}");
+
+    let (code, out) = exits(&["m", "--gpu-memory-utilisation", "0.5"]).await;
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("--gpu-memory-utilisation"), "{out}");
+
+    // A known flag with a bad value is an argument error too.
+    let (code, out) = exits(&["m", "--gpu-memory-utilization", "1.5"]).await;
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("1.5 is not in (0, 1]"), "{out}");
+}
+
+#[tokio::test]
+async fn every_flag_siesta_and_the_examples_pass_is_accepted() {
+    // siesta-control's argv (supervisor::spawn_spec) plus the flags in examples/, the
+    // tests, deploy/ and the README.
+    let fv = spawn_fake_vllm(&[
+        "org/m",
+        "--served-model-name",
+        "m",
+        "--enable-sleep-mode",
+        "--tensor-parallel-size",
+        "2",
+        "--gpu-memory-utilization",
+        "0.45",
+        "--disable-custom-all-reduce",
+        "--max-model-len",
+        "16384",
+        "--enforce-eager",
+        "--dtype",
+        "bfloat16",
+        "--runner",
+        "pooling",
+        "--task",
+        "embed",
+        "--disable-log-stats",
+        "--disable-log-requests",
+        "--uvicorn-log-level",
+        "warning",
+        "--seed",
+        "0",
+        "--trust-remote-code",
+        "--max-num-seqs",
+        "64",
+        "--shutdown-timeout",
+        "5",
+        "--tokenizer",
+        "org/tok",
+        "--limit-mm-per-prompt",
+        "{\"image\": 4}",
+        "--max_num_batched_tokens",
+        "8192",
+        "--timeout-keep-alive",
+        "5",
+        "--startup-time",
+        "10ms",
+    ])
+    .await;
+    assert_eq!(fv.get("/health").await.status(), 200);
+}
+
+#[tokio::test]
+async fn a_second_engine_on_a_taken_port_fails_with_address_in_use() {
+    let fv = spawn_fake_vllm(&["m"]).await;
+    let port = fv.addr.port().to_string();
+    let (code, out) = exits(&["m2", "--port", &port]).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(code.is_some(), "killed by a signal: {out}");
+    assert!(out.contains("Address already in use"), "{out}");
+    // The first engine is untouched.
+    assert_eq!(fv.get("/health").await.status(), 200);
+}
+
+#[tokio::test]
+async fn embeddings_exist_only_for_pooling_models() {
+    let fv = spawn_fake_vllm(&["m"]).await;
+    let body = serde_json::json!({"input": "x"});
+    let c = reqwest::Client::new();
+    let r = c
+        .post(fv.at("/v1/embeddings"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let fv = spawn_fake_vllm(&["m", "--task", "embed"]).await;
+    let r = c
+        .post(fv.at("/v1/embeddings"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}

@@ -1,0 +1,197 @@
+//! fake-vllm's sleep endpoints, as unkind as vLLM's: version-dependent bodies, 422s, level 0,
+//! repeated sleeps, `/is_sleeping` stuck behind a wake or reload, frozen gauges.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use siesta_tests::{DEADLINE, FakeVllm, spawn_fake_vllm, wait_until};
+
+async fn body(r: reqwest::Response) -> (u16, String) {
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+async fn complete(fv: &FakeVllm) -> Value {
+    let r = reqwest::Client::new()
+        .post(fv.at("/v1/completions"))
+        .json(&json!({"prompt": "hi", "max_tokens": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+/// Sends a completion that the sleeping engine holds; returns its task once it is held.
+async fn held_completion(fv: &FakeVllm) -> tokio::task::JoinHandle<Value> {
+    let before = fv.stats().await["held"].as_u64().unwrap();
+    let url = fv.at("/v1/completions");
+    let task = tokio::spawn(async move {
+        let r = reqwest::Client::new()
+            .post(url)
+            .json(&json!({"prompt": "hi", "max_tokens": 4}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()
+    });
+    wait_until("the request to be held", DEADLINE, || async {
+        fv.stats().await["held"].as_u64().unwrap() > before
+    })
+    .await;
+    task
+}
+
+#[tokio::test]
+async fn version_0_33_bodies_and_422s() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode"]).await;
+    let v: Value = fv.get("/version").await.json().await.unwrap();
+    assert_eq!(v["version"], "0.33.0");
+    for (path, param) in [
+        ("/sleep?level=abc", "level"),
+        ("/sleep?level=3", "level"),
+        ("/sleep?level=-1", "level"),
+        ("/sleep?mode=nap", "mode"),
+    ] {
+        let r = fv.post(path).await;
+        assert_eq!(r.status(), 422, "{path}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(
+            v["detail"][0]["loc"],
+            json!(["query", param]),
+            "{path}: {v}"
+        );
+    }
+    assert!(!fv.stats().await["is_sleeping"].as_bool().unwrap());
+
+    let (status, text) = body(fv.post("/sleep?level=1").await).await;
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v, json!({"status": "sleeping", "level": 1}));
+    let r = fv.post("/wake_up?tags=bogus").await;
+    assert_eq!(r.status(), 422);
+    // Weights awake, KV cache asleep: "sleeping", and the scheduler stays paused.
+    let v: Value = fv.post("/wake_up?tags=weights").await.json().await.unwrap();
+    assert_eq!(v, json!({"status": "sleeping", "tags": ["weights"]}));
+    let v: Value = fv
+        .post("/wake_up?tags=kv_cache")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v, json!({"status": "awake", "tags": ["kv_cache"]}));
+    assert_eq!(fv.sleep_state().await, (1.0, 0.0, 0.0));
+}
+
+#[tokio::test]
+async fn version_0_24_empty_bodies_and_level_3_as_level_2() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--imitate-version", "0.24.0"]).await;
+    let v: Value = fv.get("/version").await.json().await.unwrap();
+    assert_eq!(v["version"], "0.24.0");
+    assert_eq!(
+        body(fv.post("/sleep?level=3").await).await,
+        (200, String::new())
+    );
+    assert_eq!(fv.sleep_state().await, (0.0, 0.0, 1.0));
+    assert_eq!(body(fv.post("/wake_up").await).await, (200, String::new()));
+    assert_eq!(fv.post("/sleep?level=x").await.status(), 422);
+}
+
+#[tokio::test]
+async fn level_0_pauses_without_freeing_and_needs_scheduling_woken() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode"]).await;
+    let before = fv.stats().await["device_bytes"].clone();
+    let v: Value = fv.post("/sleep?level=0").await.json().await.unwrap();
+    assert_eq!(v, json!({"status": "sleeping", "level": 0}));
+    let s = fv.stats().await;
+    assert_eq!(s["is_sleeping"], true);
+    assert_eq!(s["device_bytes"], before, "level 0 frees nothing");
+    let req = held_completion(&fv).await;
+    let v: Value = fv.post("/wake_up?tags=weights").await.json().await.unwrap();
+    assert_eq!(v["status"], "sleeping", "weights were never asleep");
+    let v: Value = fv.post("/wake_up").await.json().await.unwrap();
+    assert_eq!(v["status"], "awake");
+    let v = tokio::time::timeout(DEADLINE, req).await.unwrap().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+}
+
+#[tokio::test]
+async fn a_repeated_sleep_aborts_held_requests_and_level_2_over_1_keeps_weights() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode"]).await;
+    let good = complete(&fv).await["choices"][0]["text"].clone();
+    assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
+
+    // mode=keep leaves the held request alone; the default (abort) ends it.
+    let req = held_completion(&fv).await;
+    assert_eq!(fv.post("/sleep?level=1&mode=keep").await.status(), 200);
+    assert_eq!(fv.stats().await["held"], 1);
+    let v: Value = fv.post("/sleep?level=2").await.json().await.unwrap();
+    assert_eq!(v, json!({"status": "sleeping", "level": 2}));
+    let v = tokio::time::timeout(DEADLINE, req).await.unwrap().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "abort", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    assert_eq!(fv.stats().await["held"], 0);
+
+    // Level 2 over level 1 reads discard_all but kept the weights: a plain wake answers well.
+    assert_eq!(fv.sleep_state().await, (0.0, 0.0, 1.0));
+    assert_eq!(fv.stats().await["weights_intact"], false);
+    assert_eq!(fv.post("/wake_up").await.status(), 200);
+    assert_eq!(complete(&fv).await["choices"][0]["text"], good);
+}
+
+#[tokio::test]
+async fn is_sleeping_waits_behind_reload_weights_and_a_hung_wake() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--reload-time", "1s"]).await;
+    assert_eq!(fv.post("/sleep?level=2").await.status(), 200);
+    assert_eq!(fv.post("/wake_up?tags=weights").await.status(), 200);
+    let url = fv.at("/collective_rpc");
+    let reload = tokio::spawn(async move {
+        let r = reqwest::Client::new()
+            .post(url)
+            .json(&json!({"method": "reload_weights"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        Instant::now()
+    });
+    fv.child
+        .output()
+        .wait_for("reloading weights", DEADLINE)
+        .await;
+    let v: Value = fv.get("/is_sleeping").await.json().await.unwrap();
+    let answered = Instant::now();
+    assert_eq!(v["is_sleeping"], true);
+    let reloaded = reload.await.unwrap();
+    assert!(
+        answered >= reloaded,
+        "/is_sleeping answered {:?} before the reload finished",
+        reloaded - answered
+    );
+
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--hang-on-wake"]).await;
+    assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
+    let url = fv.at("/wake_up");
+    let _wake = tokio::spawn(async move { reqwest::Client::new().post(url).send().await });
+    fv.child
+        .output()
+        .wait_for("this wake never finishes", DEADLINE)
+        .await;
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_millis(800))
+        .build()
+        .unwrap();
+    let r = c.get(fv.at("/is_sleeping")).send().await;
+    assert!(r.is_err_and(|e| e.is_timeout()), "/is_sleeping must hang");
+}
+
+#[tokio::test]
+async fn disable_log_stats_removes_every_vllm_metric() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--disable-log-stats"]).await;
+    assert_eq!(fv.post("/sleep").await.status(), 200);
+    let r = fv.get("/metrics").await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(!text.contains("vllm:"), "{text}");
+    assert!(text.contains("process_start_time_seconds"), "{text}");
+}

@@ -1,0 +1,204 @@
+//! Two models that cannot both be awake on one GPU take turns under many
+//! requests at once (the deadlock of the first side-by-side run): from
+//! every starting point, 20 concurrent requests split between them are all
+//! answered, the two are never awake together, and no engine is killed or
+//! replaced.
+
+#[path = "control/util.rs"]
+mod util;
+
+use siesta_proto::v1 as pb;
+use siesta_tests::{ProxyProc, spawn_proxy, wait_until};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use util::*;
+
+const ANSWER_WITHIN: Duration = Duration::from_secs(90);
+
+fn swap_config() -> String {
+    let model = |name: &str| {
+        format!(
+            r#"
+[[model]]
+name = "{name}"
+model = "fake/{name}"
+executable = "@FAKE_VLLM@"
+preload = "asleep"
+gpus = 1
+gpu_memory = 0.85
+env = {{ SIESTA_TEST_TAG = "@DIR@" }}
+"#
+        )
+    };
+    let base = config(&format!("{}{}", model("a"), model("b")))
+        .replace(
+            "state_dir = \"@DIR@/state\"",
+            "state_dir = \"@DIR@/state\"\np2p_probe = \"off\"",
+        )
+        .replace("max_hold = \"30s\"", "max_hold = \"120s\"");
+    format!("{base}\n[[gpu]]\nindex = 0\nname = \"test-gpu\"\nmemory = \"80GiB\"\n")
+}
+
+async fn ask(proxy: &str, model: &str) -> Result<(), String> {
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{proxy}/v1/chat/completions"))
+        .json(&body)
+        .timeout(ANSWER_WITHIN)
+        .send()
+        .await
+        .map_err(|e| format!("{model}: {e}"))?;
+    let status = resp.status();
+    if status != 200 {
+        return Err(format!(
+            "{model}: {status}: {}",
+            resp.text().await.unwrap_or_default()
+        ));
+    }
+    Ok(())
+}
+
+/// Fails the test if both models are ever published awake at once.
+fn watch_never_both_awake(mut c: Client) -> Arc<Mutex<Option<String>>> {
+    let broken = Arc::new(Mutex::new(None));
+    let b = broken.clone();
+    tokio::spawn(async move {
+        let mut stream = c
+            .watch(pb::WatchRequest {
+                since_revision: 0,
+                client_id: "swap-test".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut states: BTreeMap<String, i32> = BTreeMap::new();
+        while let Ok(Some(ev)) = stream.message().await {
+            match ev.kind {
+                Some(pb::watch_event::Kind::Snapshot(s)) => {
+                    for m in s.models {
+                        states.insert(m.name, m.state);
+                    }
+                }
+                Some(pb::watch_event::Kind::Model(m)) => {
+                    states.insert(m.name, m.state);
+                }
+                _ => {}
+            }
+            let awake = states
+                .values()
+                .filter(|s| **s == pb::ModelState::Awake as i32)
+                .count();
+            if awake > 1 {
+                *b.lock().unwrap() = Some(format!("both awake at revision {}", ev.revision));
+            }
+        }
+    });
+    broken
+}
+
+async fn fire(proxy: &ProxyProc) -> Vec<String> {
+    let url = proxy.url();
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let url = url.clone();
+            let model = if i % 2 == 0 { "a" } else { "b" };
+            tokio::spawn(async move { ask(&url, model).await })
+        })
+        .collect();
+    let mut errors = Vec::new();
+    for t in tasks {
+        if let Err(e) = t.await.unwrap() {
+            errors.push(e);
+        }
+    }
+    errors
+}
+
+#[tokio::test]
+async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
+    let ctl = start(&swap_config()).await;
+    let mut c = ctl.client().await;
+    let gpus = c
+        .list_gpus(pb::ListGpusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    if gpus.source != "config" {
+        eprintln!(
+            "skipped: GPUs come from {} here, not the config",
+            gpus.source
+        );
+        return;
+    }
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    let ready = format!("{}/readyz", proxy.admin_url());
+    wait_until("proxy ready", LONG, || async {
+        matches!(reqwest::get(&ready).await, Ok(r) if r.status() == 200)
+    })
+    .await;
+    let mut pids = BTreeMap::new();
+    for m in ["a", "b"] {
+        let s = wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
+        pids.insert(m, s.pid);
+        // No NVML here: the default for TP=1 until measured.
+        assert_eq!(
+            (s.asleep_residual_bytes, s.asleep_residual_measured),
+            (1 << 30, false)
+        );
+    }
+    let placement = c
+        .get_placement(pb::GetPlacementRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        placement
+            .models
+            .iter()
+            .all(|p| p.asleep_residual_bytes == 1 << 30),
+        "{placement:#?}"
+    );
+    let broken = watch_never_both_awake(ctl.client().await);
+    for round in 0..10 {
+        match round % 3 {
+            // Both asleep.
+            0 => {
+                for m in ["a", "b"] {
+                    c.sleep(pb::SleepRequest {
+                        name: m.into(),
+                        level: 1,
+                    })
+                    .await
+                    .unwrap();
+                    wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
+                }
+            }
+            // One awake.
+            1 => {
+                wake_awake(&mut c, "a").await;
+            }
+            // One waking.
+            _ => {
+                wake(&mut c, "b", false).await;
+            }
+        }
+        let errors = fire(&proxy).await;
+        assert!(errors.is_empty(), "round {round}: {errors:#?}");
+        if let Some(b) = broken.lock().unwrap().clone() {
+            panic!("round {round}: {b}");
+        }
+        for m in ["a", "b"] {
+            let s = status(&mut c, m).await;
+            assert_eq!(
+                s.pid, pids[m],
+                "round {round}: {m}'s engine was replaced: {s:#?}"
+            );
+            assert_eq!(s.restarts, 1, "round {round}: {m} restarted: {s:#?}");
+        }
+    }
+}
