@@ -50,6 +50,8 @@ mem_l2=$(nvml_mib $(group_pids "$PID"))
 mem_snapshot
 S placement -o json >"$RUN/placement-l2.json" 2>/dev/null
 S status -o json >"$RUN/status-l2.json" 2>/dev/null
+# siesta's residual for this model (measured through NVML after a sleep, else a default).
+read -r res_bytes res_measured < <(S get $M -o json | python3 "$PY" get model.asleep_residual_bytes model.asleep_residual_measured)
 logcmd S placement
 preq $M "$WAKE_REQ_TIMEOUT"
 statuses+=("l2-wake:$RS")
@@ -66,13 +68,19 @@ if have_nvml; then
 else
     result SKIP 4-nvml-memory "no nvidia-smi (LOCAL=$LOCAL)"
 fi
-read -r res_mib res_bytes res_n < <(python3 "$PY" residual "$RUN/placement-l2.json" "$RUN/status-l2.json" 0)
+res_mib=$((${res_bytes:-0} / 1048576))
+read -r gpu0_asleep_mib _ gpu0_asleep_n < <(python3 "$PY" residual "$RUN/placement-l2.json" "$RUN/status-l2.json" 0)
+src=$([ "$res_measured" = true ] && echo measured || echo default)
 if have_nvml; then
+    # The residual siesta counts must cover what the asleep engine really holds (64 MiB slack
+    # for NVML's rounding).
     worst=$((mem_l1 > mem_l2 ? mem_l1 : mem_l2))
-    result "$(verdict $([ "$worst" -le "$res_mib" ] && echo 1 || echo 0))" 4-residual nvml_asleep_mib=$worst \
-        siesta_residual_mib=$res_mib placement_gpu0_asleep_bytes=$res_bytes asleep_models_on_gpu0=$res_n
+    result "$(verdict $([ "$worst" -le $((res_mib + 64)) ] && echo 1 || echo 0))" 4-residual nvml_asleep_mib=$worst \
+        siesta_residual_mib=$res_mib siesta_residual=$src placement_gpu0_asleep_per_model_mib=$gpu0_asleep_mib \
+        asleep_models_on_gpu0=$gpu0_asleep_n
 else
-    result SKIP 4-residual "no nvidia-smi; siesta_residual_mib=$res_mib placement_gpu0_asleep_bytes=$res_bytes asleep_models_on_gpu0=$res_n"
+    result SKIP 4-residual "no nvidia-smi; siesta_residual_mib=$res_mib ($src)" \
+        placement_gpu0_asleep_per_model_mib=$gpu0_asleep_mib asleep_models_on_gpu0=$gpu0_asleep_n
 fi
 
 # 2c: level 1, level 2, stop; the next request starts it from cold. That start is check 7.
@@ -127,14 +135,14 @@ result "$(verdict $ok)" 2-idle-tiers fired="${fired[*]}" requests="${statuses[*]
 
 
 # --- 8: kill -9 of the engine core: failed, restarted after the backoff, the proxy answers
-# 503 + Retry-After meanwhile, then 200. (fake-vllm's engine core is a bystander whose death
-# the server does not notice, so LOCAL kills the API server instead.)
+# 503 + Retry-After meanwhile, then 200. (An engine with no VLLM::EngineCore child, e.g. an
+# older fake-vllm under LOCAL, gets its API server killed instead.)
 preq $M "$WAKE_REQ_TIMEOUT" # awake and serving when it crashes
 log "before the crash: $RS"
 PID=$(mget $M pid)
 restarts0=$(mget $M restarts)
 EC=$(engine_core "$PID")
-if [ "$LOCAL" = 1 ]; then victim=$PID what=api-server; else victim=$EC what=engine-core; fi
+if [ -n "$EC" ]; then victim=$EC what=engine-core; elif [ "$LOCAL" = 1 ]; then victim=$PID what=api-server; else victim=; fi
 if [ -z "$victim" ]; then
     result FAIL 8-engine-core-kill9 "no VLLM::EngineCore child of pid $PID"
 else

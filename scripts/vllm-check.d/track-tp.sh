@@ -31,7 +31,8 @@ waitst $M 120 asleep:2
 l2_mib=$(nvml_mib $(group_pids "$PID"))
 S placement -o json >"$RUN/placement-tp2.json" 2>/dev/null
 S status -o json >"$RUN/status-tp2.json" 2>/dev/null
-read -r res_mib _ _ < <(python3 "$PY" residual "$RUN/placement-tp2.json" "$RUN/status-tp2.json" 0)
+read -r res_bytes res_measured < <(S get $M -o json | python3 "$PY" get model.asleep_residual_bytes model.asleep_residual_measured)
+res_mib=$((${res_bytes:-0} / 1048576))
 ask l2-wake
 PID2=$(mget $M pid)
 distinct=$(printf '%s\n' "${texts[@]}" | sort -u | wc -l)
@@ -41,7 +42,7 @@ for s in "${statuses[@]}"; do [[ "$s" == *:200 ]] || ok=0; done
 [ "$distinct" = 1 ] && [ "${texts[0]}" != '""' ] && [ "$PID" = "$PID2" ] || ok=0
 result "$(verdict $ok)" 6-tp2 requests="${statuses[*]}" ms="${ms[*]}" distinct_answers=$distinct \
     same_as_tp1=$([ "${texts[0]}" = "$tp1_ref" ] && echo yes || echo no) pid=$PID/$PID2 \
-    nvml_group_mib=awake:$awake_mib,l1:$l1_mib,l2:$l2_mib siesta_residual_per_gpu_mib=$res_mib start_ms=$(mget $M calibration.start_ms) text=${texts[0]}
+    nvml_group_mib=awake:$awake_mib,l1:$l1_mib,l2:$l2_mib siesta_residual_per_gpu_mib="$res_mib/$([ "$res_measured" = true ] && echo measured || echo default)" start_ms=$(mget $M calibration.start_ms) text=${texts[0]}
 
 # The verdict siesta placed the model with, and the environment the engine got.
 S gpus -o json >"$RUN/gpus.json" 2>/dev/null
