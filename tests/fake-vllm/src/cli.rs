@@ -13,11 +13,12 @@ use crate::argv::{self, ArgvError};
 
 /// `serve --help` epilogue: which defaults resemble real vLLM and how to get them.
 const REALISTIC: &str = "\
-Timing defaults are short so tests run fast. vLLM 0.24.0 on an H200 measured:
-  start-up 42-104 s            --startup-time 60s
-  level-1 sleep 0.11-0.14 s    --sleep-time 120ms
-  wake 0.05-0.4 s              --wake-time 300ms
-  reload_weights 0.18 s        --reload-time 180ms
+Timing defaults are short so tests run fast. vLLM 0.24.0 on H200s measured (tiny model;
+scripts/vllm-check, docs/vllm-check-output.txt, 2026-11-30):
+  start-up 42-104 s (53-94 s there; 95 s at TP=2)   --startup-time 60s
+  level-1 sleep 0.11-0.14 s                          --sleep-time 120ms
+  level-1 wake 0.04-0.4 s (41-68 ms there)           --wake-time 60ms
+  level-2 wake with reload 0.26-0.65 s               --wake-time 60ms --reload-time 200ms
   asleep residual 836 MiB at TP=1, 2,204 MiB per GPU at TP=2 (--asleep-residual-mib, the
   default already follows TP).
 A simulated GPU (memory check at start-up, per-GPU accounting shared by engines) is on when
