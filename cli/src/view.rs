@@ -38,6 +38,7 @@ pub struct ModelView {
     pub control_id: String,
     pub asleep_residual_bytes: u64,
     pub asleep_residual_measured: bool,
+    pub warning: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -134,6 +135,7 @@ impl From<&pb::ModelStatus> for ModelView {
             control_id: m.control_id.clone(),
             asleep_residual_bytes: m.asleep_residual_bytes,
             asleep_residual_measured: m.asleep_residual_measured,
+            warning: m.warning.clone(),
         }
     }
 }

@@ -166,7 +166,7 @@ impl Admission {
             Some(v) => v.residual_of(model),
             None => crate::status::Residual {
                 bytes: crate::placement::default_residual(gpus),
-                measured: false,
+                ..Default::default()
             },
         }
     }

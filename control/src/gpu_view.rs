@@ -157,7 +157,7 @@ impl GpuView {
                             .unwrap_or_else(|| default_residual(m.gpus));
                         let r = Residual {
                             bytes,
-                            measured: false,
+                            ..Residual::default()
                         };
                         (m.name.clone(), r)
                     })
@@ -223,7 +223,7 @@ impl GpuView {
             .copied()
             .unwrap_or(Residual {
                 bytes: self.policy.residual_bytes,
-                measured: false,
+                ..Residual::default()
             })
     }
 
@@ -238,19 +238,26 @@ impl GpuView {
             st.read_at = Instant::now() - INVENTORY_MAX_AGE;
         }
         self.refresh_inventory();
-        let bytes = {
+        let (bytes, awake) = {
             let st = self.state.lock().unwrap();
             if st.inventory.source != InventorySource::Nvml {
                 return None;
             }
-            engine_bytes_per_gpu(&st.inventory, pgid, pgid_of)
+            let awake = st
+                .placements
+                .iter()
+                .find(|p| p.model == model)
+                .and_then(|p| p.awake_bytes.iter().copied().max())
+                .unwrap_or(0);
+            (engine_bytes_per_gpu(&st.inventory, pgid, pgid_of), awake)
         };
-        let r = Residual {
-            bytes: bytes.values().copied().max().filter(|b| *b > 0)?,
-            measured: true,
-        };
+        let r = residual_from(bytes.values().copied().max().filter(|b| *b > 0)?, awake);
         self.residuals.lock().unwrap().insert(model.to_string(), r);
-        tracing::info!(model, bytes = r.bytes, "measured asleep residual per GPU");
+        if r.ineffective {
+            tracing::warn!(model, bytes = r.bytes, awake, "{}", r.warning());
+        } else {
+            tracing::info!(model, bytes = r.bytes, "measured asleep residual per GPU");
+        }
         Some(r)
     }
 
@@ -405,6 +412,17 @@ impl GpuView {
                 .map(|b| b.to_proto())
                 .collect(),
         }
+    }
+}
+
+/// A measured asleep residual against the model's awake share per GPU
+/// (0: unknown): at least half of it still held means the engine does not
+/// really sleep.
+pub(crate) fn residual_from(bytes: u64, awake: u64) -> Residual {
+    Residual {
+        bytes,
+        measured: true,
+        ineffective: awake > 0 && bytes.saturating_mul(2) >= awake,
     }
 }
 

@@ -259,9 +259,13 @@ pub enum Effect {
     KillStray {
         proc_gen: u64,
     },
-    /// Probe `/health` until it answers 200; answer `HealthOk` (tagged `epoch`).
+    /// Probe `/health` until it answers 200; answer `HealthOk` (tagged
+    /// `epoch`). `check_sleep`: the engine may be asleep (attached, or
+    /// adopted after a restart of siesta): ask `/is_sleeping` too, never
+    /// taking "no answer" for awake.
     ProbeHealth {
         epoch: u64,
+        check_sleep: bool,
     },
     Sleep {
         epoch: u64,

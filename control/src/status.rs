@@ -122,6 +122,25 @@ pub struct Residual {
     pub bytes: u64,
     /// Measured with NVML after the engine's last sleep (else a default).
     pub measured: bool,
+    /// Asleep, the engine still held at least half of its awake share: it
+    /// does not really sleep (vLLM started without `--enable-sleep-mode`
+    /// answers `/sleep` with 200 and frees almost nothing). Placement counts
+    /// what it holds; the status says so.
+    pub ineffective: bool,
+}
+
+impl Residual {
+    /// A warning for the status, if the engine does not really sleep.
+    pub fn warning(&self) -> String {
+        if !self.ineffective {
+            return String::new();
+        }
+        format!(
+            "the engine does not free its GPU memory when asleep: it still holds {:.1} GiB \
+             per GPU (started without --enable-sleep-mode?); placement counts it as awake",
+            self.bytes as f64 / (1u64 << 30) as f64
+        )
+    }
 }
 
 /// Static facts about a model's engine that the state does not hold.

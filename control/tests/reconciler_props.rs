@@ -370,7 +370,7 @@ impl World {
                         self.procs.values_mut().for_each(|k| *k = true);
                     }
                 }
-                Effect::ProbeHealth { epoch } => self.probes.push(epoch),
+                Effect::ProbeHealth { epoch, .. } => self.probes.push(epoch),
                 Effect::Sleep { epoch, level } => {
                     prop_assert_eq!(m.in_flight(), 0, "sleep with requests in flight\n{}", ctx());
                     prop_assert!((1..=2).contains(&level));

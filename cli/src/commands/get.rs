@@ -100,6 +100,9 @@ pub fn describe(now: i64, m: &pb::ModelStatus, placement: Option<&pb::ModelPlace
         kv(&mut o, "PID", m.pid.to_string());
     }
     kv(&mut o, "Restarts", m.restarts.to_string());
+    if !m.warning.is_empty() {
+        kv(&mut o, "Warning", m.warning.clone());
+    }
     if !m.gpus.is_empty() {
         kv(
             &mut o,

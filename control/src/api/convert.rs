@@ -124,6 +124,7 @@ pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
         control_id: s.control_id.clone(),
         asleep_residual_bytes: s.asleep_residual.bytes,
         asleep_residual_measured: s.asleep_residual.measured,
+        warning: s.asleep_residual.warning(),
     }
 }
 

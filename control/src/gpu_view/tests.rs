@@ -264,3 +264,17 @@ fn residuals_default_by_tensor_parallel_size_until_measured() {
     // No NVML here: nothing to measure.
     assert_eq!(view.measure_residual("tp01", std::process::id()), None);
 }
+
+#[test]
+fn an_engine_that_keeps_half_its_memory_asleep_does_not_really_sleep() {
+    let awake = 40 << 30;
+    let slept = residual_from(836 << 20, awake);
+    assert!(slept.measured && !slept.ineffective);
+    assert!(slept.warning().is_empty());
+    // vLLM without --enable-sleep-mode: /sleep answers 200, frees nothing.
+    let not = residual_from(39 << 30, awake);
+    assert!(not.ineffective);
+    assert!(not.warning().contains("39.0 GiB"), "{}", not.warning());
+    // No placement share known: never claimed ineffective.
+    assert!(!residual_from(39 << 30, 0).ineffective);
+}

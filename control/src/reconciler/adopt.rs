@@ -44,7 +44,10 @@ pub fn adopt(
                 },
                 now,
             );
-            fx.push(Effect::ProbeHealth { epoch: m.epoch });
+            fx.push(Effect::ProbeHealth {
+                epoch: m.epoch,
+                check_sleep: true,
+            });
         }
     }
     fx
@@ -92,7 +95,10 @@ mod tests {
         let mut m = fresh(Desired::Awake);
         let fx = adopt(&mut m, 1, 10, Observed::NotServing, now);
         assert!(matches!(m.phase, Phase::Starting { spawned: true, .. }));
-        assert!(fx.contains(&Effect::ProbeHealth { epoch: m.epoch }));
+        assert!(fx.contains(&Effect::ProbeHealth {
+            epoch: m.epoch,
+            check_sleep: true
+        }));
         let epoch = m.epoch;
         let (m, _) = step(
             m,

@@ -94,7 +94,10 @@ fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
             },
             now,
         );
-        fx.push(Effect::ProbeHealth { epoch: m.epoch });
+        fx.push(Effect::ProbeHealth {
+            epoch: m.epoch,
+            check_sleep: true,
+        });
     } else {
         // Waiting for the start lock counts too, up to another start timeout.
         let deadline = now + m.settings.timeouts.start * 2;

@@ -171,7 +171,10 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     spawned: true,
                 };
                 fx.push(Effect::Log(format!("engine spawned, pid {pid}")));
-                fx.push(Effect::ProbeHealth { epoch });
+                fx.push(Effect::ProbeHealth {
+                    epoch,
+                    check_sleep: false,
+                });
             }
         }
         Event::SpawnFailed { proc_gen, error } => {

@@ -23,7 +23,7 @@ const CALL_SLACK: Duration = Duration::from_secs(5);
 /// decides (the metric alone reads awake after `wake_up?tags=weights`); it
 /// waits behind a running wake, so "no answer" is waited on up to the wake
 /// timeout and never taken for awake.
-pub(super) async fn attach_sleep_level(
+pub(super) async fn sleep_level(
     client: &crate::engine::EngineClient,
     name: &str,
     known: u8,
@@ -95,24 +95,33 @@ impl Runner {
                     self.measure_residual(pid);
                 }
             }
-            Effect::ProbeHealth { epoch } => {
+            Effect::ProbeHealth { epoch, check_sleep } => {
                 let client = self.client.clone();
-                let attach = self.cfg.is_attach();
                 let send = self.event_sender();
-                // An attach engine that does not say its level is asleep at
-                // the level siesta last put it to (the intent in the
-                // store), else 2: a level-1 wake of a level-2 engine serves
-                // garbage, a level-2 wake is right for any state.
-                let known = match self.state.intent.desired {
-                    crate::reconciler::Desired::Asleep(l) => l,
-                    _ => 2,
+                // An engine that does not say its level is asleep at the
+                // level siesta last recorded (the engine record of a process
+                // engine, the stored intent of an attach one), else 2: a
+                // level-1 wake of a level-2 engine serves garbage, a level-2
+                // wake is right for any state.
+                let recorded = if self.cfg.is_attach() {
+                    match self.state.intent.desired {
+                        crate::reconciler::Desired::Asleep(l) => Some(l),
+                        _ => None,
+                    }
+                } else {
+                    self.shared
+                        .store
+                        .engine(&self.cfg.name)
+                        .map(|r| r.sleep_level)
+                        .filter(|l| *l > 0)
                 };
+                let known = recorded.unwrap_or(2);
                 let (name, wake_timeout) = (self.cfg.name.clone(), self.cfg.timeouts.wake);
                 self.op(async move {
                     loop {
                         if client.health(PROBE_TIMEOUT).await.is_ok() {
-                            let asleep = if attach {
-                                attach_sleep_level(&client, &name, known, wake_timeout).await
+                            let asleep = if check_sleep {
+                                sleep_level(&client, &name, known, wake_timeout).await
                             } else {
                                 None
                             };
