@@ -16,28 +16,36 @@ use util::*;
 
 const ANSWER_WITHIN: Duration = Duration::from_secs(90);
 
-fn swap_config() -> String {
-    let model = |name: &str| {
-        format!(
-            r#"
+/// `models` as (name, GPUs, memory fraction), all preloaded asleep, on
+/// `gpus` configured GPUs of 80 GiB.
+fn swap_config(gpus: u32, models: &[(&str, u32, f64)]) -> String {
+    let models: String = models
+        .iter()
+        .map(|(name, n, f)| {
+            format!(
+                r#"
 [[model]]
 name = "{name}"
 model = "fake/{name}"
 executable = "@FAKE_VLLM@"
 preload = "asleep"
-gpus = 1
-gpu_memory = 0.85
+gpus = {n}
+gpu_memory = {f}
 env = {{ SIESTA_TEST_TAG = "@DIR@" }}
 "#
-        )
-    };
-    let base = config(&format!("{}{}", model("a"), model("b")))
+            )
+        })
+        .collect();
+    let base = config(&models)
         .replace(
             "state_dir = \"@DIR@/state\"",
             "state_dir = \"@DIR@/state\"\np2p_probe = \"off\"",
         )
         .replace("max_hold = \"30s\"", "max_hold = \"120s\"");
-    format!("{base}\n[[gpu]]\nindex = 0\nname = \"test-gpu\"\nmemory = \"80GiB\"\n")
+    let inventory: String = (0..gpus)
+        .map(|i| format!("[[gpu]]\nindex = {i}\nname = \"test-gpu\"\nmemory = \"80GiB\"\n"))
+        .collect();
+    format!("{base}\n{inventory}")
 }
 
 async fn ask(proxy: &str, model: &str) -> Result<(), String> {
@@ -63,8 +71,12 @@ async fn ask(proxy: &str, model: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Fails the test if both models are ever published awake at once.
-fn watch_never_both_awake(mut c: Client) -> Arc<Mutex<Option<String>>> {
+/// Records it if the awake models ever match `forbidden` (a set of models
+/// that cannot be awake together).
+fn watch_never_awake_together(
+    mut c: Client,
+    forbidden: Vec<Vec<&'static str>>,
+) -> Arc<Mutex<Option<String>>> {
     let broken = Arc::new(Mutex::new(None));
     let b = broken.clone();
     tokio::spawn(async move {
@@ -89,24 +101,27 @@ fn watch_never_both_awake(mut c: Client) -> Arc<Mutex<Option<String>>> {
                 }
                 _ => {}
             }
-            let awake = states
-                .values()
-                .filter(|s| **s == pb::ModelState::Awake as i32)
-                .count();
-            if awake > 1 {
-                *b.lock().unwrap() = Some(format!("both awake at revision {}", ev.revision));
+            let awake = |m: &str| states.get(m) == Some(&(pb::ModelState::Awake as i32));
+            for set in &forbidden {
+                if set.iter().all(|m| awake(m)) {
+                    *b.lock().unwrap() = Some(format!(
+                        "{set:?} awake together at revision {}",
+                        ev.revision
+                    ));
+                }
             }
         }
     });
     broken
 }
 
-async fn fire(proxy: &ProxyProc) -> Vec<String> {
+/// `n` concurrent requests, spread over `models` in turn.
+async fn fire(proxy: &ProxyProc, models: &[&'static str], n: usize) -> Vec<String> {
     let url = proxy.url();
-    let tasks: Vec<_> = (0..20)
+    let tasks: Vec<_> = (0..n)
         .map(|i| {
             let url = url.clone();
-            let model = if i % 2 == 0 { "a" } else { "b" };
+            let model = models[i % models.len()];
             tokio::spawn(async move { ask(&url, model).await })
         })
         .collect();
@@ -121,7 +136,7 @@ async fn fire(proxy: &ProxyProc) -> Vec<String> {
 
 #[tokio::test]
 async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
-    let ctl = start(&swap_config()).await;
+    let ctl = start(&swap_config(1, &[("a", 1, 0.85), ("b", 1, 0.85)])).await;
     let mut c = ctl.client().await;
     let gpus = c
         .list_gpus(pb::ListGpusRequest {})
@@ -163,7 +178,7 @@ async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
             .all(|p| p.asleep_residual_bytes == 1 << 30),
         "{placement:#?}"
     );
-    let broken = watch_never_both_awake(ctl.client().await);
+    let broken = watch_never_awake_together(ctl.client().await, vec![vec!["a", "b"]]);
     for round in 0..10 {
         match round % 3 {
             // Both asleep.
@@ -187,7 +202,7 @@ async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
                 wake(&mut c, "b", false).await;
             }
         }
-        let errors = fire(&proxy).await;
+        let errors = fire(&proxy, &["a", "b"], 20).await;
         assert!(errors.is_empty(), "round {round}: {errors:#?}");
         if let Some(b) = broken.lock().unwrap().clone() {
             panic!("round {round}: {b}");
@@ -200,5 +215,56 @@ async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
             );
             assert_eq!(s.restarts, 1, "round {round}: {m} restarted: {s:#?}");
         }
+    }
+}
+
+/// Three models on two GPUs, one of them tensor-parallel over both: woken
+/// all at once by concurrent requests, each is answered, and no GPU ever
+/// holds two awake models that do not fit together.
+#[tokio::test]
+async fn three_models_on_two_gpus_with_a_tp2_model_all_woken_at_once() {
+    let ctl = start(&swap_config(
+        2,
+        &[("tp", 2, 0.6), ("a", 1, 0.6), ("b", 1, 0.6)],
+    ))
+    .await;
+    let mut c = ctl.client().await;
+    let gpus = c
+        .list_gpus(pb::ListGpusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    if gpus.source != "config" {
+        eprintln!(
+            "skipped: GPUs come from {} here, not the config",
+            gpus.source
+        );
+        return;
+    }
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    let ready = format!("{}/readyz", proxy.admin_url());
+    wait_until("proxy ready", LONG, || async {
+        matches!(reqwest::get(&ready).await, Ok(r) if r.status() == 200)
+    })
+    .await;
+    let mut pids = BTreeMap::new();
+    for m in ["tp", "a", "b"] {
+        let s = wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
+        pids.insert(m, s.pid);
+    }
+    // tp spans both GPUs: it cannot be awake with a (GPU 0) or b (GPU 1).
+    let broken =
+        watch_never_awake_together(ctl.client().await, vec![vec!["tp", "a"], vec!["tp", "b"]]);
+    for round in 0..3 {
+        let errors = fire(&proxy, &["tp", "a", "b"], 15).await;
+        assert!(errors.is_empty(), "round {round}: {errors:#?}");
+        if let Some(b) = broken.lock().unwrap().clone() {
+            panic!("round {round}: {b}");
+        }
+    }
+    for m in ["tp", "a", "b"] {
+        let s = status(&mut c, m).await;
+        assert_eq!(s.pid, pids[m], "{m}'s engine was replaced: {s:#?}");
+        assert_eq!(s.restarts, 1, "{m} restarted: {s:#?}");
     }
 }
