@@ -319,7 +319,8 @@ impl pb::control_server::Control for ControlService {
         Ok(Response::new(pb::ReloadResponse {
             added: s.added,
             removed: s.removed,
-            changed: s.changed,
+            // Reconfigured models (engine kept) changed too.
+            changed: [s.changed, s.reconfigured].concat(),
             unchanged: s.unchanged,
         }))
     }

@@ -156,7 +156,7 @@ fn models_without_gpus_get_no_engine_flags() {
     )
     .unwrap();
     assert!(p[0].gpus.is_empty());
-    assert!(p[0].engine_args().is_empty() && p[0].engine_env().is_empty());
+    assert!(p[0].placed().engine_args().is_empty() && p[0].placed().engine_env().is_empty());
 }
 
 #[test]
