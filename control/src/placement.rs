@@ -268,6 +268,8 @@ pub(crate) fn list(gpus: &[u32]) -> String {
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_config;
+#[cfg(test)]
 mod tests_evict;
 #[cfg(test)]
 mod tests_mixes;

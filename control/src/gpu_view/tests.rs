@@ -264,3 +264,31 @@ fn residuals_default_by_tensor_parallel_size_until_measured() {
     // No NVML here: nothing to measure.
     assert_eq!(view.measure_residual("tp01", std::process::id()), None);
 }
+
+/// A reload's placement replaces the view's: an added model is placed on
+/// its pinned GPU with its fraction and gets its own asleep residual; a
+/// removed one leaves the placement.
+#[test]
+fn apply_replaces_placements_and_residuals() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = config(dir.path(), "p2p_probe = \"off\"");
+    let view = GpuView::detect(&old);
+    if view.placement_failed() {
+        eprintln!("skipped: the inventory is not the config's here");
+        return;
+    }
+    assert!(view.placed_one("new").is_none());
+    let mut new = old.clone();
+    new.models.remove(1);
+    let mut added = new.models[0].clone();
+    (added.name, added.gpus, added.gpu_ids) = ("new".into(), 1, vec![2]);
+    added.gpu_memory = Some(crate::config::GpuMemory::Fraction(0.3));
+    new.models.push(added);
+    let planned = view.plan(&new, &view.current_gpus()).unwrap();
+    view.apply(&new, planned);
+    let p = view.placed_one("new").expect("the added model is placed");
+    assert_eq!((p.gpus, p.gpu_memory_utilization), (vec![2], 0.3));
+    assert!(view.placed_one("tp12").is_none(), "removed from the placement");
+    assert_eq!(view.residual_of("new").bytes, default_residual(1));
+    assert_ne!(default_residual(1), view.policy.residual_bytes);
+}
