@@ -239,7 +239,9 @@ impl GpuView {
             }
             Planned::NoInventory => {
                 if config.models.iter().any(|m| m.gpus > 0) {
-                    tracing::warn!("no GPU known (no NVML, no [[gpu]]): placement not checked; models run on their pinned or first GPUs");
+                    tracing::warn!(
+                        "no GPU known (no NVML, no [[gpu]]): placement not checked; models run on their pinned or first GPUs"
+                    );
                 }
                 st.placements = Vec::new();
                 st.placement_note = Some(NO_INVENTORY.into());

@@ -109,7 +109,10 @@ async fn a_config_that_fits_is_ok_with_its_placement_counted() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let config = config_with(dir.path(), "name = \"small\"\ngpus = 1\ngpu_memory = \"20GiB\"");
+    let config = config_with(
+        dir.path(),
+        "name = \"small\"\ngpus = 1\ngpu_memory = \"20GiB\"",
+    );
     let run = siesta(&["config", "check", config.to_str().unwrap()])
         .await
         .ok();

@@ -82,12 +82,21 @@ async fn reload_places_added_models_keeps_engines_on_settings_changes_and_refuse
     let a = gpu_model("a", "gpus = 1\ngpu_ids = [0]\ngpu_memory = 0.5");
     let ctl = start(&gpu_config(&a)).await;
     let mut c = ctl.client().await;
-    let gpus = c.list_gpus(pb::ListGpusRequest {}).await.unwrap().into_inner();
+    let gpus = c
+        .list_gpus(pb::ListGpusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
     if gpus.source != "config" {
-        eprintln!("skipped: GPUs come from {} here, not the config", gpus.source);
+        eprintln!(
+            "skipped: GPUs come from {} here, not the config",
+            gpus.source
+        );
         return;
     }
-    let a_pid = wait_state(&mut c, "a", pb::ModelState::Awake, LONG).await.pid;
+    let a_pid = wait_state(&mut c, "a", pb::ModelState::Awake, LONG)
+        .await
+        .pid;
 
     // Added, pinned to GPU 1, 24 GiB of 80: its engine runs on GPU 1 with
     // --gpu-memory-utilization 0.3 (placement's answer, not GPU 0 and not
@@ -95,11 +104,17 @@ async fn reload_places_added_models_keeps_engines_on_settings_changes_and_refuse
     let b = gpu_model("b", "gpus = 1\ngpu_ids = [1]\ngpu_memory = \"24GiB\"");
     write_config(&ctl, &gpu_config(&format!("{a}{b}")));
     let r = c.reload(pb::ReloadRequest {}).await.unwrap().into_inner();
-    assert_eq!((r.added, r.unchanged), (vec!["b".to_string()], vec!["a".to_string()]));
+    assert_eq!(
+        (r.added, r.unchanged),
+        (vec!["b".to_string()], vec!["a".to_string()])
+    );
     let s = wait_state(&mut c, "b", pb::ModelState::Awake, LONG).await;
     assert_eq!(s.gpus, vec![1]);
     let env = proc_list(s.pid, "environ");
-    assert!(env.contains(&"CUDA_VISIBLE_DEVICES=1".to_string()), "{env:?}");
+    assert!(
+        env.contains(&"CUDA_VISIBLE_DEVICES=1".to_string()),
+        "{env:?}"
+    );
     let argv = proc_list(s.pid, "cmdline");
     let at = argv
         .iter()
@@ -112,7 +127,10 @@ async fn reload_places_added_models_keeps_engines_on_settings_changes_and_refuse
         .unwrap()
         .into_inner();
     let pb_ = p.models.iter().find(|m| m.model == "b").expect("b placed");
-    assert_eq!((pb_.gpus.clone(), pb_.gpu_memory_utilization), (vec![1], 0.3));
+    assert_eq!(
+        (pb_.gpus.clone(), pb_.gpu_memory_utilization),
+        (vec![1], 0.3)
+    );
     assert_eq!(status(&mut c, "a").await.pid, a_pid, "a disturbed");
 
     // Only idle tiers (a) and aliases (b) change: both keep their engines.
@@ -126,13 +144,22 @@ async fn reload_places_added_models_keeps_engines_on_settings_changes_and_refuse
     changed.sort();
     assert_eq!(changed, ["a", "b"], "{r:?}");
     let bee = wait_status(&mut c, "bee", "alias bee resolves", LONG, |s| s.name == "b").await;
-    assert_eq!((bee.pid, bee.aliases.clone()), (before[1], vec!["bee".to_string()]));
+    assert_eq!(
+        (bee.pid, bee.aliases.clone()),
+        (before[1], vec!["bee".to_string()])
+    );
     let s = wait_status(&mut c, "a", "a's new tier", LONG, |s| {
-        s.next_tier.as_ref().is_some_and(|t| t.after_ms == 3_600_000)
+        s.next_tier
+            .as_ref()
+            .is_some_and(|t| t.after_ms == 3_600_000)
     })
     .await;
     assert_eq!(state(&s), pb::ModelState::Awake);
-    assert_eq!(pids(&mut c, &["a", "b"]).await, before, "an engine was restarted");
+    assert_eq!(
+        pids(&mut c, &["a", "b"]).await,
+        before,
+        "an engine was restarted"
+    );
 
     // Reloads that fail change nothing, and say which file and key.
     let file = ctl.config_path.display().to_string();
@@ -142,7 +169,10 @@ async fn reload_places_added_models_keeps_engines_on_settings_changes_and_refuse
             format!("{file}: model[0].colour"),
         ),
         (
-            format!("{a2}{b2}{}", gpu_model("huge", "gpus = 1\ngpu_memory = \"100GiB\"")),
+            format!(
+                "{a2}{b2}{}",
+                gpu_model("huge", "gpus = 1\ngpu_memory = \"100GiB\"")
+            ),
             format!(
                 "{file}: model[2].gpu_memory: model \"huge\": needs 1 × 100.0 GiB but GPU 0 has 80.0 GiB"
             ),
@@ -152,7 +182,11 @@ async fn reload_places_added_models_keeps_engines_on_settings_changes_and_refuse
         write_config(&ctl, &gpu_config(models));
         let e = c.reload(pb::ReloadRequest {}).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
-        assert!(e.message().contains(want.as_str()), "{want}\nnot in: {}", e.message());
+        assert!(
+            e.message().contains(want.as_str()),
+            "{want}\nnot in: {}",
+            e.message()
+        );
         // The same refusal by SIGHUP, in the daemon's log.
         ctl.child.signal(Signal::SIGHUP);
         ctl.child.output().wait_for(want, DEADLINE).await;

@@ -3,6 +3,7 @@
 //! on `DiagP2p`, and what a new verdict changes in placement.
 
 use super::GpuView;
+use crate::gpu::Inventory;
 use crate::gpu::convert::p2p_to_proto;
 use crate::gpu::p2p::persist::{self, SavedProbe};
 use crate::gpu::p2p::{
@@ -10,7 +11,6 @@ use crate::gpu::p2p::{
 };
 use crate::placement::{Machine, refresh_p2p};
 use siesta_proto::v1 as pb;
-use crate::gpu::Inventory;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

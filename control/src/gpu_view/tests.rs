@@ -288,7 +288,10 @@ fn apply_replaces_placements_and_residuals() {
     view.apply(&new, planned);
     let p = view.placed_one("new").expect("the added model is placed");
     assert_eq!((p.gpus, p.gpu_memory_utilization), (vec![2], 0.3));
-    assert!(view.placed_one("tp12").is_none(), "removed from the placement");
+    assert!(
+        view.placed_one("tp12").is_none(),
+        "removed from the placement"
+    );
     assert_eq!(view.residual_of("new").bytes, default_residual(1));
     assert_ne!(default_residual(1), view.policy.residual_bytes);
 }

@@ -42,7 +42,10 @@ fn precheck(m: &ModelNeeds, machine: &Machine) -> Result<Vec<u32>, (&'static str
     if let MemoryNeed::Fraction(f) = m.memory
         && !(f > 0.0 && f <= 1.0)
     {
-        return Err(("gpu_memory", format!("gpu_memory {f} is not a fraction in (0, 1]")));
+        return Err((
+            "gpu_memory",
+            format!("gpu_memory {f} is not a fraction in (0, 1]"),
+        ));
     }
     let all: Vec<u32> = machine.gpus.iter().map(|g| g.index).collect();
     if all.is_empty() {

@@ -65,12 +65,10 @@ pub fn place_config(
         let kept: Vec<ModelNeeds> = needs
             .iter()
             .map(|n| match keep.get(&n.name) {
-                Some(g) if n.pinned_gpus.is_empty() && g.len() == n.gpus as usize => {
-                    ModelNeeds {
-                        pinned_gpus: g.clone(),
-                        ..n.clone()
-                    }
-                }
+                Some(g) if n.pinned_gpus.is_empty() && g.len() == n.gpus as usize => ModelNeeds {
+                    pinned_gpus: g.clone(),
+                    ..n.clone()
+                },
                 _ => n.clone(),
             })
             .collect();

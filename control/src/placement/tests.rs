@@ -67,11 +67,13 @@ fn seeds_box_text_on_0_1_with_p2p_off_ocr_and_embed_share_gpu_2() {
             ]
         );
         assert!(
-            text.placed().engine_env()
+            text.placed()
+                .engine_env()
                 .contains(&("NCCL_P2P_DISABLE".into(), "1".into()))
         );
         assert!(
-            text.placed().engine_env()
+            text.placed()
+                .engine_env()
                 .contains(&("CUDA_VISIBLE_DEVICES".into(), "0,1".into()))
         );
         assert!(
@@ -129,12 +131,14 @@ fn prefers_a_set_whose_pairs_are_all_ok() {
     assert!(p[0].reason.contains("P2P ok on every pair"));
     assert!(
         !p[0]
-            .placed().engine_args()
+            .placed()
+            .engine_args()
             .contains(&"--disable-custom-all-reduce".to_string())
     );
     assert!(
         !p[0]
-            .placed().engine_env()
+            .placed()
+            .engine_env()
             .iter()
             .any(|(k, _)| k == "NCCL_P2P_DISABLE")
     );
@@ -253,7 +257,8 @@ fn a_new_probe_flips_p2p_without_moving_anyone() {
     let text = by_name(&p, "text");
     assert!(text.p2p_disabled);
     assert!(
-        text.placed().engine_args()
+        text.placed()
+            .engine_args()
             .contains(&"--disable-custom-all-reduce".to_string())
     );
     assert!(text.reason.contains("is corrupt"), "{}", text.reason);
