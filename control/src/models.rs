@@ -360,12 +360,14 @@ impl Models {
             a.map(|p| (&p.gpus, p.gpu_memory_utilization))
                 != b.map(|p| (&p.gpus, p.gpu_memory_utilization))
         };
-        let mut s = ReloadSummary::default();
-        s.removed = current
-            .keys()
-            .filter(|n| !config.models.iter().any(|m| &m.name == *n))
-            .cloned()
-            .collect();
+        let mut s = ReloadSummary {
+            removed: current
+                .keys()
+                .filter(|n| !config.models.iter().any(|m| &m.name == *n))
+                .cloned()
+                .collect(),
+            ..ReloadSummary::default()
+        };
         for m in &config.models {
             let list = match current.get(&m.name) {
                 None => &mut s.added,
