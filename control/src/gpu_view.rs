@@ -4,7 +4,6 @@
 //! GetPlacement, DiagP2p and the Watch stream.
 
 use crate::config::{Config, ConfigError, P2pProbeConfig};
-use crate::gpu::convert::{gpu_to_proto, p2p_to_proto};
 use crate::gpu::p2p::P2pMatrix;
 use crate::gpu::{GpuSource, GpuSpec, Inventory, InventorySource};
 use crate::placement::default_residual;
@@ -14,15 +13,17 @@ use crate::placement::{
 };
 use crate::status::Residual;
 use crate::status::{ModelStatus, State};
-use siesta_proto::v1 as pb;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 mod p2p;
+mod report;
 #[cfg(test)]
 mod tests;
+
+pub use report::{GpuList, ModelPlacement, P2pDiag, PlacementReport};
 
 #[derive(Debug)]
 struct ViewState {
@@ -367,34 +368,31 @@ impl GpuView {
         }
     }
 
-    pub fn list_gpus(&self, models: &[ModelStatus]) -> pb::ListGpusResponse {
+    pub fn list_gpus(&self, models: &[ModelStatus]) -> GpuList {
         self.refresh_inventory();
         let st = self.state.lock().unwrap();
-        let owners: BTreeMap<u32, String> = models
+        let engines: BTreeMap<u32, String> = models
             .iter()
             .filter(|m| m.pid > 0)
             .map(|m| (m.pid, m.name.clone()))
             .collect();
-        let model_of = |pid: u32| {
-            owners
-                .get(&pid)
-                .or_else(|| pgid_of(pid).and_then(|g| owners.get(&g)))
-                .cloned()
-        };
-        pb::ListGpusResponse {
-            gpus: st
-                .inventory
-                .gpus
-                .iter()
-                .map(|g| gpu_to_proto(g, model_of))
-                .collect(),
-            source: match st.inventory.source {
-                InventorySource::Nvml => "nvml",
-                InventorySource::Config => "config",
-                InventorySource::None => "none",
-            }
-            .into(),
-            p2p: st.p2p.results().map(p2p_to_proto).collect(),
+        let owners = st
+            .inventory
+            .gpus
+            .iter()
+            .flat_map(|g| &g.processes)
+            .filter_map(|p| {
+                engines
+                    .get(&p.pid)
+                    .or_else(|| pgid_of(p.pid).and_then(|g| engines.get(&g)))
+                    .map(|m| (p.pid, m.clone()))
+            })
+            .collect();
+        GpuList {
+            gpus: st.inventory.gpus.clone(),
+            owners,
+            source: st.inventory.source,
+            p2p: st.p2p.results().cloned().collect(),
             p2p_probed_unix_ms: st.p2p_probed_unix_ms,
         }
     }
@@ -429,25 +427,27 @@ impl GpuView {
         )
     }
 
-    pub fn placement(&self, models: &[ModelStatus]) -> pb::GetPlacementResponse {
+    pub fn placement(&self, models: &[ModelStatus]) -> PlacementReport {
         let st = self.state.lock().unwrap();
         let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
         let runtime = runtime(models);
-        let mut placements: Vec<pb::ModelPlacement> = st
+        let mut placements: Vec<ModelPlacement> = st
             .placements
             .iter()
-            .map(|p| {
-                let r = self.residual_of(&p.model);
-                pb::ModelPlacement {
-                    asleep_residual_bytes: r.bytes,
-                    asleep_residual_measured: r.measured,
-                    ..p.to_proto()
-                }
+            .map(|p| ModelPlacement {
+                model: p.model.clone(),
+                gpus: p.gpus.clone(),
+                awake_bytes_per_gpu: p.awake_bytes.iter().copied().max().unwrap_or(0),
+                gpu_memory_utilization: p.gpu_memory_utilization,
+                p2p_disabled: p.p2p_disabled,
+                reason: p.reason.clone(),
+                exclusive: p.exclusive,
+                asleep_residual: self.residual_of(&p.model),
             })
             .collect();
         if let Some(note) = &st.placement_note {
             for m in models {
-                placements.push(pb::ModelPlacement {
+                placements.push(ModelPlacement {
                     model: m.name.clone(),
                     gpus: m.gpus.clone(),
                     reason: note.clone(),
@@ -455,12 +455,9 @@ impl GpuView {
                 });
             }
         }
-        pb::GetPlacementResponse {
+        PlacementReport {
             models: placements,
-            gpus: budgets(&machine, &st.placements, &runtime, &self.run_policy())
-                .iter()
-                .map(|b| b.to_proto())
-                .collect(),
+            gpus: budgets(&machine, &st.placements, &runtime, &self.run_policy()),
         }
     }
 }

@@ -29,8 +29,6 @@ pub use placed::{Placed, default_placement};
 
 use std::collections::BTreeMap;
 
-use siesta_proto::v1 as pb;
-
 use crate::gpu::p2p::P2pMatrix;
 use crate::gpu::{Inventory, LinkKind};
 
@@ -201,19 +199,6 @@ impl Placement {
             .iter()
             .position(|&g| g == gpu)
             .map_or(0, |i| self.awake_bytes[i])
-    }
-
-    pub fn to_proto(&self) -> pb::ModelPlacement {
-        pb::ModelPlacement {
-            model: self.model.clone(),
-            gpus: self.gpus.clone(),
-            awake_bytes_per_gpu: self.awake_bytes.iter().copied().max().unwrap_or(0),
-            gpu_memory_utilization: self.gpu_memory_utilization,
-            p2p_disabled: self.p2p_disabled,
-            reason: self.reason.clone(),
-            exclusive: self.exclusive,
-            ..Default::default()
-        }
     }
 }
 

@@ -2,15 +2,13 @@
 //! loaded at start, the probe at start (`[control] p2p_probe = "start"`) and
 //! on `DiagP2p`, and what a new verdict changes in placement.
 
-use super::GpuView;
+use super::{GpuView, P2pDiag};
 use crate::gpu::Inventory;
-use crate::gpu::convert::p2p_to_proto;
 use crate::gpu::p2p::persist::{self, SavedProbe};
 use crate::gpu::p2p::{
     P2pMatrix, P2pResult, ProbeError, ProbeOptions, default_probe_bin, run_probe,
 };
 use crate::placement::{Machine, refresh_p2p};
-use siesta_proto::v1 as pb;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -175,24 +173,19 @@ impl GpuView {
 
     /// `DiagP2p`: probe now (0 bytes or deadline: the configured ones), keep
     /// and save the results, and re-decide every model's P2P switches.
-    pub async fn diag_p2p(
-        &self,
-        bytes: u64,
-        timeout: Duration,
-        now_ms: i64,
-    ) -> pb::DiagP2pResponse {
+    pub async fn diag_p2p(&self, bytes: u64, timeout: Duration, now_ms: i64) -> P2pDiag {
         match self.probe(bytes, timeout).await {
             Ok(results) => {
                 self.keep(&results, now_ms, false);
-                pb::DiagP2pResponse {
-                    results: results.iter().map(p2p_to_proto).collect(),
+                P2pDiag {
+                    results,
                     probed_unix_ms: now_ms,
                     message: String::new(),
                 }
             }
             Err(message) => {
                 tracing::warn!(%message, "DiagP2p: probe did not run");
-                pb::DiagP2pResponse {
+                P2pDiag {
                     message,
                     ..Default::default()
                 }

@@ -101,7 +101,9 @@ fn saved_results_decide_p2p_at_start() {
     assert!(placed["tp01"].p2p_disabled, "0→1 is corrupt");
     assert!(!placed["tp12"].p2p_disabled, "1↔2 is ok");
     let gpus = view.list_gpus(&[]);
-    assert_eq!(gpus.source, "config");
+    assert_eq!(gpus.source, InventorySource::Config);
+    let wire = crate::api::convert::gpu_list(&gpus);
+    assert_eq!((wire.source.as_str(), wire.p2p.len()), ("config", 6));
     assert_eq!(gpus.p2p.len(), 6);
     assert_eq!(gpus.p2p_probed_unix_ms, 1234);
     assert_eq!(
@@ -109,8 +111,17 @@ fn saved_results_decide_p2p_at_start() {
         Some(vec![0, 1]),
         "placed_one agrees with placed"
     );
-    let p = view.placement(&[]);
+    let p = crate::api::convert::placement(&view.placement(&[]));
     let tp01 = p.models.iter().find(|m| m.model == "tp01").unwrap();
+    assert_eq!(
+        (tp01.gpus.clone(), tp01.gpu_memory_utilization),
+        (vec![0, 1], 0.4)
+    );
+    assert_eq!(
+        tp01.awake_bytes_per_gpu,
+        ((80u64 << 30) as f64 * 0.4) as u64
+    );
+    assert_eq!(tp01.asleep_residual_bytes, default_residual(2));
     assert!(
         tp01.reason.contains("GPU 0→1 is corrupt"),
         "{}",
