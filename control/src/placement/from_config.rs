@@ -72,8 +72,17 @@ pub fn place_config(
                 _ => n.clone(),
             })
             .collect();
-        if let Ok(p) = place(machine, &kept, &policy) {
-            return Ok(Planned::Placed(p));
+        if let Ok(mut placed) = place(machine, &kept, &policy) {
+            for p in &mut placed {
+                let was_free = needs
+                    .iter()
+                    .any(|n| n.name == p.model && n.pinned_gpus.is_empty());
+                if was_free {
+                    let pinned = format!("(pinned to {})", super::list(&p.gpus));
+                    p.reason = p.reason.replacen(&pinned, "(kept where it runs)", 1);
+                }
+            }
+            return Ok(Planned::Placed(placed));
         }
     }
     place(machine, &needs, &policy)

@@ -74,7 +74,9 @@ fn a_reload_keeps_running_models_on_their_gpus_when_everything_fits() {
         Planned::Placed(p) => p,
         other => panic!("{other:?}"),
     };
-    assert_eq!(kept.iter().find(|p| p.model == "a").unwrap().gpus, other);
+    let a = kept.iter().find(|p| p.model == "a").unwrap();
+    assert_eq!(a.gpus, other);
+    assert!(a.reason.contains("(kept where it runs)"), "{}", a.reason);
     // Where keeping does not fit, it is placed afresh rather than refused.
     let big = Config::parse(
         &format!(
