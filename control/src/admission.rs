@@ -142,6 +142,11 @@ impl Admission {
         }
     }
 
+    /// The GPU view admission plans over (None: [`Self::open`]).
+    pub fn gpus(&self) -> Option<&Arc<GpuView>> {
+        self.gpus.as_ref()
+    }
+
     /// Where models register how to put them to sleep.
     pub fn registry(&self) -> &Registry {
         &self.registry

@@ -85,6 +85,7 @@ impl pb::control_server::Control for ControlService {
             .models
             .into_iter()
             .find(|p| p.model == status.name)
+            .map(|p| convert::model_placement(&p))
             .unwrap_or_else(|| pb::ModelPlacement {
                 model: status.name.clone(),
                 gpus: status.gpus.clone(),
@@ -105,14 +106,16 @@ impl pb::control_server::Control for ControlService {
         &self,
         _: Request<pb::ListGpusRequest>,
     ) -> Result<Response<pb::ListGpusResponse>, Status> {
-        Ok(Response::new(self.gpus.list_gpus(&self.models.list())))
+        let list = self.gpus.list_gpus(&self.models.list());
+        Ok(Response::new(convert::gpu_list(&list)))
     }
 
     async fn get_placement(
         &self,
         _: Request<pb::GetPlacementRequest>,
     ) -> Result<Response<pb::GetPlacementResponse>, Status> {
-        Ok(Response::new(self.gpus.placement(&self.models.list())))
+        let report = self.gpus.placement(&self.models.list());
+        Ok(Response::new(convert::placement(&report)))
     }
 
     async fn wake(
@@ -302,7 +305,7 @@ impl pb::control_server::Control for ControlService {
             self.hub.set_gpus(self.gpus.list_gpus(&models));
             self.hub.set_placement(self.gpus.placement(&models));
         }
-        Ok(Response::new(resp))
+        Ok(Response::new(convert::p2p_diag(&resp)))
     }
 
     async fn reload(
@@ -319,7 +322,8 @@ impl pb::control_server::Control for ControlService {
         Ok(Response::new(pb::ReloadResponse {
             added: s.added,
             removed: s.removed,
-            changed: s.changed,
+            // Reconfigured models (engine kept) changed too.
+            changed: [s.changed, s.reconfigured].concat(),
             unchanged: s.unchanged,
         }))
     }

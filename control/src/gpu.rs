@@ -8,7 +8,6 @@
 //!
 //! NVML calls block: call [`GpuSource::snapshot`] from `spawn_blocking`.
 
-pub mod convert;
 pub mod nvml;
 pub mod p2p;
 pub mod sysfs;

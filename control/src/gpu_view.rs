@@ -3,27 +3,27 @@
 //! `placement`; it converts to `siesta.v1` messages for ListGpus,
 //! GetPlacement, DiagP2p and the Watch stream.
 
-use crate::config::{Config, GpuMemory, ModelConfig, P2pProbeConfig};
-use crate::gpu::convert::{gpu_to_proto, p2p_to_proto};
+use crate::config::{Config, ConfigError, P2pProbeConfig};
 use crate::gpu::p2p::P2pMatrix;
 use crate::gpu::{GpuSource, GpuSpec, Inventory, InventorySource};
 use crate::placement::default_residual;
 use crate::placement::{
-    Machine, MemoryNeed, ModelNeeds, ModelRuntime, Placement, Policy, RunState, WakePlan, budgets,
-    place, plan_wake,
+    Machine, ModelRuntime, Placed, Placement, Planned, Policy, RunState, WakePlan, budgets,
+    place_config, plan_wake, policy_of,
 };
-use crate::runner::Placed;
 use crate::status::Residual;
 use crate::status::{ModelStatus, State};
-use siesta_proto::v1 as pb;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 mod p2p;
+mod report;
 #[cfg(test)]
 mod tests;
+
+pub use report::{GpuList, ModelPlacement, P2pDiag, PlacementReport};
 
 #[derive(Debug)]
 struct ViewState {
@@ -33,8 +33,11 @@ struct ViewState {
     p2p: P2pMatrix,
     p2p_probed_unix_ms: i64,
     placements: Vec<Placement>,
-    /// Why placement failed (models then run on their pinned or first GPUs).
-    placement_error: Option<String>,
+    /// Why models have no placement: no GPU is known (they run on their
+    /// pinned or first GPUs), or the configuration was refused.
+    placement_note: Option<String>,
+    /// The configuration can never fit: the daemon refuses to start.
+    refusal: Option<ConfigError>,
 }
 
 /// Inventory, P2P and placement.
@@ -46,7 +49,6 @@ pub struct GpuView {
     /// What each model holds per GPU while asleep: its default until an
     /// NVML measurement after a sleep replaces it.
     residuals: Mutex<BTreeMap<String, Residual>>,
-    needs: Vec<ModelNeeds>,
     /// Where `p2p.json` lives.
     state_dir: PathBuf,
     probe: P2pProbeConfig,
@@ -57,19 +59,50 @@ pub struct GpuView {
 /// How old an NVML inventory may get before `ListGpus` reads it again.
 const INVENTORY_MAX_AGE: Duration = Duration::from_secs(1);
 
-fn needs(m: &ModelConfig) -> ModelNeeds {
-    ModelNeeds {
-        name: m.name.clone(),
-        gpus: m.gpus,
-        memory: match m.gpu_memory {
-            Some(GpuMemory::Fraction(f)) => MemoryNeed::Fraction(f),
-            Some(GpuMemory::Bytes(b)) => MemoryNeed::Bytes(b),
-            // vLLM's own default --gpu-memory-utilization.
-            None => MemoryNeed::Fraction(0.9),
-        },
-        pinned_gpus: m.gpu_ids.clone(),
-        exclusive: m.exclusive,
+/// NVML when any model needs a GPU (the config's `[[gpu]]` list where NVML
+/// is absent), else only the config's list.
+fn source_for(config: &Config) -> GpuSource {
+    let specs: Vec<GpuSpec> = config
+        .gpus
+        .iter()
+        .map(|g| GpuSpec {
+            index: g.index,
+            name: g.name.clone(),
+            memory_bytes: g.memory_bytes,
+        })
+        .collect();
+    if config.models.iter().any(|m| m.gpus > 0) {
+        GpuSource::detect(&specs)
+    } else {
+        GpuSource::from_config(&specs)
     }
+}
+
+/// What a model holds per GPU asleep before any measurement.
+fn default_residual_of(config: &Config, gpus: u32) -> Residual {
+    Residual {
+        bytes: config
+            .control
+            .asleep_residual
+            .unwrap_or_else(|| default_residual(gpus)),
+        ..Residual::default()
+    }
+}
+
+/// Why models run unplaced when no GPU is known.
+const NO_INVENTORY: &str =
+    "no GPU known (no NVML, no [[gpu]] in the config): pinned or first GPUs used";
+
+/// `siesta config check`: places `config` as the daemon would at start
+/// (same inventory source, saved P2P verdicts from its state directory),
+/// starting nothing. Blocking (NVML).
+pub fn check(config: &Config) -> Result<Planned, ConfigError> {
+    let inventory = source_for(config).snapshot();
+    let p2p = p2p::saved(&config.control.state_dir, &inventory)
+        .map(|(m, _)| m)
+        .unwrap_or_default();
+    let machine = Machine::from_inventory(&inventory, p2p);
+    place_config(config, &machine, &BTreeMap::new())
 }
 
 fn run_state(s: State) -> RunState {
@@ -114,20 +147,7 @@ impl GpuView {
     /// Blocking (NVML, and the probe up to its deadline): call it from
     /// `spawn_blocking` or outside any runtime, never from async code.
     pub fn detect(config: &Config) -> GpuView {
-        let specs: Vec<GpuSpec> = config
-            .gpus
-            .iter()
-            .map(|g| GpuSpec {
-                index: g.index,
-                name: g.name.clone(),
-                memory_bytes: g.memory_bytes,
-            })
-            .collect();
-        let source = if config.models.iter().any(|m| m.gpus > 0) {
-            GpuSource::detect(&specs)
-        } else {
-            GpuSource::from_config(&specs)
-        };
+        let source = source_for(config);
         let inventory = source.snapshot();
         let view = GpuView {
             state: Mutex::new(ViewState {
@@ -136,34 +156,18 @@ impl GpuView {
                 p2p: P2pMatrix::default(),
                 p2p_probed_unix_ms: 0,
                 placements: Vec::new(),
-                placement_error: None,
+                placement_note: None,
+                refusal: None,
             }),
             source: Mutex::new(source),
-            policy: Policy {
-                residual_bytes: config
-                    .control
-                    .asleep_residual
-                    .unwrap_or(crate::placement::DEFAULT_RESIDUAL_BYTES),
-                ..Policy::default()
-            },
+            policy: policy_of(config),
             residuals: Mutex::new(
                 config
                     .models
                     .iter()
-                    .map(|m| {
-                        let bytes = config
-                            .control
-                            .asleep_residual
-                            .unwrap_or_else(|| default_residual(m.gpus));
-                        let r = Residual {
-                            bytes,
-                            ..Residual::default()
-                        };
-                        (m.name.clone(), r)
-                    })
+                    .map(|m| (m.name.clone(), default_residual_of(config, m.gpus)))
                     .collect(),
             ),
-            needs: config.models.iter().map(needs).collect(),
             state_dir: config.control.state_dir.clone(),
             probe: config.control.p2p_probe,
             probing: tokio::sync::Mutex::new(()),
@@ -172,22 +176,76 @@ impl GpuView {
         if view.probe.at_start {
             view.probe_at_start();
         }
-        view.replace_placement();
+        match view.plan(config, &BTreeMap::new()) {
+            Ok(planned) => view.apply(config, planned),
+            Err(e) => {
+                tracing::error!(error = %e, "configuration refused: a model can never fit its GPUs");
+                let mut st = view.state.lock().unwrap();
+                st.placement_note = Some(format!("refused: {e}"));
+                st.refusal = Some(e);
+            }
+        }
         view
     }
 
-    fn replace_placement(&self) {
-        let mut st = self.state.lock().unwrap();
+    /// Why the configuration given to [`Self::detect`] is refused (a model
+    /// can never be placed); the daemon then does not start.
+    pub fn refusal(&self) -> Option<ConfigError> {
+        self.state.lock().unwrap().refusal.clone()
+    }
+
+    /// Places `config` on this view's inventory and P2P verdicts, keeping
+    /// models on the GPUs in `keep` where everything still fits. Changes
+    /// nothing: see [`Self::apply`].
+    pub fn plan(
+        &self,
+        config: &Config,
+        keep: &BTreeMap<String, Vec<u32>>,
+    ) -> Result<Planned, ConfigError> {
+        let st = self.state.lock().unwrap();
         let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
-        match place(&machine, &self.needs, &self.policy) {
-            Ok(p) => {
-                st.placements = p;
-                st.placement_error = None;
+        place_config(config, &machine, keep)
+    }
+
+    /// The GPUs each placed model has now (what a reload tries to keep).
+    pub fn current_gpus(&self) -> BTreeMap<String, Vec<u32>> {
+        let st = self.state.lock().unwrap();
+        st.placements
+            .iter()
+            .map(|p| (p.model.clone(), p.gpus.clone()))
+            .collect()
+    }
+
+    /// Makes `planned` (for `config`) the placement admission and engine
+    /// starts read; models new to the view get their default asleep
+    /// residual, models gone from `config` lose theirs.
+    pub fn apply(&self, config: &Config, planned: Planned) {
+        {
+            let mut residuals = self.residuals.lock().unwrap();
+            residuals.retain(|name, _| config.models.iter().any(|m| &m.name == name));
+            for m in &config.models {
+                let r = default_residual_of(config, m.gpus);
+                let e = residuals.entry(m.name.clone()).or_insert(r);
+                if !e.measured {
+                    *e = r;
+                }
             }
-            Err(e) => {
-                tracing::error!(error = %e, "placement failed; models run on their pinned or first GPUs");
+        }
+        let mut st = self.state.lock().unwrap();
+        st.refusal = None;
+        match planned {
+            Planned::Placed(p) => {
+                st.placements = p;
+                st.placement_note = None;
+            }
+            Planned::NoInventory => {
+                if config.models.iter().any(|m| m.gpus > 0) {
+                    tracing::warn!(
+                        "no GPU known (no NVML, no [[gpu]]): placement not checked; models run on their pinned or first GPUs"
+                    );
+                }
                 st.placements = Vec::new();
-                st.placement_error = Some(e.to_string());
+                st.placement_note = Some(NO_INVENTORY.into());
             }
         }
     }
@@ -197,7 +255,7 @@ impl GpuView {
         let st = self.state.lock().unwrap();
         st.placements
             .iter()
-            .map(|p| (p.model.clone(), placed_of(p)))
+            .map(|p| (p.model.clone(), p.placed()))
             .collect()
     }
 
@@ -267,10 +325,10 @@ impl GpuView {
         self.state.lock().unwrap().placements.clone()
     }
 
-    /// Whether placement failed for this config.
+    /// Whether models have no placement (refused, or no GPU known).
     #[cfg(test)]
     pub(crate) fn placement_failed(&self) -> bool {
-        self.state.lock().unwrap().placement_error.is_some()
+        self.state.lock().unwrap().placement_note.is_some()
     }
 
     /// Where `model` runs now (None: not placed by this view, e.g. added by
@@ -281,7 +339,7 @@ impl GpuView {
         st.placements
             .iter()
             .find(|p| p.model == model)
-            .map(placed_of)
+            .map(Placement::placed)
     }
 
     /// Re-reads an NVML inventory older than [`INVENTORY_MAX_AGE`] (memory
@@ -317,34 +375,31 @@ impl GpuView {
         }
     }
 
-    pub fn list_gpus(&self, models: &[ModelStatus]) -> pb::ListGpusResponse {
+    pub fn list_gpus(&self, models: &[ModelStatus]) -> GpuList {
         self.refresh_inventory();
         let st = self.state.lock().unwrap();
-        let owners: BTreeMap<u32, String> = models
+        let engines: BTreeMap<u32, String> = models
             .iter()
             .filter(|m| m.pid > 0)
             .map(|m| (m.pid, m.name.clone()))
             .collect();
-        let model_of = |pid: u32| {
-            owners
-                .get(&pid)
-                .or_else(|| pgid_of(pid).and_then(|g| owners.get(&g)))
-                .cloned()
-        };
-        pb::ListGpusResponse {
-            gpus: st
-                .inventory
-                .gpus
-                .iter()
-                .map(|g| gpu_to_proto(g, model_of))
-                .collect(),
-            source: match st.inventory.source {
-                InventorySource::Nvml => "nvml",
-                InventorySource::Config => "config",
-                InventorySource::None => "none",
-            }
-            .into(),
-            p2p: st.p2p.results().map(p2p_to_proto).collect(),
+        let owners = st
+            .inventory
+            .gpus
+            .iter()
+            .flat_map(|g| &g.processes)
+            .filter_map(|p| {
+                engines
+                    .get(&p.pid)
+                    .or_else(|| pgid_of(p.pid).and_then(|g| engines.get(&g)))
+                    .map(|m| (p.pid, m.clone()))
+            })
+            .collect();
+        GpuList {
+            gpus: st.inventory.gpus.clone(),
+            owners,
+            source: st.inventory.source,
+            p2p: st.p2p.results().cloned().collect(),
             p2p_probed_unix_ms: st.p2p_probed_unix_ms,
         }
     }
@@ -379,38 +434,37 @@ impl GpuView {
         )
     }
 
-    pub fn placement(&self, models: &[ModelStatus]) -> pb::GetPlacementResponse {
+    pub fn placement(&self, models: &[ModelStatus]) -> PlacementReport {
         let st = self.state.lock().unwrap();
         let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
         let runtime = runtime(models);
-        let mut placements: Vec<pb::ModelPlacement> = st
+        let mut placements: Vec<ModelPlacement> = st
             .placements
             .iter()
-            .map(|p| {
-                let r = self.residual_of(&p.model);
-                pb::ModelPlacement {
-                    asleep_residual_bytes: r.bytes,
-                    asleep_residual_measured: r.measured,
-                    ..p.to_proto()
-                }
+            .map(|p| ModelPlacement {
+                model: p.model.clone(),
+                gpus: p.gpus.clone(),
+                awake_bytes_per_gpu: p.awake_bytes.iter().copied().max().unwrap_or(0),
+                gpu_memory_utilization: p.gpu_memory_utilization,
+                p2p_disabled: p.p2p_disabled,
+                reason: p.reason.clone(),
+                exclusive: p.exclusive,
+                asleep_residual: self.residual_of(&p.model),
             })
             .collect();
-        if let Some(err) = &st.placement_error {
+        if let Some(note) = &st.placement_note {
             for m in models {
-                placements.push(pb::ModelPlacement {
+                placements.push(ModelPlacement {
                     model: m.name.clone(),
                     gpus: m.gpus.clone(),
-                    reason: format!("placement failed ({err}); pinned or first GPUs used"),
+                    reason: note.clone(),
                     ..Default::default()
                 });
             }
         }
-        pb::GetPlacementResponse {
+        PlacementReport {
             models: placements,
-            gpus: budgets(&machine, &st.placements, &runtime, &self.run_policy())
-                .iter()
-                .map(|b| b.to_proto())
-                .collect(),
+            gpus: budgets(&machine, &st.placements, &runtime, &self.run_policy()),
         }
     }
 }
@@ -445,12 +499,4 @@ pub(crate) fn engine_bytes_per_gpu(
             (g.index, sum)
         })
         .collect()
-}
-
-fn placed_of(p: &Placement) -> Placed {
-    Placed {
-        gpus: p.gpus.clone(),
-        p2p_disabled: p.p2p_disabled,
-        gpu_memory_utilization: p.gpu_memory_utilization,
-    }
 }

@@ -3,8 +3,8 @@
 //! subscriber that falls behind is cut off and resynced with a snapshot, so
 //! it never blocks the publisher or other subscribers.
 
+use crate::gpu_view::{GpuList, PlacementReport};
 use crate::status::{Clock, ModelStatus};
-use siesta_proto::v1 as pb;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
@@ -15,16 +15,16 @@ pub enum Body {
     Snapshot(Snapshot),
     Model(Box<ModelStatus>),
     ModelRemoved(String),
-    Gpus(Arc<pb::ListGpusResponse>),
-    Placement(Arc<pb::GetPlacementResponse>),
+    Gpus(Arc<GpuList>),
+    Placement(Arc<PlacementReport>),
 }
 
 /// The whole picture at a revision.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
     pub models: Vec<ModelStatus>,
-    pub gpus: Option<Arc<pb::ListGpusResponse>>,
-    pub placement: Option<Arc<pb::GetPlacementResponse>>,
+    pub gpus: Option<Arc<GpuList>>,
+    pub placement: Option<Arc<PlacementReport>>,
     pub resync: bool,
 }
 
@@ -41,8 +41,8 @@ struct Inner {
     revision: u64,
     history: VecDeque<Arc<WatchItem>>,
     models: BTreeMap<String, ModelStatus>,
-    gpus: Option<Arc<pb::ListGpusResponse>>,
-    placement: Option<Arc<pb::GetPlacementResponse>>,
+    gpus: Option<Arc<GpuList>>,
+    placement: Option<Arc<PlacementReport>>,
     subscribers: Vec<mpsc::Sender<Arc<WatchItem>>>,
     closed: bool,
 }
@@ -137,7 +137,7 @@ impl Hub {
         }
     }
 
-    pub fn set_gpus(&self, gpus: pb::ListGpusResponse) {
+    pub fn set_gpus(&self, gpus: GpuList) {
         let mut inner = self.inner.lock().unwrap();
         if inner.gpus.as_deref() != Some(&gpus) {
             let gpus = Arc::new(gpus);
@@ -146,7 +146,7 @@ impl Hub {
         }
     }
 
-    pub fn set_placement(&self, placement: pb::GetPlacementResponse) {
+    pub fn set_placement(&self, placement: PlacementReport) {
         let mut inner = self.inner.lock().unwrap();
         if inner.placement.as_deref() != Some(&placement) {
             let p = Arc::new(placement);

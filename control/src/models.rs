@@ -3,9 +3,10 @@
 
 use crate::OpError;
 use crate::config::{Config, ModelConfig};
+use crate::placement::{Placed, Planned, default_placement};
 use crate::reconciler::{Command, Desired, Event, Reason};
 use crate::recovery::Adopted;
-use crate::runner::{ModelHandle, Placed, Shared, spawn_model_adopting};
+use crate::runner::{ModelHandle, Shared, spawn_model_adopting};
 use crate::status::{ModelStatus, State};
 use crate::supervisor::LogRing;
 use std::collections::BTreeMap;
@@ -28,13 +29,19 @@ pub struct Activity {
 pub struct ReloadSummary {
     pub added: Vec<String>,
     pub removed: Vec<String>,
+    /// Restarted: their engine command or placement changed.
     pub changed: Vec<String>,
+    /// Engine kept: only idle tiers, hold policy or aliases changed.
+    pub reconfigured: Vec<String>,
     pub unchanged: Vec<String>,
 }
 
 #[derive(Debug, Default)]
 struct Registry {
     models: BTreeMap<String, Arc<ModelHandle>>,
+    /// Each model's configuration now (a reload may replace the settings
+    /// that need no new engine).
+    configs: BTreeMap<String, Arc<ModelConfig>>,
     /// Name or alias → name.
     names: BTreeMap<String, String>,
 }
@@ -45,20 +52,6 @@ pub struct Models {
     shared: Arc<Shared>,
     cancel: CancellationToken,
     registry: RwLock<Registry>,
-}
-
-/// Where a model runs until placement says otherwise: its pinned GPUs, or
-/// the first `gpus` indices.
-pub fn default_placement(m: &ModelConfig) -> Placed {
-    let gpus = if !m.gpu_ids.is_empty() {
-        m.gpu_ids.clone()
-    } else {
-        (0..m.gpus).collect()
-    };
-    Placed {
-        gpus,
-        ..Placed::default()
-    }
 }
 
 impl Models {
@@ -113,6 +106,7 @@ impl Models {
         }
         reg.names.insert(cfg.name.clone(), cfg.name.clone());
         reg.models.insert(cfg.name.clone(), handle);
+        reg.configs.insert(cfg.name.clone(), Arc::new(cfg));
         Ok(())
     }
 
@@ -120,6 +114,7 @@ impl Models {
         let handle = {
             let mut reg = self.registry.write().unwrap();
             reg.names.retain(|_, n| n != name);
+            reg.configs.remove(name);
             reg.models.remove(name)
         };
         self.shared.admission.registry().remove(name);
@@ -327,51 +322,112 @@ impl Models {
         }
     }
 
-    /// Reads `path` and applies it; an invalid file changes nothing and is
-    /// refused with its errors.
+    /// Reads `path` and applies it; an invalid file, or one with a model
+    /// that can never fit its GPUs, changes nothing and is refused with its
+    /// errors (`FILE: KEY: what is wrong`).
     pub async fn reload_file(&self, path: &std::path::Path) -> Result<ReloadSummary, OpError> {
         let config = Config::load(path).map_err(|e| OpError::InvalidArgument(e.to_string()))?;
-        let s = self
-            .reload(&config)
-            .await
-            .map_err(|e| OpError::Unavailable(format!("reload: {e}")))?;
-        tracing::info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, "configuration reloaded");
+        let s = self.reload(&config).await?;
+        tracing::info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, reconfigured = ?s.reconfigured, "configuration reloaded");
         Ok(s)
     }
 
-    /// Applies a new configuration: removed models are stopped, changed
-    /// ones restarted with the new settings, added ones started.
-    pub async fn reload(&self, config: &Config) -> std::io::Result<ReloadSummary> {
-        let current: BTreeMap<String, Arc<ModelConfig>> = {
-            let reg = self.registry.read().unwrap();
-            reg.models
-                .iter()
-                .map(|(n, h)| (n.clone(), h.cfg.clone()))
-                .collect()
+    /// Applies a new configuration as one diff. It is placed first (on the
+    /// live inventory and P2P verdicts, keeping running models on their
+    /// GPUs where it fits); a refusal changes nothing. Then removed models
+    /// are stopped, models whose engine command or placement changed are
+    /// restarted on their new placement, models whose only changes are idle
+    /// tiers, hold policy or aliases keep their engine and take the new
+    /// settings, and added models start on their placement.
+    pub async fn reload(&self, config: &Config) -> Result<ReloadSummary, OpError> {
+        let current: BTreeMap<String, Arc<ModelConfig>> =
+            self.registry.read().unwrap().configs.clone();
+        let view = self.shared.admission.gpus().cloned();
+        let planned = match &view {
+            Some(v) => Some(
+                v.plan(config, &v.current_gpus())
+                    .map_err(|e| OpError::InvalidArgument(e.to_string()))?,
+            ),
+            None => None,
         };
-        let mut s = ReloadSummary::default();
-        for name in current.keys() {
-            if !config.models.iter().any(|m| &m.name == name) {
-                self.remove(name).await;
-                s.removed.push(name.clone());
+        let old_placed = view.as_ref().map(|v| v.placed()).unwrap_or_default();
+        let new_placed: BTreeMap<String, Placed> = match &planned {
+            Some(Planned::Placed(p)) => p.iter().map(|p| (p.model.clone(), p.placed())).collect(),
+            _ => BTreeMap::new(),
+        };
+        let moved = |name: &str| {
+            let (a, b) = (old_placed.get(name), new_placed.get(name));
+            a.map(|p| (&p.gpus, p.gpu_memory_utilization))
+                != b.map(|p| (&p.gpus, p.gpu_memory_utilization))
+        };
+        let mut s = ReloadSummary {
+            removed: current
+                .keys()
+                .filter(|n| !config.models.iter().any(|m| &m.name == *n))
+                .cloned()
+                .collect(),
+            ..ReloadSummary::default()
+        };
+        for m in &config.models {
+            let list = match current.get(&m.name) {
+                None => &mut s.added,
+                Some(old) if moved(&m.name) || !same_engine(old, m) => &mut s.changed,
+                Some(old) if **old == *m => &mut s.unchanged,
+                Some(_) => &mut s.reconfigured,
+            };
+            list.push(m.name.clone());
+        }
+        // The old engines leave their GPUs before the new placement counts.
+        for name in s.removed.iter().chain(&s.changed) {
+            self.remove(name).await;
+        }
+        if let (Some(v), Some(p)) = (&view, planned) {
+            v.apply(config, p);
+        }
+        let placed_of = |m: &ModelConfig| {
+            view.as_ref()
+                .and_then(|v| v.placed_one(&m.name))
+                .unwrap_or_else(|| default_placement(m))
+        };
+        for m in config.models.iter() {
+            if s.added.contains(&m.name) || s.changed.contains(&m.name) {
+                self.add(m.clone(), Some(placed_of(m)), None)
+                    .map_err(|e| OpError::Unavailable(format!("reload: {}: {e}", m.name)))?;
+            } else if s.reconfigured.contains(&m.name) {
+                self.reconfigure(m);
             }
         }
-        for m in &config.models {
-            match current.get(&m.name) {
-                Some(old) if **old == *m => s.unchanged.push(m.name.clone()),
-                Some(_) => {
-                    self.remove(&m.name).await;
-                    self.add(m.clone(), None, None)?;
-                    s.changed.push(m.name.clone());
-                }
-                None => {
-                    self.add(m.clone(), None, None)?;
-                    s.added.push(m.name.clone());
-                }
-            }
+        if let Some(v) = &view {
+            self.shared.hub.set_placement(v.placement(&self.list()));
         }
         Ok(s)
     }
+
+    /// New idle tiers, hold policy or aliases for a running model.
+    fn reconfigure(&self, m: &ModelConfig) {
+        let cfg = Arc::new(m.clone());
+        let mut reg = self.registry.write().unwrap();
+        reg.names.retain(|_, n| n != &m.name);
+        for alias in &m.aliases {
+            reg.names.insert(alias.clone(), m.name.clone());
+        }
+        reg.names.insert(m.name.clone(), m.name.clone());
+        reg.configs.insert(m.name.clone(), cfg.clone());
+        if let Some(h) = reg.models.get(&m.name) {
+            h.reconfigure(cfg);
+        }
+    }
+}
+
+/// Whether two configurations of a model run the same engine: they differ
+/// at most in idle tiers, hold policy (`max_queue`, `max_hold`) and aliases.
+fn same_engine(old: &ModelConfig, new: &ModelConfig) -> bool {
+    let mut n = new.clone();
+    n.idle.clone_from(&old.idle);
+    n.max_queue = old.max_queue;
+    n.max_hold = old.max_hold;
+    n.aliases.clone_from(&old.aliases);
+    n == *old
 }
 
 /// Awake, asked to go elsewhere, and held by requests in flight.

@@ -3,8 +3,11 @@
 //! `--gpu-memory-utilization`, P2P switches), and, at run time, which idle
 //! models to put to sleep so another can wake.
 //!
-//! Pure: no I/O, no clocks. [`place`] runs once per config (and again when
-//! the inventory or P2P matrix changes); [`plan_wake`] before every wake.
+//! Pure: no I/O, no clocks. [`place_config`] (over [`place`]) runs at daemon
+//! start, on every reload and in `siesta config check`, and refuses a
+//! configuration that can never fit; [`plan_wake`] runs before every wake.
+//! [`Placed::engine_args`] and [`Placed::engine_env`] are the only builders
+//! of the engine's GPU arguments and environment.
 //!
 //! Memory model: an awake (or starting, waking, sleeping, stopping) model
 //! takes its full share of each of its GPUs; an asleep one a residual
@@ -16,13 +19,15 @@
 mod assign;
 mod candidates;
 mod evict;
+mod from_config;
+mod placed;
 
 pub use assign::{PlacementError, PlacementErrors, place};
 pub use evict::{GpuBudget, ModelRuntime, RunState, WakePlan, budgets, plan_wake};
+pub use from_config::{Planned, needs_of, place_config, policy_of};
+pub use placed::{Placed, default_placement};
 
 use std::collections::BTreeMap;
-
-use siesta_proto::v1 as pb;
 
 use crate::gpu::p2p::P2pMatrix;
 use crate::gpu::{Inventory, LinkKind};
@@ -195,54 +200,6 @@ impl Placement {
             .position(|&g| g == gpu)
             .map_or(0, |i| self.awake_bytes[i])
     }
-
-    /// `vllm serve` arguments siesta adds (empty for a model without GPUs).
-    pub fn engine_args(&self) -> Vec<String> {
-        if self.gpus.is_empty() {
-            return Vec::new();
-        }
-        let mut args = vec![
-            "--tensor-parallel-size".to_string(),
-            self.tensor_parallel_size().to_string(),
-            "--gpu-memory-utilization".to_string(),
-            format!("{}", self.gpu_memory_utilization),
-        ];
-        if self.p2p_disabled {
-            args.push("--disable-custom-all-reduce".to_string());
-        }
-        args
-    }
-
-    /// Environment siesta sets for the engine.
-    pub fn engine_env(&self) -> Vec<(String, String)> {
-        if self.gpus.is_empty() {
-            return Vec::new();
-        }
-        let mut env = vec![
-            ("CUDA_DEVICE_ORDER".to_string(), "PCI_BUS_ID".to_string()),
-            (
-                "CUDA_VISIBLE_DEVICES".to_string(),
-                self.cuda_visible_devices(),
-            ),
-        ];
-        if self.p2p_disabled {
-            env.push(("NCCL_P2P_DISABLE".to_string(), "1".to_string()));
-        }
-        env
-    }
-
-    pub fn to_proto(&self) -> pb::ModelPlacement {
-        pb::ModelPlacement {
-            model: self.model.clone(),
-            gpus: self.gpus.clone(),
-            awake_bytes_per_gpu: self.awake_bytes.iter().copied().max().unwrap_or(0),
-            gpu_memory_utilization: self.gpu_memory_utilization,
-            p2p_disabled: self.p2p_disabled,
-            reason: self.reason.clone(),
-            exclusive: self.exclusive,
-            ..Default::default()
-        }
-    }
 }
 
 /// After a new P2P probe, re-decide `p2p_disabled` of every placement
@@ -295,6 +252,8 @@ pub(crate) fn list(gpus: &[u32]) -> String {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_config;
 #[cfg(test)]
 mod tests_evict;
 #[cfg(test)]

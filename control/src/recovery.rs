@@ -22,9 +22,9 @@
 
 use crate::config::{Config, Launch, ModelConfig};
 use crate::engine::EngineClient;
-use crate::models::default_placement;
+use crate::placement::Placed;
+use crate::placement::default_placement;
 use crate::reconciler::Observed;
-use crate::runner::Placed;
 use crate::store::{EngineRecord, Store};
 use crate::supervisor::{
     TAG_ENV, command_hash, kill_group_leftovers, procfs, signal_group, spawn_spec,

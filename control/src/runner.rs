@@ -39,14 +39,7 @@ pub struct Shared {
     pub engine_idle_timeout: Duration,
 }
 
-/// Where a model runs (placement's answer).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Placed {
-    pub gpus: Vec<u32>,
-    pub p2p_disabled: bool,
-    /// `--gpu-memory-utilization` (0: from the model's `gpu_memory` fraction, if any).
-    pub gpu_memory_utilization: f64,
-}
+pub use crate::placement::Placed;
 
 pub(crate) enum Msg {
     Event(Event, Option<oneshot::Sender<ModelStatus>>),
@@ -59,6 +52,9 @@ pub(crate) enum Msg {
         epoch: u64,
         result: Result<Option<u32>, String>,
     },
+    /// A reload changed only settings that need no new engine (idle
+    /// tiers, hold policy, aliases): take them, keep the engine.
+    Reconfigure(Arc<ModelConfig>),
     /// Stop the engine (if `stop_engine`) and end the task.
     Shutdown {
         stop_engine: bool,
@@ -83,6 +79,7 @@ impl std::fmt::Debug for Msg {
             Msg::Spawned(h) => write!(f, "Spawned({})", h.pid),
             Msg::WaitingFor(w) => write!(f, "WaitingFor({w:?})"),
             Msg::Residual(r) => write!(f, "Residual({r:?})"),
+            Msg::Reconfigure(c) => write!(f, "Reconfigure({})", c.name),
             Msg::Poll { epoch, result } => write!(f, "Poll({epoch}, {result:?})"),
             Msg::Shutdown { stop_engine, .. } => write!(f, "Shutdown({stop_engine})"),
         }
@@ -108,6 +105,12 @@ impl ModelHandle {
         if let Some(t) = task {
             let _ = t.await;
         }
+    }
+
+    /// Replaces the settings that need no new engine (idle tiers, hold
+    /// policy, aliases) with those of `cfg`.
+    pub fn reconfigure(&self, cfg: Arc<ModelConfig>) {
+        let _ = self.tx.send(Msg::Reconfigure(cfg));
     }
 
     /// Ends the task, stopping the engine first when asked.
@@ -309,6 +312,13 @@ impl Runner {
             Msg::Residual(r) => {
                 self.facts.asleep_residual = r;
                 self.publish(Instant::now());
+            }
+            Msg::Reconfigure(cfg) => {
+                tracing::info!(model = %cfg.name, "new idle tiers, hold policy or aliases; engine kept");
+                self.state.settings.tiers = cfg.idle.clone();
+                self.cfg = cfg;
+                // Re-arms the idle timer with the new tiers.
+                self.apply(Event::Tick);
             }
             Msg::Poll { epoch, result } => {
                 self.polling = false;

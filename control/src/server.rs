@@ -111,6 +111,11 @@ impl Server {
                     Error::Startup(std::io::Error::other(format!("GPU detection: {e}")))
                 })?,
         );
+        // A model that can never fit its GPUs: refuse to start, as
+        // `siesta config check` refuses the file, with the same message.
+        if let Some(refusal) = gpus.refusal() {
+            return Err(Error::Config(refusal));
+        }
         hub.set_gpus(gpus.list_gpus(&[]));
         let shared = Arc::new(Shared {
             hub: hub.clone(),

@@ -8,8 +8,8 @@ pub mod procfs;
 pub use adopt::adopt;
 pub use logs::{LogLine, LogRing};
 
-use crate::config::{GpuMemory, Launch, ModelConfig};
-use crate::runner::Placed;
+use crate::config::{Launch, ModelConfig};
+use crate::placement::Placed;
 use nix::sys::signal::{Signal as NixSignal, killpg};
 use nix::unistd::Pid;
 use std::collections::BTreeMap;
@@ -30,7 +30,6 @@ pub struct SpawnSpec {
 /// `<command...> serve MODEL --host H --port P --served-model-name NAME
 /// --enable-sleep-mode [...] <args...>` with its environment.
 pub fn spawn_spec(cfg: &ModelConfig, port: u16, placed: &Placed) -> SpawnSpec {
-    let (gpus, p2p_disabled) = (&placed.gpus, placed.p2p_disabled);
     let (command, host) = match &cfg.launch {
         Launch::Process { command, host, .. } => (command.clone(), host.clone()),
         Launch::Attach { .. } => (vec!["true".into()], "127.0.0.1".into()),
@@ -50,30 +49,11 @@ pub fn spawn_spec(cfg: &ModelConfig, port: u16, placed: &Placed) -> SpawnSpec {
         ]
         .map(String::from),
     );
-    if gpus.len() > 1 {
-        args.extend(["--tensor-parallel-size".into(), gpus.len().to_string()]);
-    }
-    let util = match cfg.gpu_memory {
-        _ if placed.gpu_memory_utilization > 0.0 => Some(placed.gpu_memory_utilization),
-        Some(GpuMemory::Fraction(f)) => Some(f),
-        _ => None,
-    };
-    if let Some(f) = util.filter(|_| !gpus.is_empty()) {
-        args.extend(["--gpu-memory-utilization".into(), format!("{f}")]);
-    }
-    if p2p_disabled {
-        args.push("--disable-custom-all-reduce".into());
-    }
+    // The GPU part comes from the placement alone (one builder).
+    args.extend(placed.engine_args());
     args.extend(cfg.args.iter().cloned());
     let mut env = vec![("VLLM_SERVER_DEV_MODE".to_string(), "1".to_string())];
-    if !gpus.is_empty() {
-        let ids: Vec<String> = gpus.iter().map(u32::to_string).collect();
-        env.push(("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()));
-        env.push(("CUDA_VISIBLE_DEVICES".into(), ids.join(",")));
-    }
-    if p2p_disabled {
-        env.push(("NCCL_P2P_DISABLE".into(), "1".into()));
-    }
+    env.extend(placed.engine_env());
     env.extend(cfg.env.iter().map(|(k, v)| (k.clone(), v.clone())));
     SpawnSpec {
         program: command[0].clone(),
@@ -356,7 +336,8 @@ impl StartLocks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Config;
+    use crate::config::{Config, GpuMemory};
+    use crate::placement::{Machine, Policy, needs_of, place};
 
     #[test]
     fn argv_matches_the_contract() {
@@ -365,6 +346,7 @@ mod tests {
         m.gpu_memory = Some(GpuMemory::Fraction(0.45));
         let placed = Placed {
             gpus: vec![2, 3],
+            gpu_memory_utilization: 0.45,
             ..Placed::default()
         };
         let spec = spawn_spec(&m, 8101, &placed);
@@ -380,6 +362,35 @@ mod tests {
         assert!(
             spec.env
                 .contains(&("VLLM_SERVER_DEV_MODE".into(), "1".into()))
+        );
+    }
+
+    /// The engine's GPU arguments and environment are the placement's,
+    /// exactly: there is no second builder to disagree with it.
+    #[test]
+    fn the_gpu_part_of_the_argv_and_env_is_the_placements() {
+        let cfg = Config::demo(vec!["/bin/siesta".into(), "fake-vllm".into()]);
+        let mut m = cfg.models[0].clone();
+        (m.gpus, m.gpu_memory) = (1, Some(GpuMemory::Bytes(20 << 30)));
+        let machine = Machine::uniform(2, 80 << 30);
+        let p = place(&machine, &[needs_of(&m)], &Policy::default()).unwrap();
+        let placed = p[0].placed();
+        assert_eq!(placed.gpu_memory_utilization, 0.25);
+        let spec = spawn_spec(&m, 8101, &placed);
+        let want = placed.engine_args();
+        assert_eq!(want, ["--gpu-memory-utilization", "0.25"]);
+        assert!(
+            spec.args.windows(want.len()).any(|w| w == want.as_slice()),
+            "{:?}",
+            spec.args
+        );
+        assert!(!spec.args.contains(&"--tensor-parallel-size".to_string()));
+        for kv in placed.engine_env() {
+            assert!(spec.env.contains(&kv), "{kv:?} missing from {:?}", spec.env);
+        }
+        assert!(
+            spec.env
+                .contains(&("CUDA_VISIBLE_DEVICES".into(), p[0].cuda_visible_devices()))
         );
     }
 

@@ -1,23 +1,37 @@
-//! `siesta config check PATH`: the daemon's own validation, nothing started.
+//! `siesta config check PATH`: the daemon's own validation and placement,
+//! nothing started. A file the daemon would refuse is refused here with the
+//! same message.
 
 use std::path::Path;
 
 use siesta_control::config::Config;
+use siesta_control::placement::Planned;
 
 use crate::failure::Failure;
 
 pub fn check(path: &Path) -> Result<(), Failure> {
-    match Config::load(path) {
-        Ok(_) => {
-            println!("{}: ok", path.display());
-            Ok(())
+    let refused = |err: &dyn std::fmt::Display| {
+        // One problem per line: `FILE: KEY: what is wrong`.
+        for line in err.to_string().lines().filter(|l| !l.trim().is_empty()) {
+            eprintln!("{line}");
         }
-        Err(err) => {
-            // One problem per line: `FILE: KEY: what is wrong`.
-            for line in err.to_string().lines().filter(|l| !l.trim().is_empty()) {
-                eprintln!("{line}");
-            }
-            Err(Failure::Reported)
+        Failure::Reported
+    };
+    let config = Config::load(path).map_err(|e| refused(&e))?;
+    // The same inventory as the daemon (NVML, else `[[gpu]]`) and the same
+    // placement function: what cannot fit is refused with its arithmetic.
+    match siesta_control::gpu_view::check(&config).map_err(|e| refused(&e))? {
+        Planned::Placed(p) => {
+            let on_gpus = p.iter().filter(|p| !p.gpus.is_empty()).count();
+            println!(
+                "{}: ok ({on_gpus} model(s) placed on the GPUs)",
+                path.display()
+            );
         }
+        Planned::NoInventory => println!(
+            "{}: ok (no GPU known here, no NVML and no [[gpu]]: placement not checked)",
+            path.display()
+        ),
     }
+    Ok(())
 }

@@ -9,6 +9,11 @@ use crate::status::{ModelStatus, State};
 use crate::supervisor::LogLine;
 use siesta_proto::v1 as pb;
 
+mod gpu;
+pub use gpu::{
+    gpu_budget, gpu_list, gpu_to_proto, model_placement, p2p_diag, p2p_to_proto, placement,
+};
+
 impl From<OpError> for tonic::Status {
     fn from(e: OpError) -> Self {
         let msg = e.to_string();
@@ -133,14 +138,14 @@ pub fn watch_event(item: &WatchItem, control_id: &str) -> pb::WatchEvent {
     let kind = match &item.body {
         Body::Snapshot(s) => Kind::Snapshot(pb::Snapshot {
             models: s.models.iter().map(model_status).collect(),
-            gpus: s.gpus.as_deref().cloned(),
-            placement: s.placement.as_deref().cloned(),
+            gpus: s.gpus.as_deref().map(gpu_list),
+            placement: s.placement.as_deref().map(placement),
             resync: s.resync,
         }),
         Body::Model(m) => Kind::Model(model_status(m)),
         Body::ModelRemoved(name) => Kind::ModelRemoved(name.clone()),
-        Body::Gpus(g) => Kind::Gpus((**g).clone()),
-        Body::Placement(p) => Kind::Placement((**p).clone()),
+        Body::Gpus(g) => Kind::Gpus(gpu_list(g)),
+        Body::Placement(p) => Kind::Placement(placement(p)),
     };
     pb::WatchEvent {
         revision: item.revision,

@@ -2,14 +2,14 @@
 //! loaded at start, the probe at start (`[control] p2p_probe = "start"`) and
 //! on `DiagP2p`, and what a new verdict changes in placement.
 
-use super::GpuView;
-use crate::gpu::convert::p2p_to_proto;
+use super::{GpuView, P2pDiag};
+use crate::gpu::Inventory;
 use crate::gpu::p2p::persist::{self, SavedProbe};
 use crate::gpu::p2p::{
     P2pMatrix, P2pResult, ProbeError, ProbeOptions, default_probe_bin, run_probe,
 };
 use crate::placement::{Machine, refresh_p2p};
-use siesta_proto::v1 as pb;
+use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// What a probe that could not run says, for logs and `DiagP2pResponse.message`.
@@ -17,6 +17,30 @@ fn unavailable(e: &ProbeError) -> String {
     match e {
         ProbeError::Unavailable(detail) => format!("no CUDA driver: P2P not probed ({detail})"),
         other => format!("P2P not probed: {other}"),
+    }
+}
+
+/// The P2P verdicts saved in `state_dir` for the GPUs of `inventory`
+/// (None: none saved, unreadable, or for other GPUs), and when probed.
+pub(super) fn saved(state_dir: &Path, inventory: &Inventory) -> Option<(P2pMatrix, i64)> {
+    let path = persist::path_in(state_dir);
+    match persist::load(&path) {
+        Ok(None) => None,
+        Ok(Some(saved)) => {
+            let mut gpus: Vec<_> = inventory.gpus.iter().collect();
+            gpus.sort_by_key(|g| g.index);
+            let uuids: Vec<String> = gpus.iter().map(|g| g.uuid.clone()).collect();
+            if let Some(why) = saved.mismatch(&uuids) {
+                tracing::warn!(path = %path.display(), %why, "saved P2P results are for other GPUs; ignored");
+                return None;
+            }
+            tracing::info!(path = %path.display(), pairs = saved.results.len(), probed_unix_ms = saved.probed_unix_ms, "loaded saved P2P results");
+            Some((P2pMatrix::new(saved.results), saved.probed_unix_ms))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read saved P2P results; ignored");
+            None
+        }
     }
 }
 
@@ -41,20 +65,11 @@ impl GpuView {
 
     /// Loads `STATE_DIR/p2p.json` if it exists and is for these GPUs.
     pub(super) fn load_p2p(&self) {
-        let path = persist::path_in(&self.state_dir);
-        match persist::load(&path) {
-            Ok(None) => {}
-            Ok(Some(saved)) => {
-                if let Some(why) = saved.mismatch(&self.gpu_uuids()) {
-                    tracing::warn!(path = %path.display(), %why, "saved P2P results are for other GPUs; ignored");
-                    return;
-                }
-                tracing::info!(path = %path.display(), pairs = saved.results.len(), probed_unix_ms = saved.probed_unix_ms, "loaded saved P2P results");
-                let mut st = self.state.lock().unwrap();
-                st.p2p = P2pMatrix::new(saved.results);
-                st.p2p_probed_unix_ms = saved.probed_unix_ms;
-            }
-            Err(e) => tracing::warn!(error = %e, "cannot read saved P2P results; ignored"),
+        let inventory = self.state.lock().unwrap().inventory.clone();
+        if let Some((matrix, probed_unix_ms)) = saved(&self.state_dir, &inventory) {
+            let mut st = self.state.lock().unwrap();
+            st.p2p = matrix;
+            st.p2p_probed_unix_ms = probed_unix_ms;
         }
     }
 
@@ -158,24 +173,19 @@ impl GpuView {
 
     /// `DiagP2p`: probe now (0 bytes or deadline: the configured ones), keep
     /// and save the results, and re-decide every model's P2P switches.
-    pub async fn diag_p2p(
-        &self,
-        bytes: u64,
-        timeout: Duration,
-        now_ms: i64,
-    ) -> pb::DiagP2pResponse {
+    pub async fn diag_p2p(&self, bytes: u64, timeout: Duration, now_ms: i64) -> P2pDiag {
         match self.probe(bytes, timeout).await {
             Ok(results) => {
                 self.keep(&results, now_ms, false);
-                pb::DiagP2pResponse {
-                    results: results.iter().map(p2p_to_proto).collect(),
+                P2pDiag {
+                    results,
                     probed_unix_ms: now_ms,
                     message: String::new(),
                 }
             }
             Err(message) => {
                 tracing::warn!(%message, "DiagP2p: probe did not run");
-                pb::DiagP2pResponse {
+                P2pDiag {
                     message,
                     ..Default::default()
                 }

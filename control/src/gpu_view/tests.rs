@@ -101,7 +101,9 @@ fn saved_results_decide_p2p_at_start() {
     assert!(placed["tp01"].p2p_disabled, "0→1 is corrupt");
     assert!(!placed["tp12"].p2p_disabled, "1↔2 is ok");
     let gpus = view.list_gpus(&[]);
-    assert_eq!(gpus.source, "config");
+    assert_eq!(gpus.source, InventorySource::Config);
+    let wire = crate::api::convert::gpu_list(&gpus);
+    assert_eq!((wire.source.as_str(), wire.p2p.len()), ("config", 6));
     assert_eq!(gpus.p2p.len(), 6);
     assert_eq!(gpus.p2p_probed_unix_ms, 1234);
     assert_eq!(
@@ -109,8 +111,17 @@ fn saved_results_decide_p2p_at_start() {
         Some(vec![0, 1]),
         "placed_one agrees with placed"
     );
-    let p = view.placement(&[]);
+    let p = crate::api::convert::placement(&view.placement(&[]));
     let tp01 = p.models.iter().find(|m| m.model == "tp01").unwrap();
+    assert_eq!(
+        (tp01.gpus.clone(), tp01.gpu_memory_utilization),
+        (vec![0, 1], 0.4)
+    );
+    assert_eq!(
+        tp01.awake_bytes_per_gpu,
+        ((80u64 << 30) as f64 * 0.4) as u64
+    );
+    assert_eq!(tp01.asleep_residual_bytes, default_residual(2));
     assert!(
         tp01.reason.contains("GPU 0→1 is corrupt"),
         "{}",
@@ -277,4 +288,35 @@ fn an_engine_that_keeps_half_its_memory_asleep_does_not_really_sleep() {
     assert!(not.warning().contains("39.0 GiB"), "{}", not.warning());
     // No placement share known: never claimed ineffective.
     assert!(!residual_from(39 << 30, 0).ineffective);
+}
+
+/// A reload's placement replaces the view's: an added model is placed on
+/// its pinned GPU with its fraction and gets its own asleep residual; a
+/// removed one leaves the placement.
+#[test]
+fn apply_replaces_placements_and_residuals() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = config(dir.path(), "p2p_probe = \"off\"");
+    let view = GpuView::detect(&old);
+    if view.placement_failed() {
+        eprintln!("skipped: the inventory is not the config's here");
+        return;
+    }
+    assert!(view.placed_one("new").is_none());
+    let mut new = old.clone();
+    new.models.remove(1);
+    let mut added = new.models[0].clone();
+    (added.name, added.gpus, added.gpu_ids) = ("new".into(), 1, vec![2]);
+    added.gpu_memory = Some(crate::config::GpuMemory::Fraction(0.3));
+    new.models.push(added);
+    let planned = view.plan(&new, &view.current_gpus()).unwrap();
+    view.apply(&new, planned);
+    let p = view.placed_one("new").expect("the added model is placed");
+    assert_eq!((p.gpus, p.gpu_memory_utilization), (vec![2], 0.3));
+    assert!(
+        view.placed_one("tp12").is_none(),
+        "removed from the placement"
+    );
+    assert_eq!(view.residual_of("new").bytes, default_residual(1));
+    assert_ne!(default_residual(1), view.policy.residual_bytes);
 }

@@ -19,6 +19,8 @@ type Score = (u8, Option<LinkKind>, usize, u64);
 #[error("model \"{model}\": {message}")]
 pub struct PlacementError {
     pub model: String,
+    /// The `[[model]]` key at fault: `gpus`, `gpu_ids` or `gpu_memory`.
+    pub key: &'static str,
     pub message: String,
 }
 
@@ -36,26 +38,32 @@ impl fmt::Display for PlacementErrors {
 impl std::error::Error for PlacementErrors {}
 
 /// Which GPUs a model may use, or why it can never be placed.
-fn precheck(m: &ModelNeeds, machine: &Machine) -> Result<Vec<u32>, String> {
+fn precheck(m: &ModelNeeds, machine: &Machine) -> Result<Vec<u32>, (&'static str, String)> {
     if let MemoryNeed::Fraction(f) = m.memory
         && !(f > 0.0 && f <= 1.0)
     {
-        return Err(format!("gpu_memory {f} is not a fraction in (0, 1]"));
+        return Err((
+            "gpu_memory",
+            format!("gpu_memory {f} is not a fraction in (0, 1]"),
+        ));
     }
     let all: Vec<u32> = machine.gpus.iter().map(|g| g.index).collect();
     if all.is_empty() {
-        return Err(format!(
-            "needs {} GPU(s) but no GPUs are known (no NVML, and no [[gpu]] in the config)",
-            m.gpus
+        return Err((
+            "gpus",
+            format!(
+                "needs {} GPU(s) but no GPUs are known (no NVML, and no [[gpu]] in the config)",
+                m.gpus
+            ),
         ));
     }
     let allowed = if m.pinned_gpus.is_empty() {
         all.clone()
     } else {
         if let Some(g) = m.pinned_gpus.iter().find(|g| !all.contains(g)) {
-            return Err(format!(
-                "pinned GPU {g} does not exist (GPUs: {})",
-                list(&all)
+            return Err((
+                "gpu_ids",
+                format!("pinned GPU {g} does not exist (GPUs: {})", list(&all)),
             ));
         }
         let mut p = m.pinned_gpus.clone();
@@ -64,16 +72,19 @@ fn precheck(m: &ModelNeeds, machine: &Machine) -> Result<Vec<u32>, String> {
         p
     };
     if (m.gpus as usize) > allowed.len() {
-        let what = if m.pinned_gpus.is_empty() {
-            "the box has"
+        let (key, what) = if m.pinned_gpus.is_empty() {
+            ("gpus", "the box has")
         } else {
-            "it is pinned to"
+            ("gpu_ids", "it is pinned to")
         };
-        return Err(format!(
-            "needs {} GPUs but {what} {} ({})",
-            m.gpus,
-            allowed.len(),
-            list(&allowed)
+        return Err((
+            key,
+            format!(
+                "needs {} GPUs but {what} {} ({})",
+                m.gpus,
+                allowed.len(),
+                list(&allowed)
+            ),
         ));
     }
     if let MemoryNeed::Bytes(b) = m.memory {
@@ -93,12 +104,15 @@ fn precheck(m: &ModelNeeds, machine: &Machine) -> Result<Vec<u32>, String> {
                     index: 0,
                     total_bytes: 0,
                 });
-            return Err(format!(
-                "needs {} × {} but GPU {} has {}",
-                m.gpus,
-                gib(b),
-                largest.index,
-                gib(largest.total_bytes)
+            return Err((
+                "gpu_memory",
+                format!(
+                    "needs {} × {} but GPU {} has {}",
+                    m.gpus,
+                    gib(b),
+                    largest.index,
+                    gib(largest.total_bytes)
+                ),
             ));
         }
     }
@@ -146,8 +160,9 @@ pub fn place(
 
     for i in order {
         let m = &models[i];
-        let fail = |message: String| PlacementError {
+        let fail = |(key, message): (&'static str, String)| PlacementError {
             model: m.name.clone(),
+            key,
             message,
         };
         if m.gpus == 0 {
@@ -217,10 +232,13 @@ pub fn place(
         }
         let Some((score, set, bytes, util)) = best else {
             let detail: Vec<String> = why_not.into_values().collect();
-            errors.push(fail(format!(
-                "no set of {} GPU(s) has room ({})",
-                m.gpus,
-                detail.join("; ")
+            errors.push(fail((
+                "gpu_memory",
+                format!(
+                    "no set of {} GPU(s) has room ({})",
+                    m.gpus,
+                    detail.join("; ")
+                ),
             )));
             continue;
         };

@@ -83,19 +83,6 @@ pub struct GpuBudget {
     pub models: Vec<String>,
 }
 
-impl GpuBudget {
-    pub fn to_proto(&self) -> siesta_proto::v1::GpuBudget {
-        siesta_proto::v1::GpuBudget {
-            index: self.index,
-            total_bytes: self.total_bytes,
-            awake_bytes: self.awake_bytes,
-            asleep_bytes: self.asleep_bytes,
-            free_bytes: self.free_bytes,
-            models: self.models.clone(),
-        }
-    }
-}
-
 /// (awake-class bytes, residual bytes) a model holds on `gpu` in `state`.
 fn usage(p: &Placement, gpu: u32, state: RunState, residual: u64) -> (u64, u64) {
     let awake = p.awake_on(gpu);

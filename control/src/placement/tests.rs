@@ -57,7 +57,7 @@ fn seeds_box_text_on_0_1_with_p2p_off_ocr_and_embed_share_gpu_2() {
         assert!(text.p2p_disabled);
         assert_eq!(text.cuda_visible_devices(), "0,1");
         assert_eq!(
-            text.engine_args(),
+            text.placed().engine_args(),
             [
                 "--tensor-parallel-size",
                 "2",
@@ -67,11 +67,13 @@ fn seeds_box_text_on_0_1_with_p2p_off_ocr_and_embed_share_gpu_2() {
             ]
         );
         assert!(
-            text.engine_env()
+            text.placed()
+                .engine_env()
                 .contains(&("NCCL_P2P_DISABLE".into(), "1".into()))
         );
         assert!(
-            text.engine_env()
+            text.placed()
+                .engine_env()
                 .contains(&("CUDA_VISIBLE_DEVICES".into(), "0,1".into()))
         );
         assert!(
@@ -88,7 +90,8 @@ fn seeds_box_text_on_0_1_with_p2p_off_ocr_and_embed_share_gpu_2() {
             let p = by_name(&p, name);
             assert_eq!(p.gpus, vec![2], "{name}: {}", p.reason);
             assert!(!p.p2p_disabled, "single-GPU models never issue P2P");
-            assert_eq!(p.engine_args()[..2], ["--tensor-parallel-size", "1"]);
+            // vLLM's default tensor-parallel size is 1: not passed.
+            assert_eq!(p.placed().engine_args()[..1], ["--gpu-memory-utilization"]);
         }
         assert!(
             by_name(&p, "ocr")
@@ -128,11 +131,13 @@ fn prefers_a_set_whose_pairs_are_all_ok() {
     assert!(p[0].reason.contains("P2P ok on every pair"));
     assert!(
         !p[0]
+            .placed()
             .engine_args()
             .contains(&"--disable-custom-all-reduce".to_string())
     );
     assert!(
         !p[0]
+            .placed()
             .engine_env()
             .iter()
             .any(|(k, _)| k == "NCCL_P2P_DISABLE")
@@ -252,7 +257,8 @@ fn a_new_probe_flips_p2p_without_moving_anyone() {
     let text = by_name(&p, "text");
     assert!(text.p2p_disabled);
     assert!(
-        text.engine_args()
+        text.placed()
+            .engine_args()
             .contains(&"--disable-custom-all-reduce".to_string())
     );
     assert!(text.reason.contains("is corrupt"), "{}", text.reason);

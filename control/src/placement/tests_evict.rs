@@ -227,5 +227,5 @@ fn budgets_count_awake_models_fully_and_asleep_ones_as_residuals() {
     assert_eq!(g.awake_bytes, 2 * ((80 * GIB) as f64 * 0.45) as u64);
     assert_eq!(g.asleep_bytes, DEFAULT_RESIDUAL_BYTES);
     assert_eq!(g.free_bytes, 80 * GIB - g.awake_bytes - g.asleep_bytes);
-    assert_eq!(g.to_proto().free_bytes, g.free_bytes);
+    assert_eq!(crate::api::convert::gpu_budget(g).free_bytes, g.free_bytes);
 }

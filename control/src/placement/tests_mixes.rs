@@ -128,7 +128,6 @@ fn bytes_become_a_utilization_of_the_smallest_gpu() {
     .unwrap();
     assert_eq!(p[0].gpu_memory_utilization, 0.057);
     assert!(p[0].awake_bytes[0] >= 8 * GIB);
-    assert_eq!(p[0].to_proto().awake_bytes_per_gpu, p[0].awake_bytes[0]);
 }
 
 #[test]
@@ -156,7 +155,7 @@ fn models_without_gpus_get_no_engine_flags() {
     )
     .unwrap();
     assert!(p[0].gpus.is_empty());
-    assert!(p[0].engine_args().is_empty() && p[0].engine_env().is_empty());
+    assert!(p[0].placed().engine_args().is_empty() && p[0].placed().engine_env().is_empty());
 }
 
 #[test]

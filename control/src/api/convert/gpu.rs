@@ -1,9 +1,70 @@
-//! Domain GPU types → `siesta_proto::v1` messages (for ListGpus, DiagP2p).
+//! Domain GPU and placement reports → `siesta_proto::v1` messages (for
+//! ListGpus, GetPlacement, DiagP2p and the Watch stream).
 
 use siesta_proto::v1 as pb;
 
-use super::p2p::{P2pHealth, P2pResult};
-use super::{GpuInfo, GpuLinkInfo};
+use crate::gpu::p2p::{P2pHealth, P2pResult};
+use crate::gpu::{GpuInfo, GpuLinkInfo, InventorySource};
+use crate::gpu_view::{GpuList, ModelPlacement, P2pDiag, PlacementReport};
+use crate::placement::GpuBudget;
+
+pub fn gpu_list(l: &GpuList) -> pb::ListGpusResponse {
+    pb::ListGpusResponse {
+        gpus: l
+            .gpus
+            .iter()
+            .map(|g| gpu_to_proto(g, |pid| l.owners.get(&pid).cloned()))
+            .collect(),
+        source: match l.source {
+            InventorySource::Nvml => "nvml",
+            InventorySource::Config => "config",
+            InventorySource::None => "none",
+        }
+        .into(),
+        p2p: l.p2p.iter().map(p2p_to_proto).collect(),
+        p2p_probed_unix_ms: l.p2p_probed_unix_ms,
+    }
+}
+
+pub fn model_placement(p: &ModelPlacement) -> pb::ModelPlacement {
+    pb::ModelPlacement {
+        model: p.model.clone(),
+        gpus: p.gpus.clone(),
+        awake_bytes_per_gpu: p.awake_bytes_per_gpu,
+        gpu_memory_utilization: p.gpu_memory_utilization,
+        p2p_disabled: p.p2p_disabled,
+        reason: p.reason.clone(),
+        exclusive: p.exclusive,
+        asleep_residual_bytes: p.asleep_residual.bytes,
+        asleep_residual_measured: p.asleep_residual.measured,
+    }
+}
+
+pub fn gpu_budget(b: &GpuBudget) -> pb::GpuBudget {
+    pb::GpuBudget {
+        index: b.index,
+        total_bytes: b.total_bytes,
+        awake_bytes: b.awake_bytes,
+        asleep_bytes: b.asleep_bytes,
+        free_bytes: b.free_bytes,
+        models: b.models.clone(),
+    }
+}
+
+pub fn placement(r: &PlacementReport) -> pb::GetPlacementResponse {
+    pb::GetPlacementResponse {
+        models: r.models.iter().map(model_placement).collect(),
+        gpus: r.gpus.iter().map(gpu_budget).collect(),
+    }
+}
+
+pub fn p2p_diag(d: &P2pDiag) -> pb::DiagP2pResponse {
+    pb::DiagP2pResponse {
+        results: d.results.iter().map(p2p_to_proto).collect(),
+        probed_unix_ms: d.probed_unix_ms,
+        message: d.message.clone(),
+    }
+}
 
 /// A GPU as `ListGpus` returns it. `model_of` names the model whose engine
 /// process (group) a pid belongs to, if it is one of siesta's.
