@@ -173,9 +173,7 @@ impl Models {
     }
 
     async fn send(&self, h: &ModelHandle, event: Event) -> Result<ModelStatus, OpError> {
-        h.send(event)
-            .await
-            .ok_or_else(|| OpError::Unavailable("the control plane is shutting down".into()))
+        h.send(event).await.ok_or(OpError::ShuttingDown)
     }
 
     /// Operator command; returns the status once accepted and a short account.
@@ -189,18 +187,16 @@ impl Models {
         let attach = h.cfg.is_attach();
         match cmd {
             Command::Sleep(0 | 3..) => {
-                return Err(OpError::InvalidArgument(
-                    "sleep level must be 1 or 2".into(),
-                ));
+                return Err(OpError::invalid("level", "sleep level must be 1 or 2"));
             }
             Command::Sleep(_) if before.state == State::Stopped => {
-                return Err(OpError::FailedPrecondition(format!(
+                return Err(OpError::Refused(format!(
                     "{} is stopped: start it first",
                     before.name
                 )));
             }
             Command::Stop | Command::Restart if attach => {
-                return Err(OpError::FailedPrecondition(format!(
+                return Err(OpError::Refused(format!(
                     "{} is an attach engine run by someone else: siesta can only sleep and wake it",
                     before.name
                 )));
@@ -249,7 +245,10 @@ impl Models {
         let status = h.status.borrow().clone();
         let msg = match waited {
             Ok(_) if status.state == State::Awake => "awake".to_string(),
-            Ok(_) => format!("failed: {}", status.last_error),
+            Ok(_) => format!(
+                "failed: {}",
+                status.last_error.as_deref().unwrap_or("no reason given")
+            ),
             Err(_) => format!(
                 "still {:?} after {timeout:?}; the wake goes on",
                 status.state
@@ -269,9 +268,10 @@ impl Models {
         let until = match until_unix_ms {
             0 => None,
             t if t <= now => {
-                return Err(OpError::InvalidArgument(format!(
-                    "pin until {t} is in the past (now {now})"
-                )));
+                return Err(OpError::invalid(
+                    "until_unix_ms",
+                    format!("pin until {t} is in the past (now {now})"),
+                ));
             }
             t => Some(self.shared.clock.instant(t)),
         };
@@ -305,7 +305,10 @@ impl Models {
         }
         let msg = match status.state {
             State::Awake => "awake".to_string(),
-            State::Failed => format!("failed; retrying at {}", status.retry_at_unix_ms),
+            State::Failed => match status.retry_at_unix_ms {
+                Some(at) => format!("failed; retrying at {at}"),
+                None => "failed; no retry scheduled".to_string(),
+            },
             s => format!("{s:?}").to_lowercase(),
         };
         Ok((status, true, msg))
@@ -330,11 +333,11 @@ impl Models {
     /// Reads `path` and applies it; an invalid file changes nothing and is
     /// refused with its errors.
     pub async fn reload_file(&self, path: &std::path::Path) -> Result<ReloadSummary, OpError> {
-        let config = Config::load(path).map_err(|e| OpError::InvalidArgument(e.to_string()))?;
+        let config = Config::load(path)?;
         let s = self
             .reload(&config)
             .await
-            .map_err(|e| OpError::Unavailable(format!("reload: {e}")))?;
+            .map_err(|e| OpError::io(format!("reload of {}", path.display()), e))?;
         tracing::info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, "configuration reloaded");
         Ok(s)
     }

@@ -7,7 +7,9 @@
 #![forbid(unsafe_code)]
 
 mod child;
+pub mod cli;
 mod control;
+pub mod ctl;
 mod fake;
 mod procfs;
 mod proxy;
