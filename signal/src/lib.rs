@@ -118,7 +118,7 @@ mod tests {
 
     #[test]
     fn reload_outside_a_runtime_is_an_error() {
-        let err = reload_signal().err().expect("no runtime: an error");
+        let err = reload_signal().expect_err("no runtime: an error");
         assert_eq!(err.signal, "SIGHUP");
     }
 
