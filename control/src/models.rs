@@ -186,8 +186,11 @@ impl Models {
         let before = h.status.borrow().clone();
         let attach = h.cfg.is_attach();
         match cmd {
-            Command::Sleep(0 | 3..) => {
-                return Err(OpError::invalid("level", "sleep level must be 1 or 2"));
+            Command::Sleep(level @ (0 | 3..)) => {
+                return Err(OpError::invalid(
+                    "level",
+                    format!("{level} is not a sleep level (1 or 2)"),
+                ));
             }
             Command::Sleep(_) if before.state == State::Stopped => {
                 return Err(OpError::Refused(format!(

@@ -39,10 +39,10 @@ mod tests {
             )
         );
         assert_eq!(
-            code(OpError::invalid("level", "sleep level must be 1 or 2")),
+            code(OpError::invalid("level", "3 is not a sleep level (1 or 2)")),
             (
                 Code::InvalidArgument,
-                "level: sleep level must be 1 or 2".into()
+                "level: 3 is not a sleep level (1 or 2)".into()
             )
         );
         let cfg = ConfigError {
