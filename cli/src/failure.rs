@@ -6,17 +6,20 @@ use std::io;
 
 use tonic::Code;
 
-/// Exit code: the operation failed.
+/// Exit code: the operation failed, or siesta-control answered with an
+/// error (its message is printed).
 pub const EXIT_FAILED: u8 = 1;
 /// Exit code: usage error (also what clap uses).
 pub const EXIT_USAGE: u8 = 2;
-/// Exit code: the control plane could not be reached.
+/// Exit code: siesta-control could not be reached: the connection failed
+/// or broke, or nothing answered within the deadline. Never an answer.
 pub const EXIT_UNREACHABLE: u8 = 3;
 
 /// Why a command did not succeed.
 #[derive(Debug)]
 pub enum Failure {
-    /// The control plane did not answer at all.
+    /// The control plane did not answer at all (no connection, or none
+    /// left, or no answer in time).
     Unreachable { url: String, reason: String },
     /// The operation was refused or failed; the message says why.
     Failed(String),
@@ -44,12 +47,19 @@ impl Failure {
     }
 
     /// An RPC's error status, from the control plane at `url`.
+    ///
+    /// A status tonic made on this side, because no answer came (the
+    /// connection failed or broke), carries that transport error as its
+    /// source; one the control plane answered carries none, whatever its
+    /// code: that is a failed operation, never "unreachable".
     pub fn status(url: &str, status: &tonic::Status) -> Self {
-        match status.code() {
-            Code::Unavailable => Failure::Unreachable {
+        if let Some(src) = status.source() {
+            return Failure::Unreachable {
                 url: url.to_owned(),
-                reason: status_reason(status),
-            },
+                reason: transport_reason(src),
+            };
+        }
+        match status.code() {
             Code::Unauthenticated => Failure::Failed(format!(
                 "siesta-control at {url} refused the call: {} (pass --token or set SIESTA_TOKEN)",
                 status.message()
@@ -117,12 +127,19 @@ fn io_reason(err: &io::Error) -> String {
     }
 }
 
-fn status_reason(status: &tonic::Status) -> String {
-    match status.source() {
-        Some(src) => transport_reason(src),
-        None if status.message().is_empty() => "unavailable".into(),
-        None => status.message().to_owned(),
+/// Nothing answered `what` in time: a status [`Failure::status`] reports
+/// as unreachable (like a transport error), for streams that wait on their
+/// own deadline.
+pub fn no_answer(what: &str) -> tonic::Status {
+    #[derive(Debug)]
+    struct NoAnswer(String);
+    impl fmt::Display for NoAnswer {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(&self.0)
+        }
     }
+    impl StdError for NoAnswer {}
+    tonic::Status::from_error(Box::new(NoAnswer(format!("no answer to {what}"))))
 }
 
 #[cfg(test)]
@@ -143,17 +160,39 @@ mod tests {
     }
 
     #[test]
-    fn status_codes_map_to_exit_codes() {
+    fn answered_statuses_are_exit_1_whatever_their_code() {
         let url = "http://x:1";
+        // The control plane answered "unavailable" (e.g. shutting down, or
+        // a reload it could not apply): it is up, the operation failed.
+        let down = Failure::status(url, &tonic::Status::unavailable("shutting down"));
         assert_eq!(
-            Failure::status(url, &tonic::Status::unavailable("down")).exit_code(),
-            3
+            (down.exit_code(), down.to_string().as_str()),
+            (1, "shutting down")
         );
+        let internal = Failure::status(url, &tonic::Status::internal("reload of f: boom"));
+        assert_eq!(internal.exit_code(), 1);
+        assert_eq!(internal.to_string(), "reload of f: boom");
         let nf = Failure::status(url, &tonic::Status::not_found("no model named \"x\""));
         assert_eq!(nf.exit_code(), 1);
         assert_eq!(nf.to_string(), "no model named \"x\"");
         let auth = Failure::status(url, &tonic::Status::unauthenticated("bad token"));
         assert!(auth.to_string().contains("SIESTA_TOKEN"), "{auth}");
+    }
+
+    #[test]
+    fn transport_statuses_are_unreachable() {
+        let url = "http://x:1";
+        let refused =
+            tonic::Status::from_error(Box::new(io::Error::from(io::ErrorKind::ConnectionRefused)));
+        let f = Failure::status(url, &refused);
+        assert_eq!(f.exit_code(), 3);
+        assert_eq!(
+            f.to_string(),
+            "cannot reach siesta-control at http://x:1: connection refused — is it running?"
+        );
+        let slow = Failure::status(url, &no_answer("Watch"));
+        assert_eq!(slow.exit_code(), 3);
+        assert!(slow.to_string().contains("no answer to Watch"), "{slow}");
     }
 
     #[test]

@@ -3,7 +3,9 @@
 
 pub mod auth;
 pub mod convert;
+mod errors;
 
+use crate::OpError;
 use crate::gpu_view::GpuView;
 use crate::hub::Hub;
 use crate::models::{Activity, Models};
@@ -201,7 +203,7 @@ impl pb::control_server::Control for ControlService {
         let sub = self
             .hub
             .subscribe(r.since_revision)
-            .ok_or_else(|| Status::unavailable("the control plane is shutting down"))?;
+            .ok_or(OpError::ShuttingDown)?;
         tracing::debug!(client = %r.client_id, since = r.since_revision, "watch");
         let control_id = self.control_id.clone();
         let cancel = self.cancel.clone();
@@ -314,9 +316,10 @@ impl pb::control_server::Control for ControlService {
     ) -> Result<Response<pb::ReloadResponse>, Status> {
         let _guard = self.reload_lock.lock().await;
         let Some(path) = &self.config_path else {
-            return Err(Status::failed_precondition(
-                "running the built-in configuration: there is no file to reload",
-            ));
+            return Err(OpError::Refused(
+                "running the built-in configuration: there is no file to reload".into(),
+            )
+            .into());
         };
         let s = self.models.reload_file(path).await?;
         Ok(Response::new(pb::ReloadResponse {

@@ -1,5 +1,6 @@
 //! Errors of the library: start-up failures ([`Error`]) and refused
-//! operations ([`OpError`], mapped to gRPC status codes in `api`).
+//! operations ([`OpError`], by meaning; mapped to gRPC status codes in
+//! `api/errors.rs`).
 
 use std::net::SocketAddr;
 
@@ -29,19 +30,52 @@ pub enum Error {
     Startup(std::io::Error),
     #[error("gRPC server: {0}")]
     Transport(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Signal(#[from] siesta_signal::SignalError),
 }
 
-/// Why an operation on a model was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why an operation failed, by what went wrong; the api layer maps each
+/// kind to one gRPC status code (`api/errors.rs`).
+#[derive(Debug, thiserror::Error)]
 pub enum OpError {
-    #[error("no model named {0:?} (`siesta status` lists the models and their aliases)")]
+    /// No model has this name or alias.
+    #[error("model {0:?} not found (`siesta status` lists the models and their aliases)")]
     NotFound(String),
+    /// A request field holds a value that cannot be used.
+    #[error("{field}: {message}")]
+    Invalid { field: String, message: String },
+    /// A configuration file holds problems; each names the file and key.
     #[error("{0}")]
-    InvalidArgument(String),
+    Config(#[from] crate::config::ConfigError),
+    /// Valid, but not in the model's present state or kind; says why.
     #[error("{0}")]
-    FailedPrecondition(String),
-    #[error("{0}")]
-    Unimplemented(String),
-    #[error("{0}")]
-    Unavailable(String),
+    Refused(String),
+    /// The control plane is stopping and takes no more operations.
+    #[error("the control plane is shutting down")]
+    ShuttingDown,
+    /// A bug or a broken invariant inside the control plane.
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// An I/O operation of the control plane failed; `what` names it.
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+}
+
+impl OpError {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
+        OpError::Invalid {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+        OpError::Io {
+            what: what.into(),
+            source,
+        }
+    }
 }

@@ -125,8 +125,8 @@ pub(crate) fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> 
         .map(|m| {
             let mut r = ModelRuntime::new(run_state(m.state));
             r.in_flight = m.in_flight;
-            r.last_activity_ms = m.last_activity_unix_ms;
-            r.pinned_awake = m.pinned_until_unix_ms > 0;
+            r.last_activity_ms = m.last_activity_unix_ms.unwrap_or(0);
+            r.pinned_awake = m.pin.is_pinned();
             (m.name.clone(), r)
         })
         .collect()
@@ -380,8 +380,7 @@ impl GpuView {
         let st = self.state.lock().unwrap();
         let engines: BTreeMap<u32, String> = models
             .iter()
-            .filter(|m| m.pid > 0)
-            .map(|m| (m.pid, m.name.clone()))
+            .filter_map(|m| Some((m.pid?, m.name.clone())))
             .collect();
         let owners = st
             .inventory

@@ -168,9 +168,7 @@ impl Models {
     }
 
     async fn send(&self, h: &ModelHandle, event: Event) -> Result<ModelStatus, OpError> {
-        h.send(event)
-            .await
-            .ok_or_else(|| OpError::Unavailable("the control plane is shutting down".into()))
+        h.send(event).await.ok_or(OpError::ShuttingDown)
     }
 
     /// Operator command; returns the status once accepted and a short account.
@@ -183,19 +181,20 @@ impl Models {
         let before = h.status.borrow().clone();
         let attach = h.cfg.is_attach();
         match cmd {
-            Command::Sleep(0 | 3..) => {
-                return Err(OpError::InvalidArgument(
-                    "sleep level must be 1 or 2".into(),
+            Command::Sleep(level @ (0 | 3..)) => {
+                return Err(OpError::invalid(
+                    "level",
+                    format!("{level} is not a sleep level (1 or 2)"),
                 ));
             }
             Command::Sleep(_) if before.state == State::Stopped => {
-                return Err(OpError::FailedPrecondition(format!(
+                return Err(OpError::Refused(format!(
                     "{} is stopped: start it first",
                     before.name
                 )));
             }
             Command::Stop | Command::Restart if attach => {
-                return Err(OpError::FailedPrecondition(format!(
+                return Err(OpError::Refused(format!(
                     "{} is an attach engine run by someone else: siesta can only sleep and wake it",
                     before.name
                 )));
@@ -244,7 +243,10 @@ impl Models {
         let status = h.status.borrow().clone();
         let msg = match waited {
             Ok(_) if status.state == State::Awake => "awake".to_string(),
-            Ok(_) => format!("failed: {}", status.last_error),
+            Ok(_) => format!(
+                "failed: {}",
+                status.last_error.as_deref().unwrap_or("no reason given")
+            ),
             Err(_) => format!(
                 "still {:?} after {timeout:?}; the wake goes on",
                 status.state
@@ -264,9 +266,10 @@ impl Models {
         let until = match until_unix_ms {
             0 => None,
             t if t <= now => {
-                return Err(OpError::InvalidArgument(format!(
-                    "pin until {t} is in the past (now {now})"
-                )));
+                return Err(OpError::invalid(
+                    "until_unix_ms",
+                    format!("pin until {t} is in the past (now {now})"),
+                ));
             }
             t => Some(self.shared.clock.instant(t)),
         };
@@ -300,7 +303,10 @@ impl Models {
         }
         let msg = match status.state {
             State::Awake => "awake".to_string(),
-            State::Failed => format!("failed; retrying at {}", status.retry_at_unix_ms),
+            State::Failed => match status.retry_at_unix_ms {
+                Some(at) => format!("failed; retrying at {at}"),
+                None => "failed; no retry scheduled".to_string(),
+            },
             s => format!("{s:?}").to_lowercase(),
         };
         Ok((status, true, msg))
@@ -326,7 +332,7 @@ impl Models {
     /// that can never fit its GPUs, changes nothing and is refused with its
     /// errors (`FILE: KEY: what is wrong`).
     pub async fn reload_file(&self, path: &std::path::Path) -> Result<ReloadSummary, OpError> {
-        let config = Config::load(path).map_err(|e| OpError::InvalidArgument(e.to_string()))?;
+        let config = Config::load(path)?;
         let s = self.reload(&config).await?;
         tracing::info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, reconfigured = ?s.reconfigured, "configuration reloaded");
         Ok(s)
@@ -344,10 +350,7 @@ impl Models {
             self.registry.read().unwrap().configs.clone();
         let view = self.shared.admission.gpus().cloned();
         let planned = match &view {
-            Some(v) => Some(
-                v.plan(config, &v.current_gpus())
-                    .map_err(|e| OpError::InvalidArgument(e.to_string()))?,
-            ),
+            Some(v) => Some(v.plan(config, &v.current_gpus())?),
             None => None,
         };
         let old_placed = view.as_ref().map(|v| v.placed()).unwrap_or_default();
@@ -392,7 +395,7 @@ impl Models {
         for m in config.models.iter() {
             if s.added.contains(&m.name) || s.changed.contains(&m.name) {
                 self.add(m.clone(), Some(placed_of(m)), None)
-                    .map_err(|e| OpError::Unavailable(format!("reload: {}: {e}", m.name)))?;
+                    .map_err(|e| OpError::io(format!("reload: starting {}", m.name), e))?;
             } else if s.reconfigured.contains(&m.name) {
                 self.reconfigure(m);
             }

@@ -100,6 +100,8 @@ impl Server {
             token,
             store,
         } = self;
+        // Before anything starts, so a failure leaves nothing running.
+        let hup = siesta_signal::reload_signal()?;
         let state_dir = config.control.state_dir.clone();
         let clock = Clock::new();
         let hub = Hub::new(clock, 4096, 1024);
@@ -170,14 +172,13 @@ impl Server {
             models.clone(),
             tasks.clone(),
         ));
-        if let Some(path) = service.config_path.clone() {
-            tokio::spawn(reload_on_sighup(
-                models.clone(),
-                service.reload_lock.clone(),
-                path,
-                tasks.clone(),
-            ));
-        }
+        tokio::spawn(reload_on_sighup(
+            hup,
+            models.clone(),
+            service.reload_lock.clone(),
+            service.config_path.clone(),
+            tasks.clone(),
+        ));
         let auth = BearerAuth::new(token);
         let control = pb::control_server::ControlServer::with_interceptor(service, move |req| {
             auth.check(req)
@@ -206,22 +207,25 @@ impl Server {
 
 /// SIGHUP re-reads the configuration file, as the `Reload` RPC does.
 async fn reload_on_sighup(
+    mut hup: siesta_signal::ReloadSignal,
     models: Arc<Models>,
     lock: Arc<tokio::sync::Mutex<()>>,
-    path: PathBuf,
+    path: Option<PathBuf>,
     cancel: CancellationToken,
 ) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
-        return;
-    };
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = hup.recv() => {}
         }
+        let Some(path) = &path else {
+            tracing::warn!(
+                "SIGHUP: running the built-in configuration: there is no file to reload"
+            );
+            continue;
+        };
         let _guard = lock.lock().await;
-        if let Err(e) = models.reload_file(&path).await {
+        if let Err(e) = models.reload_file(path).await {
             tracing::error!(path = %path.display(), error = %e, "SIGHUP: configuration refused; the running one stays in force");
         }
     }

@@ -1,4 +1,6 @@
 //! A model's published status (domain form of `siesta.v1.ModelStatus`).
+//! Absent values are `None`, never proto3 sentinels (0, `i64::MAX`, ""):
+//! only `api/convert.rs` writes the wire form.
 
 use crate::config::{IdleTier, ModelConfig};
 use crate::reconciler::{Calibration, Desired, ModelState, Phase, Pin, Reason, next_tier};
@@ -81,7 +83,25 @@ pub struct IntentView {
     pub desired: Desired,
     pub reason: Reason,
     pub since_unix_ms: i64,
-    pub until_unix_ms: i64,
+    /// When the intent lapses; `None`: it holds until replaced.
+    pub until_unix_ms: Option<i64>,
+}
+
+/// Whether a model is pinned awake, in Unix time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PinView {
+    #[default]
+    None,
+    /// Pinned until this Unix time (ms).
+    Until(i64),
+    /// Pinned until unpinned.
+    Forever,
+}
+
+impl PinView {
+    pub fn is_pinned(self) -> bool {
+        self != PinView::None
+    }
 }
 
 /// Everything published about one model.
@@ -94,22 +114,28 @@ pub struct ModelStatus {
     pub state: State,
     pub sleep_level: u8,
     pub state_since_unix_ms: i64,
-    pub deadline_unix_ms: i64,
+    /// When the transition under way times out; `None` outside transitions.
+    pub deadline_unix_ms: Option<i64>,
     pub endpoints: Vec<Endpoint>,
     pub gpus: Vec<u32>,
     pub max_queue: u32,
     pub max_hold_ms: u64,
     pub calibration: Calibration,
-    pub last_activity_unix_ms: i64,
+    /// The end of the last request (or engine-reported activity); `None`
+    /// before any.
+    pub last_activity_unix_ms: Option<i64>,
     pub in_flight: u32,
     pub next_tier: Option<(IdleTier, i64)>,
     pub intent: IntentView,
-    pub pinned_until_unix_ms: i64,
-    pub last_error: String,
+    pub pin: PinView,
+    pub last_error: Option<String>,
     pub failures: u32,
-    pub retry_at_unix_ms: i64,
-    pub waiting_for: String,
-    pub pid: u32,
+    /// When a failed model is retried; `None` unless a retry is scheduled.
+    pub retry_at_unix_ms: Option<i64>,
+    /// What a start or wake waits for right now, if anything.
+    pub waiting_for: Option<String>,
+    /// The engine's process (group leader), while one runs.
+    pub pid: Option<u32>,
     pub restarts: u32,
     pub p2p_disabled: bool,
     pub control_id: String,
@@ -175,24 +201,22 @@ pub fn model_status(
         Phase::Failed { .. } => (State::Failed, 0),
     };
     let retry_at = match m.phase {
-        Phase::Failed { retry_at: Some(t) } => ms(t),
-        _ => 0,
+        Phase::Failed { retry_at: Some(t) } => Some(ms(t)),
+        _ => None,
     };
     let waiting_for = match m.phase {
-        _ if !facts.waiting_for.is_empty() => facts.waiting_for.clone(),
+        _ if !facts.waiting_for.is_empty() => Some(facts.waiting_for.clone()),
         Phase::Starting { spawned: false, .. } if facts.gpus.is_empty() => {
-            "the engine process to be spawned".to_string()
+            Some("the engine process to be spawned".to_string())
         }
-        Phase::Starting { spawned: false, .. } => {
-            format!(
-                "start lock of GPUs {:?} (engines sharing a GPU start one at a time)",
-                facts.gpus
-            )
-        }
+        Phase::Starting { spawned: false, .. } => Some(format!(
+            "start lock of GPUs {:?} (engines sharing a GPU start one at a time)",
+            facts.gpus
+        )),
         Phase::Awake if m.intent.desired != Desired::Awake && m.in_flight() > 0 => {
-            format!("{} request(s) in flight to finish", m.in_flight())
+            Some(format!("{} request(s) in flight to finish", m.in_flight()))
         }
-        _ => String::new(),
+        _ => None,
     };
     ModelStatus {
         name: cfg.name.clone(),
@@ -202,34 +226,37 @@ pub fn model_status(
         state,
         sleep_level,
         state_since_unix_ms: ms(m.since),
-        deadline_unix_ms: m.phase.deadline().map_or(0, ms),
+        deadline_unix_ms: m.phase.deadline().map(ms),
         endpoints: vec![facts.endpoint.clone()],
         gpus: facts.gpus.clone(),
         max_queue: cfg.max_queue,
         max_hold_ms: cfg.max_hold.as_millis() as u64,
         calibration: m.calibration,
-        last_activity_unix_ms: m.last_activity.map_or(0, ms),
+        last_activity_unix_ms: m.last_activity.map(ms),
         in_flight: m.in_flight(),
         next_tier: next_tier(m, now).map(|(t, at)| (t, ms(at))),
         intent: IntentView {
             desired: m.intent.desired,
             reason: m.intent.reason,
             since_unix_ms: ms(m.intent.since),
-            until_unix_ms: m.intent.until.map_or(0, ms),
+            until_unix_ms: m.intent.until.map(ms),
         },
-        pinned_until_unix_ms: match m.pin {
-            Pin::None => 0,
-            Pin::Forever => i64::MAX,
-            Pin::Until(t) => ms(t),
+        pin: match m.pin {
+            Pin::None => PinView::None,
+            Pin::Forever => PinView::Forever,
+            Pin::Until(t) => PinView::Until(ms(t)),
         },
-        last_error: m.last_error.clone().unwrap_or_default(),
+        last_error: m.last_error.clone(),
         failures: m.failures,
         retry_at_unix_ms: retry_at,
         waiting_for,
-        pid: m.pid.unwrap_or(0),
+        pid: m.pid,
         restarts: m.restarts,
         p2p_disabled: facts.p2p_disabled,
         control_id: facts.control_id.clone(),
         asleep_residual: facts.asleep_residual,
     }
 }
+
+#[cfg(test)]
+mod tests;

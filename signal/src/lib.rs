@@ -1,16 +1,18 @@
-//! Run until SIGINT or SIGTERM: the one place every siesta binary installs
-//! its shutdown signal handlers.
+//! Run until SIGINT or SIGTERM, reload on SIGHUP: the one place every
+//! siesta binary (and fake-vllm) installs signal handlers.
 //!
 //! [`shutdown_signal`] installs both handlers at once, so a binary that
 //! cannot install them fails at start-up with a clear error instead of
 //! running without a way to stop it cleanly, and returns a future that
 //! resolves with the first of the two signals to arrive.
+//! [`reload_signal`] does the same for SIGHUP, which siesta-control takes
+//! as "re-read the configuration file".
 #![forbid(unsafe_code)]
 
 use std::fmt;
 use std::future::Future;
 
-use tokio::signal::unix::{SignalKind, signal};
+use tokio::signal::unix::{Signal, SignalKind, signal};
 
 /// The signal that asked for the shutdown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,7 +43,7 @@ impl fmt::Display for Shutdown {
 #[derive(Debug, thiserror::Error)]
 #[error("cannot install the {signal} handler: {source}")]
 pub struct SignalError {
-    /// `SIGINT` or `SIGTERM`.
+    /// `SIGINT`, `SIGTERM` or `SIGHUP`.
     pub signal: &'static str,
     #[source]
     pub source: std::io::Error,
@@ -54,19 +56,6 @@ pub struct SignalError {
 /// enabled); an error (no runtime driver, the OS refusing) is returned at
 /// once rather than leaving the process without handlers.
 pub fn shutdown_signal() -> Result<impl Future<Output = Shutdown> + Send + 'static, SignalError> {
-    let install = |kind: SignalKind, name: &'static str| {
-        // tokio panics outside a runtime; report it as an error instead.
-        if tokio::runtime::Handle::try_current().is_err() {
-            return Err(SignalError {
-                signal: name,
-                source: std::io::Error::other("no Tokio runtime is running"),
-            });
-        }
-        signal(kind).map_err(|source| SignalError {
-            signal: name,
-            source,
-        })
-    };
     let mut int = install(SignalKind::interrupt(), "SIGINT")?;
     let mut term = install(SignalKind::terminate(), "SIGTERM")?;
     Ok(async move {
@@ -74,6 +63,40 @@ pub fn shutdown_signal() -> Result<impl Future<Output = Shutdown> + Send + 'stat
             _ = int.recv() => Shutdown::Interrupt,
             _ = term.recv() => Shutdown::Terminate,
         }
+    })
+}
+
+/// Every SIGHUP from now on, for "re-read the configuration".
+#[derive(Debug)]
+pub struct ReloadSignal(Signal);
+
+impl ReloadSignal {
+    /// The next SIGHUP (several arriving together count as one).
+    pub async fn recv(&mut self) {
+        // `None` only once the runtime shuts down: then nothing comes.
+        if self.0.recv().await.is_none() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Installs the SIGHUP handler now (so a SIGHUP no longer ends the
+/// process); same rules and errors as [`shutdown_signal`].
+pub fn reload_signal() -> Result<ReloadSignal, SignalError> {
+    install(SignalKind::hangup(), "SIGHUP").map(ReloadSignal)
+}
+
+fn install(kind: SignalKind, name: &'static str) -> Result<Signal, SignalError> {
+    // tokio panics outside a runtime; report it as an error instead.
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err(SignalError {
+            signal: name,
+            source: std::io::Error::other("no Tokio runtime is running"),
+        });
+    }
+    signal(kind).map_err(|source| SignalError {
+        signal: name,
+        source,
     })
 }
 
@@ -91,6 +114,29 @@ mod tests {
             err.to_string(),
             "cannot install the SIGINT handler: no Tokio runtime is running"
         );
+    }
+
+    #[test]
+    fn reload_outside_a_runtime_is_an_error() {
+        let err = reload_signal().expect_err("no runtime: an error");
+        assert_eq!(err.signal, "SIGHUP");
+    }
+
+    #[tokio::test]
+    async fn reload_signal_sees_each_sighup() {
+        let mut hup = reload_signal().expect("handler installed");
+        for _ in 0..2 {
+            assert!(
+                tokio::time::timeout(Duration::from_millis(50), hup.recv())
+                    .await
+                    .is_err(),
+                "nothing arrived yet"
+            );
+            raise(Signal::SIGHUP).expect("raise");
+            tokio::time::timeout(Duration::from_secs(30), hup.recv())
+                .await
+                .expect("seen after the signal");
+        }
     }
 
     // Both signals in one test: the handlers are process-wide, and a second

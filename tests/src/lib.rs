@@ -4,10 +4,15 @@
 //! found in the target directory next to the test executable; build them first with
 //! `cargo build --workspace --bins`. Every process runs in its own process group, which is
 //! SIGKILLed when its [`Child`] is dropped, so a failing test leaves nothing behind.
+//!
+//! [`ctl`] drives one siesta-control over gRPC (a [`ctl::Ctl`] also kills the engines it
+//! started), [`cli`] runs the `siesta` command line against one.
 #![forbid(unsafe_code)]
 
 mod child;
+pub mod cli;
 mod control;
+pub mod ctl;
 mod fake;
 mod procfs;
 mod proxy;

@@ -6,10 +6,7 @@ use siesta_proto::v1 as pb;
 use siesta_tests::{DEADLINE, spawn_control_with, wait_until};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-#[path = "cli_support/run.rs"]
-mod run;
-
-use run::{CONFIG, at, model_state, next_line, spawn_siesta, wait_state};
+use siesta_tests::cli::{CONFIG, at, model_state, next_line, spawn_siesta, wait_state};
 
 #[tokio::test]
 async fn every_command_against_a_real_control_plane() {

@@ -1,12 +1,10 @@
 //! `siesta` exit codes and error messages: control plane down (3), usage
-//! errors (2), failed operations (1), `config check`, tokens, completion.
+//! errors (2), failed operations and every error the control plane answers
+//! (1), `config check`, tokens, completion.
 
 use siesta_tests::spawn_control_with;
 
-#[path = "cli_support/run.rs"]
-mod run;
-
-use run::{at, closed_port, siesta, siesta_env};
+use siesta_tests::cli::{at, closed_port, siesta, siesta_env};
 
 #[tokio::test]
 async fn unreachable_control_plane_is_exit_3_with_one_clear_line() {
@@ -150,4 +148,67 @@ gpus = 0
     .await
     .ok();
     control.terminate().await;
+}
+
+/// One model, never started (no engine needed).
+const ONE_MODEL: &str = r#"
+[control]
+state_dir = "@DIR@/state"
+
+[[model]]
+name = "chat"
+model = "m"
+executable = "@FAKE_VLLM@"
+gpus = 0
+"#;
+
+#[tokio::test]
+async fn errors_the_daemon_answers_are_exit_1_and_only_no_daemon_is_3() {
+    let mut control = spawn_control_with(ONE_MODEL, &["--stop-engines-on-exit"]).await;
+    let file = control.config_path.display().to_string();
+    let good = std::fs::read_to_string(&control.config_path).unwrap();
+
+    let run = at(&control, &["get", "nope"]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    assert!(
+        run.stderr.starts_with("error: model \"nope\" not found"),
+        "{run:#?}"
+    );
+
+    // A key the file must not have: refused, naming the file and the key.
+    std::fs::write(&control.config_path, format!("{good}colour = \"red\"\n")).unwrap();
+    let run = at(&control, &["reload"]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    assert!(
+        run.stderr
+            .starts_with(&format!("error: {file}: model[0].colour: unknown key")),
+        "{run:#?}"
+    );
+
+    // A valid file the daemon cannot apply (a host not of this machine):
+    // an error it answered, not "cannot reach".
+    std::fs::write(
+        &control.config_path,
+        format!(
+            "{good}\n[[model]]\nname = \"far\"\nmodel = \"m\"\nexecutable = \"/bin/true\"\ngpus = 0\nhost = \"192.0.2.1\"\n"
+        ),
+    )
+    .unwrap();
+    let run = at(&control, &["reload"]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    assert!(run.stderr.starts_with("error: reload of "), "{run:#?}");
+    assert!(run.stderr.contains("192.0.2.1"), "{run:#?}");
+    assert!(!run.stderr.contains("cannot reach"), "{run:#?}");
+
+    // The same control plane, stopped: now it cannot be reached.
+    control.terminate().await;
+    let run = at(&control, &["status"]).await;
+    assert_eq!(run.code, 3, "{run:#?}");
+    assert!(
+        run.stderr.starts_with(&format!(
+            "cannot reach siesta-control at {}: connection refused",
+            control.url()
+        )),
+        "{run:#?}"
+    );
 }

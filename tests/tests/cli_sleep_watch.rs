@@ -1,18 +1,17 @@
 //! `siesta sleep` says "in flight" only while requests are, and `--wait`
 //! reports the outcome; `siesta watch` survives a control-plane restart.
 
-#[path = "cli_support/run.rs"]
-mod run;
-#[path = "control/util.rs"]
-mod util;
+use siesta_tests::cli;
 
 use std::process::Stdio;
 use std::time::Duration;
 
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::{
+    LONG, config, endpoint, fake_model, start, wait_state, wait_status, wake_awake,
+};
 use siesta_tests::{DEADLINE, bin_path, wait_for};
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
-use util::{LONG, config, endpoint, fake_model, start, wait_state, wait_status, wake_awake};
 
 /// A completion straight to the engine producing exactly `tokens` tokens
 /// (at 10 per second with `--tokens-per-second 10`); its finish reason.
@@ -59,7 +58,7 @@ async fn sleep_says_in_flight_only_while_requests_are_and_wait_reports_the_outco
     assert_eq!(req.await.unwrap(), "length");
     // At once: the count control last read may still hold it, but nothing
     // is in flight, and the answer must not say otherwise.
-    let run = run::at(&ctl, &["sleep", "chat"]).await.ok();
+    let run = cli::at(&ctl, &["sleep", "chat"]).await.ok();
     assert!(!run.stdout.contains("in flight"), "{run:#?}");
     wait_state(&mut c, "chat", pb::ModelState::Asleep, LONG).await;
 
@@ -71,13 +70,13 @@ async fn sleep_says_in_flight_only_while_requests_are_and_wait_reports_the_outco
         s.in_flight > 0
     })
     .await;
-    let run = run::at(&ctl, &["sleep", "chat"]).await.ok();
+    let run = cli::at(&ctl, &["sleep", "chat"]).await.ok();
     assert!(
         run.stdout
             .contains("will sleep once 1 request(s) in flight finish"),
         "{run:#?}"
     );
-    let run = run::at(&ctl, &["sleep", "chat", "--wait"]).await.ok();
+    let run = cli::at(&ctl, &["sleep", "chat", "--wait"]).await.ok();
     assert!(
         run.stdout.starts_with("chat: asleep at level 1 after "),
         "{run:#?}"
@@ -92,7 +91,7 @@ async fn sleep_says_in_flight_only_while_requests_are_and_wait_reports_the_outco
         s.in_flight > 0
     })
     .await;
-    let run = run::at(&ctl, &["sleep", "chat", "--wait", "--timeout", "1s"]).await;
+    let run = cli::at(&ctl, &["sleep", "chat", "--wait", "--timeout", "1s"]).await;
     assert_eq!(run.code, 1, "{run:#?}");
     assert!(
         run.stderr

@@ -1,13 +1,10 @@
 //! siesta-control under faults: engine crash, wake that hangs, engine that
 //! never becomes healthy.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use siesta_tests::{group_members, wait_until};
 use std::time::Duration;
-use util::*;
 
 /// Collects each distinct state the model passes through until `until`.
 async fn states_until(

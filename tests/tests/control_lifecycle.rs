@@ -1,12 +1,9 @@
 //! siesta-control with fake-vllm engines: start, sleep, wake, idle tiers,
 //! requests in flight, attach engines.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use std::time::Duration;
-use util::*;
 
 #[tokio::test]
 async fn start_sleep_wake_at_both_levels() {

@@ -1,13 +1,10 @@
 //! siesta-control operations beyond sleep and wake: logs, restart, pin,
 //! reload, intents that survive a restart of the control plane.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use siesta_tests::wait_until;
 use std::time::Duration;
-use util::*;
 
 #[tokio::test]
 async fn logs_tail_and_follow() {

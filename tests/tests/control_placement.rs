@@ -1,11 +1,8 @@
 //! Two models that cannot both be awake on one GPU: waking one puts the
 //! other (idle) to sleep first. GPUs listed by hand; fake-vllm engines.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
-use util::*;
+use siesta_tests::ctl::*;
 
 fn two_on_one_gpu() -> String {
     let model = |name: &str| {

@@ -1,14 +1,11 @@
 //! The Watch stream of the real siesta-control: ordering under concurrent
 //! transitions, resuming, many subscribers; shutdown.
 
-#[path = "control/util.rs"]
-mod util;
-
 use futures::future::join_all;
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use std::collections::BTreeMap;
 use std::time::Duration;
-use util::*;
 
 const MODELS: [&str; 4] = ["m0", "m1", "m2", "m3"];
 

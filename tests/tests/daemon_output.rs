@@ -2,14 +2,11 @@
 //! the engine's log files and `siesta logs`), and no colour codes when
 //! stderr is not a terminal.
 
-#[path = "cli_support/run.rs"]
-mod run;
-#[path = "control/util.rs"]
-mod util;
+use siesta_tests::cli;
 
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::{LONG, config, fake_model, start, wait_state};
 use siesta_tests::{bin_path, spawn_proxy, wait_until};
-use util::{LONG, config, fake_model, start, wait_state};
 
 /// The start of an ANSI escape sequence (colours, bold).
 const ESC: &str = "\x1b[";
@@ -25,12 +22,12 @@ async fn engine_output_stays_out_of_the_daemon_log_and_in_siesta_logs() {
         "the engine's /health access lines in siesta logs",
         LONG,
         || async {
-            let run = run::at(&ctl, &["logs", "chat"]).await.ok();
+            let run = cli::at(&ctl, &["logs", "chat"]).await.ok();
             run.stdout.matches("\"GET /health HTTP/1.1\" 200").count() >= 3
         },
     )
     .await;
-    let logs = run::at(&ctl, &["logs", "chat"]).await.ok();
+    let logs = cli::at(&ctl, &["logs", "chat"]).await.ok();
     assert!(logs.stdout.contains("Uvicorn running on"), "{logs:#?}");
     // ... and never in the daemon's own log.
     let daemon = ctl.child.output().text();

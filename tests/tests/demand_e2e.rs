@@ -3,13 +3,10 @@
 //! or in the middle of a transition is answered within its wake time plus a
 //! margin. The waits here are longer than the tiers, as users' are.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use siesta_tests::{ProxyProc, spawn_proxy, wait_until};
 use std::time::{Duration, Instant};
-use util::*;
 
 /// Wake or start time of fake-vllm plus a margin for a loaded 2-core CI box.
 const ANSWER_WITHIN: Duration = Duration::from_secs(30);

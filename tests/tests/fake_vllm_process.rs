@@ -57,6 +57,31 @@ async fn sigterm_stops_the_engine_core_and_its_workers() {
     .await;
 }
 
+/// Like vLLM's engine core (SIGTERM and SIGINT both raise SystemExit), a
+/// SIGINT to the engine core alone ends it cleanly: its workers go with it.
+#[tokio::test]
+async fn sigint_to_the_engine_core_stops_it_and_its_workers() {
+    let fv = spawn_fake_vllm(&["m", "-tp", "2"]).await;
+    let core = fv.engine_core_pid().await;
+    let workers = siesta_tests::wait_for("two TP workers", DEADLINE, || {
+        let w: Vec<i32> = siesta_tests::descendants(core)
+            .into_iter()
+            .filter(|p| proc_stat(*p).is_some_and(|s| s.comm == "VLLM::Worker_TP"))
+            .collect();
+        (w.len() == 2).then_some(w)
+    })
+    .await;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(core), Signal::SIGINT).unwrap();
+    let mut all = workers.clone();
+    all.push(core);
+    wait_until(
+        "the engine core and its workers to exit",
+        DEADLINE,
+        || async { any_alive(&all).is_empty() },
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn a_dead_engine_core_turns_health_503_and_ends_the_server() {
     let mut fv = spawn_fake_vllm(&["m"]).await;

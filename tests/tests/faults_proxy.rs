@@ -1,15 +1,12 @@
 //! Faults around the proxy: the proxy killed with requests held, and an
 //! engine that dies in the middle of a streamed response.
 
-#[path = "control/util.rs"]
-mod util;
-
 use futures::StreamExt;
 use serde_json::{Value, json};
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use siesta_tests::{DEADLINE, spawn_proxy, wait_until};
 use std::time::Duration;
-use util::*;
 
 fn http() -> reqwest::Client {
     reqwest::Client::builder()

@@ -2,13 +2,10 @@
 //! stopped, changed ones restarted, unchanged ones not disturbed; an invalid
 //! file is refused and the running configuration stays.
 
-#[path = "control/util.rs"]
-mod util;
-
 use nix::sys::signal::Signal;
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use siesta_tests::{DEADLINE, group_members, wait_until};
-use util::*;
 
 fn expand(ctl: &Ctl, text: &str) -> String {
     text.replace("@DIR@", &ctl.dir.path().display().to_string())

@@ -2,13 +2,10 @@
 //! never appear in their logs (at debug level), wrong ones are refused, and
 //! engines are bound to loopback.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use siesta_tests::{Child, DEADLINE, bin_path, wait_addr_file, wait_until};
 use std::process::Command;
-use util::*;
 
 const TOKEN: &str = "ctl-SECRET-7f3a9";
 const WRONG_TOKEN: &str = "ctl-WRONG-0b1e2";

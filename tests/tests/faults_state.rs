@@ -2,15 +2,12 @@
 //! control planes. Errors are clear and name the path; nothing is corrupted
 //! or silently reset.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use siesta_tests::{DEADLINE, bin_path, group_members, wait_until};
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
-use util::*;
 
 /// Runs siesta-control with `config_toml` (`@DIR@` → `dir`) until it exits
 /// on its own (it must: start-up fails) and returns its output.

@@ -8,13 +8,10 @@
 //! Where NVML is present the inventory is the real one, not the config:
 //! these tests then skip.
 
-#[path = "control/util.rs"]
-mod util;
-
 use futures::StreamExt;
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use std::time::Duration;
-use util::*;
 
 /// `[control]` with the P2P probe off (deterministic), quick defaults,
 /// `gpus` GPUs of 80 GiB, and `models`.

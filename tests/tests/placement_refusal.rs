@@ -4,10 +4,7 @@
 //! model and the arithmetic. GPUs listed by hand (`[[gpu]]`); where NVML is
 //! present the inventory is the real one and these tests skip.
 
-#[path = "cli_support/run.rs"]
-mod run;
-
-use run::siesta;
+use siesta_tests::cli::siesta;
 use siesta_tests::{DEADLINE, bin_path};
 use std::path::Path;
 use std::time::Duration;

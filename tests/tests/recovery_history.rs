@@ -1,11 +1,8 @@
 //! After `kill -9` of siesta-control, the adopted engine keeps its history:
 //! the restart count and the last activity are those shown before.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
-use util::*;
+use siesta_tests::ctl::*;
 
 #[tokio::test]
 async fn restarts_and_last_activity_survive_adoption() {

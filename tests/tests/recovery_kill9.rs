@@ -2,13 +2,10 @@
 //! a stop: after a restart every model converges to its intent, running
 //! engines are adopted (same pid), none is duplicated, none orphaned.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use siesta_tests::{pids_with_env, proc_stat, wait_until};
 use std::collections::BTreeSet;
-use util::*;
 
 /// Process groups of every live engine process of this test (fake-vllm and
 /// its engine-core child share one).

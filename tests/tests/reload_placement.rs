@@ -5,13 +5,10 @@
 //! changes nothing and names the file and key. Where NVML is present the
 //! inventory is the real one and these tests skip.
 
-#[path = "control/util.rs"]
-mod util;
-
 use nix::sys::signal::Signal;
 use siesta_proto::v1 as pb;
 use siesta_tests::DEADLINE;
-use util::*;
+use siesta_tests::ctl::*;
 
 /// Two GPUs of 80 GiB, the P2P probe off, and `models`.
 fn gpu_config(models: &str) -> String {

@@ -4,15 +4,12 @@
 //! answered, the two are never awake together, and no engine is killed or
 //! replaced.
 
-#[path = "control/util.rs"]
-mod util;
-
 use siesta_proto::v1 as pb;
+use siesta_tests::ctl::*;
 use siesta_tests::{ProxyProc, spawn_proxy, wait_until};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use util::*;
 
 const ANSWER_WITHIN: Duration = Duration::from_secs(90);
 

@@ -12,7 +12,7 @@ use tokio_stream::StreamExt;
 use super::print_json_line;
 use crate::args::Format;
 use crate::client::{Conn, RPC_TIMEOUT};
-use crate::failure::Failure;
+use crate::failure::{Failure, no_answer};
 use crate::render;
 use crate::view::{GpusView, ModelView, PlacementView};
 
@@ -173,7 +173,7 @@ async fn open(conn: &Conn, since: u64) -> Result<tonic::Streaming<pb::WatchEvent
     };
     match tokio::time::timeout(RPC_TIMEOUT, client.watch(req)).await {
         Ok(r) => r.map(tonic::Response::into_inner),
-        Err(_) => Err(tonic::Status::unavailable("no answer to Watch")),
+        Err(_) => Err(no_answer("Watch")),
     }
 }
 
@@ -183,7 +183,7 @@ async fn incarnation_now(conn: &Conn) -> Result<(Incarnation, u64), tonic::Statu
     let info = match tokio::time::timeout(RPC_TIMEOUT, client.get_info(pb::GetInfoRequest {})).await
     {
         Ok(r) => r?.into_inner(),
-        Err(_) => return Err(tonic::Status::unavailable("no answer to GetInfo")),
+        Err(_) => return Err(no_answer("GetInfo")),
     };
     Ok(((info.control_id, info.started_unix_ms), info.revision))
 }

@@ -1,11 +1,9 @@
-//! Domain → `siesta.v1` messages, and refusals → `tonic::Status` (the one
-//! place errors are mapped).
+//! Domain → `siesta.v1` messages (errors are mapped in `errors.rs`).
 
-use crate::OpError;
 use crate::config::{IdleAction, IdleTier};
 use crate::hub::{Body, WatchItem};
 use crate::reconciler::{Calibration, Desired, Reason};
-use crate::status::{ModelStatus, State};
+use crate::status::{ModelStatus, PinView, State};
 use crate::supervisor::LogLine;
 use siesta_proto::v1 as pb;
 
@@ -13,19 +11,6 @@ mod gpu;
 pub use gpu::{
     gpu_budget, gpu_list, gpu_to_proto, model_placement, p2p_diag, p2p_to_proto, placement,
 };
-
-impl From<OpError> for tonic::Status {
-    fn from(e: OpError) -> Self {
-        let msg = e.to_string();
-        match e {
-            OpError::NotFound(_) => tonic::Status::not_found(msg),
-            OpError::InvalidArgument(_) => tonic::Status::invalid_argument(msg),
-            OpError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
-            OpError::Unimplemented(_) => tonic::Status::unimplemented(msg),
-            OpError::Unavailable(_) => tonic::Status::unavailable(msg),
-        }
-    }
-}
 
 fn state(s: State) -> pb::ModelState {
     match s {
@@ -78,6 +63,16 @@ fn calibration(c: &Calibration) -> pb::Calibration {
     }
 }
 
+/// The wire form of a pin: 0 for none, `i64::MAX` for until unpinned.
+fn pinned_until(p: PinView) -> i64 {
+    match p {
+        PinView::None => 0,
+        PinView::Until(at) => at,
+        PinView::Forever => i64::MAX,
+    }
+}
+
+/// The wire form of a status: absent values become proto3's zero values.
 pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
     let (desired, level) = match s.intent.desired {
         Desired::Stopped => (pb::DesiredState::Stopped, 0),
@@ -92,7 +87,7 @@ pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
         state: state(s.state) as i32,
         sleep_level: u32::from(s.sleep_level),
         state_since_unix_ms: s.state_since_unix_ms,
-        deadline_unix_ms: s.deadline_unix_ms,
+        deadline_unix_ms: s.deadline_unix_ms.unwrap_or(0),
         endpoints: s
             .endpoints
             .iter()
@@ -107,7 +102,7 @@ pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
             max_hold_ms: s.max_hold_ms,
         }),
         calibration: Some(calibration(&s.calibration)),
-        last_activity_unix_ms: s.last_activity_unix_ms,
+        last_activity_unix_ms: s.last_activity_unix_ms.unwrap_or(0),
         in_flight: s.in_flight,
         next_tier: s.next_tier.as_ref().map(|(t, _)| tier(t)),
         next_tier_unix_ms: s.next_tier.as_ref().map_or(0, |(_, at)| *at),
@@ -116,14 +111,14 @@ pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
             level,
             reason: reason(s.intent.reason) as i32,
             since_unix_ms: s.intent.since_unix_ms,
-            until_unix_ms: s.intent.until_unix_ms,
+            until_unix_ms: s.intent.until_unix_ms.unwrap_or(0),
         }),
-        pinned_until_unix_ms: s.pinned_until_unix_ms,
-        last_error: s.last_error.clone(),
+        pinned_until_unix_ms: pinned_until(s.pin),
+        last_error: s.last_error.clone().unwrap_or_default(),
         failures: s.failures,
-        retry_at_unix_ms: s.retry_at_unix_ms,
-        waiting_for: s.waiting_for.clone(),
-        pid: s.pid,
+        retry_at_unix_ms: s.retry_at_unix_ms.unwrap_or(0),
+        waiting_for: s.waiting_for.clone().unwrap_or_default(),
+        pid: s.pid.unwrap_or(0),
         restarts: s.restarts,
         p2p_disabled: s.p2p_disabled,
         control_id: s.control_id.clone(),

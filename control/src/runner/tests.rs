@@ -46,8 +46,8 @@ backoff_max = "2m"
         .unwrap()
         .clone();
     assert!(started.elapsed() >= Duration::from_secs(600));
-    assert_eq!(s.last_error, "start timed out");
-    assert_eq!(s.retry_at_unix_ms - s.state_since_unix_ms, 60_000);
+    assert_eq!(s.last_error.as_deref(), Some("start timed out"));
+    assert_eq!(s.retry_at_unix_ms.unwrap() - s.state_since_unix_ms, 60_000);
     // Retried after the backoff, fails again, then the delay is capped.
     let mut delays = vec![];
     for _ in 0..3 {
@@ -57,7 +57,7 @@ backoff_max = "2m"
             .await
             .unwrap()
             .clone();
-        delays.push((s.retry_at_unix_ms - s.state_since_unix_ms) / 1000);
+        delays.push((s.retry_at_unix_ms.unwrap() - s.state_since_unix_ms) / 1000);
     }
     assert_eq!(delays, [120, 120, 120]);
     assert_eq!(h.status.borrow().failures, 4);
@@ -96,9 +96,9 @@ stop_grace = "5s"
         .send(Event::Command(crate::reconciler::Command::Restart))
         .await
         .unwrap();
-    assert_eq!((s.state, s.pid), (State::Starting, 0), "{s:?}");
+    assert_eq!((s.state, s.pid), (State::Starting, None), "{s:?}");
     drop(held);
-    let s = tokio::time::timeout(Duration::from_secs(30), rx.wait_for(|s| s.pid != 0))
+    let s = tokio::time::timeout(Duration::from_secs(30), rx.wait_for(|s| s.pid.is_some()))
         .await
         .expect("the engine is spawned once the lock is free")
         .unwrap()
@@ -112,9 +112,10 @@ stop_grace = "5s"
         .map(|l| l.line)
         .collect();
     assert_eq!(spawns.len(), 1, "{spawns:#?}");
-    assert!(supervisor_alive(s.pid));
+    let pid = s.pid.unwrap();
+    assert!(supervisor_alive(pid));
     h.shutdown(true).await;
-    assert!(!supervisor_alive(s.pid));
+    assert!(!supervisor_alive(pid));
     cancel.cancel();
 }
 

@@ -140,19 +140,24 @@ pub fn run_child(args: &EngineCoreArgs) -> std::process::ExitCode {
             return std::process::ExitCode::from(1);
         }
     };
-    rt.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        let Ok(mut term) = signal(SignalKind::terminate()) else {
-            return;
+    // Like vLLM's engine core, SIGTERM or SIGINT ends it.
+    let ended = rt.block_on(async {
+        let signal = match siesta_signal::shutdown_signal() {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("fake-vllm engine core: {e}");
+                return Err(());
+            }
         };
+        tokio::pin!(signal);
         loop {
             tokio::select! {
-                _ = term.recv() => return,
+                _ = &mut signal => return Ok(()),
                 () = tokio::time::sleep(Duration::from_millis(50)) => {
                     if args.dies_with_parent
                         && nix::unistd::getppid().as_raw() != args.parent_pid
                     {
-                        return;
+                        return Ok(());
                     }
                 }
             }
@@ -164,7 +169,10 @@ pub fn run_child(args: &EngineCoreArgs) -> std::process::ExitCode {
     for mut w in workers {
         let _ = w.wait();
     }
-    std::process::ExitCode::SUCCESS
+    match ended {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(()) => std::process::ExitCode::from(1),
+    }
 }
 
 /// A worker's main: names itself `VLLM::Worker_TPn` and waits to be killed.

@@ -1,13 +1,12 @@
-//! Helpers shared by the `cli_*` tests: running `siesta` and waiting on
-//! model states. Included with `#[path]` (not a test target of its own).
-#![allow(dead_code)]
+//! Running the `siesta` CLI in end-to-end tests and waiting on model
+//! states.
 
 use std::process::Stdio;
 use std::time::Duration;
 
+use crate::{ControlProc, DEADLINE, bin_path, wait_until};
 use serde_json::Value;
 use siesta_proto::v1 as pb;
-use siesta_tests::{ControlProc, DEADLINE, bin_path, wait_until};
 use tokio::io::BufReader;
 
 /// Two fake-vllm models, no GPU, idle tiers far away.

@@ -1,9 +1,9 @@
-//! Helpers shared by the control_* end-to-end tests.
-#![allow(dead_code)]
+//! Driving one siesta-control over gRPC in end-to-end tests: a [`Ctl`]
+//! that kills its engines on drop, config builders, status polling.
 
+use crate::ControlProc;
 use siesta_proto::v1 as pb;
 use siesta_proto::v1::control_client::ControlClient;
-use siesta_tests::ControlProc;
 use std::ops::{Deref, DerefMut};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
@@ -14,11 +14,11 @@ use tonic::transport::Channel;
 pub struct Ctl(pub ControlProc);
 
 pub async fn start(config_toml: &str) -> Ctl {
-    Ctl(siesta_tests::spawn_control(config_toml).await)
+    Ctl(crate::spawn_control(config_toml).await)
 }
 
 pub async fn start_with(config_toml: &str, args: &[&str]) -> Ctl {
-    Ctl(siesta_tests::spawn_control_with(config_toml, args).await)
+    Ctl(crate::spawn_control_with(config_toml, args).await)
 }
 
 impl Deref for Ctl {
@@ -56,7 +56,7 @@ pub fn kill_tagged(tag: &str) {
             continue;
         };
         if env.split(|b| *b == 0).any(|kv| kv == tag.as_bytes()) {
-            let pgid = siesta_tests::proc_stat(pid).map_or(pid, |s| s.pgrp);
+            let pgid = crate::proc_stat(pid).map_or(pid, |s| s.pgrp);
             let _ = nix::sys::signal::killpg(
                 nix::unistd::Pid::from_raw(pgid),
                 nix::sys::signal::Signal::SIGKILL,
