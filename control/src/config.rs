@@ -49,6 +49,10 @@ pub struct ControlConfig {
     pub engine_idle_timeout: Duration,
 }
 
+/// Default `[control] engine_idle_timeout`: below uvicorn's 5 s keep-alive,
+/// so control never sends on a connection vLLM is closing.
+pub const DEFAULT_ENGINE_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
 /// Default `[control] min_awake`.
 pub const DEFAULT_MIN_AWAKE: Duration = Duration::from_secs(2);
 

@@ -34,7 +34,7 @@ pub type EngineError = String;
 /// How long a connection to an engine may sit idle in the pool: below
 /// uvicorn's 5 s keep-alive, so siesta never sends on a connection the
 /// engine is closing. `[control] engine_idle_timeout` overrides it.
-pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+pub use crate::config::DEFAULT_ENGINE_IDLE_TIMEOUT as DEFAULT_IDLE_TIMEOUT;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 

@@ -333,7 +333,12 @@ impl Models {
     /// errors (`FILE: KEY: what is wrong`).
     pub async fn reload_file(&self, path: &std::path::Path) -> Result<ReloadSummary, OpError> {
         let config = Config::load(path)?;
-        let s = self.reload(&config).await?;
+        let s = self.reload(&config).await.map_err(|e| match e {
+            OpError::Io { what, source } => {
+                OpError::io(format!("reload of {}: {what}", path.display()), source)
+            }
+            other => other,
+        })?;
         tracing::info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, reconfigured = ?s.reconfigured, "configuration reloaded");
         Ok(s)
     }

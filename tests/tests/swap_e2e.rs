@@ -86,6 +86,8 @@ fn watch_never_awake_together(
             .unwrap()
             .into_inner();
         let mut states: BTreeMap<String, i32> = BTreeMap::new();
+        // The last events, to say how it happened.
+        let mut seen: std::collections::VecDeque<String> = Default::default();
         while let Ok(Some(ev)) = stream.message().await {
             match ev.kind {
                 Some(pb::watch_event::Kind::Snapshot(s)) => {
@@ -94,6 +96,18 @@ fn watch_never_awake_together(
                     }
                 }
                 Some(pb::watch_event::Kind::Model(m)) => {
+                    seen.push_back(format!(
+                        "{} {} {:?} l{} in_flight={} waiting_for={:?}",
+                        ev.revision,
+                        m.name,
+                        pb::ModelState::try_from(m.state),
+                        m.sleep_level,
+                        m.in_flight,
+                        m.waiting_for
+                    ));
+                    if seen.len() > 16 {
+                        seen.pop_front();
+                    }
                     states.insert(m.name, m.state);
                 }
                 _ => {}
@@ -102,8 +116,9 @@ fn watch_never_awake_together(
             for set in &forbidden {
                 if set.iter().all(|m| awake(m)) {
                     *b.lock().unwrap() = Some(format!(
-                        "{set:?} awake together at revision {}",
-                        ev.revision
+                        "{set:?} awake together at revision {}; last events:\n{}",
+                        ev.revision,
+                        Vec::from(seen.clone()).join("\n")
                     ));
                 }
             }

@@ -130,7 +130,7 @@ pub(super) fn demo(command_prefix: Vec<String>) -> Config {
             p2p_probe: P2pProbeConfig::default(),
             asleep_residual: None,
             min_awake: super::DEFAULT_MIN_AWAKE,
-            engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
+            engine_idle_timeout: super::DEFAULT_ENGINE_IDLE_TIMEOUT,
         },
         defaults,
         gpus: Vec::new(),

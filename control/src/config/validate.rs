@@ -135,7 +135,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         p2p_probe,
         asleep_residual,
         min_awake,
-        engine_idle_timeout: engine_idle_timeout.unwrap_or(crate::engine::DEFAULT_IDLE_TIMEOUT),
+        engine_idle_timeout: engine_idle_timeout.unwrap_or(super::DEFAULT_ENGINE_IDLE_TIMEOUT),
     }
 }
 
