@@ -6,6 +6,7 @@
 //! SIGKILLed when its [`Child`] is dropped, so a failing test leaves nothing behind.
 #![forbid(unsafe_code)]
 
+mod browser;
 mod child;
 mod control;
 mod fake;
@@ -16,6 +17,7 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+pub use browser::{Browser, chromium_path};
 pub use child::{Child, Output};
 pub use control::{ControlProc, spawn_control, spawn_control_with};
 pub use fake::{

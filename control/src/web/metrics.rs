@@ -140,10 +140,21 @@ pub fn encode(hub: &Hub, gpus: &GpuView, tracker: &Tracker) -> String {
     let engine = Family::<EngineLabels, GBytes>::default();
     reg.register_with_unit(
         "engine_gpu_memory",
-        "GPU memory held by each model's engine (NVML per process)",
+        "GPU memory held by each model's engine (NVML per process; 0 on its GPUs while it holds none)",
         Unit::Bytes,
         engine.clone(),
     );
+    // A placed model has a series per GPU even while its engine holds none.
+    for m in &models {
+        for g in &m.gpus {
+            engine
+                .get_or_create(&EngineLabels {
+                    model: m.name.clone(),
+                    gpu: g.to_string(),
+                })
+                .set(0);
+        }
+    }
     for g in &list.gpus {
         let gl = GpuLabels {
             gpu: g.index.to_string(),
