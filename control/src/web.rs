@@ -2,8 +2,9 @@
 //! embedded in the binary), the Watch stream as server-sent events
 //! (`/events`), JSON reads and model operations (`/api/...`), and the
 //! control plane's Prometheus metrics (`/metrics`). With a token configured
-//! every path requires it, as `Authorization: Bearer TOKEN` or `?token=TOKEN`
-//! (browsers' `EventSource` cannot send headers).
+//! every path but the script and style sheet requires it, as
+//! `Authorization: Bearer TOKEN` or `?token=TOKEN` (browsers' `EventSource`
+//! cannot send headers).
 
 mod actions;
 mod metrics;
@@ -112,7 +113,10 @@ async fn handle(
     req: Request<hyper::body::Incoming>,
     cancel: CancellationToken,
 ) -> Response<Body> {
-    if let Err(r) = authorize(web.token.as_deref(), &req) {
+    // The script and style sheet hold no data: a page opened with its
+    // token loads them without one.
+    let public = matches!(req.uri().path(), "/app.js" | "/style.css");
+    if let Err(r) = authorize(web.token.as_deref(), &req).or_else(|r| if public { Ok(()) } else { Err(r) }) {
         tracing::info!(path = %req.uri().path(), "web: request without the right token refused");
         return r;
     }

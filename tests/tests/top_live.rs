@@ -25,7 +25,8 @@ fn row_state(screen: &str, model: &str) -> Option<String> {
     screen.lines().find_map(|l| {
         let cells = l.trim_start_matches(['│', ' ']);
         let rest = cells.strip_prefix(model)?.strip_prefix(' ')?;
-        let rest = rest.trim_start_matches(" [pin]").trim_start();
+        let rest = rest.trim_start();
+        let rest = rest.strip_prefix("[pin]").unwrap_or(rest);
         Some(rest.split_whitespace().next()?.to_string())
     })
 }
