@@ -131,7 +131,7 @@ pub(super) fn demo(command_prefix: Vec<String>) -> Config {
             asleep_residual: None,
             min_awake: super::DEFAULT_MIN_AWAKE,
             engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
-            web_listen: None,
+            web_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
         },
         defaults,
         gpus: Vec::new(),

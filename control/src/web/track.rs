@@ -238,3 +238,68 @@ impl Tracker {
         let _ = prometheus_client::encoding::text::encode_registry(out, &self.registry);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(state: pb::ModelState, level: u32, since: i64) -> pb::ModelStatus {
+        pb::ModelStatus {
+            name: "m".into(),
+            state: state as i32,
+            sleep_level: level,
+            state_since_unix_ms: since,
+            calibration: Some(pb::Calibration {
+                wake_l2_ms: 900,
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_wake_is_timed_against_its_calibration() {
+        let t = Tracker::new();
+        t.record(&status(pb::ModelState::Asleep, 2, 1_000), false);
+        t.record(&status(pb::ModelState::Waking, 2, 5_000), true);
+        // An update that changes nothing is not a new span.
+        t.record(&status(pb::ModelState::Waking, 2, 5_000), true);
+        t.record(&status(pb::ModelState::Awake, 0, 6_200), true);
+        let h = t.history(7_000);
+        let states: Vec<&str> = h.timelines["m"].iter().map(|s| s.state).collect();
+        assert_eq!(states, ["asleep", "waking", "awake"]);
+        assert_eq!(
+            h.wakes,
+            [WakeSample {
+                model: "m".into(),
+                at_unix_ms: 6_200,
+                from: "l2",
+                duration_ms: 1_200,
+                calibrated_ms: 900,
+            }]
+        );
+        let mut text = String::new();
+        t.encode(&mut text);
+        assert!(
+            text.contains("siesta_control_wakes_total{model=\"m\",from=\"l2\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("siesta_control_transitions_total{model=\"m\",state=\"awake\"} 1"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_timeline_keeps_one_hour() {
+        let t = Tracker::new();
+        t.record(&status(pb::ModelState::Awake, 0, 0), false);
+        t.record(&status(pb::ModelState::Asleep, 1, 10_000), true);
+        t.record(&status(pb::ModelState::Awake, 0, 20_000), true);
+        t.record(&status(pb::ModelState::Asleep, 1, 20_000 + HISTORY_MS), true);
+        let h = t.history(20_000 + HISTORY_MS);
+        // The span in force at the window's start stays; older ones go.
+        let at: Vec<i64> = h.timelines["m"].iter().map(|s| s.at_unix_ms).collect();
+        assert_eq!(at, [20_000, 20_000 + HISTORY_MS]);
+    }
+}
