@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 const ROWS: u16 = 40;
-const COLS: u16 = 160;
+const COLS: u16 = 120;
 
 /// What the pty has shown: the parsed screen, all bytes, and when each
 /// state of the watched model first appeared in its row.
@@ -108,6 +108,12 @@ impl TopPty {
     pub fn first_seen(&self, state: &str) -> Option<Instant> {
         let s = self.screen.lock().unwrap();
         s.first_seen.iter().find(|(x, _)| x == state).map(|(_, t)| *t)
+    }
+
+    /// Off the alternate screen with the cursor shown.
+    pub fn restored(&self) -> bool {
+        let s = self.screen.lock().unwrap();
+        !s.parser.screen().alternate_screen() && !s.parser.screen().hide_cursor()
     }
 
     pub fn order(&self) -> Vec<String> {

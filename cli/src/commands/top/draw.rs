@@ -62,9 +62,9 @@ pub fn draw(f: &mut Frame, top: &Top, now: i64) {
     let areas = Layout::vertical([
         Constraint::Length(1),
         Constraint::Length(gpu_lines + 2),
-        Constraint::Min(4),
+        Constraint::Length(top.models.len().max(1) as u16 + 3),
         Constraint::Length(waking.len() as u16),
-        Constraint::Length(10),
+        Constraint::Min(6),
         Constraint::Length(1),
     ])
     .split(f.area());
