@@ -116,7 +116,9 @@ async fn handle(
     // The script and style sheet hold no data: a page opened with its
     // token loads them without one.
     let public = matches!(req.uri().path(), "/app.js" | "/style.css");
-    if let Err(r) = authorize(web.token.as_deref(), &req).or_else(|r| if public { Ok(()) } else { Err(r) }) {
+    if let Err(r) =
+        authorize(web.token.as_deref(), &req).or_else(|r| if public { Ok(()) } else { Err(r) })
+    {
         tracing::info!(path = %req.uri().path(), "web: request without the right token refused");
         return r;
     }
@@ -142,9 +144,10 @@ async fn handle(
             }
         }
         (&Method::GET, "/events") => sse::events(web, &req, cancel),
-        (&Method::GET, "/api/history") => {
-            json(StatusCode::OK, &web.tracker.history(web.service.clock.now_ms()))
-        }
+        (&Method::GET, "/api/history") => json(
+            StatusCode::OK,
+            &web.tracker.history(web.service.clock.now_ms()),
+        ),
         (_, p) if p.starts_with("/api/") => actions::handle(web, req).await,
         (_, p) => error(StatusCode::NOT_FOUND, &format!("no such page: {p}")),
     }

@@ -48,7 +48,9 @@ impl Browser {
                 std::env::var_os("CI").is_none(),
                 "chromium is not installed (CI is set, so the browser tests must run): apt-get install -y chromium"
             );
-            eprintln!("SKIPPED: chromium is not installed (apt-get install -y chromium); set CI to make this a failure");
+            eprintln!(
+                "SKIPPED: chromium is not installed (apt-get install -y chromium); set CI to make this a failure"
+            );
             return None;
         };
         let profile = tempfile::Builder::new()
@@ -83,7 +85,10 @@ impl Browser {
                 break p;
             }
             if let Some(status) = child.try_exit() {
-                panic!("chromium exited ({status}) at start:\n{}", child.output().text());
+                panic!(
+                    "chromium exited ({status}) at start:\n{}",
+                    child.output().text()
+                );
             }
             assert!(
                 start.elapsed() < DEADLINE,
@@ -105,7 +110,10 @@ impl Browser {
             {
                 break u.to_string();
             }
-            assert!(start.elapsed() < DEADLINE, "chromium shows no page at {list}");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "chromium shows no page at {list}"
+            );
             tokio::time::sleep(POLL).await;
         };
         let (ws, _) = tokio_tungstenite::connect_async(&ws_url)
@@ -170,7 +178,9 @@ impl Browser {
                 return;
             }
             if start.elapsed() > deadline {
-                let body = self.eval("document.body ? document.body.innerText : ''").await;
+                let body = self
+                    .eval("document.body ? document.body.innerText : ''")
+                    .await;
                 panic!("timed out after {deadline:?} waiting for {what}; the page shows:\n{body}");
             }
             tokio::time::sleep(POLL).await;

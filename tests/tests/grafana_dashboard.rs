@@ -3,10 +3,10 @@
 //! the live `/metrics` of siesta-control (web listener) and siesta-proxy
 //! (admin listener) after a request woke a model through the proxy.
 
-#[path = "control/util.rs"]
-mod util;
 #[path = "web/stack.rs"]
 mod stack;
+#[path = "control/util.rs"]
+mod util;
 
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -41,7 +41,12 @@ gpu_memory = 0.5
 preload = "none"
 env = {{ SIESTA_TEST_TAG = "@DIR@" }}
 {}"#,
-        fake_model("slow", "asleep", &["--wake-time", "5s"], r#"max_hold = "300ms""#)
+        fake_model(
+            "slow",
+            "asleep",
+            &["--wake-time", "5s"],
+            r#"max_hold = "300ms""#
+        )
     )
 }
 
@@ -86,7 +91,8 @@ fn metric_names(expr: &str) -> Vec<String> {
     let mut i = 0;
     while let Some(pos) = expr[i..].find("siesta_") {
         let start = i + pos;
-        let boundary = start == 0 || !(b[start - 1].is_ascii_alphanumeric() || b[start - 1] == b'_');
+        let boundary =
+            start == 0 || !(b[start - 1].is_ascii_alphanumeric() || b[start - 1] == b'_');
         let mut end = start;
         while end < b.len() && (b[end].is_ascii_alphanumeric() || b[end] == b'_') {
             end += 1;
@@ -122,27 +128,45 @@ fn the_dashboard_is_well_formed() {
         .iter()
         .filter_map(|v| v["name"].as_str())
         .collect();
-    assert!(vars.contains(&"datasource") && vars.contains(&"model"), "{vars:?}");
+    assert!(
+        vars.contains(&"datasource") && vars.contains(&"model"),
+        "{vars:?}"
+    );
     let mut ids = BTreeSet::new();
     let mut queries = 0;
     for p in panels(&d) {
         let title = p["title"].as_str().unwrap_or("?");
-        let id = p["id"].as_u64().unwrap_or_else(|| panic!("panel {title:?} has no id"));
+        let id = p["id"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("panel {title:?} has no id"));
         assert!(ids.insert(id), "panel id {id} ({title:?}) used twice");
         let g = &p["gridPos"];
         for k in ["h", "w", "x", "y"] {
             assert!(g[k].is_u64(), "panel {title:?}: gridPos.{k} missing");
         }
-        assert!(g["x"].as_u64().unwrap() + g["w"].as_u64().unwrap() <= 24, "panel {title:?} is wider than the grid");
+        assert!(
+            g["x"].as_u64().unwrap() + g["w"].as_u64().unwrap() <= 24,
+            "panel {title:?} is wider than the grid"
+        );
         if p["type"] == "row" {
             continue;
         }
-        assert_eq!(p["datasource"]["uid"], "${datasource}", "panel {title:?}: datasource");
-        let targets = p["targets"].as_array().unwrap_or_else(|| panic!("panel {title:?} has no targets"));
+        assert_eq!(
+            p["datasource"]["uid"], "${datasource}",
+            "panel {title:?}: datasource"
+        );
+        let targets = p["targets"]
+            .as_array()
+            .unwrap_or_else(|| panic!("panel {title:?} has no targets"));
         assert!(!targets.is_empty(), "panel {title:?} has no queries");
         for t in targets {
-            let expr = t["expr"].as_str().unwrap_or_else(|| panic!("panel {title:?}: a target without expr"));
-            assert!(!metric_names(expr).is_empty(), "panel {title:?}: {expr} names no siesta metric");
+            let expr = t["expr"]
+                .as_str()
+                .unwrap_or_else(|| panic!("panel {title:?}: a target without expr"));
+            assert!(
+                !metric_names(expr).is_empty(),
+                "panel {title:?}: {expr} names no siesta metric"
+            );
             assert_eq!(
                 expr.matches('(').count(),
                 expr.matches(')').count(),
@@ -161,10 +185,18 @@ async fn every_query_names_a_metric_the_binaries_export() {
     s.ask("tiny").await;
     // One held past its limit is shed.
     let mut c = s.ctl.client().await;
-    util::wait_state(&mut c, "slow", siesta_proto::v1::ModelState::Asleep, util::LONG).await;
+    util::wait_state(
+        &mut c,
+        "slow",
+        siesta_proto::v1::ModelState::Asleep,
+        util::LONG,
+    )
+    .await;
     let shed = reqwest::Client::new()
         .post(format!("{}/v1/chat/completions", s.proxy.url()))
-        .json(&serde_json::json!({"model": "slow", "messages": [{"role": "user", "content": "hi"}]}))
+        .json(
+            &serde_json::json!({"model": "slow", "messages": [{"role": "user", "content": "hi"}]}),
+        )
         .send()
         .await
         .expect("request for slow");
@@ -178,14 +210,24 @@ async fn every_query_names_a_metric_the_binaries_export() {
         .expect("proxy /metrics body");
     let mut fams = families(&control);
     let proxy_fams = families(&proxy);
-    assert!(!fams.is_empty(), "siesta-control /metrics has no families:\n{control}");
-    assert!(!proxy_fams.is_empty(), "siesta-proxy /metrics has no families:\n{proxy}");
+    assert!(
+        !fams.is_empty(),
+        "siesta-control /metrics has no families:\n{control}"
+    );
+    assert!(
+        !proxy_fams.is_empty(),
+        "siesta-proxy /metrics has no families:\n{proxy}"
+    );
     fams.extend(proxy_fams);
     for (name, kind, source) in RARE {
         let text = std::fs::read_to_string(source).unwrap_or_else(|e| panic!("{source}: {e}"));
         let short = name.trim_start_matches("siesta_proxy_");
-        assert!(text.contains(&format!("\"{short}\"")), "{source} no longer registers {name}");
-        fams.entry(name.to_string()).or_insert_with(|| kind.to_string());
+        assert!(
+            text.contains(&format!("\"{short}\"")),
+            "{source} no longer registers {name}"
+        );
+        fams.entry(name.to_string())
+            .or_insert_with(|| kind.to_string());
     }
 
     // The metrics move with what happened.
@@ -196,14 +238,20 @@ async fn every_query_names_a_metric_the_binaries_export() {
         "siesta_control_gpu_memory_total_bytes{gpu=\"0\"} 85899345920",
         "siesta_control_engine_gpu_memory_bytes{model=\"tiny\",gpu=\"0\"}",
     ] {
-        assert!(control.contains(needle), "control /metrics lacks {needle}:\n{control}");
+        assert!(
+            control.contains(needle),
+            "control /metrics lacks {needle}:\n{control}"
+        );
     }
     for needle in [
         "siesta_proxy_requests_total{model=\"tiny\",status=\"200\"} 1",
         "siesta_proxy_hold_wait_seconds_count{model=\"tiny\"} 1",
         "siesta_proxy_shed_total{model=\"slow\",",
     ] {
-        assert!(proxy.contains(needle), "proxy /metrics lacks {needle}:\n{proxy}");
+        assert!(
+            proxy.contains(needle),
+            "proxy /metrics lacks {needle}:\n{proxy}"
+        );
     }
 
     let d = dashboard();

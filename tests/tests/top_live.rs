@@ -4,10 +4,10 @@
 //! second of the Watch event; keys act on the selected model; `q` restores
 //! the terminal; a control-plane restart shows "reconnecting…", not a crash.
 
-#[path = "control/util.rs"]
-mod util;
 #[path = "top/pty.rs"]
 mod pty;
+#[path = "control/util.rs"]
+mod util;
 
 use nix::sys::termios::{LocalFlags, tcgetattr};
 use pty::{TopPty, row_state};
@@ -63,7 +63,12 @@ async fn top_shows_a_wake_through_the_proxy_live_and_q_restores_the_terminal() {
         let url = format!("{}/v1/chat/completions", proxy.url());
         tokio::spawn(async move {
             let body = serde_json::json!({"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
-            reqwest::Client::new().post(url).json(&body).send().await.map(|r| r.status())
+            reqwest::Client::new()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .map(|r| r.status())
         })
     };
     let mut at = BTreeMap::new();
@@ -82,13 +87,19 @@ async fn top_shows_a_wake_through_the_proxy_live_and_q_restores_the_terminal() {
     .await
     .expect("alpha awake on Watch");
     assert_eq!(ask.await.unwrap().expect("request through the proxy"), 200);
-    for (want, st) in [("waking", pb::ModelState::Waking), ("awake", pb::ModelState::Awake)] {
+    for (want, st) in [
+        ("waking", pb::ModelState::Waking),
+        ("awake", pb::ModelState::Awake),
+    ] {
         let event = *at.get(&st).unwrap_or_else(|| panic!("no {want} event"));
         wait_until(&format!("alpha {want} on the screen"), LONG, || async {
             top.first_seen(want).is_some()
         })
         .await;
-        let late = top.first_seen(want).unwrap().saturating_duration_since(event);
+        let late = top
+            .first_seen(want)
+            .unwrap()
+            .saturating_duration_since(event);
         assert!(
             late < LIVE_WITHIN,
             "alpha {want} on screen {late:?} after the event; screen:\n{}",
@@ -132,7 +143,8 @@ async fn top_shows_a_wake_through_the_proxy_live_and_q_restores_the_terminal() {
     );
     let t = tcgetattr(&top.slave).expect("tcgetattr");
     assert!(
-        t.local_flags.contains(LocalFlags::ICANON | LocalFlags::ECHO),
+        t.local_flags
+            .contains(LocalFlags::ICANON | LocalFlags::ECHO),
         "raw mode not undone: {:?}",
         t.local_flags
     );
@@ -178,5 +190,8 @@ async fn top_survives_a_control_plane_restart_and_sigterm_restores_the_terminal(
     })
     .await;
     let t = tcgetattr(&top.slave).expect("tcgetattr");
-    assert!(t.local_flags.contains(LocalFlags::ICANON | LocalFlags::ECHO));
+    assert!(
+        t.local_flags
+            .contains(LocalFlags::ICANON | LocalFlags::ECHO)
+    );
 }

@@ -2,10 +2,10 @@
 //! the page: a snapshot first, one event per change with `id:` = revision,
 //! resume with `Last-Event-ID` or `?since=`; and the `/api` operations.
 
-#[path = "control/util.rs"]
-mod util;
 #[path = "web/stack.rs"]
 mod stack;
+#[path = "control/util.rs"]
+mod util;
 
 use futures::StreamExt;
 use serde_json::Value;
@@ -56,7 +56,8 @@ impl Events {
                     continue;
                 }
                 let chunk = self.body.next().await.expect("stream open").expect("read");
-                self.buf.push_str(std::str::from_utf8(&chunk).expect("UTF-8"));
+                self.buf
+                    .push_str(std::str::from_utf8(&chunk).expect("UTF-8"));
             }
         })
         .await
@@ -68,7 +69,8 @@ impl Events {
         let mut seen = Vec::new();
         loop {
             let ev = self.next().await;
-            let hit = ev.1 == "model" && ev.2["model"]["name"] == name && ev.2["model"]["state"] == state;
+            let hit =
+                ev.1 == "model" && ev.2["model"]["name"] == name && ev.2["model"]["state"] == state;
             seen.push(ev);
             if hit {
                 return seen;

@@ -3,10 +3,10 @@
 //! wake through the proxy within a second of each event, its buttons send
 //! the operations, and without the token a non-loopback listener refuses it.
 
-#[path = "control/util.rs"]
-mod util;
 #[path = "web/stack.rs"]
 mod stack;
+#[path = "control/util.rs"]
+mod util;
 
 use siesta_proto::v1 as pb;
 use siesta_tests::Browser;
@@ -70,8 +70,12 @@ async fn the_page_follows_a_wake_and_its_buttons_send_the_operations() {
 
     // A request through the proxy wakes alpha; the page follows each event.
     s.ask("alpha").await;
-    b.wait_js("alpha awake on the page", LONG, &format!("{} === 'awake'", row_state("alpha")))
-        .await;
+    b.wait_js(
+        "alpha awake on the page",
+        LONG,
+        &format!("{} === 'awake'", row_state("alpha")),
+    )
+    .await;
     let alpha = seen(&mut b, "alpha").await;
     let states: Vec<&str> = alpha.iter().map(|(s, ..)| s.as_str()).collect();
     let waking = states.iter().position(|s| *s == "waking");
@@ -104,8 +108,12 @@ async fn the_page_follows_a_wake_and_its_buttons_send_the_operations() {
         Some(pb::IntentReason::Operator as i32),
         "sleep L2 came from the page"
     );
-    b.wait_js("alpha asleep on the page", LONG, &format!("{} === 'asleep'", row_state("alpha")))
-        .await;
+    b.wait_js(
+        "alpha asleep on the page",
+        LONG,
+        &format!("{} === 'asleep'", row_state("alpha")),
+    )
+    .await;
     click(&mut b, "alpha", "wake").await;
     wait_state(&mut c, "alpha", pb::ModelState::Awake, LONG).await;
     click(&mut b, "beta", "pin").await;

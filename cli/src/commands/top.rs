@@ -162,7 +162,12 @@ async fn act(conn: Conn, action: Action, tx: mpsc::Sender<Feed>) {
                 let mut lines = Vec::new();
                 while let Some(l) = s.next().await {
                     let l = l?;
-                    lines.push(format!("{} {} {}", state::clock(l.at_unix_ms), l.stream, l.line));
+                    lines.push(format!(
+                        "{} {} {}",
+                        state::clock(l.at_unix_ms),
+                        l.stream,
+                        l.line
+                    ));
                 }
                 let _ = tx.send(Feed::EngineLog(name.clone(), lines)).await;
                 return Ok(None);

@@ -86,7 +86,14 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     };
     print!(
         "{}",
-        banner(http, admin, web, &control_url, &models, args.config.as_deref())
+        banner(
+            http,
+            admin,
+            web,
+            &control_url,
+            &models,
+            args.config.as_deref()
+        )
     );
     // What happens next, one line per change, so a model is seen waking.
     tokio::spawn(print_events(

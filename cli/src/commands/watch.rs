@@ -165,7 +165,10 @@ fn print(ev: &pb::WatchEvent, format: Format, text: &mut TextWatch) -> Result<()
     Ok(())
 }
 
-pub(super) async fn open(conn: &Conn, since: u64) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
+pub(super) async fn open(
+    conn: &Conn,
+    since: u64,
+) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
     let mut client = conn.client.clone();
     let req = pb::WatchRequest {
         since_revision: since,

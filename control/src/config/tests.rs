@@ -210,7 +210,10 @@ fn web_listen_is_off_by_default_and_checked() {
     let c = Config::parse("", "empty.toml").unwrap();
     assert_eq!(c.control.web_listen, None);
     let c = Config::parse("[control]\nweb_listen = \"127.0.0.1:9091\"\n", "w.toml").unwrap();
-    assert_eq!(c.control.web_listen, Some("127.0.0.1:9091".parse().unwrap()));
+    assert_eq!(
+        c.control.web_listen,
+        Some("127.0.0.1:9091".parse().unwrap())
+    );
     let err = Config::parse("[control]\nweb_listen = \"localhost\"\n", "w.toml")
         .unwrap_err()
         .to_string();

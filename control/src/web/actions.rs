@@ -55,7 +55,10 @@ pub async fn handle<B>(web: &Web, req: Request<B>) -> Response<Body> {
     let svc = &web.service;
     match (req.method(), path.as_str()) {
         (&Method::GET, "/api/models") => {
-            match svc.list_models(tonic::Request::new(pb::ListModelsRequest::default())).await {
+            match svc
+                .list_models(tonic::Request::new(pb::ListModelsRequest::default()))
+                .await
+            {
                 Ok(r) => {
                     let r = r.into_inner();
                     let view = ModelsView {
@@ -68,7 +71,10 @@ pub async fn handle<B>(web: &Web, req: Request<B>) -> Response<Body> {
             }
         }
         (&Method::GET, "/api/gpus") => {
-            match svc.list_gpus(tonic::Request::new(pb::ListGpusRequest::default())).await {
+            match svc
+                .list_gpus(tonic::Request::new(pb::ListGpusRequest::default()))
+                .await
+            {
                 Ok(r) => json(StatusCode::OK, &GpusView::from(&r.into_inner())),
                 Err(s) => refused(s),
             }

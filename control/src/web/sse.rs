@@ -68,7 +68,10 @@ pub fn events<B>(web: &Web, req: &Request<B>, cancel: CancellationToken) -> Resp
             }?;
             let ev = crate::api::convert::watch_event(&item, &control_id);
             let text = frame(&EventView::from(&ev));
-            Some((Ok::<_, Infallible>(Frame::data(Bytes::from(text))), (sub, cancel)))
+            Some((
+                Ok::<_, Infallible>(Frame::data(Bytes::from(text))),
+                (sub, cancel),
+            ))
         }
     });
     let body = BodyExt::boxed(StreamBody::new(first.chain(rest)));
@@ -115,7 +118,10 @@ mod tests {
             )),
         };
         let f = frame(&EventView::from(&ev));
-        assert!(f.starts_with("id: 42\nevent: model_removed\ndata: {"), "{f}");
+        assert!(
+            f.starts_with("id: 42\nevent: model_removed\ndata: {"),
+            "{f}"
+        );
         assert!(f.contains("\"model_removed\":\"m\""), "{f}");
         assert!(f.ends_with("\n\n"));
     }

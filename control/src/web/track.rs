@@ -296,7 +296,10 @@ mod tests {
         t.record(&status(pb::ModelState::Awake, 0, 0), false);
         t.record(&status(pb::ModelState::Asleep, 1, 10_000), true);
         t.record(&status(pb::ModelState::Awake, 0, 20_000), true);
-        t.record(&status(pb::ModelState::Asleep, 1, 20_000 + HISTORY_MS), true);
+        t.record(
+            &status(pb::ModelState::Asleep, 1, 20_000 + HISTORY_MS),
+            true,
+        );
         let h = t.history(20_000 + HISTORY_MS);
         // The span in force at the window's start stays; older ones go.
         let at: Vec<i64> = h.timelines["m"].iter().map(|s| s.at_unix_ms).collect();

@@ -7,7 +7,6 @@
 use serde::Serialize;
 use siesta_proto::v1 as pb;
 
-
 fn state_name(s: pb::ModelState) -> &'static str {
     s.label()
 }

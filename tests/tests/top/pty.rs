@@ -107,7 +107,10 @@ impl TopPty {
     /// When `state` first showed in the watched row.
     pub fn first_seen(&self, state: &str) -> Option<Instant> {
         let s = self.screen.lock().unwrap();
-        s.first_seen.iter().find(|(x, _)| x == state).map(|(_, t)| *t)
+        s.first_seen
+            .iter()
+            .find(|(x, _)| x == state)
+            .map(|(_, t)| *t)
     }
 
     /// Off the alternate screen with the cursor shown.

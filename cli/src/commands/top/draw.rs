@@ -52,12 +52,7 @@ pub fn draw(f: &mut Frame, top: &Top, now: i64) {
     let waking: Vec<&pb::ModelStatus> = top
         .models
         .values()
-        .filter(|m| {
-            matches!(
-                m.state(),
-                pb::ModelState::Waking | pb::ModelState::Starting
-            )
-        })
+        .filter(|m| matches!(m.state(), pb::ModelState::Waking | pb::ModelState::Starting))
         .collect();
     let areas = Layout::vertical([
         Constraint::Length(1),
@@ -121,7 +116,10 @@ pub fn draw(f: &mut Frame, top: &Top, now: i64) {
 fn header(f: &mut Frame, area: Rect, top: &Top, now: i64) {
     let (text, style) = match &top.link {
         Link::Live => ("live".to_string(), Style::default().fg(Color::Green)),
-        Link::Connecting => ("connecting…".to_string(), Style::default().fg(Color::Yellow)),
+        Link::Connecting => (
+            "connecting…".to_string(),
+            Style::default().fg(Color::Yellow),
+        ),
         Link::Reconnecting(why) => (
             format!("reconnecting… ({why})"),
             Style::default().fg(Color::Yellow),
@@ -170,7 +168,10 @@ fn gpus(f: &mut Frame, area: Rect, top: &Top) {
             let other = gpu.memory_used_bytes.saturating_sub(known);
             let n = (((other as f64 / total) * width as f64).round() as usize).min(width - cells);
             cells += n;
-            spans.push(Span::styled("▒".repeat(n), Style::default().fg(Color::DarkGray)));
+            spans.push(Span::styled(
+                "▒".repeat(n),
+                Style::default().fg(Color::DarkGray),
+            ));
             spans.push(Span::raw("░".repeat(width - cells)));
             let p2p: Vec<String> = g
                 .p2p
@@ -207,13 +208,31 @@ fn models(f: &mut Frame, area: Rect, top: &Top, now: i64) {
         .values()
         .map(|m| {
             let (used, total) = top.engine_memory(&m.name, &m.gpus);
-            let (full, empty) = bar(if total > 0 { used as f64 / total as f64 } else { 0.0 }, 10);
+            let (full, empty) = bar(
+                if total > 0 {
+                    used as f64 / total as f64
+                } else {
+                    0.0
+                },
+                10,
+            );
             let mem = Line::from(vec![
                 Span::styled(full, Style::default().fg(model_colour(top, &m.name))),
                 Span::raw(empty),
-                Span::raw(format!(" {}", if used > 0 { render::bytes(used) } else { "-".into() })),
+                Span::raw(format!(
+                    " {}",
+                    if used > 0 {
+                        render::bytes(used)
+                    } else {
+                        "-".into()
+                    }
+                )),
             ]);
-            let pin = if m.pinned_until_unix_ms != 0 { " [pin]" } else { "" };
+            let pin = if m.pinned_until_unix_ms != 0 {
+                " [pin]"
+            } else {
+                ""
+            };
             Row::new(vec![
                 Cell::from(format!("{}{pin}", m.name)),
                 Cell::from(format!(

@@ -82,7 +82,11 @@ impl Top {
         self.revision = ev.revision;
         match &ev.kind {
             Some(Kind::Snapshot(s)) => {
-                self.models = s.models.iter().map(|m| (m.name.clone(), m.clone())).collect();
+                self.models = s
+                    .models
+                    .iter()
+                    .map(|m| (m.name.clone(), m.clone()))
+                    .collect();
                 if let Some(g) = &s.gpus {
                     self.gpus = Some(g.clone());
                 }
@@ -209,7 +213,10 @@ mod tests {
         t.apply(&ev(
             1,
             Kind::Snapshot(pb::Snapshot {
-                models: vec![model("a", pb::ModelState::Asleep), model("b", pb::ModelState::Stopped)],
+                models: vec![
+                    model("a", pb::ModelState::Asleep),
+                    model("b", pb::ModelState::Stopped),
+                ],
                 ..Default::default()
             }),
         ));
@@ -230,19 +237,37 @@ mod tests {
         t.apply(&ev(
             1,
             Kind::Snapshot(pb::Snapshot {
-                models: vec![model("a", pb::ModelState::Awake), model("b", pb::ModelState::Awake)],
+                models: vec![
+                    model("a", pb::ModelState::Awake),
+                    model("b", pb::ModelState::Awake),
+                ],
                 ..Default::default()
             }),
         ));
         let key = |c| KeyEvent::from(c);
-        assert_eq!(t.key(key(KeyCode::Char('w'))), Some(Action::Wake("a".into())));
+        assert_eq!(
+            t.key(key(KeyCode::Char('w'))),
+            Some(Action::Wake("a".into()))
+        );
         assert_eq!(t.key(key(KeyCode::Down)), None);
-        assert_eq!(t.key(key(KeyCode::Char('2'))), Some(Action::Sleep("b".into(), 2)));
+        assert_eq!(
+            t.key(key(KeyCode::Char('2'))),
+            Some(Action::Sleep("b".into(), 2))
+        );
         assert_eq!(t.key(key(KeyCode::Down)), None);
         assert_eq!(t.selected_name(), Some("b"));
-        assert_eq!(t.key(key(KeyCode::Char('p'))), Some(Action::Pin("b".into())));
-        assert_eq!(t.key(key(KeyCode::Char('s'))), Some(Action::Stop("b".into())));
-        assert_eq!(t.key(key(KeyCode::Char('l'))), Some(Action::Logs("b".into())));
+        assert_eq!(
+            t.key(key(KeyCode::Char('p'))),
+            Some(Action::Pin("b".into()))
+        );
+        assert_eq!(
+            t.key(key(KeyCode::Char('s'))),
+            Some(Action::Stop("b".into()))
+        );
+        assert_eq!(
+            t.key(key(KeyCode::Char('l'))),
+            Some(Action::Logs("b".into()))
+        );
         assert_eq!(t.key(key(KeyCode::Char('q'))), Some(Action::Quit));
         let ctrl_c = KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL);
         assert_eq!(t.key(ctrl_c), Some(Action::Quit));
