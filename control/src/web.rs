@@ -116,11 +116,9 @@ async fn handle(
     // The script and style sheet hold no data: a page opened with its
     // token loads them without one.
     let public = matches!(req.uri().path(), "/app.js" | "/style.css");
-    if let Err(r) =
-        authorize(web.token.as_deref(), &req).or_else(|r| if public { Ok(()) } else { Err(r) })
-    {
+    if !public && !authorized(web.token.as_deref(), &req) {
         tracing::info!(path = %req.uri().path(), "web: request without the right token refused");
-        return r;
+        return error(StatusCode::UNAUTHORIZED, TOKEN_REFUSED);
     }
     let path = req.uri().path().to_string();
     match (req.method(), path.as_str()) {
@@ -153,10 +151,11 @@ async fn handle(
     }
 }
 
+const TOKEN_REFUSED: &str = "missing or wrong token: open the page as /?token=TOKEN, or send `Authorization: Bearer TOKEN` (the control plane's [control] token or SIESTA_TOKEN)";
+
 /// With a token, every request must carry it (header or `?token=`).
-#[allow(clippy::result_large_err)]
-fn authorize<B>(token: Option<&str>, req: &Request<B>) -> Result<(), Response<Body>> {
-    let Some(token) = token else { return Ok(()) };
+fn authorized<B>(token: Option<&str>, req: &Request<B>) -> bool {
+    let Some(token) = token else { return true };
     let header = req
         .headers()
         .get(hyper::header::AUTHORIZATION)
@@ -167,14 +166,7 @@ fn authorize<B>(token: Option<&str>, req: &Request<B>) -> Result<(), Response<Bo
         });
     let query = query_param(req.uri(), "token");
     let given = header.map(str::to_string).or(query).unwrap_or_default();
-    if bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
-        Ok(())
-    } else {
-        Err(error(
-            StatusCode::UNAUTHORIZED,
-            "missing or wrong token: open the page as /?token=TOKEN, or send `Authorization: Bearer TOKEN` (the control plane's [control] token or SIESTA_TOKEN)",
-        ))
-    }
+    bool::from(given.as_bytes().ct_eq(token.as_bytes()))
 }
 
 /// A query parameter, percent-decoded.
@@ -264,11 +256,11 @@ mod tests {
             }
             b.body(()).unwrap()
         };
-        assert!(authorize(None, &req("/", None)).is_ok());
-        assert!(authorize(Some("s3"), &req("/?token=s3", None)).is_ok());
-        assert!(authorize(Some("s3"), &req("/", Some("Bearer s3"))).is_ok());
-        let refused = authorize(Some("s3"), &req("/?token=s", None)).unwrap_err();
-        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
-        assert!(authorize(Some("s3"), &req("/", None)).is_err());
+        assert!(authorized(None, &req("/", None)));
+        assert!(authorized(Some("s3"), &req("/?token=s3", None)));
+        assert!(authorized(Some("s3"), &req("/", Some("Bearer s3"))));
+        assert!(!authorized(Some("s3"), &req("/?token=s", None)));
+        assert!(!authorized(Some("s3"), &req("/", Some("Bearer s"))));
+        assert!(!authorized(Some("s3"), &req("/", None)));
     }
 }

@@ -38,15 +38,13 @@ fn refused(s: tonic::Status) -> Response<Body> {
     error(http_status(s.code()), s.message())
 }
 
-fn number<T: std::str::FromStr>(uri: &hyper::Uri, key: &str) -> Result<Option<T>, Response<Body>> {
+fn number<T: std::str::FromStr>(uri: &hyper::Uri, key: &str) -> Result<Option<T>, String> {
     match query_param(uri, key) {
         None => Ok(None),
-        Some(v) => v.parse().map(Some).map_err(|_| {
-            error(
-                StatusCode::BAD_REQUEST,
-                &format!("query parameter {key}={v:?} is not a number"),
-            )
-        }),
+        Some(v) => v
+            .parse()
+            .map(Some)
+            .map_err(|_| format!("query parameter {key}={v:?} is not a number")),
     }
 }
 
@@ -112,7 +110,7 @@ async fn operation<B>(web: &Web, req: &Request<B>, name: String, op: &str) -> Re
         "sleep" => {
             let level = match number::<u32>(req.uri(), "level") {
                 Ok(l) => l.unwrap_or(1),
-                Err(r) => return r,
+                Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
             };
             svc.sleep(tonic::Request::new(pb::SleepRequest {
                 name: name.clone(),
@@ -123,7 +121,7 @@ async fn operation<B>(web: &Web, req: &Request<B>, name: String, op: &str) -> Re
         "pin" => {
             let until = match number::<i64>(req.uri(), "until_unix_ms") {
                 Ok(u) => u.unwrap_or(0),
-                Err(r) => return r,
+                Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
             };
             svc.pin(tonic::Request::new(pb::PinRequest {
                 name: name.clone(),
