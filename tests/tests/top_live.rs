@@ -100,6 +100,7 @@ async fn top_shows_a_wake_through_the_proxy_live_and_q_restores_the_terminal() {
             .first_seen(want)
             .unwrap()
             .saturating_duration_since(event);
+        eprintln!("top: alpha {want} on screen {late:?} after the Watch event reached the test");
         assert!(
             late < LIVE_WITHIN,
             "alpha {want} on screen {late:?} after the event; screen:\n{}",

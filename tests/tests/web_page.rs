@@ -84,6 +84,13 @@ async fn the_page_follows_a_wake_and_its_buttons_send_the_operations() {
         matches!((waking, awake), (Some(w), Some(a)) if w < a),
         "the page saw no waking then awake: {states:?}"
     );
+    eprintln!(
+        "page latency (ms after the event) per alpha state: {:?}",
+        alpha
+            .iter()
+            .map(|(st, e, s)| (st.as_str(), s - e))
+            .collect::<Vec<_>>()
+    );
     for (st, event_at, seen_at) in &alpha {
         assert!(
             seen_at - event_at < LIVE_WITHIN_MS,
