@@ -135,6 +135,10 @@ pub enum Command {
     },
     /// Live events from the control plane (`-o json`: one object per line).
     Watch(OutputArg),
+    /// Full-screen live view: models, GPU memory per engine, wakes, events.
+    /// Keys: ↑/↓ select, w wake, 1/2 sleep, p pin/unpin, s stop, l engine
+    /// log, q quit.
+    Top,
     /// Work with configuration files.
     Config {
         #[command(subcommand)]

@@ -12,6 +12,7 @@ mod placement;
 mod reload;
 mod sleep;
 mod status;
+mod top;
 mod up;
 mod wake;
 mod watch;
@@ -94,6 +95,7 @@ pub async fn run(cli: Cli) -> Result<(), Failure> {
             out,
         } => logs::run(conn, &model, follow, tail, out.format).await,
         Command::Watch(o) => watch::run(conn, o.format).await,
+        Command::Top => top::run(conn).await,
         Command::Reload(o) => reload::run(conn, o.format).await,
         Command::Config { .. }
         | Command::Completion { .. }

@@ -47,6 +47,9 @@ pub struct ControlConfig {
     /// How long a connection to an engine may idle in control's pool
     /// (`engine_idle_timeout`, default 4s: below uvicorn's 5 s keep-alive).
     pub engine_idle_timeout: Duration,
+    /// The web status page, SSE `/events` and `/metrics` (`web_listen`; off
+    /// when unset). A non-loopback address requires the token.
+    pub web_listen: Option<SocketAddr>,
 }
 
 /// Default `[control] engine_idle_timeout`: below uvicorn's 5 s keep-alive,

@@ -18,6 +18,7 @@ pub mod server;
 pub mod status;
 pub mod store;
 pub mod supervisor;
+pub mod web;
 
 pub use config::Config;
 pub use error::{Error, OpError};

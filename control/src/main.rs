@@ -60,7 +60,11 @@ async fn main() -> anyhow::Result<()> {
         let mut tmp = path.clone().into_os_string();
         tmp.push(".tmp");
         let what = || format!("writing the address file {}", path.display());
-        std::fs::write(&tmp, format!("grpc={addr}\n")).with_context(what)?;
+        let mut text = format!("grpc={addr}\n");
+        if let Some(web) = server.web_addr() {
+            text.push_str(&format!("web={web}\n"));
+        }
+        std::fs::write(&tmp, text).with_context(what)?;
         std::fs::rename(&tmp, path).with_context(what)?;
     }
     let shutdown = CancellationToken::new();

@@ -40,6 +40,8 @@ pub struct Server {
     local_addr: SocketAddr,
     token: Option<String>,
     store: Arc<Store>,
+    /// `[control] web_listen`, bound.
+    web: Option<TcpListener>,
 }
 
 /// The bearer token: `[control] token`, else `SIESTA_TOKEN`.
@@ -74,6 +76,10 @@ impl Server {
         let local_addr = listener
             .local_addr()
             .map_err(|source| Error::Bind { addr, source })?;
+        let web = match config.control.web_listen {
+            Some(a) => Some(crate::web::bind(a, token.as_deref()).await?),
+            None => None,
+        };
         Ok(Server {
             config,
             opts,
@@ -81,7 +87,13 @@ impl Server {
             local_addr,
             token,
             store,
+            web,
         })
+    }
+
+    /// The web listener's address, when `[control] web_listen` is set.
+    pub fn web_addr(&self) -> Option<SocketAddr> {
+        self.web.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     /// The address actually bound.
@@ -99,6 +111,7 @@ impl Server {
             local_addr,
             token,
             store,
+            web,
         } = self;
         // Before anything starts, so a failure leaves nothing running.
         let hup = siesta_signal::reload_signal()?;
@@ -179,6 +192,9 @@ impl Server {
             service.config_path.clone(),
             tasks.clone(),
         ));
+        if let Some(web) = web {
+            crate::web::spawn(web, service.clone(), token.clone(), tasks.clone());
+        }
         let auth = BearerAuth::new(token);
         let control = pb::control_server::ControlServer::with_interceptor(service, move |req| {
             auth.check(req)

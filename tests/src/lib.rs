@@ -9,6 +9,7 @@
 //! started), [`cli`] runs the `siesta` command line against one.
 #![forbid(unsafe_code)]
 
+mod browser;
 mod child;
 pub mod cli;
 mod control;
@@ -16,11 +17,13 @@ pub mod ctl;
 mod fake;
 mod procfs;
 mod proxy;
+pub mod web;
 
 use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+pub use browser::{Browser, chromium_path};
 pub use child::{Child, Output};
 pub use control::{ControlProc, spawn_control, spawn_control_with};
 pub use fake::{

@@ -53,6 +53,7 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         .await
         .map_err(|e| Failure::Failed(format!("siesta-control: {e}")))?;
     let grpc = server.local_addr();
+    let web = server.web_addr();
     let control_url = format!("http://{}", loopback_for(grpc));
     let proxy = Proxy::bind(ProxyConfig {
         controls: vec![control_url.clone()],
@@ -85,7 +86,14 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     };
     print!(
         "{}",
-        banner(http, admin, &control_url, &models, args.config.as_deref())
+        banner(
+            http,
+            admin,
+            web,
+            &control_url,
+            &models,
+            args.config.as_deref()
+        )
     );
     // What happens next, one line per change, so a model is seen waking.
     tokio::spawn(print_events(
@@ -220,6 +228,7 @@ fn write_addr_file(
 pub fn banner(
     http: SocketAddr,
     admin: SocketAddr,
+    web: Option<SocketAddr>,
     control_url: &str,
     models: &[pb::ModelStatus],
     config: Option<&Path>,
@@ -233,6 +242,9 @@ pub fn banner(
     o += &format!("  OpenAI API   http://{http}/v1\n");
     o += &format!("  metrics      http://{}/metrics\n", loopback_for(admin));
     o += &format!("  control      {control_url} (gRPC)\n");
+    if let Some(web) = web {
+        o += &format!("  status page  http://{}/\n", loopback_for(web));
+    }
     if !models.is_empty() {
         let list: Vec<String> = models
             .iter()
@@ -250,7 +262,9 @@ pub fn banner(
     o += &format!(
         "  curl -s http://{http}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
     );
-    o += &format!("  siesta{flag} status\n  siesta{flag} watch\n\nCtrl-C stops everything.\n");
+    o += &format!(
+        "  siesta{flag} status\n  siesta{flag} watch\n  siesta{flag} top\n\nCtrl-C stops everything.\n"
+    );
     o
 }
 
@@ -269,6 +283,7 @@ mod tests {
         let b = banner(
             "0.0.0.0:8080".parse().unwrap(),
             "127.0.0.1:9090".parse().unwrap(),
+            Some("0.0.0.0:8081".parse().unwrap()),
             "http://127.0.0.1:50051",
             &[m],
             None,
@@ -277,9 +292,12 @@ mod tests {
         assert!(b.contains("chat (asleep(l1))"), "{b}");
         assert!(b.contains("\"model\": \"chat\""), "{b}");
         assert!(b.contains("  siesta status\n"), "{b}");
+        assert!(b.contains("status page  http://127.0.0.1:8081/\n"), "{b}");
+        assert!(b.contains("  siesta top\n"), "{b}");
         let b = banner(
             "127.0.0.1:1".parse().unwrap(),
             "127.0.0.1:2".parse().unwrap(),
+            None,
             "http://127.0.0.1:3",
             &[],
             None,

@@ -88,7 +88,7 @@ const BACKOFF_MIN: Duration = Duration::from_millis(200);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// Which run of which control plane: revisions only compare within one.
-type Incarnation = (String, i64);
+pub(super) type Incarnation = (String, i64);
 
 /// Prints events until interrupted. When the stream ends or breaks (the
 /// control plane restarted, the network went away) it reconnects with
@@ -165,7 +165,10 @@ fn print(ev: &pb::WatchEvent, format: Format, text: &mut TextWatch) -> Result<()
     Ok(())
 }
 
-async fn open(conn: &Conn, since: u64) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
+pub(super) async fn open(
+    conn: &Conn,
+    since: u64,
+) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
     let mut client = conn.client.clone();
     let req = pb::WatchRequest {
         since_revision: since,
@@ -178,7 +181,7 @@ async fn open(conn: &Conn, since: u64) -> Result<tonic::Streaming<pb::WatchEvent
 }
 
 /// The control plane's identity and start time, and its current revision.
-async fn incarnation_now(conn: &Conn) -> Result<(Incarnation, u64), tonic::Status> {
+pub(super) async fn incarnation_now(conn: &Conn) -> Result<(Incarnation, u64), tonic::Status> {
     let mut client = conn.client.clone();
     let info = match tokio::time::timeout(RPC_TIMEOUT, client.get_info(pb::GetInfoRequest {})).await
     {

@@ -204,3 +204,21 @@ fn engine_idle_timeout_is_configurable() {
         "{err}"
     );
 }
+
+#[test]
+fn web_listen_is_off_by_default_and_checked() {
+    let c = Config::parse("", "empty.toml").unwrap();
+    assert_eq!(c.control.web_listen, None);
+    let c = Config::parse("[control]\nweb_listen = \"127.0.0.1:9091\"\n", "w.toml").unwrap();
+    assert_eq!(
+        c.control.web_listen,
+        Some("127.0.0.1:9091".parse().unwrap())
+    );
+    let err = Config::parse("[control]\nweb_listen = \"localhost\"\n", "w.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("w.toml: control.web_listen: \"localhost\" is not an address"),
+        "{err}"
+    );
+}

@@ -108,6 +108,16 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
             None
         }
     });
+    let web_listen = r.string(p, "web_listen").and_then(|s| match s.parse() {
+        Ok(a) => Some(a),
+        Err(_) => {
+            p.push(
+                "control.web_listen",
+                format!("{s:?} is not an address like \"127.0.0.1:9091\""),
+            );
+            None
+        }
+    });
     let state_dir = r.string(p, "state_dir").map(PathBuf::from);
     let token = r.string(p, "token").filter(|t| !t.is_empty());
     let control_id = r.string(p, "control_id").filter(|s| !s.is_empty());
@@ -136,6 +146,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         asleep_residual,
         min_awake,
         engine_idle_timeout: engine_idle_timeout.unwrap_or(super::DEFAULT_ENGINE_IDLE_TIMEOUT),
+        web_listen,
     }
 }
 

@@ -1,0 +1,180 @@
+//! `GET /metrics`: the control plane's Prometheus metrics. Gauges are read
+//! at scrape time from the hub and the GPU inventory (NVML per process);
+//! counters and histograms come from the [`Tracker`].
+
+use super::track::Tracker;
+use crate::api::convert::model_status;
+use crate::gpu_view::GpuView;
+use crate::hub::Hub;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+use siesta_proto::v1 as pb;
+use std::sync::atomic::AtomicU64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    model: String,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModelLabels {
+    model: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CalLabels {
+    model: String,
+    from: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    gpu: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EngineLabels {
+    model: String,
+    gpu: String,
+}
+
+/// Every state a model can be in, so each gets a 0/1 series.
+const STATES: [pb::ModelState; 8] = [
+    pb::ModelState::Stopped,
+    pb::ModelState::Starting,
+    pb::ModelState::Awake,
+    pb::ModelState::Sleeping,
+    pb::ModelState::Asleep,
+    pb::ModelState::Waking,
+    pb::ModelState::Stopping,
+    pb::ModelState::Failed,
+];
+
+type G = Gauge<i64>;
+type GBytes = Gauge<u64, AtomicU64>;
+
+/// The text exposition of every control-plane metric.
+pub fn encode(hub: &Hub, gpus: &GpuView, tracker: &Tracker) -> String {
+    let (models, _) = hub.models();
+    let list = gpus.list_gpus(&models);
+    let models: Vec<pb::ModelStatus> = models.iter().map(model_status).collect();
+    let mut reg = Registry::with_prefix("siesta_control");
+    let state = Family::<StateLabels, G>::default();
+    reg.register(
+        "model_state",
+        "1 for the state each model is in now, 0 for the others",
+        state.clone(),
+    );
+    let level = Family::<ModelLabels, G>::default();
+    reg.register(
+        "model_sleep_level",
+        "Sleep level of each model (0 when not asleep or sleeping)",
+        level.clone(),
+    );
+    let in_flight = Family::<ModelLabels, G>::default();
+    reg.register(
+        "model_in_flight",
+        "Requests in flight per model, as the proxies report them",
+        in_flight.clone(),
+    );
+    let failures = Family::<ModelLabels, G>::default();
+    reg.register(
+        "model_failures",
+        "Consecutive failures of each model",
+        failures.clone(),
+    );
+    let calibrated = Family::<CalLabels, GBytes>::default();
+    reg.register_with_unit(
+        "calibrated_wake",
+        "Calibrated wake (from l1, l2) and start (from stopped) time per model",
+        Unit::Other("milliseconds".into()),
+        calibrated.clone(),
+    );
+    for m in &models {
+        let s = m.state();
+        for st in STATES {
+            state
+                .get_or_create(&StateLabels {
+                    model: m.name.clone(),
+                    state: st.label(),
+                })
+                .set(i64::from(st == s));
+        }
+        let ml = ModelLabels {
+            model: m.name.clone(),
+        };
+        level.get_or_create(&ml).set(i64::from(m.sleep_level));
+        in_flight.get_or_create(&ml).set(i64::from(m.in_flight));
+        failures.get_or_create(&ml).set(i64::from(m.failures));
+        let cal = m.calibration.unwrap_or_default();
+        for (from, ms) in [
+            ("l1", cal.wake_l1_ms),
+            ("l2", cal.wake_l2_ms),
+            ("stopped", cal.start_ms),
+        ] {
+            calibrated
+                .get_or_create(&CalLabels {
+                    model: m.name.clone(),
+                    from,
+                })
+                .set(ms);
+        }
+    }
+    let total = Family::<GpuLabels, GBytes>::default();
+    reg.register_with_unit(
+        "gpu_memory_total",
+        "Memory of each GPU",
+        Unit::Bytes,
+        total.clone(),
+    );
+    let used = Family::<GpuLabels, GBytes>::default();
+    reg.register_with_unit(
+        "gpu_memory_used",
+        "Memory used on each GPU (all processes)",
+        Unit::Bytes,
+        used.clone(),
+    );
+    let engine = Family::<EngineLabels, GBytes>::default();
+    reg.register_with_unit(
+        "engine_gpu_memory",
+        "GPU memory held by each model's engine (NVML per process; 0 on its GPUs while it holds none)",
+        Unit::Bytes,
+        engine.clone(),
+    );
+    // A placed model has a series per GPU even while its engine holds none.
+    for m in &models {
+        for g in &m.gpus {
+            engine
+                .get_or_create(&EngineLabels {
+                    model: m.name.clone(),
+                    gpu: g.to_string(),
+                })
+                .set(0);
+        }
+    }
+    for g in &list.gpus {
+        let gl = GpuLabels {
+            gpu: g.index.to_string(),
+        };
+        total.get_or_create(&gl).set(g.memory_total_bytes);
+        used.get_or_create(&gl).set(g.memory_used_bytes);
+        for p in &g.processes {
+            let Some(model) = list.owners.get(&p.pid) else {
+                continue;
+            };
+            let e = engine.get_or_create(&EngineLabels {
+                model: model.clone(),
+                gpu: g.index.to_string(),
+            });
+            e.set(e.get() + p.used_bytes);
+        }
+    }
+    let mut out = String::with_capacity(8192);
+    let _ = prometheus_client::encoding::text::encode_registry(&mut out, &reg);
+    tracker.encode(&mut out);
+    let _ = prometheus_client::encoding::text::encode_eof(&mut out);
+    out
+}

@@ -1,0 +1,153 @@
+//! `/events`, the Watch stream as server-sent events, for tools other than
+//! the page: a snapshot first, one event per change with `id:` = revision,
+//! resume with `Last-Event-ID` or `?since=`; and the `/api` operations.
+
+use siesta_tests::ctl as util;
+use siesta_tests::web as stack;
+
+use futures::StreamExt;
+use serde_json::Value;
+use util::{LONG, fake_model};
+
+/// Reads server-sent events from a response.
+struct Events {
+    body: std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>,
+    buf: String,
+}
+
+/// One event: (id, event name, data as JSON).
+type Event = (u64, String, Value);
+
+impl Events {
+    async fn open(url: &str, last_event_id: Option<u64>) -> Events {
+        let mut req = reqwest::Client::new().get(url);
+        if let Some(id) = last_event_id {
+            req = req.header("last-event-id", id.to_string());
+        }
+        let resp = req.send().await.expect("GET /events");
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        Events {
+            body: Box::pin(resp.bytes_stream()),
+            buf: String::new(),
+        }
+    }
+
+    async fn next(&mut self) -> Event {
+        tokio::time::timeout(LONG, async {
+            loop {
+                if let Some(end) = self.buf.find("\n\n") {
+                    let block: String = self.buf.drain(..end + 2).collect();
+                    let (mut id, mut name, mut data) = (None, String::new(), None);
+                    for line in block.lines() {
+                        if let Some(v) = line.strip_prefix("id: ") {
+                            id = v.parse().ok();
+                        } else if let Some(v) = line.strip_prefix("event: ") {
+                            name = v.to_string();
+                        } else if let Some(v) = line.strip_prefix("data: ") {
+                            data = Some(serde_json::from_str(v).expect("data is JSON"));
+                        }
+                    }
+                    if let (Some(id), Some(data)) = (id, data) {
+                        return (id, name, data);
+                    }
+                    continue;
+                }
+                let chunk = self.body.next().await.expect("stream open").expect("read");
+                self.buf
+                    .push_str(std::str::from_utf8(&chunk).expect("UTF-8"));
+            }
+        })
+        .await
+        .expect("an event within the deadline")
+    }
+
+    /// Events until a `model` event for `name` in `state`.
+    async fn until(&mut self, name: &str, state: &str) -> Vec<Event> {
+        let mut seen = Vec::new();
+        loop {
+            let ev = self.next().await;
+            let hit =
+                ev.1 == "model" && ev.2["model"]["name"] == name && ev.2["model"]["state"] == state;
+            seen.push(ev);
+            if hit {
+                return seen;
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn events_carry_revisions_and_resume_after_the_last_one() {
+    let s = stack::stack(&fake_model("alpha", "none", &[], "")).await;
+    let url = format!("{}/events", s.web);
+    let mut ev = Events::open(&url, None).await;
+    let (rev0, name, snap) = ev.next().await;
+    assert_eq!(name, "snapshot");
+    assert_eq!(snap["type"], "snapshot");
+    assert_eq!(snap["revision"], rev0);
+    assert_eq!(snap["models"][0]["name"], "alpha");
+    assert_eq!(snap["models"][0]["state"], "stopped");
+
+    // A wake through the API: the same call as the Wake RPC.
+    let r = reqwest::Client::new()
+        .post(format!("{}/api/models/alpha/wake", s.web))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let op: Value = r.json().await.unwrap();
+    assert_eq!(op["model"]["name"], "alpha");
+    let seen = ev.until("alpha", "awake").await;
+    let ids: Vec<u64> = seen.iter().map(|e| e.0).collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids increase: {ids:?}");
+    assert!(ids[0] > rev0, "{ids:?} after {rev0}");
+    let states: Vec<&str> = seen
+        .iter()
+        .filter(|e| e.1 == "model")
+        .filter_map(|e| e.2["model"]["state"].as_str())
+        .collect();
+    assert!(states.contains(&"starting"), "{states:?}");
+
+    // Resuming after the first of them replays the rest, in order.
+    let first = ids[0];
+    let mut again = Events::open(&url, Some(first)).await;
+    let replay = again.until("alpha", "awake").await;
+    let replay_ids: Vec<u64> = replay.iter().map(|e| e.0).collect();
+    assert_eq!(replay_ids, ids[1..], "Last-Event-ID {first}");
+    let mut q = Events::open(&format!("{url}?since={first}"), None).await;
+    assert_eq!(q.next().await.0, ids[1], "?since={first}");
+
+    // A resume point that is not a number is refused, naming it.
+    let r = reqwest::get(format!("{url}?since=abc")).await.unwrap();
+    assert_eq!(r.status(), 400);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("since \\\"abc\\\""), "{text}");
+
+    // Operations answer as the RPC does: unknown models are 404.
+    let r = reqwest::Client::new()
+        .post(format!("{}/api/models/nope/sleep?level=1", s.web))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let r = reqwest::Client::new()
+        .post(format!("{}/api/models/alpha/dance", s.web))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let models: Value = reqwest::get(format!("{}/api/models", s.web))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["models"][0]["state"], "awake");
+    let history = format!("{}/api/history", s.web);
+    siesta_tests::wait_until("the start in /api/history", LONG, || async {
+        let h: Value = reqwest::get(&history).await.unwrap().json().await.unwrap();
+        h["wakes"][0]["model"] == "alpha" && h["wakes"][0]["from"] == "stopped"
+    })
+    .await;
+}
