@@ -19,6 +19,7 @@
 //! until it is awake or gives up, so nothing waits on another model's wait
 //! and no GPU is promised twice.
 
+mod metrics;
 mod queue;
 #[cfg(test)]
 mod tests;
@@ -26,6 +27,7 @@ mod tests;
 use crate::gpu_view::GpuView;
 use crate::hub::Hub;
 use crate::status::Clock;
+pub use metrics::AdmissionMetrics;
 use queue::{Ask, Core};
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -86,6 +88,7 @@ pub struct Admission {
     gpus: Option<Arc<GpuView>>,
     tx: Option<mpsc::UnboundedSender<Msg>>,
     registry: Registry,
+    metrics: Arc<AdmissionMetrics>,
 }
 
 impl std::fmt::Debug for Msg {
@@ -124,12 +127,15 @@ impl Admission {
     ) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let registry = Registry::default();
-        let core = Core::new(gpus.clone(), registry.clone(), clock, policy);
+        let metrics = Arc::new(AdmissionMetrics::default());
+        let core =
+            Core::new(gpus.clone(), registry.clone(), clock, policy).with_metrics(metrics.clone());
         tokio::spawn(run(core, hub, rx, cancel));
         Self {
             gpus: Some(gpus),
             tx: Some(tx),
             registry,
+            metrics,
         }
     }
 
@@ -139,7 +145,13 @@ impl Admission {
             gpus: None,
             tx: None,
             registry: Registry::default(),
+            metrics: Arc::default(),
         }
+    }
+
+    /// What admission did, for Prometheus.
+    pub fn metrics(&self) -> &AdmissionMetrics {
+        &self.metrics
     }
 
     /// The GPU view admission plans over (None: [`Self::open`]).
@@ -198,6 +210,8 @@ impl Admission {
             waiting,
             reply,
             told: None,
+            asked_at: std::time::Instant::now(),
+            evicted: Default::default(),
         };
         if tx.send(Msg::Ask(ask)).is_err() {
             // The task is gone (shutting down): nothing left to protect.

@@ -127,6 +127,7 @@ pub(crate) fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> 
             r.in_flight = m.in_flight;
             r.last_activity_ms = m.last_activity_unix_ms.unwrap_or(0);
             r.pinned_awake = m.pin.is_pinned();
+            r.switch_cost_ms = m.calibration.sleep[0].millis() + m.calibration.wake[0].millis();
             (m.name.clone(), r)
         })
         .collect()

@@ -92,6 +92,7 @@ impl Models {
         )?;
         let handle = Arc::new(handle);
         let weak = Arc::downgrade(&handle);
+        self.shared.admission.metrics().known(&cfg.name);
         self.shared.admission.registry().insert(
             &cfg.name,
             Arc::new(move || {
@@ -123,6 +124,11 @@ impl Models {
         }
         self.shared.hub.remove_model(name);
         self.shared.store.remove(name);
+    }
+
+    /// The admission task every model asks for GPU room.
+    pub fn admission(&self) -> &crate::admission::Admission {
+        &self.shared.admission
     }
 
     /// Waits for every model task to end.

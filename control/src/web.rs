@@ -126,13 +126,14 @@ async fn handle(
         (&Method::GET, "/app.js") => asset(APP_JS, "text/javascript; charset=utf-8"),
         (&Method::GET, "/style.css") => asset(STYLE_CSS, "text/css; charset=utf-8"),
         (&Method::GET, "/metrics") => {
-            let (hub, gpus, tracker) = (
+            let (hub, gpus, tracker, admission) = (
                 web.service.hub.clone(),
                 web.service.gpus.clone(),
                 web.tracker.clone(),
+                web.service.models.admission().clone(),
             );
-            match tokio::task::spawn_blocking(move || metrics::encode(&hub, &gpus, &tracker)).await
-            {
+            let encode = move || metrics::encode(&hub, &gpus, &tracker, admission.metrics());
+            match tokio::task::spawn_blocking(encode).await {
                 Ok(text) => text_response(
                     StatusCode::OK,
                     "application/openmetrics-text; version=1.0.0; charset=utf-8",

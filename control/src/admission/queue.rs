@@ -1,7 +1,7 @@
 //! The admission queue and its planning step: pure over the models'
 //! states, the placement and the clock, so tests drive it directly.
 
-use super::{AdmissionPolicy, Registry, Waiting};
+use super::{AdmissionMetrics, AdmissionPolicy, Registry, Waiting};
 use crate::gpu_view::{GpuView, runtime};
 use crate::placement::{RunState, WakePlan};
 use crate::status::{Clock, ModelStatus, State};
@@ -17,6 +17,9 @@ pub(crate) struct Ask {
     pub reply: oneshot::Sender<()>,
     /// What the waiter was last told (only changes are sent).
     pub told: Option<String>,
+    pub asked_at: std::time::Instant,
+    /// Models asked to sleep for this ask (each counted once).
+    pub evicted: BTreeSet<String>,
 }
 
 impl Ask {
@@ -35,6 +38,7 @@ pub(crate) struct Core {
     registry: Registry,
     clock: Clock,
     policy: AdmissionPolicy,
+    metrics: Arc<AdmissionMetrics>,
 }
 
 impl Core {
@@ -50,7 +54,13 @@ impl Core {
             registry,
             clock,
             policy,
+            metrics: Arc::default(),
         }
+    }
+
+    pub fn with_metrics(mut self, metrics: Arc<AdmissionMetrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     pub fn push(&mut self, ask: Ask) {
@@ -121,6 +131,7 @@ impl Core {
                     if ask.told.is_some() {
                         (ask.waiting)(None);
                     }
+                    self.metrics.admitted(&ask.model, ask.asked_at.elapsed());
                     let _ = ask.reply.send(());
                     // From now on it takes its full share.
                     if let Some(r) = rt.get_mut(&model) {
@@ -129,6 +140,9 @@ impl Core {
                 }
                 WakePlan::Evict(victims) => {
                     for v in &victims {
+                        if self.queue[i].evicted.insert(v.clone()) {
+                            self.metrics.evicted(v);
+                        }
                         self.registry.evict(v);
                         // Going to sleep: still full until it is asleep,
                         // and no later ask counts on it again.

@@ -123,6 +123,8 @@ impl World {
                 waiting: Box::new(|_| {}),
                 reply,
                 told: None,
+                asked_at: std::time::Instant::now(),
+                evicted: Default::default(),
             });
             self.answers[i] = Some(rx);
             self.run[i] = Run::Waking(false);
@@ -295,4 +297,55 @@ fn a_model_woken_recently_is_not_evicted() {
     w.demand(1);
     w.plan().unwrap();
     assert_eq!(w.run, [Run::Awake, Run::Waking(false)]);
+}
+
+/// Prometheus sees each admission with its wait, and each eviction once.
+#[test]
+fn admissions_and_evictions_are_counted() {
+    let mut w = World::new(&config(1, &[(1, 0.85), (1, 0.85)])).unwrap();
+    let metrics = Arc::new(AdmissionMetrics::default());
+    let registry = Registry::default();
+    let evicted = w.evicted.clone();
+    for n in &w.names {
+        let (ev, n2) = (evicted.clone(), n.clone());
+        registry.insert(n, Arc::new(move || ev.lock().unwrap().push(n2.clone())));
+    }
+    w.core = Core::new(
+        w.view.clone(),
+        registry,
+        w.clock,
+        AdmissionPolicy {
+            min_awake: Duration::ZERO,
+        },
+    )
+    .with_metrics(metrics.clone());
+    w.demand(0);
+    w.plan().unwrap();
+    w.engines_step();
+    w.demand(1);
+    w.plan().unwrap();
+    w.plan().unwrap(); // asked again: still one eviction
+    w.engines_step();
+    w.plan().unwrap();
+    assert_eq!(w.run, [Run::Asleep, Run::Waking(true)]);
+    let mut text = String::new();
+    metrics.encode(&mut text);
+    assert!(
+        text.contains("siesta_control_admission_evictions_total{model=\"m0\"} 1\n"),
+        "{text}"
+    );
+    for m in ["m0", "m1"] {
+        assert!(
+            text.contains(&format!(
+                "siesta_control_admission_admitted_total{{model=\"{m}\"}} 1\n"
+            )),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "siesta_control_admission_wait_seconds_count{{model=\"{m}\"}} 1\n"
+            )),
+            "{text}"
+        );
+    }
 }

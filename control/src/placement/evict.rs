@@ -47,6 +47,9 @@ pub struct ModelRuntime {
     pub pinned_awake: bool,
     /// Woken too recently to be evicted yet (`[control] min_awake`): ms left.
     pub min_awake_left_ms: u64,
+    /// What putting it to sleep costs when it is wanted again: its
+    /// calibrated level-1 sleep and wake, ms.
+    pub switch_cost_ms: u64,
 }
 
 impl ModelRuntime {
@@ -57,6 +60,7 @@ impl ModelRuntime {
             last_activity_ms: 0,
             pinned_awake: false,
             min_awake_left_ms: 0,
+            switch_cost_ms: 0,
         }
     }
 }
@@ -191,11 +195,14 @@ pub fn plan_wake(
                 && s.min_awake_left_ms == 0
         })
         .collect();
-    candidates.sort_by(|a, b| {
-        a.1.last_activity_ms
-            .cmp(&b.1.last_activity_ms)
-            .then(a.0.model.cmp(&b.0.model))
-    });
+    // Least recently used first, with what each costs to bring back added
+    // to its last activity: of two models idle about as long, the one that
+    // is cheaper to switch goes; one idle far longer goes whatever its cost.
+    let key = |r: &ModelRuntime| {
+        r.last_activity_ms
+            .saturating_add(i64::try_from(r.switch_cost_ms).unwrap_or(i64::MAX))
+    };
+    candidates.sort_by(|a, b| key(&a.1).cmp(&key(&b.1)).then(a.0.model.cmp(&b.0.model)));
 
     let mut victims: Vec<&Placement> = Vec::new();
     let mut d = deficit.clone();

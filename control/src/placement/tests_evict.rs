@@ -28,6 +28,7 @@ fn rt(state: RunState, last: i64) -> ModelRuntime {
         last_activity_ms: last,
         pinned_awake: false,
         min_awake_left_ms: 0,
+        switch_cost_ms: 0,
     }
 }
 
@@ -87,6 +88,38 @@ fn fits_without_eviction() {
 #[test]
 fn evicts_the_least_recently_used_idle_model() {
     let w = three_on_one();
+    assert_eq!(w.plan("c"), WakePlan::Evict(vec!["a".into()]));
+}
+
+/// Of two models idle about as long, the one cheaper to bring back goes;
+/// one idle far longer goes whatever its switch cost.
+#[test]
+fn the_switch_cost_weighs_against_how_long_a_model_was_idle() {
+    let mut w = three_on_one();
+    // a was last used 100 ms before b, but takes 5 s to sleep and wake.
+    w.set(
+        "a",
+        ModelRuntime {
+            switch_cost_ms: 5_000,
+            ..rt(RunState::Awake, 100)
+        },
+    );
+    w.set(
+        "b",
+        ModelRuntime {
+            switch_cost_ms: 200,
+            ..rt(RunState::Awake, 200)
+        },
+    );
+    assert_eq!(w.plan("c"), WakePlan::Evict(vec!["b".into()]));
+    // a idle a minute longer than b: a goes.
+    w.set(
+        "b",
+        ModelRuntime {
+            switch_cost_ms: 200,
+            ..rt(RunState::Awake, 60_100)
+        },
+    );
     assert_eq!(w.plan("c"), WakePlan::Evict(vec!["a".into()]));
 }
 

@@ -57,7 +57,12 @@ type G = Gauge<i64>;
 type GBytes = Gauge<u64, AtomicU64>;
 
 /// The text exposition of every control-plane metric.
-pub fn encode(hub: &Hub, gpus: &GpuView, tracker: &Tracker) -> String {
+pub fn encode(
+    hub: &Hub,
+    gpus: &GpuView,
+    tracker: &Tracker,
+    admission: &crate::admission::AdmissionMetrics,
+) -> String {
     let (models, _) = hub.models();
     let list = gpus.list_gpus(&models);
     let models: Vec<pb::ModelStatus> = models.iter().map(model_status).collect();
@@ -175,6 +180,7 @@ pub fn encode(hub: &Hub, gpus: &GpuView, tracker: &Tracker) -> String {
     let mut out = String::with_capacity(8192);
     let _ = prometheus_client::encoding::text::encode_registry(&mut out, &reg);
     tracker.encode(&mut out);
+    admission.encode(&mut out);
     let _ = prometheus_client::encoding::text::encode_eof(&mut out);
     out
 }
