@@ -34,6 +34,7 @@ pub type EngineError = String;
 /// How long a connection to an engine may sit idle in the pool: below
 /// uvicorn's 5 s keep-alive, so siesta never sends on a connection the
 /// engine is closing. `[control] engine_idle_timeout` overrides it.
+#[cfg(test)]
 pub use crate::config::DEFAULT_ENGINE_IDLE_TIMEOUT as DEFAULT_IDLE_TIMEOUT;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -102,6 +103,7 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 impl EngineClient {
+    #[cfg(test)]
     pub fn new(base: &str) -> Self {
         Self::with_idle_timeout(base, DEFAULT_IDLE_TIMEOUT)
     }
@@ -214,6 +216,7 @@ impl EngineClient {
     }
 
     /// `GET /is_sleeping`.
+    #[cfg(test)]
     pub async fn is_sleeping(&self, timeout: Duration) -> Result<bool, EngineError> {
         match self.is_sleeping_within(timeout).await? {
             Some(b) => Ok(b),

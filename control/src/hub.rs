@@ -161,10 +161,6 @@ impl Hub {
         (inner.models.values().cloned().collect(), inner.revision)
     }
 
-    pub fn model(&self, name: &str) -> Option<ModelStatus> {
-        self.inner.lock().unwrap().models.get(name).cloned()
-    }
-
     pub fn revision(&self) -> u64 {
         self.inner.lock().unwrap().revision
     }

@@ -1,24 +1,24 @@
 //! siesta-control: owns every engine on one GPU box.
 #![forbid(unsafe_code)]
 
-pub mod admission;
-pub mod api;
+pub(crate) mod admission;
+pub(crate) mod api;
 pub mod config;
-pub mod engine;
+pub(crate) mod engine;
 mod error;
 pub mod gpu;
 pub mod gpu_view;
-pub mod hub;
-pub mod models;
+pub(crate) mod hub;
+pub(crate) mod models;
 pub mod placement;
 pub mod reconciler;
-pub mod recovery;
-pub mod runner;
-pub mod server;
-pub mod status;
-pub mod store;
-pub mod supervisor;
-pub mod web;
+pub(crate) mod recovery;
+pub(crate) mod runner;
+pub(crate) mod server;
+pub(crate) mod status;
+pub(crate) mod store;
+pub(crate) mod supervisor;
+pub(crate) mod web;
 
 pub use config::Config;
 pub use error::{Error, OpError};

@@ -123,6 +123,7 @@ impl ModelHandle {
 }
 
 /// Starts a model's task.
+#[cfg(test)]
 pub fn spawn_model(
     cfg: ModelConfig,
     placed: Placed,

@@ -21,7 +21,7 @@ mod records;
 mod tests;
 
 use open::{Opened, io, try_open, unix_secs};
-pub use records::{AverageRecord, CalibrationRecord, EngineRecord, IntentRecord};
+pub use records::{CalibrationRecord, EngineRecord, IntentRecord};
 
 use redb::{Database, ReadableTable, TableDefinition, TableHandle};
 use serde::Serialize;
@@ -38,7 +38,6 @@ const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const INTENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("intents");
 const ENGINES: TableDefinition<&str, &[u8]> = TableDefinition::new("engines");
 const CALIBRATION: TableDefinition<&str, &[u8]> = TableDefinition::new("calibration");
-const P2P: TableDefinition<&str, &[u8]> = TableDefinition::new("p2p");
 
 /// Why the store cannot be opened or written.
 #[derive(Debug, thiserror::Error)]
@@ -61,6 +60,7 @@ pub enum StoreError {
 pub struct Store {
     path: PathBuf,
     db: Database,
+    #[cfg_attr(not(test), allow(dead_code))]
     moved_aside: Option<PathBuf>,
 }
 
@@ -105,45 +105,13 @@ impl Store {
             db,
             moved_aside,
         };
-        store.import_legacy(state_dir);
         Ok(Arc::new(store))
     }
 
-    /// The store's file.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Where a corrupt or incompatible store was moved at open, if it was.
+    #[cfg(test)]
     pub fn moved_aside(&self) -> Option<&Path> {
         self.moved_aside.as_deref()
-    }
-
-    /// Intents of the earlier JSON file (`intents.json`) are imported once;
-    /// the file is renamed `intents.json.imported`.
-    fn import_legacy(&self, state_dir: &Path) {
-        #[derive(serde::Deserialize)]
-        struct Legacy {
-            intents: std::collections::BTreeMap<String, IntentRecord>,
-        }
-        let legacy = state_dir.join("intents.json");
-        let Ok(bytes) = std::fs::read(&legacy) else {
-            return;
-        };
-        match serde_json::from_slice::<Legacy>(&bytes) {
-            Ok(l) => {
-                for (name, rec) in l.intents {
-                    if self.get(&name).is_none() {
-                        self.set(&name, rec);
-                    }
-                }
-                let _ = std::fs::rename(&legacy, legacy.with_extension("json.imported"));
-                tracing::info!(path = %legacy.display(), "imported intents of the earlier JSON store");
-            }
-            Err(e) => {
-                tracing::warn!(path = %legacy.display(), error = %e, "earlier intent file unreadable; not imported")
-            }
-        }
     }
 
     fn read<T: DeserializeOwned>(
@@ -300,23 +268,5 @@ impl Store {
 
     pub fn set_calibration(&self, name: &str, record: &CalibrationRecord) {
         self.put(CALIBRATION, name, record);
-    }
-
-    /// Last P2P probe results under `key` (bytes as written).
-    pub fn p2p(&self, key: &str) -> Option<Vec<u8>> {
-        let result: Result<Option<Vec<u8>>, redb::Error> = (|| {
-            let tx = self.db.begin_read()?;
-            let t = tx.open_table(P2P)?;
-            Ok(t.get(key)?.map(|v| v.value().to_vec()))
-        })();
-        result.ok().flatten()
-    }
-
-    /// Stores P2P probe results under `key` (durable on return).
-    pub fn set_p2p(&self, key: &str, bytes: &[u8]) -> bool {
-        self.write("p2p", |tx| {
-            tx.open_table(P2P)?.insert(key, bytes)?;
-            Ok(())
-        })
     }
 }

@@ -8,9 +8,9 @@ use crate::supervisor::LogLine;
 use siesta_proto::v1 as pb;
 
 mod gpu;
-pub use gpu::{
-    gpu_budget, gpu_list, gpu_to_proto, model_placement, p2p_diag, p2p_to_proto, placement,
-};
+#[cfg(test)]
+pub use gpu::gpu_budget;
+pub use gpu::{gpu_list, model_placement, p2p_diag, placement};
 
 fn state(s: State) -> pb::ModelState {
     match s {

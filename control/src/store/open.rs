@@ -4,7 +4,7 @@
 // redb's own error type is large; it only travels inside this module.
 #![allow(clippy::result_large_err)]
 
-use super::{CALIBRATION, ENGINES, INTENTS, META, P2P, SCHEMA_VERSION, StoreError};
+use super::{CALIBRATION, ENGINES, INTENTS, META, SCHEMA_VERSION, StoreError};
 use redb::{Database, ReadableTableMetadata};
 use std::path::Path;
 
@@ -89,7 +89,7 @@ pub(super) fn try_open(path: &Path) -> Result<Opened, StoreError> {
                 }
                 meta.insert("schema_version", SCHEMA_VERSION)
                     .map_err(|e| db_err(e.into()))?;
-                for t in [INTENTS, ENGINES, CALIBRATION, P2P] {
+                for t in [INTENTS, ENGINES, CALIBRATION] {
                     tx.open_table(t).map_err(|e| db_err(e.into()))?;
                 }
             }

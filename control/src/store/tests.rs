@@ -2,6 +2,7 @@ use super::*;
 use crate::config::Config;
 use crate::reconciler::{Desired, ModelState, Pin, Reason, Settings};
 use crate::status::Clock;
+use records::AverageRecord;
 use tokio::time::Instant;
 
 fn engine(pid: u32, proc_gen: u64) -> EngineRecord {
@@ -43,7 +44,7 @@ fn intents_survive_a_restart() {
 }
 
 #[test]
-fn engine_records_calibration_and_p2p_round_trip() {
+fn engine_records_and_calibration_round_trip() {
     let dir = tempfile::tempdir().unwrap();
     {
         let s = Store::open(dir.path()).unwrap();
@@ -57,7 +58,6 @@ fn engine_records_calibration_and_p2p_round_trip() {
             ..Default::default()
         };
         s.set_calibration("a", &cal);
-        assert!(s.set_p2p("last", b"{\"pairs\":[]}"));
         // A record of another generation is kept.
         s.remove_engine("b", Some(2));
         assert!(s.engine("b").is_some());
@@ -67,7 +67,6 @@ fn engine_records_calibration_and_p2p_round_trip() {
     let s = Store::open(dir.path()).unwrap();
     assert_eq!(s.engines(), vec![("a".to_string(), engine(10, 1))]);
     assert_eq!(s.calibration("a").unwrap().start.samples, 2);
-    assert_eq!(s.p2p("last").unwrap(), b"{\"pairs\":[]}");
     s.set(
         "a",
         IntentRecord {
@@ -186,31 +185,21 @@ fn a_store_in_use_is_refused() {
     assert!(matches!(e, StoreError::InUse(_)), "{e}");
 }
 
-#[test]
-fn legacy_json_intents_are_imported_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let json = r#"{"version":1,"intents":{"chat":{"desired":"stopped","level":0,"reason":"operator","since_unix_ms":5}}}"#;
-    std::fs::write(dir.path().join("intents.json"), json).unwrap();
-    let s = Store::open(dir.path()).unwrap();
-    assert_eq!(s.get("chat").unwrap().desired, "stopped");
-    assert!(dir.path().join("intents.json.imported").exists());
-    assert!(!dir.path().join("intents.json").exists());
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writes_work_from_workers_blocking_threads_and_block_on() {
     let dir = tempfile::tempdir().unwrap();
-    let json = r#"{"version":1,"intents":{"a":{"desired":"awake","reason":"operator","since_unix_ms":5}}}"#;
-    std::fs::write(dir.path().join("intents.json"), json).unwrap();
     let path = dir.path().to_path_buf();
-    let s = tokio::task::spawn_blocking(move || Store::open(&path).unwrap())
-        .await
-        .unwrap();
-    assert!(s.get("a").is_some());
+    let s = tokio::task::spawn_blocking(move || {
+        let s = Store::open(&path).unwrap();
+        assert!(s.set_engine("blocking", &engine(3, 1)));
+        s
+    })
+    .await
+    .unwrap();
     let s2 = s.clone();
     tokio::spawn(async move { assert!(s2.set_engine("w", &engine(1, 1))) })
         .await
         .unwrap();
     assert!(s.set_engine("main", &engine(2, 1)));
-    assert_eq!(s.engines().len(), 2);
+    assert_eq!(s.engines().len(), 3);
 }
