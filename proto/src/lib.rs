@@ -21,6 +21,8 @@ pub mod v1 {
 
 pub use v1::*;
 
+pub mod view;
+
 impl v1::ModelState {
     /// The lower-case name operators and clients see: `awake`, `asleep`, ...
     pub fn label(self) -> &'static str {

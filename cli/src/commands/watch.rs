@@ -14,73 +14,7 @@ use crate::args::Format;
 use crate::client::{Conn, RPC_TIMEOUT};
 use crate::failure::{Failure, no_answer};
 use crate::render;
-use crate::view::{GpusView, ModelView, PlacementView};
-
-/// One event for `-o json`: `type` says which of the payload fields is set.
-#[derive(Debug, Serialize)]
-pub struct EventView {
-    pub revision: u64,
-    pub at_unix_ms: i64,
-    pub control_id: String,
-    #[serde(rename = "type")]
-    pub kind: &'static str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub models: Option<Vec<ModelView>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub resync: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub model: Option<ModelView>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub model_removed: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub gpus: Option<GpusView>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub placement: Option<PlacementView>,
-}
-
-impl From<&pb::WatchEvent> for EventView {
-    fn from(ev: &pb::WatchEvent) -> Self {
-        let mut v = EventView {
-            revision: ev.revision,
-            at_unix_ms: ev.at_unix_ms,
-            control_id: ev.control_id.clone(),
-            kind: "unknown",
-            models: None,
-            resync: None,
-            model: None,
-            model_removed: None,
-            gpus: None,
-            placement: None,
-        };
-        match &ev.kind {
-            Some(Kind::Snapshot(s)) => {
-                v.kind = "snapshot";
-                v.models = Some(s.models.iter().map(ModelView::from).collect());
-                v.resync = Some(s.resync);
-                v.gpus = s.gpus.as_ref().map(GpusView::from);
-                v.placement = s.placement.as_ref().map(PlacementView::from);
-            }
-            Some(Kind::Model(m)) => {
-                v.kind = "model";
-                v.model = Some(ModelView::from(m));
-            }
-            Some(Kind::ModelRemoved(name)) => {
-                v.kind = "model_removed";
-                v.model_removed = Some(name.clone());
-            }
-            Some(Kind::Gpus(g)) => {
-                v.kind = "gpus";
-                v.gpus = Some(GpusView::from(g));
-            }
-            Some(Kind::Placement(p)) => {
-                v.kind = "placement";
-                v.placement = Some(PlacementView::from(p));
-            }
-            None => {}
-        }
-        v
-    }
-}
+pub use crate::view::EventView;
 
 /// First wait before reconnecting a watch that ended.
 const BACKOFF_MIN: Duration = Duration::from_millis(200);
