@@ -4,8 +4,8 @@
 //! Unix epoch milliseconds and durations milliseconds, as in the proto, with
 //! the same field names.
 
-use serde::Serialize;
 use crate::v1 as pb;
+use serde::Serialize;
 
 fn state_name(s: pb::ModelState) -> &'static str {
     s.label()

@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde::Serialize;
 use siesta_proto::v1 as pb;
 use siesta_proto::v1::watch_event::Kind;
 use tokio_stream::StreamExt;
