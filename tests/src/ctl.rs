@@ -212,3 +212,30 @@ pub async fn chat(base_url: &str, model: &str) -> String {
 pub fn endpoint(s: &pb::ModelStatus) -> String {
     s.endpoints.first().expect("endpoint").url.clone()
 }
+
+/// Whether the control plane's GPUs are the config's `[[gpu]]` list; where
+/// NVML is present they are the real ones and GPU tests skip (said once).
+pub async fn gpus_from_config(c: &mut Client) -> bool {
+    let gpus = c
+        .list_gpus(pb::ListGpusRequest {})
+        .await
+        .expect("ListGpus")
+        .into_inner();
+    if gpus.source != "config" {
+        eprintln!(
+            "skipped: GPUs come from {} here, not the config",
+            gpus.source
+        );
+        return false;
+    }
+    true
+}
+
+/// Waits until the proxy's `/readyz` answers 200 (it has a route table).
+pub async fn proxy_ready(proxy: &crate::ProxyProc) {
+    let ready = format!("{}/readyz", proxy.admin_url());
+    crate::wait_until("proxy ready", LONG, || async {
+        matches!(reqwest::get(&ready).await, Ok(r) if r.status() == 200)
+    })
+    .await;
+}

@@ -20,11 +20,7 @@ struct Stack {
 async fn stack(model: &str) -> Stack {
     let ctl = start(&config(model)).await;
     let proxy = spawn_proxy(&[ctl.url()], &[]).await;
-    let ready = format!("{}/readyz", proxy.admin_url());
-    wait_until("proxy ready", LONG, || async {
-        matches!(reqwest::get(&ready).await, Ok(r) if r.status() == 200)
-    })
-    .await;
+    proxy_ready(&proxy).await;
     let c = ctl.client().await;
     Stack { ctl, proxy, c }
 }

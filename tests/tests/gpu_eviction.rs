@@ -42,22 +42,6 @@ args = ["--tokens-per-second", "20"]
     )
 }
 
-async fn from_config(c: &mut Client) -> bool {
-    let gpus = c
-        .list_gpus(pb::ListGpusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    if gpus.source != "config" {
-        eprintln!(
-            "skipped: GPUs come from {} here, not the config",
-            gpus.source
-        );
-        return false;
-    }
-    true
-}
-
 #[tokio::test]
 async fn a_model_with_a_request_in_flight_is_not_evicted_and_the_wake_waits() {
     let ctl = start(&gpu_config(
@@ -71,7 +55,7 @@ async fn a_model_with_a_request_in_flight_is_not_evicted_and_the_wake_waits() {
     ))
     .await;
     let mut c = ctl.client().await;
-    if !from_config(&mut c).await {
+    if !gpus_from_config(&mut c).await {
         return;
     }
     let r = wake(&mut c, "a", true).await;
@@ -171,7 +155,7 @@ async fn a_tp_group_over_a_corrupt_pair_starts_with_p2p_off() {
     ))
     .await;
     let mut c = ctl.client().await;
-    if !from_config(&mut c).await {
+    if !gpus_from_config(&mut c).await {
         return;
     }
     let gpus = c
@@ -281,7 +265,7 @@ async fn the_probe_at_start_without_cuda_neither_fails_nor_hangs_start_up() {
     .replace("p2p_probe = \"off\"", "p2p_probe_timeout = \"20s\"");
     let ctl = start(&text).await;
     let mut c = ctl.client().await;
-    if !from_config(&mut c).await {
+    if !gpus_from_config(&mut c).await {
         return;
     }
     let gpus = c

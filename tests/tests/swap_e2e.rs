@@ -6,7 +6,7 @@
 
 use siesta_proto::v1 as pb;
 use siesta_tests::ctl::*;
-use siesta_tests::{ProxyProc, spawn_proxy, wait_until};
+use siesta_tests::{ProxyProc, spawn_proxy};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -150,24 +150,11 @@ async fn fire(proxy: &ProxyProc, models: &[&'static str], n: usize) -> Vec<Strin
 async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
     let ctl = start(&swap_config(1, &[("a", 1, 0.85), ("b", 1, 0.85)])).await;
     let mut c = ctl.client().await;
-    let gpus = c
-        .list_gpus(pb::ListGpusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    if gpus.source != "config" {
-        eprintln!(
-            "skipped: GPUs come from {} here, not the config",
-            gpus.source
-        );
+    if !gpus_from_config(&mut c).await {
         return;
     }
     let proxy = spawn_proxy(&[ctl.url()], &[]).await;
-    let ready = format!("{}/readyz", proxy.admin_url());
-    wait_until("proxy ready", LONG, || async {
-        matches!(reqwest::get(&ready).await, Ok(r) if r.status() == 200)
-    })
-    .await;
+    proxy_ready(&proxy).await;
     let mut pids = BTreeMap::new();
     for m in ["a", "b"] {
         let s = wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
@@ -241,24 +228,11 @@ async fn three_models_on_two_gpus_with_a_tp2_model_all_woken_at_once() {
     ))
     .await;
     let mut c = ctl.client().await;
-    let gpus = c
-        .list_gpus(pb::ListGpusRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    if gpus.source != "config" {
-        eprintln!(
-            "skipped: GPUs come from {} here, not the config",
-            gpus.source
-        );
+    if !gpus_from_config(&mut c).await {
         return;
     }
     let proxy = spawn_proxy(&[ctl.url()], &[]).await;
-    let ready = format!("{}/readyz", proxy.admin_url());
-    wait_until("proxy ready", LONG, || async {
-        matches!(reqwest::get(&ready).await, Ok(r) if r.status() == 200)
-    })
-    .await;
+    proxy_ready(&proxy).await;
     let mut pids = BTreeMap::new();
     for m in ["tp", "a", "b"] {
         let s = wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
