@@ -187,26 +187,45 @@ pub async fn wait_status(
     }
 }
 
-/// A chat completion straight to the engine; returns the answer text.
-pub async fn chat(base_url: &str, model: &str) -> String {
+/// One chat completion of at most `max_tokens` for `model` at `base_url`
+/// (an engine or the proxy) within `within`: Ok(answer text) on 200, else Err with the status
+/// or transport error and the body, naming the model.
+pub async fn try_chat(
+    base_url: &str,
+    model: &str,
+    max_tokens: u32,
+    within: Duration,
+) -> Result<String, String> {
     let body = serde_json::json!({
         "model": model,
         "messages": [{"role": "user", "content": "hello"}],
-        "max_tokens": 64,
+        "max_tokens": max_tokens,
     });
     let resp = reqwest::Client::new()
         .post(format!("{base_url}/v1/chat/completions"))
         .json(&body)
-        .timeout(Duration::from_secs(30))
+        .timeout(within)
         .send()
         .await
-        .expect("chat request");
-    assert!(resp.status().is_success(), "chat: HTTP {}", resp.status());
-    let v: serde_json::Value = resp.json().await.expect("chat JSON");
-    v["choices"][0]["message"]["content"]
+        .map_err(|e| format!("{model}: no answer within {within:?}: {e}"))?;
+    let status = resp.status();
+    let text = resp.text().await.unwrap_or_default();
+    if status != 200 {
+        return Err(format!("{model}: HTTP {status}: {text}"));
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{model}: bad JSON {e}: {text}"))?;
+    Ok(v["choices"][0]["message"]["content"]
         .as_str()
-        .expect("content")
-        .to_string()
+        .unwrap_or_default()
+        .to_string())
+}
+
+/// A chat completion straight to the engine; returns the answer text.
+pub async fn chat(base_url: &str, model: &str) -> String {
+    try_chat(base_url, model, 64, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("chat: {e}"))
 }
 
 pub fn endpoint(s: &pb::ModelStatus) -> String {

@@ -51,21 +51,11 @@ pub async fn stack(models: &str) -> Stack {
 impl Stack {
     /// One chat completion through the proxy; panics unless 200.
     pub async fn ask(&self, model: &str) {
-        let body = serde_json::json!({
-            "model": model,
-            "messages": [{"role": "user", "content": "hello"}],
-            "max_tokens": 4,
-        });
-        let resp = reqwest::Client::new()
-            .post(format!("{}/v1/chat/completions", self.proxy.url()))
-            .json(&body)
-            .timeout(Duration::from_secs(60))
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("{model}: no answer: {e}"));
-        let status = resp.status();
-        let text = resp.text().await.unwrap_or_default();
-        assert_eq!(status, 200, "{model}: {text}");
+        if let Err(e) =
+            crate::ctl::try_chat(&self.proxy.url(), model, 4, Duration::from_secs(60)).await
+        {
+            panic!("{e}");
+        }
     }
 
     /// GET a path of the web listener as text (panics unless 200).

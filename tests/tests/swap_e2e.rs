@@ -46,26 +46,7 @@ env = {{ SIESTA_TEST_TAG = "@DIR@" }}
 }
 
 async fn ask(proxy: &str, model: &str) -> Result<(), String> {
-    let body = serde_json::json!({
-        "model": model,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 4,
-    });
-    let resp = reqwest::Client::new()
-        .post(format!("{proxy}/v1/chat/completions"))
-        .json(&body)
-        .timeout(ANSWER_WITHIN)
-        .send()
-        .await
-        .map_err(|e| format!("{model}: {e}"))?;
-    let status = resp.status();
-    if status != 200 {
-        return Err(format!(
-            "{model}: {status}: {}",
-            resp.text().await.unwrap_or_default()
-        ));
-    }
-    Ok(())
+    try_chat(proxy, model, 4, ANSWER_WITHIN).await.map(drop)
 }
 
 /// Records it if the awake models ever match `forbidden` (a set of models
