@@ -47,8 +47,11 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             ..
         } => {
             // No room within ROOM_WAIT: the engine stays asleep, unharmed.
-            let error =
-                format!("no room on its GPUs within {ROOM_WAIT:?}: other models kept them busy");
+            let error = format!(
+                "no room on its GPUs within {ROOM_WAIT:?}: the models holding them stayed busy \
+                 or pinned (`siesta placement` shows who holds what); the engine stays asleep \
+                 and the next request tries again"
+            );
             fx.push(Effect::Log(format!("wake gave up: {error}")));
             m.last_error = Some(error);
             m.demand_since = None;
