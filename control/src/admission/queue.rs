@@ -5,9 +5,22 @@ use super::{AdmissionMetrics, AdmissionPolicy, Registry, Waiting};
 use crate::gpu_view::{GpuView, runtime};
 use crate::placement::{RunState, WakePlan};
 use crate::status::{Clock, ModelStatus, State};
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
+
+/// How long an answered ask counts at full share while the model's
+/// published state has not moved since the answer. The model publishes
+/// within milliseconds; this bounds what a model that never does costs.
+const GRANT_UNSEEN_MAX: Duration = Duration::from_secs(30);
+
+/// An answered ask, as the hub showed its model when it was answered.
+struct Grant {
+    state: State,
+    since_ms: i64,
+    at: Instant,
+}
 
 /// One model's request for room.
 pub(crate) struct Ask {
@@ -34,6 +47,11 @@ impl Ask {
 /// The queue, in arrival order, and what planning needs.
 pub(crate) struct Core {
     queue: VecDeque<Ask>,
+    /// Answered asks whose model may not have published its Waking or
+    /// Starting yet: the hub lags the answer (the model's task runs on
+    /// another thread), and a plan in between must not count the model at
+    /// its asleep residual, or one GPU is promised twice.
+    granted: BTreeMap<String, Grant>,
     gpus: Arc<GpuView>,
     registry: Registry,
     clock: Clock,
@@ -50,6 +68,7 @@ impl Core {
     ) -> Self {
         Self {
             queue: VecDeque::new(),
+            granted: BTreeMap::new(),
             gpus,
             registry,
             clock,
@@ -66,6 +85,7 @@ impl Core {
     pub fn push(&mut self, ask: Ask) {
         // One ask per model: a newer one (a new epoch) replaces the old.
         self.queue.retain(|a| a.model != ask.model);
+        self.granted.remove(&ask.model);
         self.queue.push_back(ask);
     }
 
@@ -73,6 +93,8 @@ impl Core {
         self.queue.retain(|a| a.id != id);
     }
 
+    /// Nothing waits (answered asks not yet seen in the hub do not count:
+    /// they matter only to a later ask).
     pub fn is_empty(&self) -> bool {
         self.queue.is_empty()
     }
@@ -83,6 +105,8 @@ impl Core {
     pub fn plan(&mut self, models: &[ModelStatus]) {
         // Waiters gone (their model task moved on) leave the queue.
         self.queue.retain(|a| !a.reply.is_closed());
+        self.granted
+            .retain(|n, _| models.iter().any(|m| m.name == *n));
         let now_ms = self.clock.now_ms();
         let mut rt = runtime(models);
         let queued: BTreeSet<&str> = self.queue.iter().map(|a| a.model.as_str()).collect();
@@ -97,6 +121,20 @@ impl Core {
                     State::Starting => RunState::Stopped,
                     _ => r.state,
                 };
+            }
+            if let Some(g) = self.granted.get(&m.name) {
+                if g.state == m.state
+                    && g.since_ms == m.state_since_unix_ms
+                    && g.at.elapsed() < GRANT_UNSEEN_MAX
+                {
+                    // Answered, not yet published: it takes its full share.
+                    if matches!(r.state, RunState::Asleep | RunState::Stopped) {
+                        r.state = RunState::Waking;
+                    }
+                } else {
+                    // Its state moved since: the hub tells the truth now.
+                    self.granted.remove(&m.name);
+                }
             }
             if m.state == State::Awake {
                 let min = self.policy.min_awake.as_millis() as i64;
@@ -133,6 +171,14 @@ impl Core {
                     }
                     self.metrics.admitted(&ask.model, ask.asked_at.elapsed());
                     let _ = ask.reply.send(());
+                    if let Some(m) = models.iter().find(|m| m.name == ask.model) {
+                        let grant = Grant {
+                            state: m.state,
+                            since_ms: m.state_since_unix_ms,
+                            at: Instant::now(),
+                        };
+                        self.granted.insert(ask.model.clone(), grant);
+                    }
                     // From now on it takes its full share.
                     if let Some(r) = rt.get_mut(&model) {
                         r.state = RunState::Waking;
