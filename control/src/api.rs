@@ -247,6 +247,7 @@ impl pb::control_server::Control for ControlService {
                 started: a.started,
                 finished: a.finished,
                 in_flight: a.in_flight,
+                held: a.held,
                 last_finished_unix_ms: a.last_finished_unix_ms,
             })
             .collect();

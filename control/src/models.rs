@@ -21,6 +21,7 @@ pub struct Activity {
     pub started: u32,
     pub finished: u32,
     pub in_flight: u32,
+    pub held: u32,
     pub last_finished_unix_ms: i64,
 }
 
@@ -327,6 +328,7 @@ impl Models {
             h.notify(Event::Activity {
                 proxy: proxy.to_string(),
                 in_flight: r.in_flight,
+                held: r.held,
                 active: r.started > 0 || r.finished > 0,
                 last_finished: (r.last_finished_unix_ms > 0)
                     .then(|| self.shared.clock.instant(r.last_finished_unix_ms)),

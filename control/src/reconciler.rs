@@ -22,6 +22,15 @@ use tokio::time::{Duration, Instant};
 /// silent this long is gone and its in-flight count no longer counts.
 pub const PROXY_STALE: Duration = Duration::from_secs(30);
 
+/// What one proxy last reported of a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProxyLoad {
+    pub in_flight: u32,
+    pub held: u32,
+    /// When it was reported (dropped after [`PROXY_STALE`]).
+    pub at: Instant,
+}
+
 /// How long a wake may wait for room on its GPUs (other models to finish
 /// their requests and be put to sleep). A wake that gives up leaves its
 /// engine asleep, unharmed, and says why in the model's status; the next
@@ -175,6 +184,9 @@ pub enum Event {
     Activity {
         proxy: String,
         in_flight: u32,
+        /// Requests it holds for the model (shown, not acted on: the
+        /// proxy's `Demand` is what wakes the model).
+        held: u32,
         active: bool,
         last_finished: Option<Instant>,
     },
@@ -348,7 +360,7 @@ pub struct ModelState {
     /// operator's intent overrides it.
     pub demand_since: Option<Instant>,
     /// Requests in flight per proxy, and when that proxy last said so.
-    pub proxies: BTreeMap<String, (u32, Instant)>,
+    pub proxies: BTreeMap<String, ProxyLoad>,
     /// The engine's own running-requests gauge.
     pub engine_running: u32,
     pub failures: u32,
@@ -400,7 +412,12 @@ impl ModelState {
 
     /// Requests in flight: all proxies plus the engine's gauge.
     pub fn in_flight(&self) -> u32 {
-        self.proxies.values().map(|(n, _)| n).sum::<u32>() + self.engine_running
+        self.proxies.values().map(|p| p.in_flight).sum::<u32>() + self.engine_running
+    }
+
+    /// Requests the proxies hold for the model now.
+    pub fn held(&self) -> u32 {
+        self.proxies.values().map(|p| p.held).sum()
     }
 
     pub fn pinned(&self, now: Instant) -> bool {

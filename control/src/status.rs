@@ -125,6 +125,8 @@ pub struct ModelStatus {
     /// before any.
     pub last_activity_unix_ms: Option<i64>,
     pub in_flight: u32,
+    /// Requests the proxies hold for it now.
+    pub held: u32,
     pub next_tier: Option<(IdleTier, i64)>,
     pub intent: IntentView,
     pub pin: PinView,
@@ -234,6 +236,7 @@ pub fn model_status(
         calibration: m.calibration,
         last_activity_unix_ms: m.last_activity.map(ms),
         in_flight: m.in_flight(),
+        held: m.held(),
         next_tier: next_tier(m, now).map(|(t, at)| (t, ms(at))),
         intent: IntentView {
             desired: m.intent.desired,

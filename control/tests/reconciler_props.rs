@@ -231,6 +231,7 @@ impl World {
             } => Event::Activity {
                 proxy: format!("proxy-{proxy}"),
                 in_flight,
+                held: 0,
                 active,
                 last_finished: active.then_some(self.now),
             },

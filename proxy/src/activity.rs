@@ -16,8 +16,9 @@ use crate::watch_client::Controls;
 
 /// How often batches are sent.
 pub const TICK: Duration = Duration::from_millis(100);
-/// A model with requests in flight but none started or finished is still
-/// reported this often, so long streams count as activity.
+/// A model with requests in flight or held but none started or finished is
+/// still reported this often, so long streams count as activity and the
+/// control plane's held count does not go stale.
 const IN_FLIGHT_EVERY_TICKS: u32 = 10;
 
 /// Counters of one model as served through one control plane.
@@ -30,6 +31,9 @@ pub struct ActivityCounters {
     in_flight: AtomicU32,
     last_finished_unix_ms: AtomicI64,
     quiet_ticks: AtomicU32,
+    /// Requests held for the model now, and what the last report said.
+    held: AtomicU32,
+    held_reported: AtomicU32,
 }
 
 impl ActivityCounters {
@@ -45,14 +49,21 @@ impl ActivityCounters {
             .store(now_unix_ms(), Ordering::Relaxed);
     }
 
+    /// How many requests are held for the model now.
+    pub fn set_held(&self, n: u32) {
+        self.held.store(n, Ordering::Relaxed);
+    }
+
     /// Takes what accumulated since the last report, if worth reporting.
     fn take(&self) -> Option<ModelActivity> {
         let started = self.started.swap(0, Ordering::Relaxed);
         let finished = self.finished.swap(0, Ordering::Relaxed);
         let in_flight = self.in_flight.load(Ordering::Relaxed);
         let last = self.last_finished_unix_ms.swap(0, Ordering::Relaxed);
-        if started == 0 && finished == 0 {
-            if in_flight == 0 {
+        let held = self.held.load(Ordering::Relaxed);
+        let held_changed = self.held_reported.swap(held, Ordering::Relaxed) != held;
+        if started == 0 && finished == 0 && !held_changed {
+            if in_flight == 0 && held == 0 {
                 return None;
             }
             let q = self.quiet_ticks.fetch_add(1, Ordering::Relaxed) + 1;
@@ -67,6 +78,7 @@ impl ActivityCounters {
             finished,
             in_flight,
             last_finished_unix_ms: last,
+            held,
         })
     }
 }
@@ -101,6 +113,8 @@ impl Activity {
                     in_flight: AtomicU32::new(0),
                     last_finished_unix_ms: AtomicI64::new(0),
                     quiet_ticks: AtomicU32::new(0),
+                    held: AtomicU32::new(0),
+                    held_reported: AtomicU32::new(0),
                 })
             })
             .clone()
@@ -178,5 +192,35 @@ impl Activity {
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(a: &Activity) -> Option<ModelActivity> {
+        let mut out = a.drain();
+        assert!(out.len() <= 1);
+        out.drain().next().map(|(_, mut r)| r.models.remove(0))
+    }
+
+    /// A held count is reported when it changes (zero included), then
+    /// about once a second while it is not zero, and not at all at rest.
+    #[test]
+    fn held_counts_are_reported_on_change_and_kept_fresh() {
+        let a = Activity::default();
+        let c = a.counters(&SourceId::from("http://control"), &Arc::from("m"));
+        assert!(one(&a).is_none());
+        c.set_held(4);
+        assert_eq!(one(&a).map(|m| (m.held, m.in_flight)), Some((4, 0)));
+        // Unchanged: quiet, then refreshed before the control plane forgets.
+        let repeats = (0..IN_FLIGHT_EVERY_TICKS)
+            .filter(|_| one(&a).is_some())
+            .count();
+        assert_eq!(repeats, 1);
+        c.set_held(0);
+        assert_eq!(one(&a).map(|m| m.held), Some(0));
+        assert!((0..2 * IN_FLIGHT_EVERY_TICKS).all(|_| one(&a).is_none()));
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::activity::now_unix_ms;
+use crate::activity::{Activity, ActivityCounters, now_unix_ms};
 use crate::errors::{ApiError, ShedReason};
 use crate::metrics::{Metrics, ModelLabels};
 use crate::route_table::{ModelRoute, RouteTable, View};
@@ -57,6 +57,9 @@ struct QueueInner {
 struct HoldQueue {
     model: Arc<str>,
     inner: Mutex<QueueInner>,
+    /// Where the held count is reported: the control plane the demand
+    /// goes to first.
+    report: Mutex<Option<Arc<ActivityCounters>>>,
 }
 
 impl HoldQueue {
@@ -67,7 +70,26 @@ impl HoldQueue {
         for (_, tx) in q.waiters.drain(..) {
             let _ = tx.send(f());
         }
+        self.report_held(0);
         n
+    }
+
+    /// Tells the control plane's activity report how many wait now.
+    fn report_held(&self, n: usize) {
+        if let Some(c) = &*self.report.lock().unwrap() {
+            c.set_held(n as u32);
+        }
+    }
+
+    /// Reports to `to` from now on (the best control plane may change).
+    fn report_to(&self, to: Arc<ActivityCounters>) {
+        let mut r = self.report.lock().unwrap();
+        if let Some(old) = r.as_ref()
+            && !Arc::ptr_eq(old, &to)
+        {
+            old.set_held(0);
+        }
+        *r = Some(to);
     }
 }
 
@@ -78,6 +100,7 @@ pub struct Holds {
     table: Arc<RouteTable>,
     controls: Arc<Controls>,
     metrics: Arc<Metrics>,
+    activity: Arc<Activity>,
     proxy_id: String,
     /// Ends demand retries when the proxy stops.
     shutdown: CancellationToken,
@@ -130,6 +153,8 @@ impl Drop for Ticket {
         if q.waiters.is_empty() {
             q.episode = None;
         }
+        // Under the queue's lock, so reports follow the queue's order.
+        self.queue.report_held(q.waiters.len());
         drop(q);
         self.metrics
             .held
@@ -153,6 +178,7 @@ impl Holds {
         table: Arc<RouteTable>,
         controls: Arc<Controls>,
         metrics: Arc<Metrics>,
+        activity: Arc<Activity>,
         proxy_id: String,
         shutdown: CancellationToken,
     ) -> Self {
@@ -161,6 +187,7 @@ impl Holds {
             table,
             controls,
             metrics,
+            activity,
             proxy_id,
             shutdown,
             shed_at: watch::Sender::new(None),
@@ -181,6 +208,7 @@ impl Holds {
                 Arc::new(HoldQueue {
                     model: model.clone(),
                     inner: Mutex::new(QueueInner::default()),
+                    report: Mutex::new(None),
                 })
             })
             .clone()
@@ -218,6 +246,9 @@ impl Holds {
             .saturating_sub(held_since.elapsed())
             .as_millis() as u64;
         let queue = self.queue(&route.name);
+        if let Some(source) = route.sources.first() {
+            queue.report_to(self.activity.counters(source, &route.name));
+        }
         let mut q = queue.inner.lock().unwrap();
         let depth = q.waiters.len();
         if est.calibrated && est.ms > hold_left {
@@ -248,6 +279,7 @@ impl Holds {
         q.next_id += 1;
         let (tx, rx) = oneshot::channel();
         q.waiters.push_back((id, tx));
+        queue.report_held(q.waiters.len());
         let new_episode = q.episode.is_none().then(|| {
             q.episodes += 1;
             q.episode = Some(q.episodes);

@@ -116,6 +116,7 @@ impl Proxy {
             table.clone(),
             controls.clone(),
             metrics.clone(),
+            activity.clone(),
             proxy_id.clone(),
             background.child_token(),
         ));

@@ -22,7 +22,8 @@ const LIVE_WITHIN: Duration = Duration::from_secs(1);
 
 #[tokio::test]
 async fn top_shows_a_wake_through_the_proxy_live_and_q_restores_the_terminal() {
-    let models = fake_model("alpha", "asleep", &["--wake-time", "1s"], "")
+    // A wake long enough for the held requests to be reported and shown.
+    let models = fake_model("alpha", "asleep", &["--wake-time", "3s"], "")
         + &fake_model("beta", "none", &[], "");
     let ctl = start(&config(&models)).await;
     let mut c = ctl.client().await;
@@ -58,19 +59,24 @@ async fn top_shows_a_wake_through_the_proxy_live_and_q_restores_the_terminal() {
         .await
         .expect("Watch")
         .into_inner();
-    let ask = {
-        let url = format!("{}/v1/chat/completions", proxy.url());
-        tokio::spawn(async move {
-            let body = serde_json::json!({"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
-            reqwest::Client::new()
-                .post(url)
-                .json(&body)
-                .send()
-                .await
-                .map(|r| r.status())
+    // Three requests at once: held while alpha wakes.
+    const HELD: u32 = 3;
+    let asks: Vec<_> = (0..HELD)
+        .map(|_| {
+            let url = format!("{}/v1/chat/completions", proxy.url());
+            tokio::spawn(async move {
+                let body = serde_json::json!({"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+                reqwest::Client::new()
+                    .post(url)
+                    .json(&body)
+                    .send()
+                    .await
+                    .map(|r| r.status())
+            })
         })
-    };
+        .collect();
     let mut at = BTreeMap::new();
+    let mut held_before_awake = 0;
     tokio::time::timeout(LONG, async {
         while let Some(Ok(ev)) = events.next().await {
             if let Some(pb::watch_event::Kind::Model(m)) = ev.kind
@@ -80,12 +86,34 @@ async fn top_shows_a_wake_through_the_proxy_live_and_q_restores_the_terminal() {
                 if state(&m) == pb::ModelState::Awake {
                     return;
                 }
+                held_before_awake = held_before_awake.max(m.held);
             }
         }
     })
     .await
     .expect("alpha awake on Watch");
-    assert_eq!(ask.await.unwrap().expect("request through the proxy"), 200);
+    for ask in asks {
+        assert_eq!(ask.await.unwrap().expect("request through the proxy"), 200);
+    }
+    // The proxy reported what it held, control published it, top showed it.
+    assert_eq!(
+        held_before_awake, HELD,
+        "held requests on Watch before awake"
+    );
+    wait_until(&format!("top showed {HELD} held"), LONG, || async {
+        top.held_seen().contains(&HELD.to_string())
+    })
+    .await;
+    // Served: the count goes back to zero everywhere.
+    wait_until("alpha's held count back to 0", LONG, || {
+        let mut c = c.clone();
+        async move { util::status(&mut c, "alpha").await.held == 0 }
+    })
+    .await;
+    wait_until("top shows 0 held", LONG, || async {
+        pty::cell(&top.text(), "alpha", "HELD").as_deref() == Some("0")
+    })
+    .await;
     for (want, st) in [
         ("waking", pb::ModelState::Waking),
         ("awake", pb::ModelState::Awake),

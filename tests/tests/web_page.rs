@@ -49,7 +49,8 @@ fn row_state(model: &str) -> String {
 
 #[tokio::test]
 async fn the_page_follows_a_wake_and_its_buttons_send_the_operations() {
-    let models = fake_model("alpha", "asleep", &["--wake-time", "300ms"], "")
+    // A wake long enough for the held request to be reported and shown.
+    let models = fake_model("alpha", "asleep", &["--wake-time", "1500ms"], "")
         + &fake_model("beta", "none", &[], "");
     let s = stack::stack(&models).await;
     let mut c = s.ctl.client().await;
@@ -96,6 +97,15 @@ async fn the_page_follows_a_wake_and_its_buttons_send_the_operations() {
             seen_at - event_at
         );
     }
+    // The request was held while alpha woke: the row's held cell said so.
+    let held = b
+        .eval("window.siesta.seen.filter(s => s.model === 'alpha' && s.state === 'waking').map(s => s.held_shown)")
+        .await;
+    assert!(
+        held.as_array()
+            .is_some_and(|v| v.iter().any(|h| h.as_str() == Some("1"))),
+        "the page never showed alpha's held request: {held}"
+    );
     let shot = b.screenshot().await;
     assert!(shot.starts_with(b"\x89PNG"), "screenshot is not a PNG");
     if let Some(path) = std::env::var_os("SIESTA_SCREENSHOT") {

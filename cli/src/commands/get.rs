@@ -121,6 +121,7 @@ pub fn describe(now: i64, m: &pb::ModelStatus, placement: Option<&pb::ModelPlace
         );
     }
     kv(&mut o, "In flight", m.in_flight.to_string());
+    kv(&mut o, "Held", m.held.to_string());
     kv(
         &mut o,
         "Last activity",

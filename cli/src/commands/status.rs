@@ -47,6 +47,7 @@ pub fn table(now: i64, models: &[pb::ModelStatus]) -> String {
         "endpoint",
         "idle",
         "in flight",
+        "held",
         "next tier",
         "last error",
     ]);
@@ -58,6 +59,7 @@ pub fn table(now: i64, models: &[pb::ModelStatus]) -> String {
             endpoint(m),
             idle(now, m),
             m.in_flight.to_string(),
+            m.held.to_string(),
             tier_cell(now, m),
             error_cell(now, m),
         ]);

@@ -218,6 +218,9 @@ fn details(m: &pb::ModelStatus) -> String {
     if m.in_flight > 0 {
         d.push(format!("{} in flight", m.in_flight));
     }
+    if m.held > 0 {
+        d.push(format!("{} held", m.held));
+    }
     if m.pinned_until_unix_ms > 0 {
         d.push("pinned".to_owned());
     }

@@ -104,6 +104,7 @@ pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
         calibration: Some(calibration(&s.calibration)),
         last_activity_unix_ms: s.last_activity_unix_ms.unwrap_or(0),
         in_flight: s.in_flight,
+        held: s.held,
         next_tier: s.next_tier.as_ref().map(|(t, _)| tier(t)),
         next_tier_unix_ms: s.next_tier.as_ref().map_or(0, |(_, at)| *at),
         intent: Some(pb::Intent {

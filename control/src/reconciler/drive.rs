@@ -226,7 +226,7 @@ pub(super) fn next_wakeup(m: &ModelState, now: Instant) -> Option<Instant> {
     if let Pin::Until(t) = m.pin {
         times.push(t);
     }
-    times.extend(m.proxies.values().map(|(_, at)| *at + PROXY_STALE).min());
+    times.extend(m.proxies.values().map(|p| p.at + PROXY_STALE).min());
     if let Some((_, at)) = next_tier(m, now) {
         times.push(at);
     }

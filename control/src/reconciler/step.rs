@@ -11,7 +11,7 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
     let history_before = (m.restarts, m.last_activity);
     expire_pin(&mut m, now);
     m.proxies
-        .retain(|_, (_, at)| now.saturating_duration_since(*at) < PROXY_STALE);
+        .retain(|_, p| now.saturating_duration_since(p.at) < PROXY_STALE);
     handle(&mut m, event, now, &mut fx);
     reconcile(&mut m, now, &mut fx);
     if m.phase == Phase::Awake && m.intent.desired == Desired::Awake {
@@ -132,13 +132,19 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         Event::Activity {
             proxy,
             in_flight,
+            held,
             active,
             last_finished,
         } => {
-            if in_flight == 0 {
+            if in_flight == 0 && held == 0 {
                 m.proxies.remove(&proxy);
             } else {
-                m.proxies.insert(proxy, (in_flight, now));
+                let load = ProxyLoad {
+                    in_flight,
+                    held,
+                    at: now,
+                };
+                m.proxies.insert(proxy, load);
             }
             if active || in_flight > 0 {
                 let at = last_finished.unwrap_or(now).min(now);

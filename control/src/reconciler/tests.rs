@@ -160,6 +160,7 @@ fn never_sleeps_with_requests_in_flight() {
         s.ev(Event::Activity {
             proxy: "p".into(),
             in_flight: 1,
+            held: 0,
             active: false,
             last_finished: None,
         });
@@ -171,6 +172,7 @@ fn never_sleeps_with_requests_in_flight() {
     s.ev(Event::Activity {
         proxy: "p".into(),
         in_flight: 0,
+        held: 0,
         active: true,
         last_finished: Some(s.now),
     });
@@ -405,6 +407,7 @@ fn eviction_sleeps_only_an_idle_unpinned_awake_model() {
     s.ev(Event::Activity {
         proxy: "p".into(),
         in_flight: 1,
+        held: 0,
         active: true,
         last_finished: None,
     });
@@ -413,6 +416,7 @@ fn eviction_sleeps_only_an_idle_unpinned_awake_model() {
     s.ev(Event::Activity {
         proxy: "p".into(),
         in_flight: 0,
+        held: 0,
         active: true,
         last_finished: None,
     });
@@ -479,6 +483,7 @@ fn a_silent_proxy_stops_counting() {
     s.ev(Event::Activity {
         proxy: "gone".into(),
         in_flight: 2,
+        held: 0,
         active: true,
         last_finished: None,
     });
@@ -486,6 +491,35 @@ fn a_silent_proxy_stops_counting() {
     assert_eq!(s.timer(), Some(s.now + PROXY_STALE));
     s.advance(PROXY_STALE);
     assert_eq!(s.m.in_flight(), 0);
+}
+
+/// What the proxies hold is summed across them, shown in the status, does
+/// not count as in flight (it must not keep a model from sleeping), and
+/// goes when a proxy says zero or falls silent.
+#[test]
+fn held_requests_are_summed_across_proxies_and_expire_with_them() {
+    let mut s = Sim::new(Preload::Asleep);
+    s.boot();
+    for (proxy, held) in [("p1", 3), ("p2", 2)] {
+        s.ev(Event::Activity {
+            proxy: proxy.into(),
+            in_flight: 0,
+            held,
+            active: false,
+            last_finished: None,
+        });
+    }
+    assert_eq!((s.m.held(), s.m.in_flight()), (5, 0));
+    s.ev(Event::Activity {
+        proxy: "p1".into(),
+        in_flight: 0,
+        held: 0,
+        active: false,
+        last_finished: None,
+    });
+    assert_eq!(s.m.held(), 2);
+    s.advance(PROXY_STALE);
+    assert_eq!(s.m.held(), 0, "a silent proxy's held count stays");
 }
 
 mod decisions;

@@ -18,6 +18,8 @@ pub struct Screen {
     pub parser: vt100::Parser,
     pub raw: Vec<u8>,
     pub first_seen: Vec<(String, Instant)>,
+    /// Each value the watched row's HELD cell showed, in order.
+    pub held_seen: Vec<String>,
 }
 
 pub struct TopPty {
@@ -36,6 +38,29 @@ pub fn row_state(screen: &str, model: &str) -> Option<String> {
         let rest = rest.strip_prefix("[pin]").unwrap_or(rest);
         Some(rest.split_whitespace().next()?.to_string())
     })
+}
+
+/// The model's row's cell under the header `column` (cells start where
+/// their header does), if on screen.
+pub fn cell(screen: &str, model: &str, column: &str) -> Option<String> {
+    let lines: Vec<Vec<char>> = screen.lines().map(|l| l.chars().collect()).collect();
+    let header = lines.iter().find(|l| {
+        let s: String = l.iter().collect();
+        s.contains("MODEL") && s.contains(column)
+    })?;
+    let want: Vec<char> = column.chars().collect();
+    let at = header
+        .windows(want.len())
+        .position(|w| w == want.as_slice())?;
+    let row = lines.iter().find(|l| {
+        let s: String = l.iter().collect();
+        let cells = s.trim_start_matches(['│', ' ']);
+        cells
+            .strip_prefix(model)
+            .is_some_and(|r| r.starts_with(' '))
+    })?;
+    let rest: String = row.get(at..)?.iter().collect();
+    rest.split_whitespace().next().map(str::to_string)
 }
 
 impl TopPty {
@@ -67,6 +92,7 @@ impl TopPty {
             parser: vt100::Parser::new(ROWS.try_into().unwrap(), COLS.try_into().unwrap(), 0),
             raw: Vec::new(),
             first_seen: Vec::new(),
+            held_seen: Vec::new(),
         }));
         let reader = screen.clone();
         std::thread::spawn(move || {
@@ -83,6 +109,11 @@ impl TopPty {
                     && !s.first_seen.iter().any(|(x, _)| *x == st)
                 {
                     s.first_seen.push((st, Instant::now()));
+                }
+                if let Some(h) = cell(&text, watch, "HELD")
+                    && s.held_seen.last() != Some(&h)
+                {
+                    s.held_seen.push(h);
                 }
             }
         });
@@ -119,6 +150,11 @@ impl TopPty {
         !s.parser.screen().alternate_screen() && !s.parser.screen().hide_cursor()
     }
 
+    /// The values the watched row's HELD cell has shown, in order.
+    pub fn held_seen(&self) -> Vec<String> {
+        self.screen.lock().unwrap().held_seen.clone()
+    }
+
     pub fn order(&self) -> Vec<String> {
         let s = self.screen.lock().unwrap();
         s.first_seen.iter().map(|(x, _)| x.clone()).collect()
@@ -130,4 +166,9 @@ fn rows_are_found_on_screen() {
     let screen = "│MODEL   STATE\n│alpha [pin]  waking 3s ago\n15:00:00  alpha: asleep → waking\n";
     assert_eq!(row_state(screen, "alpha").as_deref(), Some("waking"));
     assert_eq!(row_state(screen, "alph"), None);
+    let screen =
+        "│MODEL   STATE   HELD  TIER\n│alpha   waking  12    -\n│beta    awake   0     -\n";
+    assert_eq!(cell(screen, "alpha", "HELD").as_deref(), Some("12"));
+    assert_eq!(cell(screen, "beta", "HELD").as_deref(), Some("0"));
+    assert_eq!(cell(screen, "gamma", "HELD"), None);
 }

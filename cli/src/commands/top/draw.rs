@@ -199,6 +199,7 @@ fn models(f: &mut Frame, area: Rect, top: &Top, now: i64) {
         "GPUS",
         "GPU MEMORY",
         "IN FLIGHT",
+        "HELD",
         "NEXT IDLE TIER",
         "LAST ERROR",
     ])
@@ -244,6 +245,11 @@ fn models(f: &mut Frame, area: Rect, top: &Top, now: i64) {
                 Cell::from(render::gpus(&m.gpus)),
                 Cell::from(mem),
                 Cell::from(m.in_flight.to_string()),
+                Cell::from(m.held.to_string()).style(if m.held > 0 {
+                    Style::default().fg(Color::Yellow)
+                } else {
+                    Style::default()
+                }),
                 Cell::from(render::next_tier(now, m)),
                 Cell::from(m.last_error.clone()).style(Style::default().fg(Color::Red)),
             ])
@@ -257,6 +263,7 @@ fn models(f: &mut Frame, area: Rect, top: &Top, now: i64) {
             Constraint::Length(6),
             Constraint::Length(22),
             Constraint::Length(9),
+            Constraint::Length(6),
             Constraint::Length(18),
             Constraint::Min(10),
         ],

@@ -89,6 +89,7 @@ fn what_changed_is_persisted_by_effects() {
     s.ev(Event::Activity {
         proxy: "p".into(),
         in_flight: 0,
+        held: 0,
         active: true,
         last_finished: Some(s.now),
     });

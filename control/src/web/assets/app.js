@@ -4,7 +4,8 @@
 
 const token = new URLSearchParams(location.search).get("token") || "";
 const S = { models: new Map(), gpus: null, revision: 0, control: "", history: null };
-// What arrived when, for tools and tests: {model, state, sleep_level, revision, event_at, seen_at}.
+// What arrived when, for tools and tests: {model, state, sleep_level, held,
+// held_shown (the row's held cell once rendered), revision, event_at, seen_at}.
 window.siesta = { seen: [] };
 
 function withToken(path) {
@@ -109,6 +110,7 @@ function renderModels() {
         el("span", { style: `width:${total ? (100 * used) / total : 0}%;background:${colour(m.name)}` })),
         el("span", { class: "muted", text: used ? gib(used) : "-" })),
       el("td", { text: String(m.in_flight) }),
+      el("td", { class: "held", text: String(m.held || 0) }),
       el("td", { text: tier }),
       el("td", { class: "error", text: m.last_error || "" }),
       el("td", {}, b("wake", "wake"), b("sleep", "sleep L1", "?level=1"), b("sleep", "sleep L2", "?level=2"),
@@ -241,8 +243,9 @@ function connect() {
     const before = S.models.get(m.name);
     S.models.set(m.name, m);
     render();
+    const heldCell = document.querySelector(`#model-${CSS.escape(m.name)} td.held`);
     window.siesta.seen.push({ model: m.name, state: m.state, sleep_level: m.sleep_level,
-      revision: ev.revision, event_at: ev.at_unix_ms, seen_at: Date.now() });
+      held: m.held || 0, held_shown: heldCell ? heldCell.textContent : null, revision: ev.revision, event_at: ev.at_unix_ms, seen_at: Date.now() });
     if (window.siesta.seen.length > 1000) window.siesta.seen.shift();
     if (!before || before.state !== m.state || before.sleep_level !== m.sleep_level) {
       log(`${m.name}: ${before ? stateLabel(before) + " → " : ""}${stateLabel(m)}${m.last_error ? " (" + m.last_error + ")" : ""}`);
