@@ -33,6 +33,7 @@ async fn restarts_and_last_activity_survive_adoption() {
             finished: 1,
             in_flight: 0,
             last_finished_unix_ms: finished,
+            held: 0,
         }],
         ..Default::default()
     })
