@@ -3,6 +3,14 @@
 # real GPUs: siesta-control + siesta-proxy + two fake-vllm engines holding
 # real GPU memory on GPU 0, one asleep and woken by three requests at once
 # through the proxy (held while it wakes).
+# GET a URL (no curl needed on the GPU machine).
+get() { python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' "$1"; }
+# Stream a URL to stdout until killed (the SSE stream).
+stream() { python3 -u -c '
+import sys, urllib.request
+with urllib.request.urlopen(sys.argv[1], timeout=600) as r:
+    for line in r:
+        sys.stdout.write(line.decode()); sys.stdout.flush()' "$1"; }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 VDIR=$(mktemp -d)
 CTL_PORT=$(free_port); WEB_PORT=$(free_port); PROXY_PORT=$(free_port); ADMIN_PORT=$(free_port)
@@ -60,7 +68,7 @@ if [ -z "$views_up" ]; then
     fail "views: chat asleep and embed awake not reached"
     tail -n 30 "$VDIR/control.log"
 else
-    curl -sN "$WEB/events" >"$VDIR/events.txt" 2>&1 &
+    stream "$WEB/events" >"$VDIR/events.txt" 2>&1 &
     SSE_PID=$!
     python3 scripts/gpu-check.d/top-pty.py "$BIN/siesta" "$CTL" 14 "$VDIR/top.raw" "$VDIR/top.ready" >"$VDIR/top.out" 2>&1 &
     TOP_PID=$!
@@ -83,7 +91,7 @@ sys.exit(0 if [s for s, _ in res] == [200] * 3 else 1)
 PY
     sleep 1
     echo "  GET /api/gpus (the engines' GPU memory from NVML, per process):"
-    curl -s "$WEB/api/gpus" | python3 -c '
+    get "$WEB/api/gpus" | python3 -c '
 import json, sys
 d = json.load(sys.stdin)
 for g in d.get("gpus", []):
@@ -93,7 +101,7 @@ for g in d.get("gpus", []):
         print("      pid %s: %d MiB" % (p["pid"], int(p["used_bytes"]) >> 20))
 ' | tee "$VDIR/gpus.txt"
     echo "  GET /metrics (engine GPU memory, states):"
-    curl -s "$WEB/metrics" | grep -E '^siesta_control_(engine_gpu_memory|model_state\{.*\} 1|gpu_memory_used)' | sed 's/^/    /' | tee "$VDIR/metrics.txt"
+    get "$WEB/metrics" | grep -E '^siesta_control_(engine_gpu_memory|model_state\{.*\} 1|gpu_memory_used)' | sed 's/^/    /' | tee "$VDIR/metrics.txt"
     wait "$TOP_PID"; top_rc=$?
     cat "$VDIR/top.out" | sed 's/^/  /'
     kill "$SSE_PID" 2>/dev/null; wait "$SSE_PID" 2>/dev/null
