@@ -127,7 +127,7 @@ print(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]", " ", t))' "$VD
         && echo "  ok: the SSE stream showed chat waking with held requests, then awake" \
         || fail "views: no waking-with-held then awake on /events"
     words=(chat embed waking awake)
-    [ "$NGPUS" -ge 1 ] && words+=("GPU 0")
+    [ "$NGPUS" -ge 1 ] && words+=("GPU0")
     drew=1
     for w in "${words[@]}"; do
         grep -q "$w" "$VDIR/top.txt" || { fail "views: siesta top never drew \"$w\""; drew=; }
@@ -137,7 +137,7 @@ print(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\x1b[=>]", " ", t))' "$VD
         big=$(grep -c 'pid [0-9]*: [0-9]\{4,\} MiB' "$VDIR/gpus.txt")
         [ "$big" -ge 2 ] && echo "  ok: /api/gpus lists both engines' real GPU memory" \
             || fail "views: /api/gpus lists $big engines with GPU memory (want 2)"
-        grep -qE '^siesta_control_engine_gpu_memory_bytes\{model="chat",gpu="0"\} [1-9]' "$VDIR/metrics.txt" \
+        grep -qE 'siesta_control_engine_gpu_memory_bytes\{model="chat",gpu="0"\} [1-9]' "$VDIR/metrics.txt" \
             && echo "  ok: /metrics has chat's engine GPU memory on GPU 0" \
             || fail "views: /metrics has no GPU memory for chat's engine"
     fi
@@ -147,5 +147,10 @@ kill -TERM "$PROXY_PID" "$CTL_PID" 2>/dev/null
 wait "$PROXY_PID" "$CTL_PID" 2>/dev/null
 pkill -f "$VDIR" 2>/dev/null
 echo "  saved: $VDIR (control.log, proxy.log, events.txt, top.raw, top.txt)"
-[ -n "${OUT:-}" ] && cp -r "$VDIR" "$OUT/views" 2>/dev/null
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT/views"
+    for f in siesta.toml control.log events-summary.txt gpus.txt metrics.txt top.raw top.txt; do
+        cp "$VDIR/$f" "$OUT/views/" 2>/dev/null
+    done
+fi
 true
