@@ -13,6 +13,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub use crate::engine::EngineKind;
+
 /// The whole configuration, with `[defaults]` already applied to each model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -184,7 +186,8 @@ pub enum GpuMemory {
 /// How the engine is run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Launch {
-    /// siesta spawns `command... serve MODEL --host HOST --port PORT ...`.
+    /// siesta spawns `command... serve MODEL --host HOST --port PORT ...`
+    /// (vLLM; see `supervisor::spawn_spec` for the other kinds).
     Process {
         command: Vec<String>,
         host: String,
@@ -203,6 +206,10 @@ pub struct ModelConfig {
     pub name: String,
     pub aliases: Vec<String>,
     pub model: String,
+    /// `engine`: which server runs it (default vLLM).
+    pub engine: EngineKind,
+    /// `health_path`: what `openai` engines are probed on (default `/health`).
+    pub health_path: String,
     pub launch: Launch,
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
@@ -301,3 +308,5 @@ impl Config {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_kinds;

@@ -126,7 +126,9 @@ pub(crate) fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> 
             let mut r = ModelRuntime::new(run_state(m.state));
             r.in_flight = m.in_flight;
             r.last_activity_ms = m.last_activity_unix_ms.unwrap_or(0);
-            r.pinned_awake = m.pin.is_pinned();
+            // An attached engine that cannot sleep cannot make room: never a victim.
+            let immovable = m.launch == "attach" && m.engine.deepest_sleep().is_none();
+            r.pinned_awake = m.pin.is_pinned() || immovable;
             r.switch_cost_ms = m.calibration.sleep[0].millis() + m.calibration.wake[0].millis();
             (m.name.clone(), r)
         })

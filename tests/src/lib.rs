@@ -27,6 +27,7 @@ pub use browser::{Browser, chromium_path};
 pub use child::{Child, Output};
 pub use control::{ControlProc, spawn_control, spawn_control_with};
 pub use fake::{
+    spawn_fake_vllm_argv,
     FakeVllm, fake_vllm_cmd, parse_uvicorn_line, spawn_fake_vllm, spawn_fake_vllm_env,
     spawn_fake_vllm_nowait,
 };

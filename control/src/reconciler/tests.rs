@@ -10,6 +10,7 @@ fn secs(n: u64) -> Duration {
 fn settings(attach: bool) -> Settings {
     Settings {
         attach,
+        kind: crate::config::EngineKind::Vllm,
         tiers: vec![
             IdleTier {
                 after: secs(10),
@@ -202,7 +203,7 @@ fn level_2_wake_is_four_calls_in_order() {
             step,
         });
     }
-    assert_eq!(calls, wake_calls(2));
+    assert_eq!(calls, wake_calls(crate::config::EngineKind::Vllm, 2));
     assert_eq!(s.m.phase, Phase::Awake);
     assert_eq!(s.m.calibration.wake[1].samples, 1);
 }
@@ -490,3 +491,4 @@ fn a_silent_proxy_stops_counting() {
 
 mod decisions;
 mod demand;
+mod kinds;
