@@ -121,7 +121,11 @@ async fn vllm_sglang_and_openai_take_turns_on_one_gpu_through_the_proxy() {
     let ocr = wait_state(&mut c, "ocr", pb::ModelState::Stopped, LONG).await;
     assert_eq!(reason(&ocr), pb::IntentReason::Eviction as i32);
     let sg = wait_state(&mut c, "sg", pb::ModelState::Awake, LONG).await;
-    assert_eq!((sg.pid, sg.restarts), (sg_pid, 1), "sg was resumed, not restarted");
+    assert_eq!(
+        (sg.pid, sg.restarts),
+        (sg_pid, 1),
+        "sg was resumed, not restarted"
+    );
     assert_eq!(fake_stats(&sg).await["is_sleeping"], false);
 
     // `siesta get` names each kind and what it can do.
@@ -142,7 +146,8 @@ async fn vllm_sglang_and_openai_take_turns_on_one_gpu_through_the_proxy() {
     let run = at(&ctl, &["sleep", "ocr"]).await;
     assert_ne!(run.code, 0, "{run:#?}");
     assert!(
-        run.stderr.contains("engine = \"openai\", which cannot sleep at level 1"),
+        run.stderr
+            .contains("engine = \"openai\", which cannot sleep at level 1"),
         "{run:#?}"
     );
 }

@@ -99,11 +99,15 @@ async fn sglang_without_a_weights_backup_serves_garbage_after_a_resume() {
     let fv = spawn_fake_vllm_argv(&args).await;
     let awake = answer(&fv, "sg").await;
     assert_eq!(
-        post_json(&fv, "/release_memory_occupation", json!({})).await.0,
+        post_json(&fv, "/release_memory_occupation", json!({}))
+            .await
+            .0,
         200
     );
     assert_eq!(
-        post_json(&fv, "/resume_memory_occupation", json!({})).await.0,
+        post_json(&fv, "/resume_memory_occupation", json!({}))
+            .await
+            .0,
         200
     );
     let after = answer(&fv, "sg").await;
@@ -128,7 +132,11 @@ async fn sglang_dies_when_anything_reaches_released_memory() {
     assert!(!fv.child.wait_exit(DEADLINE).await.success());
 
     let mut fv = sglang(&[]).await;
-    let _ = post_json(&fv, "/resume_memory_occupation", json!({})).await;
+    let _ = reqwest::Client::new()
+        .post(fv.at("/resume_memory_occupation"))
+        .json(&json!({}))
+        .send()
+        .await;
     assert!(!fv.child.wait_exit(DEADLINE).await.success());
     assert!(fv.child.output().contains("KeyError"));
 }

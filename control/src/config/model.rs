@@ -187,7 +187,7 @@ pub(super) fn read_model(
     if engine == EngineKind::Vllm
         && env
             .get("PYTORCH_CUDA_ALLOC_CONF")
-        .is_some_and(|v| v.contains("expandable_segments:True"))
+            .is_some_and(|v| v.contains("expandable_segments:True"))
     {
         p.push(
             format!("{}.PYTORCH_CUDA_ALLOC_CONF", r.key("env")),
@@ -339,7 +339,10 @@ fn default_tiers(engine: EngineKind, attach: bool, tiers: &[IdleTier]) -> Vec<Id
             },
             IdleAction::Stop => continue,
         };
-        if out.iter().any(|o| o.action == action || o.action == IdleAction::Stop) {
+        if out
+            .iter()
+            .any(|o| o.action == action || o.action == IdleAction::Stop)
+        {
             continue;
         }
         out.push(IdleTier {

@@ -143,9 +143,6 @@ mod tests {
         assert!(EngineKind::Openai.can(IdleAction::Stop, false));
         assert!(!EngineKind::Openai.can(IdleAction::Stop, true));
         assert!(EngineKind::Sglang.can(IdleAction::Stop, true));
-        assert_eq!(
-            EngineKind::Sglang.actions(false),
-            "sleep (level 1), stop"
-        );
+        assert_eq!(EngineKind::Sglang.actions(false), "sleep (level 1), stop");
     }
 }

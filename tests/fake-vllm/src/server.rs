@@ -363,10 +363,12 @@ pub(crate) async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAd
         (_, "/v1/embeddings") if app.engine.args.pooling() => {
             detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
         }
-        _ if app.dev_mode && args.personality == "vllm" => match dev::route(app.clone(), &method, &uri, body).await {
-            Some(r) => r,
-            None => detail(StatusCode::NOT_FOUND, "Not Found"),
-        },
+        _ if app.dev_mode && args.personality == "vllm" => {
+            match dev::route(app.clone(), &method, &uri, body).await {
+                Some(r) => r,
+                None => detail(StatusCode::NOT_FOUND, "Not Found"),
+            }
+        }
         _ => detail(StatusCode::NOT_FOUND, "Not Found"),
     };
     access_log(resp, &method, &uri, peer)

@@ -57,13 +57,19 @@ const MAPPED: &[(&str, &str, bool)] = &[
     ("mem-fraction-static", "gpu-memory-utilization", true),
     ("context-length", "max-model-len", true),
     ("enable-memory-saver", "sglang-memory-saver", false),
-    ("enable-weights-cpu-backup", "sglang-weights-cpu-backup", false),
+    (
+        "enable-weights-cpu-backup",
+        "sglang-weights-cpu-backup",
+        false,
+    ),
     ("enable-metrics", "sglang-metrics", false),
 ];
 
 /// argparse's refusal, as `python -m sglang.launch_server` prints it (exit status 2).
 #[derive(Debug, thiserror::Error)]
-#[error("usage: launch_server.py [-h] --model-path MODEL_PATH [options]\nlaunch_server.py: error: {0}")]
+#[error(
+    "usage: launch_server.py [-h] --model-path MODEL_PATH [options]\nlaunch_server.py: error: {0}"
+)]
 pub struct SglangArgvError(pub String);
 
 /// The fake-vllm knobs (simulation and faults) that pass through unchanged, and whether
@@ -93,7 +99,10 @@ pub fn translate(args: &[OsString]) -> Result<Vec<OsString>, SglangArgvError> {
     let mut model = None;
     let mut out: Vec<String> = vec!["--personality".into(), "sglang".into()];
     let mut unknown = Vec::new();
-    let mut rest = args.iter().skip(1).map(|a| a.to_string_lossy().into_owned());
+    let mut rest = args
+        .iter()
+        .skip(1)
+        .map(|a| a.to_string_lossy().into_owned());
     while let Some(arg) = rest.next() {
         let Some(long) = arg.strip_prefix("--") else {
             unknown.push(arg);
@@ -103,7 +112,7 @@ pub fn translate(args: &[OsString]) -> Result<Vec<OsString>, SglangArgvError> {
             Some((n, v)) => (n.replace('_', "-"), Some(v.to_string())),
             None => (long.replace('_', "-"), None),
         };
-        let mut value = |rest: &mut dyn Iterator<Item = String>| inline.clone().or_else(|| rest.next());
+        let value = |rest: &mut dyn Iterator<Item = String>| inline.clone().or_else(|| rest.next());
         if name == "model-path" || name == "model" {
             model = value(&mut rest);
         } else if let Some((_, to, takes)) = MAPPED.iter().find(|(from, _, _)| *from == name) {
@@ -111,7 +120,11 @@ pub fn translate(args: &[OsString]) -> Result<Vec<OsString>, SglangArgvError> {
             if *takes {
                 match value(&mut rest) {
                     Some(v) => out.push(v),
-                    None => return Err(SglangArgvError(format!("argument --{name}: expected one argument"))),
+                    None => {
+                        return Err(SglangArgvError(format!(
+                            "argument --{name}: expected one argument"
+                        )));
+                    }
                 }
             }
             if name == "enable-memory-saver" {
@@ -182,7 +195,10 @@ pub async fn route(
         "/health" | "/health_generate" if *method == Method::GET => {
             if released(&app) {
                 // Both run a one-token generation.
-                die(&app, "CUDA error: an illegal memory access was encountered (a health generation while the memory is released)");
+                die(
+                    &app,
+                    "CUDA error: an illegal memory access was encountered (a health generation while the memory is released)",
+                );
             }
             if app.engine.healthy() {
                 empty(StatusCode::OK)
@@ -203,8 +219,13 @@ pub async fn route(
         "/metrics" if *method == Method::GET && app.engine.args.sglang_metrics => metrics(&app),
         "/release_memory_occupation" if get_or_post => release(&app, tags(body).await).await,
         "/resume_memory_occupation" if get_or_post => resume(&app, tags(body).await).await,
-        "/health" | "/health_generate" | "/get_model_info" | "/release_memory_occupation"
-        | "/resume_memory_occupation" => detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed"),
+        "/health"
+        | "/health_generate"
+        | "/get_model_info"
+        | "/release_memory_occupation"
+        | "/resume_memory_occupation" => {
+            detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
+        }
         _ => return Err(body),
     };
     Ok(resp)
@@ -215,7 +236,11 @@ async fn tags(body: Incoming) -> Vec<String> {
     let v = crate::http::read_json(body).await.unwrap_or(Value::Null);
     v["tags"]
         .as_array()
-        .map(|a| a.iter().filter_map(|t| t.as_str().map(str::to_string)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|t| t.as_str().map(str::to_string))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -226,7 +251,10 @@ fn null_ok() -> Resp {
 async fn release(app: &App, tags: Vec<String>) -> Resp {
     let e = &app.engine;
     if e.running.load(Ordering::SeqCst) > 0 || e.held.load(Ordering::SeqCst) > 0 {
-        die(app, "AssertionError: release_memory_occupation should be called only when no ongoing request.");
+        die(
+            app,
+            "AssertionError: release_memory_occupation should be called only when no ongoing request.",
+        );
     }
     tracing::info!(?tags, "release memory occupation");
     app.sglang_released.store(true, Ordering::SeqCst);
@@ -235,7 +263,11 @@ async fn release(app: &App, tags: Vec<String>) -> Resp {
         return null_ok();
     }
     // Weights with a CPU backup come back intact (level 1); without one they are discarded.
-    let level = if e.args.sglang_weights_cpu_backup { 1 } else { 2 };
+    let level = if e.args.sglang_weights_cpu_backup {
+        1
+    } else {
+        2
+    };
     match e.sleep(level, SleepMode::Wait).await {
         Ok(()) => null_ok(),
         Err(err) => die(app, &format!("release failed: {err}")),
@@ -245,7 +277,10 @@ async fn release(app: &App, tags: Vec<String>) -> Resp {
 async fn resume(app: &App, tags: Vec<String>) -> Resp {
     if !app.sglang_released.swap(false, Ordering::SeqCst) {
         let tag = tags.first().map_or("kv_cache", String::as_str);
-        die(app, &format!("KeyError: '{tag}' (resume_memory_occupation of memory not released)"));
+        die(
+            app,
+            &format!("KeyError: '{tag}' (resume_memory_occupation of memory not released)"),
+        );
     }
     tracing::info!(?tags, "resume memory occupation");
     if !app.engine.args.sglang_memory_saver {
@@ -271,5 +306,9 @@ fn metrics(app: &App) -> Resp {
          sglang:num_queue_reqs{{model_name=\"{model}\"}} 0.0\n",
         running as f64
     );
-    full(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", text)
+    full(
+        StatusCode::OK,
+        "text/plain; version=0.0.4; charset=utf-8",
+        text,
+    )
 }

@@ -101,7 +101,11 @@ fn sglang_sleeps_at_level_one_only_wakes_with_a_resume_and_records_first() {
     s.boot();
     let start = s.now;
     let fx = run_until(&mut s, start + secs(10));
-    assert!(fx.iter().any(|f| matches!(f, Effect::Sleep { level: 1, .. })), "{fx:?}");
+    assert!(
+        fx.iter()
+            .any(|f| matches!(f, Effect::Sleep { level: 1, .. })),
+        "{fx:?}"
+    );
     // Recorded asleep before the release is done: SGLang cannot be asked later.
     assert!(fx.contains(&Effect::RecordSleepLevel(1)), "{fx:?}");
     s.ev(Event::SleepDone { epoch: s.m.epoch });
@@ -109,20 +113,20 @@ fn sglang_sleeps_at_level_one_only_wakes_with_a_resume_and_records_first() {
     // The level-2 tier asks for nothing SGLang has: no wake to sleep deeper.
     let fx = run_until(&mut s, start + secs(29));
     assert!(
-        !fx.iter().any(|f| matches!(f, Effect::Wake { .. } | Effect::Sleep { .. })),
+        !fx.iter()
+            .any(|f| matches!(f, Effect::Wake { .. } | Effect::Sleep { .. })),
         "{fx:?}"
     );
     assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
     // A demand wakes it with one resume.
     s.ev(Event::Demand);
-    let wake: Vec<WakeCall> = s
-        .fx
-        .iter()
-        .filter_map(|f| match f {
-            Effect::Wake { call, .. } => Some(*call),
-            _ => None,
-        })
-        .collect();
+    let wake: Vec<WakeCall> =
+        s.fx.iter()
+            .filter_map(|f| match f {
+                Effect::Wake { call, .. } => Some(*call),
+                _ => None,
+            })
+            .collect();
     assert_eq!(wake, [WakeCall::ResumeMemory]);
     s.ev(Event::Admitted { epoch: s.m.epoch });
     s.wake_all();
@@ -131,7 +135,8 @@ fn sglang_sleeps_at_level_one_only_wakes_with_a_resume_and_records_first() {
     s.m.intent.desired = Desired::Asleep(2);
     s.ev(Event::Tick);
     assert!(
-        s.fx.iter().any(|f| matches!(f, Effect::Sleep { level: 1, .. })),
+        s.fx.iter()
+            .any(|f| matches!(f, Effect::Sleep { level: 1, .. })),
         "{:?}",
         s.fx
     );
@@ -143,7 +148,10 @@ fn a_vllm_engine_still_sleeps_at_both_levels() {
     s.boot();
     let start = s.now;
     let fx = run_until(&mut s, start + secs(10));
-    assert!(fx.iter().any(|f| matches!(f, Effect::Sleep { level: 1, .. })));
+    assert!(
+        fx.iter()
+            .any(|f| matches!(f, Effect::Sleep { level: 1, .. }))
+    );
     // vLLM answers /is_sleeping: nothing recorded until it is asleep.
     assert!(!fx.contains(&Effect::RecordSleepLevel(1)), "{fx:?}");
 }
