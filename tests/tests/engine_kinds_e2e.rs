@@ -191,3 +191,48 @@ async fn a_config_asking_an_openai_server_to_sleep_is_refused_with_its_tiers() {
         "{run:#?}"
     );
 }
+
+/// SGLang cannot say whether it sleeps: after a control restart it is adopted at the state
+/// siesta recorded (asleep), probed only where nothing reaches its GPU (the stand-in dies
+/// otherwise), and woken by a resume when a request comes; the OpenAI server is adopted
+/// awake from its health.
+#[tokio::test]
+async fn a_restarted_control_adopts_a_released_sglang_and_an_openai_server() {
+    let text = one_gpu(&models(""))
+        .replace(
+            "name = \"sg\"\nengine = \"sglang\"",
+            "name = \"sg\"\nengine = \"sglang\"\npreload = \"asleep\"",
+        )
+        .replace(
+            "name = \"ocr\"\nengine = \"openai\"",
+            "name = \"ocr\"\nengine = \"openai\"\npreload = \"awake\"",
+        )
+        // All fit awake together: only adoption is tested here.
+        .replace("gpu_memory = 0.6", "gpu_memory = 0.3");
+    let mut ctl = start(&text).await;
+    let mut c = ctl.client().await;
+    if !gpus_from_config(&mut c).await {
+        return;
+    }
+    let sg = wait_state(&mut c, "sg", pb::ModelState::Asleep, LONG).await;
+    let ocr = wait_state(&mut c, "ocr", pb::ModelState::Awake, LONG).await;
+    let (sg_pid, ocr_pid) = (sg.pid, ocr.pid);
+
+    ctl.restart().await;
+    let mut c = ctl.client().await;
+    let sg = wait_state(&mut c, "sg", pb::ModelState::Asleep, LONG).await;
+    assert_eq!(
+        (sg.pid, sg.sleep_level),
+        (sg_pid, 1),
+        "adopted, not restarted"
+    );
+    let ocr = wait_state(&mut c, "ocr", pb::ModelState::Awake, LONG).await;
+    assert_eq!(ocr.pid, ocr_pid, "adopted, not restarted");
+    assert_eq!(fake_stats(&sg).await["is_sleeping"], true);
+
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    proxy_ready(&proxy).await;
+    ask(&proxy, "sg").await;
+    let sg = wait_state(&mut c, "sg", pb::ModelState::Awake, LONG).await;
+    assert_eq!(sg.pid, sg_pid, "woken by a resume, not restarted");
+}
