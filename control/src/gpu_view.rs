@@ -129,7 +129,13 @@ pub(crate) fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> 
             // An attached engine that cannot sleep cannot make room: never a victim.
             let immovable = m.launch == "attach" && m.engine.deepest_sleep().is_none();
             r.pinned_awake = m.pin.is_pinned() || immovable;
-            r.switch_cost_ms = m.calibration.sleep[0].millis() + m.calibration.wake[0].millis();
+            // What bringing it back costs: a level-1 sleep and wake, or a
+            // whole start for an engine that cannot sleep (it is stopped).
+            r.switch_cost_ms = if m.engine.deepest_sleep().is_some() {
+                m.calibration.sleep[0].millis() + m.calibration.wake[0].millis()
+            } else {
+                m.calibration.start.millis()
+            };
             (m.name.clone(), r)
         })
         .collect()

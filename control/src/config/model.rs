@@ -159,14 +159,17 @@ pub(super) fn read_model(
     if launch_kind == "process" && engine == EngineKind::Vllm {
         check_args(p, &r.key("args"), &args);
     }
-    if launch_kind == "process" && engine == EngineKind::Openai && port.is_none() {
-        if !command_has_port && !args.iter().any(|a| a.contains("{port}")) {
-            p.push(
-                r.key("args"),
-                "an engine = \"openai\" gets no --port from siesta: pass the port siesta picks \
-                 with \"{port}\" in `args`, or set `port` to the one the server listens on",
-            );
-        }
+    if launch_kind == "process"
+        && engine == EngineKind::Openai
+        && port.is_none()
+        && !command_has_port
+        && !args.iter().any(|a| a.contains("{port}"))
+    {
+        p.push(
+            r.key("args"),
+            "an engine = \"openai\" gets no --port from siesta: pass the port siesta picks \
+             with \"{port}\" in `args`, or set `port` to the one the server listens on",
+        );
     }
     let env = match r.table(p, "env") {
         None => BTreeMap::new(),
