@@ -2,6 +2,7 @@
 //! (shared by the daemon and `siesta config check`).
 
 mod demo;
+mod kind;
 mod model;
 mod read;
 pub mod units;
@@ -13,7 +14,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-pub use crate::engine::EngineKind;
+pub use kind::{Capabilities, EngineKind};
 
 /// The whole configuration, with `[defaults]` already applied to each model.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,6 +1,6 @@
 //! HTTP client for one engine's admin and probe endpoints (vLLM's API
 //! server, SGLang's, any OpenAI server, or fake-vllm): health, sleep, wake,
-//! metrics. What each kind has is in [`kind`]; SGLang's routes are in
+//! metrics. What each kind has is in `config/kind.rs`; SGLang's routes are in
 //! `docs/SGLANG-NOTES.md`.
 //!
 //! Written against vLLM 0.2x–0.33 (see the README's design notes):
@@ -12,7 +12,6 @@
 //!   last call leaves a tag asleep fails;
 //! - `/metrics` is parsed as Prometheus text ([`prom`]).
 
-mod kind;
 mod prom;
 mod replies;
 #[cfg(test)]
@@ -20,7 +19,7 @@ pub(crate) mod test_server;
 #[cfg(test)]
 mod tests;
 
-pub use kind::EngineKind;
+pub use crate::config::EngineKind;
 pub use replies::WakeReply;
 
 use crate::reconciler::WakeCall;

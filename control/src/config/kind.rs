@@ -6,7 +6,7 @@
 //! Adding a capability (a CUDA-suspend tier, say) means a field here, the
 //! kinds that have it, and the places that ask.
 
-use crate::config::IdleAction;
+use super::IdleAction;
 
 /// Which server runs the model (`engine` in a `[[model]]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
