@@ -172,6 +172,29 @@ async fn an_openai_server_is_stopped_by_its_idle_tier_and_started_by_the_next_re
 }
 
 #[tokio::test]
+async fn a_reload_asking_an_openai_server_to_sleep_is_refused_with_its_tiers() {
+    let ctl = start(&one_gpu(&models(""))).await;
+    let bad = one_gpu(&models(
+        r#"idle = [ { after = "5m", action = "sleep", level = 1 } ]"#,
+    ))
+    .replace("@DIR@", &ctl.dir.path().display().to_string())
+    .replace("@FAKE_VLLM@", &siesta_tests::fake_vllm_command());
+    std::fs::write(&ctl.config_path, bad).unwrap();
+    let run = at(&ctl, &["reload"]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    let want = format!(
+        "{}: model[2].idle[0].action: an engine = \"openai\" cannot sleep at level 1; \
+         its idle tiers can be: stop",
+        ctl.config_path.display()
+    );
+    assert!(run.stderr.contains(&want), "{run:#?}");
+    // The running configuration stays.
+    let mut c = ctl.client().await;
+    let ocr = status(&mut c, "ocr").await;
+    assert_eq!(ocr.engine, "openai");
+}
+
+#[tokio::test]
 async fn a_config_asking_an_openai_server_to_sleep_is_refused_with_its_tiers() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("box.toml");
