@@ -27,7 +27,10 @@ fn sleeps(fx: &[Effect]) -> bool {
 /// Lets every timer up to `until` fire, collecting the effects.
 fn run_until(s: &mut Sim, until: Instant) -> Vec<Effect> {
     let mut all = Vec::new();
+    let mut steps = 0;
     while let Some(t) = s.timer().filter(|t| *t <= until) {
+        steps += 1;
+        assert!(steps < 1000, "the timer keeps firing: {:?}", s.fx);
         s.now = t;
         s.ev(Event::Tick);
         all.extend(s.fx.iter().cloned());
