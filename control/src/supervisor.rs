@@ -2,14 +2,14 @@
 //! files tailed into the log ring, signals to the group, per-GPU start locks.
 
 mod adopt;
+mod argv;
 mod logs;
 pub mod procfs;
 
 pub use adopt::adopt;
+pub use argv::spawn_spec;
 pub use logs::{LogLine, LogRing};
 
-use crate::config::{EngineKind, Launch, ModelConfig};
-use crate::placement::Placed;
 use nix::sys::signal::{Signal as NixSignal, killpg};
 use nix::unistd::Pid;
 use std::collections::BTreeMap;
@@ -25,104 +25,6 @@ pub struct SpawnSpec {
     pub program: String,
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
-}
-
-/// What siesta runs for a model, by engine kind:
-/// - vLLM: `<command...> serve MODEL --host H --port P --served-model-name
-///   NAME --enable-sleep-mode [GPU flags] <args...>`, `VLLM_SERVER_DEV_MODE=1`;
-/// - SGLang: `<command...> --model-path MODEL --host H --port P
-///   --served-model-name NAME --enable-memory-saver
-///   --enable-weights-cpu-backup --enable-metrics [GPU flags] <args...>`
-///   (`docs/SGLANG-NOTES.md` says why each);
-/// - openai: `<command...> <args...>` and nothing of siesta's, with
-///   `{port}`, `{host}`, `{model}` and `{name}` replaced in every argument.
-///
-/// Every kind gets the placement's `CUDA_VISIBLE_DEVICES` and the model's env.
-pub fn spawn_spec(cfg: &ModelConfig, port: u16, placed: &Placed) -> SpawnSpec {
-    let (command, host) = match &cfg.launch {
-        Launch::Process { command, host, .. } => (command.clone(), host.clone()),
-        Launch::Attach { .. } => (vec!["true".into()], "127.0.0.1".into()),
-    };
-    let mut args: Vec<String> = command[1..].to_vec();
-    let mut env = Vec::new();
-    let port_s = port.to_string();
-    match cfg.engine {
-        EngineKind::Vllm => {
-            args.extend(
-                [
-                    "serve",
-                    &cfg.model,
-                    "--host",
-                    &host,
-                    "--port",
-                    &port_s,
-                    "--served-model-name",
-                    &cfg.name,
-                    "--enable-sleep-mode",
-                ]
-                .map(String::from),
-            );
-            // The GPU part comes from the placement alone (one builder).
-            args.extend(placed.engine_args());
-            args.extend(cfg.args.iter().cloned());
-            env.push(("VLLM_SERVER_DEV_MODE".to_string(), "1".to_string()));
-        }
-        EngineKind::Sglang => {
-            args.extend(
-                [
-                    "--model-path",
-                    &cfg.model,
-                    "--host",
-                    &host,
-                    "--port",
-                    &port_s,
-                    "--served-model-name",
-                    &cfg.name,
-                    "--enable-memory-saver",
-                    "--enable-weights-cpu-backup",
-                    "--enable-metrics",
-                ]
-                .map(String::from),
-            );
-            args.extend(sglang_gpu_args(placed));
-            args.extend(cfg.args.iter().cloned());
-        }
-        EngineKind::Openai => {
-            let fill = |a: &String| {
-                a.replace("{port}", &port_s)
-                    .replace("{host}", &host)
-                    .replace("{model}", &cfg.model)
-                    .replace("{name}", &cfg.name)
-            };
-            args = args.iter().chain(&cfg.args).map(fill).collect();
-        }
-    }
-    env.extend(placed.engine_env());
-    env.extend(cfg.env.iter().map(|(k, v)| (k.clone(), v.clone())));
-    SpawnSpec {
-        program: command[0].clone(),
-        args,
-        env,
-    }
-}
-
-/// `sglang.launch_server` flags for the placement: `--tp-size` (above 1),
-/// `--mem-fraction-static`, `--disable-custom-all-reduce`.
-fn sglang_gpu_args(placed: &Placed) -> Vec<String> {
-    let mut args = Vec::new();
-    if placed.gpus.len() > 1 {
-        args.extend(["--tp-size".to_string(), placed.gpus.len().to_string()]);
-    }
-    if !placed.gpus.is_empty() && placed.gpu_memory_utilization > 0.0 {
-        args.extend([
-            "--mem-fraction-static".to_string(),
-            format!("{}", placed.gpu_memory_utilization),
-        ]);
-    }
-    if placed.p2p_disabled {
-        args.push("--disable-custom-all-reduce".to_string());
-    }
-    args
 }
 
 /// Environment variable marking an engine with a unique tag, so that one
@@ -400,6 +302,7 @@ impl StartLocks {
 mod tests {
     use super::*;
     use crate::config::{Config, GpuMemory};
+    use crate::placement::Placed;
     use crate::placement::{Machine, Policy, needs_of, place};
 
     #[test]
