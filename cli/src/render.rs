@@ -193,6 +193,36 @@ pub fn residual(bytes: u64, measured: bool) -> String {
     format!("{} ({how})", self::bytes(bytes))
 }
 
+/// What an engine kind can do, one line: `sleep (levels 1, 2), stop;
+/// activity from vllm:num_requests_running; health /health`.
+pub fn capabilities(c: &siesta_proto::v1::EngineCapabilities) -> String {
+    let mut can: Vec<String> = Vec::new();
+    if !c.sleep_levels.is_empty() {
+        let levels: Vec<String> = c.sleep_levels.iter().map(u32::to_string).collect();
+        let word = if levels.len() > 1 { "levels" } else { "level" };
+        can.push(format!("sleep ({word} {})", levels.join(", ")));
+    }
+    if c.can_stop {
+        can.push("stop".into());
+    }
+    let mut s = if can.is_empty() {
+        "nothing (always awake)".to_string()
+    } else {
+        can.join(", ")
+    };
+    if !c.sleep_query && !c.sleep_levels.is_empty() {
+        s += "; sleep state recorded by siesta";
+    }
+    match c.activity_metric.as_str() {
+        "" => s += "; activity from the proxy only",
+        m => s += &format!("; activity from {m}"),
+    }
+    if !c.health_path.is_empty() {
+        s += &format!("; health {}", c.health_path);
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

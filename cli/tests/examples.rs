@@ -23,7 +23,12 @@ fn every_example_config_is_valid() {
     checked.sort();
     assert_eq!(
         checked,
-        ["demo.toml", "one-gpu-swap.toml", "seeds-three-gpu.toml"]
+        [
+            "demo.toml",
+            "one-gpu-swap.toml",
+            "seeds-kinds.toml",
+            "seeds-three-gpu.toml"
+        ]
     );
 }
 
@@ -44,6 +49,30 @@ fn seeds_example_matches_the_box() {
     assert!(embed.args.windows(2).any(|w| w == ["--runner", "pooling"]));
     let tiers: Vec<u64> = embed.idle.iter().map(|t| t.after.as_secs()).collect();
     assert_eq!(tiers, [15 * 60, 3 * 3600]);
+}
+
+#[test]
+fn kinds_example_runs_the_seeds_box_with_three_kinds() {
+    use siesta_control::config::{EngineKind, IdleAction, Launch};
+    let cfg = Config::load(&examples_dir().join("seeds-kinds.toml")).unwrap();
+    let chat = cfg.model("chat").unwrap();
+    assert_eq!(chat.engine, EngineKind::Vllm);
+    assert_eq!((chat.gpus, chat.gpu_ids.as_slice()), (2, &[0, 1][..]));
+    let ocr = cfg.model("ocr").unwrap();
+    assert_eq!(ocr.engine, EngineKind::Openai);
+    assert_eq!(ocr.gpu_ids, [2]);
+    assert!(ocr.args.iter().any(|a| a == "{port}"));
+    assert!(
+        matches!(&ocr.launch, Launch::Process { command, .. } if command[0].ends_with("llama-server"))
+    );
+    assert_eq!(ocr.idle.len(), 1);
+    assert_eq!(ocr.idle[0].action, IdleAction::Stop);
+    let embed = cfg.model("embed").unwrap();
+    assert_eq!(
+        (embed.engine, embed.gpu_ids.as_slice()),
+        (EngineKind::Vllm, &[2][..])
+    );
+    assert!(embed.args.windows(2).any(|w| w == ["--runner", "pooling"]));
 }
 
 #[test]

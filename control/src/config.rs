@@ -2,6 +2,7 @@
 //! (shared by the daemon and `siesta config check`).
 
 mod demo;
+mod kind;
 mod model;
 mod read;
 pub mod units;
@@ -12,6 +13,8 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+pub use kind::{Capabilities, EngineKind};
 
 /// The whole configuration, with `[defaults]` already applied to each model.
 #[derive(Debug, Clone, PartialEq)]
@@ -184,7 +187,8 @@ pub enum GpuMemory {
 /// How the engine is run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Launch {
-    /// siesta spawns `command... serve MODEL --host HOST --port PORT ...`.
+    /// siesta spawns `command... serve MODEL --host HOST --port PORT ...`
+    /// (vLLM; see `supervisor::spawn_spec` for the other kinds).
     Process {
         command: Vec<String>,
         host: String,
@@ -203,6 +207,10 @@ pub struct ModelConfig {
     pub name: String,
     pub aliases: Vec<String>,
     pub model: String,
+    /// `engine`: which server runs it (default vLLM).
+    pub engine: EngineKind,
+    /// `health_path`: what `openai` engines are probed on (default `/health`).
+    pub health_path: String,
     pub launch: Launch,
     pub args: Vec<String>,
     pub env: BTreeMap<String, String>,
@@ -301,3 +309,5 @@ impl Config {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_kinds;

@@ -1,5 +1,7 @@
 //! HTTP client for one engine's admin and probe endpoints (vLLM's API
-//! server or fake-vllm): health, sleep, wake, metrics.
+//! server, SGLang's, any OpenAI server, or fake-vllm): health, sleep, wake,
+//! metrics. What each kind has is in `config/kind.rs`; SGLang's routes are in
+//! `docs/SGLANG-NOTES.md`.
 //!
 //! Written against vLLM 0.2x–0.33 (see the README's design notes):
 //! - pooled connections idle at most [`DEFAULT_IDLE_TIMEOUT`] (uvicorn
@@ -17,6 +19,7 @@ pub(crate) mod test_server;
 #[cfg(test)]
 mod tests;
 
+pub use crate::config::EngineKind;
 pub use replies::WakeReply;
 
 use crate::reconciler::WakeCall;
@@ -43,6 +46,9 @@ type HttpClient = Client<HttpConnector, Full<Bytes>>;
 #[derive(Debug, Clone)]
 pub struct EngineClient {
     base: String,
+    kind: EngineKind,
+    /// Where `health` probes (`health_path` of an `openai` engine).
+    health_path: String,
     pooled: HttpClient,
     /// Keeps no idle connection: every call opens a fresh one (retries).
     fresh: HttpClient,
@@ -51,7 +57,7 @@ pub struct EngineClient {
 /// What `/metrics` says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct EngineMetrics {
-    /// Sum of `vllm:num_requests_running`.
+    /// Sum of `vllm:num_requests_running` (SGLang: `sglang:num_running_reqs`).
     pub running: u32,
     /// From `vllm:engine_sleep_state`: 0 awake, 1 weights offloaded, 2 all
     /// discarded (the deepest when several engines report). Never enough on
@@ -112,13 +118,31 @@ impl EngineClient {
     pub fn with_idle_timeout(base: &str, idle: Duration) -> Self {
         Self {
             base: base.trim_end_matches('/').to_string(),
+            kind: EngineKind::Vllm,
+            health_path: "/health".into(),
             pooled: client(idle, usize::MAX),
             fresh: client(idle, 0),
         }
     }
 
+    /// The same client for an engine of `kind`, probed on `health_path`.
+    pub fn for_kind(mut self, kind: EngineKind, health_path: &str) -> Self {
+        self.kind = kind;
+        self.health_path = health_path.to_string();
+        self
+    }
+
+    /// A client for the model's engine at `base`.
+    pub fn for_model(base: &str, idle: Duration, cfg: &crate::config::ModelConfig) -> Self {
+        Self::with_idle_timeout(base, idle).for_kind(cfg.engine, &cfg.health_path)
+    }
+
     pub fn base(&self) -> &str {
         &self.base
+    }
+
+    pub fn kind(&self) -> EngineKind {
+        self.kind
     }
 
     async fn send(
@@ -206,13 +230,30 @@ impl EngineClient {
         }
     }
 
-    /// `GET /health` answers 200 within `timeout` (engines accept the
-    /// connection but say nothing until ready, so keep it short).
+    /// `GET /health` (an `openai` engine's `health_path`) answers 200
+    /// within `timeout` (engines accept the connection but say nothing
+    /// until ready, so keep it short). SGLang's `/health` generates a token:
+    /// only for an engine known to hold its memory (see [`Self::alive`]).
     pub async fn health(&self, timeout: Duration) -> Result<(), EngineError> {
-        self.expect_ok(hyper::Method::GET, "/health", None, timeout)
+        self.expect_ok(hyper::Method::GET, &self.health_path, None, timeout)
             .await
             .map(|_| ())
             .map_err(Failure::into_message)
+    }
+
+    /// A probe that never reaches the GPU, for an engine that may have
+    /// released its memory: SGLang's `GET /get_model_info` (its `/health`
+    /// runs a generation, which must not reach released memory); `health`
+    /// for the others.
+    pub async fn alive(&self, timeout: Duration) -> Result<(), EngineError> {
+        match self.kind {
+            EngineKind::Sglang => self
+                .expect_ok(hyper::Method::GET, "/get_model_info", None, timeout)
+                .await
+                .map(|_| ())
+                .map_err(Failure::into_message),
+            EngineKind::Vllm | EngineKind::Openai => self.health(timeout).await,
+        }
     }
 
     /// `GET /is_sleeping`.
@@ -246,6 +287,24 @@ impl EngineClient {
     /// `POST /sleep?level=N&mode=wait`; its body, when there is one, must
     /// say the engine sleeps at that level.
     pub async fn sleep(&self, level: u8, timeout: Duration) -> Result<(), EngineError> {
+        match self.kind {
+            EngineKind::Vllm => {}
+            EngineKind::Sglang => {
+                // Every tag (weights, KV cache, CUDA graphs); an answer other
+                // than 2xx is SGLang's error body.
+                let path = "/release_memory_occupation";
+                return self
+                    .expect_ok(hyper::Method::POST, path, Some("{}"), timeout)
+                    .await
+                    .map(|_| ())
+                    .map_err(Failure::into_message);
+            }
+            EngineKind::Openai => {
+                return Err(format!(
+                    "engine = \"openai\" cannot sleep (level {level} asked)"
+                ));
+            }
+        }
         let path = format!("/sleep?level={level}&mode=wait");
         let body = self
             .expect_ok(hyper::Method::POST, &path, None, timeout)
@@ -264,6 +323,7 @@ impl EngineClient {
             WakeCall::ReloadWeights => ("/collective_rpc", Some(r#"{"method":"reload_weights"}"#)),
             WakeCall::WakeKvCache => ("/wake_up?tags=kv_cache", None),
             WakeCall::ResetPrefixCache => ("/reset_prefix_cache", None),
+            WakeCall::ResumeMemory => ("/resume_memory_occupation", Some("{}")),
         };
         let reply = self
             .expect_ok(hyper::Method::POST, path, body, timeout)
@@ -278,8 +338,12 @@ impl EngineClient {
         Ok(())
     }
 
-    /// `GET /metrics`, parsed.
+    /// `GET /metrics`, parsed (an engine kind without an activity gauge is
+    /// not asked: nothing running as far as siesta can tell).
     pub async fn metrics(&self, timeout: Duration) -> Result<EngineMetrics, EngineError> {
+        if self.kind.capabilities().activity_metric.is_none() {
+            return Ok(EngineMetrics::default());
+        }
         let bytes = self
             .expect_ok(hyper::Method::GET, "/metrics", None, timeout)
             .await
@@ -299,7 +363,8 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             continue;
         }
         match s.name.as_str() {
-            "vllm:num_requests_running" => running += s.value,
+            // SGLang's gauge (`--enable-metrics`), one sample per DP rank.
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => running += s.value,
             "vllm:engine_sleep_state" if s.value >= 1.0 => {
                 let level = match s.label("sleep_state") {
                     Some("awake") => 0,

@@ -126,8 +126,16 @@ pub(crate) fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> 
             let mut r = ModelRuntime::new(run_state(m.state));
             r.in_flight = m.in_flight;
             r.last_activity_ms = m.last_activity_unix_ms.unwrap_or(0);
-            r.pinned_awake = m.pin.is_pinned();
-            r.switch_cost_ms = m.calibration.sleep[0].millis() + m.calibration.wake[0].millis();
+            // An attached engine that cannot sleep cannot make room: never a victim.
+            let immovable = m.launch == "attach" && m.engine.deepest_sleep().is_none();
+            r.pinned_awake = m.pin.is_pinned() || immovable;
+            // What bringing it back costs: a level-1 sleep and wake, or a
+            // whole start for an engine that cannot sleep (it is stopped).
+            r.switch_cost_ms = if m.engine.deepest_sleep().is_some() {
+                m.calibration.sleep[0].millis() + m.calibration.wake[0].millis()
+            } else {
+                m.calibration.start.millis()
+            };
             (m.name.clone(), r)
         })
         .collect()

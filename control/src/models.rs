@@ -194,6 +194,14 @@ impl Models {
                     format!("{level} is not a sleep level (1 or 2)"),
                 ));
             }
+            Command::Sleep(level) if !h.cfg.engine.can_sleep(level) => {
+                return Err(OpError::Refused(format!(
+                    "{} runs engine = \"{}\", which cannot sleep at level {level}; what it can do when idle: {}",
+                    before.name,
+                    h.cfg.engine,
+                    h.cfg.engine.actions(attach)
+                )));
+            }
             Command::Sleep(_) if before.state == State::Stopped => {
                 return Err(OpError::Refused(format!(
                     "{} is stopped: start it first",

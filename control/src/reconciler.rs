@@ -14,7 +14,7 @@ pub use calibration::{Average, Calibration};
 pub use step::step;
 pub use tiers::{due_tier, next_tier};
 
-use crate::config::{Backoff, IdleTier, ModelConfig, Preload, Timeouts};
+use crate::config::{Backoff, EngineKind, IdleTier, ModelConfig, Preload, Timeouts};
 use std::collections::BTreeMap;
 use tokio::time::{Duration, Instant};
 
@@ -98,7 +98,7 @@ pub enum Phase {
     Asleep {
         level: u8,
     },
-    /// `step` indexes [`wake_calls`]`(from_level)`. Until `admitted`, the
+    /// `step` indexes [`wake_calls`]`(kind, from_level)`. Until `admitted`, the
     /// wake waits for room on its GPUs (at most [`ROOM_WAIT`]); the wake
     /// deadline counts from admission.
     Waking {
@@ -142,11 +142,15 @@ pub enum WakeCall {
     WakeKvCache,
     /// `POST /reset_prefix_cache`.
     ResetPrefixCache,
+    /// SGLang: `POST /resume_memory_occupation {}` (every tag).
+    ResumeMemory,
 }
 
-/// The calls that wake an engine asleep at `level`.
-pub fn wake_calls(level: u8) -> &'static [WakeCall] {
-    if level >= 2 {
+/// The calls that wake an engine of `kind` asleep at `level`.
+pub fn wake_calls(kind: EngineKind, level: u8) -> &'static [WakeCall] {
+    if kind == EngineKind::Sglang {
+        &[WakeCall::ResumeMemory]
+    } else if level >= 2 {
         &[
             WakeCall::WakeWeights,
             WakeCall::ReloadWeights,
@@ -321,6 +325,8 @@ pub enum Pin {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
     pub attach: bool,
+    /// What the engine can do: the step plans nothing else.
+    pub kind: EngineKind,
     pub tiers: Vec<IdleTier>,
     pub timeouts: Timeouts,
     pub backoff: Backoff,
@@ -330,6 +336,7 @@ impl Settings {
     pub fn from_config(m: &ModelConfig) -> Self {
         Self {
             attach: m.is_attach(),
+            kind: m.engine,
             tiers: m.idle.clone(),
             timeouts: m.timeouts,
             backoff: m.backoff,

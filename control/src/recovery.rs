@@ -9,7 +9,9 @@
 //!    process group, and anything carrying its tag) is killed;
 //! 2. an engine no longer wanted (model removed, now attach, or its command
 //!    changed) is stopped: SIGTERM to its group, SIGKILL after the grace;
-//! 3. otherwise probe it: `/health` (no answer: still starting), then
+//! 3. otherwise probe it (an engine that cannot say whether it sleeps,
+//!    SGLang's or an `openai` one, is taken at the state siesta recorded:
+//!    see `observe_recorded`): `/health` (no answer: still starting), then
 //!    `/is_sleeping`, waited on up to the model's wake timeout (it queues
 //!    behind a running wake). Asleep: at the level from `/metrics`, else
 //!    the recorded one, else 2. No answer or an error: asleep at the
@@ -136,6 +138,10 @@ fn recorded_level(rec: &EngineRecord) -> u8 {
 /// the recorded level and the reconciler runs the wake sequence again.
 async fn observe(client: &EngineClient, rec: &EngineRecord, wake_timeout: Duration) -> Observed {
     let url = client.base();
+    let kind = client.kind();
+    if !kind.capabilities().sleep_query {
+        return observe_recorded(client, rec).await;
+    }
     if client.health(PROBE_TIMEOUT).await.is_err() {
         return Observed::NotServing;
     }
@@ -169,6 +175,27 @@ async fn observe(client: &EngineClient, rec: &EngineRecord, wake_timeout: Durati
             tracing::warn!(engine = %url, level, %error, "/is_sleeping failed; taking the engine as asleep so it is woken again");
             Observed::Asleep(level)
         }
+    }
+}
+
+/// An engine that cannot say whether it sleeps (SGLang, an `openai`
+/// server): asleep at the level siesta recorded before its last release
+/// (probed where nothing reaches the GPU), else awake if its health answers.
+/// A control killed between recording a release and the engine doing it
+/// resumes an engine that never released: SGLang then exits (its scheduler
+/// has no such tag) and siesta restarts it, which costs a start but never
+/// sends a request to released memory.
+async fn observe_recorded(client: &EngineClient, rec: &EngineRecord) -> Observed {
+    let kind = client.kind();
+    match kind.deepest_sleep().filter(|_| rec.sleep_level > 0) {
+        Some(deepest) => match client.alive(PROBE_TIMEOUT).await {
+            Ok(()) => Observed::Asleep(rec.sleep_level.min(deepest)),
+            Err(_) => Observed::NotServing,
+        },
+        None => match client.health(PROBE_TIMEOUT).await {
+            Ok(()) => Observed::Awake,
+            Err(_) => Observed::NotServing,
+        },
     }
 }
 
@@ -239,14 +266,16 @@ pub async fn recover(
             }
             continue;
         }
-        let (host, wake_timeout) = match cfg.map(|c| (&c.launch, c.timeouts.wake)) {
-            Some((Launch::Process { host, .. }, wake)) => (host.clone(), wake),
-            _ => continue,
+        let Some(cfg) = cfg else { continue };
+        let (host, wake_timeout) = match &cfg.launch {
+            Launch::Process { host, .. } => (host.clone(), cfg.timeouts.wake),
+            Launch::Attach { .. } => continue,
         };
         let idle = config.control.engine_idle_timeout;
+        let cfg = cfg.clone();
         probes.push(async move {
             let url = format!("http://{host}:{}", rec.port);
-            let client = EngineClient::with_idle_timeout(&url, idle);
+            let client = EngineClient::for_model(&url, idle, &cfg);
             let observed = observe(&client, &rec, wake_timeout).await;
             let a = Adopted {
                 pid,

@@ -192,7 +192,7 @@ pub fn spawn_model_adopting(
     let cfg = Arc::new(cfg);
     let runner = Runner {
         cfg: cfg.clone(),
-        client: EngineClient::with_idle_timeout(&base_url, shared.engine_idle_timeout),
+        client: EngineClient::for_model(&base_url, shared.engine_idle_timeout, &cfg),
         facts,
         port,
         placed,

@@ -2,7 +2,7 @@
 //! Absent values are `None`, never proto3 sentinels (0, `i64::MAX`, ""):
 //! only `api/convert.rs` writes the wire form.
 
-use crate::config::{IdleTier, ModelConfig};
+use crate::config::{EngineKind, IdleTier, ModelConfig};
 use crate::reconciler::{Calibration, Desired, ModelState, Phase, Pin, Reason, next_tier};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
@@ -111,6 +111,10 @@ pub struct ModelStatus {
     pub aliases: Vec<String>,
     pub model: String,
     pub launch: &'static str,
+    /// The engine kind (its capabilities come from [`EngineKind::capabilities`]).
+    pub engine: EngineKind,
+    /// Where an `openai` engine is probed.
+    pub health_path: String,
     pub state: State,
     pub sleep_level: u8,
     pub state_since_unix_ms: i64,
@@ -225,6 +229,8 @@ pub fn model_status(
         aliases: cfg.aliases.clone(),
         model: cfg.model.clone(),
         launch: cfg.launch_kind(),
+        engine: cfg.engine,
+        health_path: cfg.health_path.clone(),
         state,
         sleep_level,
         state_since_unix_ms: ms(m.since),

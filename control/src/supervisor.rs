@@ -2,14 +2,14 @@
 //! files tailed into the log ring, signals to the group, per-GPU start locks.
 
 mod adopt;
+mod argv;
 mod logs;
 pub mod procfs;
 
 pub use adopt::adopt;
+pub use argv::spawn_spec;
 pub use logs::{LogLine, LogRing};
 
-use crate::config::{Launch, ModelConfig};
-use crate::placement::Placed;
 use nix::sys::signal::{Signal as NixSignal, killpg};
 use nix::unistd::Pid;
 use std::collections::BTreeMap;
@@ -25,41 +25,6 @@ pub struct SpawnSpec {
     pub program: String,
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
-}
-
-/// `<command...> serve MODEL --host H --port P --served-model-name NAME
-/// --enable-sleep-mode [...] <args...>` with its environment.
-pub fn spawn_spec(cfg: &ModelConfig, port: u16, placed: &Placed) -> SpawnSpec {
-    let (command, host) = match &cfg.launch {
-        Launch::Process { command, host, .. } => (command.clone(), host.clone()),
-        Launch::Attach { .. } => (vec!["true".into()], "127.0.0.1".into()),
-    };
-    let mut args: Vec<String> = command[1..].to_vec();
-    args.extend(
-        [
-            "serve",
-            &cfg.model,
-            "--host",
-            &host,
-            "--port",
-            &port.to_string(),
-            "--served-model-name",
-            &cfg.name,
-            "--enable-sleep-mode",
-        ]
-        .map(String::from),
-    );
-    // The GPU part comes from the placement alone (one builder).
-    args.extend(placed.engine_args());
-    args.extend(cfg.args.iter().cloned());
-    let mut env = vec![("VLLM_SERVER_DEV_MODE".to_string(), "1".to_string())];
-    env.extend(placed.engine_env());
-    env.extend(cfg.env.iter().map(|(k, v)| (k.clone(), v.clone())));
-    SpawnSpec {
-        program: command[0].clone(),
-        args,
-        env,
-    }
 }
 
 /// Environment variable marking an engine with a unique tag, so that one
@@ -337,6 +302,7 @@ impl StartLocks {
 mod tests {
     use super::*;
     use crate::config::{Config, GpuMemory};
+    use crate::placement::Placed;
     use crate::placement::{Machine, Policy, needs_of, place};
 
     #[test]

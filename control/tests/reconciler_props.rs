@@ -19,7 +19,7 @@
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
-use siesta_control::config::{Backoff, IdleAction, IdleTier, Preload, Timeouts};
+use siesta_control::config::{Backoff, EngineKind, IdleAction, IdleTier, Preload, Timeouts};
 use siesta_control::reconciler::{
     Command, Desired, Effect, Event, ModelState, Phase, ROOM_WAIT, Settings, Signal, step,
     wake_calls,
@@ -52,15 +52,22 @@ fn settings() -> impl Strategy<Value = Settings> {
             })
             .collect::<Vec<_>>()
     });
+    let kind = prop_oneof![
+        3 => Just(EngineKind::Vllm),
+        1 => Just(EngineKind::Sglang),
+        1 => Just(EngineKind::Openai),
+    ];
     (
         prop::bool::weighted(0.2),
         tiers,
         [1u64..120, 1..60, 1..60, 1..30],
         (1u64..10, 0u64..300),
+        kind,
     )
         .prop_map(
-            |(attach, tiers, [start, wake, sleep, grace], (init, extra))| Settings {
+            |(attach, tiers, [start, wake, sleep, grace], (init, extra), kind)| Settings {
                 attach,
+                kind,
                 tiers,
                 timeouts: Timeouts {
                     start: secs(start),
@@ -375,6 +382,14 @@ impl World {
                 Effect::Sleep { epoch, level } => {
                     prop_assert_eq!(m.in_flight(), 0, "sleep with requests in flight\n{}", ctx());
                     prop_assert!((1..=2).contains(&level));
+                    // Only what the engine kind can do is ever planned.
+                    prop_assert!(
+                        m.settings.kind.can_sleep(level),
+                        "sleep at level {} of an engine = {}\n{}",
+                        level,
+                        m.settings.kind,
+                        ctx()
+                    );
                     prop_assert_eq!(
                         m.phase,
                         Phase::Sleeping {
@@ -391,7 +406,7 @@ impl World {
                             ctx()
                         )));
                     };
-                    prop_assert_eq!(call, wake_calls(from_level)[step]);
+                    prop_assert_eq!(call, wake_calls(m.settings.kind, from_level)[step]);
                     self.wakes.push((epoch, step));
                 }
                 Effect::Timer(t) => self.timer = t,

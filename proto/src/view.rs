@@ -54,6 +54,29 @@ pub struct ModelView {
     pub asleep_residual_bytes: u64,
     pub asleep_residual_measured: bool,
     pub warning: String,
+    pub engine: String,
+    pub capabilities: Option<CapabilitiesView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CapabilitiesView {
+    pub sleep_levels: Vec<u32>,
+    pub can_stop: bool,
+    pub sleep_query: bool,
+    pub activity_metric: String,
+    pub health_path: String,
+}
+
+impl From<&pb::EngineCapabilities> for CapabilitiesView {
+    fn from(c: &pb::EngineCapabilities) -> Self {
+        CapabilitiesView {
+            sleep_levels: c.sleep_levels.clone(),
+            can_stop: c.can_stop,
+            sleep_query: c.sleep_query,
+            activity_metric: c.activity_metric.clone(),
+            health_path: c.health_path.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -152,6 +175,8 @@ impl From<&pb::ModelStatus> for ModelView {
             asleep_residual_bytes: m.asleep_residual_bytes,
             asleep_residual_measured: m.asleep_residual_measured,
             warning: m.warning.clone(),
+            engine: m.engine.clone(),
+            capabilities: m.capabilities.as_ref().map(CapabilitiesView::from),
         }
     }
 }

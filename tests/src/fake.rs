@@ -111,6 +111,21 @@ pub async fn spawn_fake_vllm_env(args: &[&str], env: &[(&str, &str)]) -> FakeVll
     }
 }
 
+/// Spawns `fake-vllm ARGS...` exactly as given (e.g. `--personality sglang --model-path m
+/// --port 0 ...`), with `VLLM_SERVER_DEV_MODE=1` (a personality without vLLM's dev routes
+/// must hide them anyway), and waits until it serves HTTP.
+pub async fn spawn_fake_vllm_argv(args: &[&str]) -> FakeVllm {
+    let mut cmd = Command::new(bin_path("fake-vllm"));
+    cmd.args(args).env("VLLM_SERVER_DEV_MODE", "1");
+    let mut child = Child::spawn("fake-vllm", cmd);
+    let addr = wait_uvicorn(&mut child).await;
+    FakeVllm {
+        url: format!("http://{addr}"),
+        addr,
+        child,
+    }
+}
+
 /// Spawns fake-vllm without waiting for start-up (for start-up fault tests).
 pub fn spawn_fake_vllm_nowait(args: &[&str], env: &[(&str, &str)]) -> Child {
     Child::spawn("fake-vllm", fake_vllm_cmd(args, env))

@@ -57,6 +57,12 @@ pub fn describe(now: i64, m: &pb::ModelStatus, placement: Option<&pb::ModelPlace
     }
     kv(&mut o, "Model", m.model.clone());
     kv(&mut o, "Launch", m.launch.clone());
+    if !m.engine.is_empty() {
+        kv(&mut o, "Engine", m.engine.clone());
+    }
+    if let Some(c) = &m.capabilities {
+        kv(&mut o, "Can", render::capabilities(c));
+    }
     if !m.control_id.is_empty() {
         kv(&mut o, "Control", m.control_id.clone());
     }

@@ -126,6 +126,23 @@ pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
         asleep_residual_bytes: s.asleep_residual.bytes,
         asleep_residual_measured: s.asleep_residual.measured,
         warning: s.asleep_residual.warning(),
+        engine: s.engine.name().to_string(),
+        capabilities: Some(capabilities(s)),
+    }
+}
+
+/// The wire form of what the model's engine kind can do.
+fn capabilities(s: &ModelStatus) -> pb::EngineCapabilities {
+    let c = s.engine.capabilities();
+    pb::EngineCapabilities {
+        sleep_levels: c.sleep_levels.iter().map(|l| u32::from(*l)).collect(),
+        can_stop: s.launch != "attach",
+        sleep_query: c.sleep_query,
+        activity_metric: c.activity_metric.unwrap_or_default().to_string(),
+        health_path: match s.engine {
+            crate::config::EngineKind::Openai => s.health_path.clone(),
+            _ => "/health".to_string(),
+        },
     }
 }
 

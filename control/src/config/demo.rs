@@ -15,6 +15,8 @@ fn fake(
         name: name.to_string(),
         aliases: aliases.iter().map(|s| s.to_string()).collect(),
         model: model.to_string(),
+        engine: EngineKind::Vllm,
+        health_path: "/health".into(),
         launch: Launch::Process {
             command: command.to_vec(),
             host: "127.0.0.1".into(),

@@ -24,10 +24,43 @@ pub(super) fn read_model(
         _ => {}
     }
     let aliases = r.strings(p, "aliases").unwrap_or_default();
+    let engine = match r.string(p, "engine").as_deref() {
+        None => EngineKind::Vllm,
+        Some(e) => EngineKind::parse(e).unwrap_or_else(|| {
+            p.push(
+                r.key("engine"),
+                format!("{e:?} is not \"vllm\", \"sglang\" or \"openai\""),
+            );
+            EngineKind::Vllm
+        }),
+    };
+    let health_path = match r.string(p, "health_path") {
+        Some(h) if engine != EngineKind::Openai => {
+            p.push(
+                r.key("health_path"),
+                format!(
+                    "only applies to engine = \"openai\" (engine = \"{engine}\" is probed on its own health route)"
+                ),
+            );
+            h
+        }
+        Some(h) if !h.starts_with('/') => {
+            p.push(
+                r.key("health_path"),
+                format!("{h:?} must be a path starting with \"/\""),
+            );
+            h
+        }
+        Some(h) => h,
+        None => "/health".to_string(),
+    };
     let model = r.string(p, "model");
     let launch_kind = r.string(p, "launch").unwrap_or_else(|| "process".into());
     let executable = r.string(p, "executable");
     let command = r.strings(p, "command");
+    let command_has_port = command
+        .as_ref()
+        .is_some_and(|c| c.iter().any(|a| a.contains("{port}")));
     let url = r.string(p, "url");
     let host = r.string(p, "host");
     let port = r.uint(p, "port", 65535).map(|n| n as u16);
@@ -61,7 +94,18 @@ pub(super) fn read_model(
                     None
                 }
                 (None, Some(c)) => Some(c),
-                (None, None) => Some(vec!["vllm".to_string()]),
+                (None, None) => match engine.default_command() {
+                    Some(c) => Some(c),
+                    None => {
+                        p.push(
+                            r.key("command"),
+                            "is required with engine = \"openai\" (`executable` + `args`, or `command`: \
+                             the server to run; siesta adds no arguments of its own, `{port}` and \
+                             `{host}` in them are replaced)",
+                        );
+                        None
+                    }
+                },
             };
             command.map(|command| Launch::Process {
                 command,
@@ -112,8 +156,20 @@ pub(super) fn read_model(
         }
     };
     let args = r.strings(p, "args").unwrap_or_default();
-    if launch_kind == "process" {
+    if launch_kind == "process" && engine == EngineKind::Vllm {
         check_args(p, &r.key("args"), &args);
+    }
+    if launch_kind == "process"
+        && engine == EngineKind::Openai
+        && port.is_none()
+        && !command_has_port
+        && !args.iter().any(|a| a.contains("{port}"))
+    {
+        p.push(
+            r.key("args"),
+            "an engine = \"openai\" gets no --port from siesta: pass the port siesta picks \
+             with \"{port}\" in `args`, or set `port` to the one the server listens on",
+        );
     }
     let env = match r.table(p, "env") {
         None => BTreeMap::new(),
@@ -131,9 +187,10 @@ pub(super) fn read_model(
             })
             .collect(),
     };
-    if env
-        .get("PYTORCH_CUDA_ALLOC_CONF")
-        .is_some_and(|v| v.contains("expandable_segments:True"))
+    if engine == EngineKind::Vllm
+        && env
+            .get("PYTORCH_CUDA_ALLOC_CONF")
+            .is_some_and(|v| v.contains("expandable_segments:True"))
     {
         p.push(
             format!("{}.PYTORCH_CUDA_ALLOC_CONF", r.key("env")),
@@ -175,9 +232,25 @@ pub(super) fn read_model(
         other => size_value(p, &r.key("gpu_memory"), other).map(GpuMemory::Bytes),
     });
     let exclusive = r.boolean(p, "exclusive").unwrap_or(false);
-    let idle = read_tiers(p, &mut r).unwrap_or_else(|| d.idle.clone());
+    let attach = launch_kind == "attach";
+    let idle = match read_tiers(p, &mut r) {
+        Some(tiers) => {
+            check_tiers(p, &r.key("idle"), engine, attach, &tiers);
+            tiers
+        }
+        None => default_tiers(engine, attach, &d.idle),
+    };
     let preload = match r.string(p, "preload").as_deref() {
         None | Some("none") => Preload::None,
+        Some("asleep") if engine.deepest_sleep().is_none() => {
+            p.push(
+                r.key("preload"),
+                format!(
+                    "\"asleep\" is not possible: engine = \"{engine}\" cannot sleep (preload can be \"none\" or \"awake\")"
+                ),
+            );
+            Preload::None
+        }
         Some("asleep") => Preload::Asleep,
         Some("awake") => Preload::Awake,
         Some(o) => {
@@ -194,8 +267,16 @@ pub(super) fn read_model(
     let max_hold = r.duration(p, "max_hold").unwrap_or(d.max_hold);
     let timeouts = read_timeouts(p, &mut r, d.timeouts);
     let backoff = read_backoff(p, &mut r, d.backoff);
-    if model.is_none() && t.get("model").is_none() && launch_kind == "process" {
-        p.push(r.key("model"), "is missing (what `vllm serve` loads)");
+    if model.is_none()
+        && t.get("model").is_none()
+        && launch_kind == "process"
+        && engine != EngineKind::Openai
+    {
+        let what = match engine {
+            EngineKind::Sglang => "what `sglang.launch_server --model-path` loads",
+            _ => "what `vllm serve` loads",
+        };
+        p.push(r.key("model"), format!("is missing ({what})"));
     }
     r.finish(p);
     if p.0.len() > before {
@@ -206,6 +287,8 @@ pub(super) fn read_model(
         model: model.unwrap_or_else(|| name.clone()),
         name,
         aliases,
+        engine,
+        health_path,
         launch: launch?,
         args,
         env,
@@ -220,6 +303,57 @@ pub(super) fn read_model(
         timeouts,
         backoff,
     })
+}
+
+/// Refuses a tier the engine kind cannot do, naming the ones it has.
+fn check_tiers(p: &mut Problems, key: &str, engine: EngineKind, attach: bool, tiers: &[IdleTier]) {
+    for (i, t) in tiers.iter().enumerate() {
+        if engine.can(t.action, attach) {
+            continue;
+        }
+        let asked = match t.action {
+            IdleAction::Sleep(l) => format!("sleep at level {l}"),
+            IdleAction::Stop => "stop (an attached engine is run by someone else)".to_string(),
+        };
+        let launch = if attach { "attached " } else { "" };
+        p.push(
+            format!("{key}[{i}].action"),
+            format!(
+                "an {launch}engine = \"{engine}\" cannot {asked}; its idle tiers can be: {}",
+                engine.actions(attach)
+            ),
+        );
+    }
+}
+
+/// `[defaults]` tiers made to fit the kind: a sleep level it lacks becomes
+/// its deepest sleep (dropped when that tier is already there), or `stop`
+/// for an engine that cannot sleep; nothing follows a `stop`. An attached
+/// engine that can do nothing gets no tiers.
+fn default_tiers(engine: EngineKind, attach: bool, tiers: &[IdleTier]) -> Vec<IdleTier> {
+    let mut out: Vec<IdleTier> = Vec::new();
+    for t in tiers {
+        let action = match t.action {
+            a if engine.can(a, attach) => a,
+            IdleAction::Sleep(_) => match engine.deepest_sleep() {
+                Some(l) => IdleAction::Sleep(l),
+                None if attach => continue,
+                None => IdleAction::Stop,
+            },
+            IdleAction::Stop => continue,
+        };
+        if out
+            .iter()
+            .any(|o| o.action == action || o.action == IdleAction::Stop)
+        {
+            continue;
+        }
+        out.push(IdleTier {
+            after: t.after,
+            action,
+        });
+    }
+    out
 }
 
 /// `vllm serve` flags siesta cannot work with.

@@ -320,3 +320,56 @@ fn apply_replaces_placements_and_residuals() {
     assert_eq!(view.residual_of("new").bytes, default_residual(1));
     assert_ne!(default_residual(1), view.policy.residual_bytes);
 }
+
+#[test]
+fn admission_sees_what_each_kind_costs_and_never_evicts_an_attached_openai_server() {
+    use crate::config::{EngineKind, Launch};
+    use crate::reconciler::{ModelState, Settings};
+    use crate::status::{Clock, Endpoint, EngineFacts, model_status};
+    let cfg = Config::demo(vec!["fake-vllm".into()]);
+    let facts = EngineFacts {
+        endpoint: Endpoint {
+            url: "http://x".into(),
+            served_model_name: "m".into(),
+        },
+        gpus: vec![0],
+        p2p_disabled: false,
+        control_id: "t".into(),
+        waiting_for: String::new(),
+        asleep_residual: Default::default(),
+    };
+    let now = tokio::time::Instant::now();
+    let status = |kind: EngineKind, attach: bool| {
+        let mut m = cfg.models[0].clone();
+        m.name = format!("{kind}-{attach}");
+        m.engine = kind;
+        if attach {
+            m.launch = Launch::Attach {
+                url: "http://x".into(),
+                served_model_name: "m".into(),
+            };
+        }
+        let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);
+        st.calibration.start.add(std::time::Duration::from_secs(60));
+        st.calibration
+            .sleep_mut(1)
+            .add(std::time::Duration::from_millis(100));
+        st.calibration
+            .wake_mut(1)
+            .add(std::time::Duration::from_millis(200));
+        model_status(&m, &facts, &st, &Clock::new(), now)
+    };
+    let models = [
+        status(EngineKind::Vllm, false),
+        status(EngineKind::Openai, false),
+        status(EngineKind::Openai, true),
+        status(EngineKind::Sglang, true),
+    ];
+    let rt = runtime(&models);
+    // Evicting an openai server costs a start; a sleeping kind its sleep and wake.
+    assert_eq!(rt["vllm-false"].switch_cost_ms, 300);
+    assert_eq!(rt["openai-false"].switch_cost_ms, 60_000);
+    // An attached server that cannot sleep cannot make room: never a victim.
+    assert!(rt["openai-true"].pinned_awake);
+    assert!(!rt["sglang-true"].pinned_awake && !rt["openai-false"].pinned_awake);
+}

@@ -62,6 +62,7 @@ mod tests {
         let s = Duration::from_secs(5);
         let settings = Settings {
             attach: false,
+            kind: crate::config::EngineKind::Vllm,
             tiers: vec![],
             timeouts: Timeouts {
                 start: s,

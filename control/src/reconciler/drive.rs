@@ -148,21 +148,24 @@ fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Eff
     fx.push(Effect::Wake {
         epoch: m.epoch,
         step: 0,
-        call: wake_calls(from_level)[0],
+        call: wake_calls(m.settings.kind, from_level)[0],
     });
 }
 
 /// Takes one step towards the intent from a stable phase.
 pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
-    if let Some(tier) = due_tier(m, now) {
-        let desired = tier_desired(&tier, m.settings.attach);
+    if let Some(tier) = due_tier(m, now)
+        && let Some(desired) = tier_desired(&tier, &m.settings)
+    {
         fx.push(Effect::Log(format!(
             "idle tier fired after {:?}: {desired:?}",
             tier.after
         )));
         set_intent(m, desired, Reason::IdleTier, now);
     }
+    fit_intent(m, fx);
     let desired = m.intent.desired;
+    let deepest = m.settings.kind.deepest_sleep();
     match m.phase {
         Phase::Stopped => {
             if desired != Desired::Stopped {
@@ -188,8 +191,10 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
                 }
             }
             Desired::Stopped if m.settings.attach => {
-                if m.in_flight() == 0 {
-                    begin_sleep(m, 2, now, fx);
+                if let Some(level) = deepest
+                    && m.in_flight() == 0
+                {
+                    begin_sleep(m, level, now, fx);
                 }
             }
             Desired::Stopped => terminate(m, now, fx),
@@ -200,7 +205,7 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             Desired::Asleep(l) if l > level => begin_wake(m, level, now, fx),
             Desired::Asleep(_) => {}
             Desired::Stopped if m.settings.attach => {
-                if level < 2 {
+                if deepest.is_some_and(|d| level < d) {
                     begin_wake(m, level, now, fx);
                 }
             }
@@ -211,6 +216,29 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         | Phase::Waking { .. }
         | Phase::Stopping { .. } => {}
     }
+}
+
+/// Keeps the intent within what the engine kind can do (an intent restored
+/// from before a config change, an eviction, a level the kind lacks): a
+/// sleep it lacks becomes its deepest sleep, else a stop, else (an attached
+/// engine that cannot sleep) staying awake.
+fn fit_intent(m: &mut ModelState, fx: &mut Vec<Effect>) {
+    let Desired::Asleep(level) = m.intent.desired else {
+        return;
+    };
+    let kind = m.settings.kind;
+    if kind.can_sleep(level) {
+        return;
+    }
+    let fitted = match kind.deepest_sleep() {
+        Some(l) => Desired::Asleep(l),
+        None if m.settings.attach => Desired::Awake,
+        None => Desired::Stopped,
+    };
+    fx.push(Effect::Log(format!(
+        "engine = \"{kind}\" cannot sleep at level {level}: {fitted:?} instead"
+    )));
+    m.intent.desired = fitted;
 }
 
 /// The earliest time something must be re-checked.

@@ -33,6 +33,13 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
                 fx.push(Effect::RecordSleepLevel(level));
                 fx.push(Effect::MeasureResidual);
             }
+            // An engine that cannot say whether it sleeps (SGLang) is taken
+            // as asleep from the moment its release is asked: a control
+            // restarted mid-release resumes it rather than sending it
+            // requests.
+            Phase::Sleeping { level, .. } if !m.settings.kind.capabilities().sleep_query => {
+                fx.push(Effect::RecordSleepLevel(level));
+            }
             _ => {}
         }
     }
@@ -109,10 +116,25 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 && m.in_flight() == 0
                 && !m.pinned(now)
             {
-                fx.push(Effect::Log(
-                    "evicted: sleeping to make room on its GPUs".into(),
-                ));
-                set_intent(m, Desired::Asleep(1), Reason::Eviction, now);
+                // The shallowest sleep the kind has; one that cannot sleep
+                // is stopped (an attached one cannot make room at all).
+                let kind = m.settings.kind;
+                let desired = match kind.capabilities().sleep_levels.first() {
+                    Some(&l) => Some(Desired::Asleep(l)),
+                    None if m.settings.attach => None,
+                    None => Some(Desired::Stopped),
+                };
+                if let Some(desired) = desired {
+                    let how = if desired == Desired::Stopped {
+                        "stopping"
+                    } else {
+                        "sleeping"
+                    };
+                    fx.push(Effect::Log(format!(
+                        "evicted: {how} to make room on its GPUs"
+                    )));
+                    set_intent(m, desired, Reason::Eviction, now);
+                }
             }
         }
         Event::Pin(until) => {
@@ -264,7 +286,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             } = m.phase
                 && step == current
             {
-                let calls = wake_calls(from_level);
+                let calls = wake_calls(m.settings.kind, from_level);
                 if step + 1 < calls.len() {
                     m.phase = Phase::Waking {
                         from_level,
@@ -350,6 +372,13 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             m.intent.since = now;
             m.idle_floor = now;
             retry_now(m, now);
+        }
+        Command::Sleep(level) if !m.settings.kind.can_sleep(level) => {
+            // The API refuses it first; nothing is planned that the kind lacks.
+            fx.push(Effect::Log(format!(
+                "sleep at level {level} ignored: engine = \"{}\" cannot do it",
+                m.settings.kind
+            )));
         }
         Command::Sleep(level) => {
             m.pin = Pin::None;

@@ -10,6 +10,7 @@ fn secs(n: u64) -> Duration {
 fn settings(attach: bool) -> Settings {
     Settings {
         attach,
+        kind: crate::config::EngineKind::Vllm,
         tiers: vec![
             IdleTier {
                 after: secs(10),
@@ -204,7 +205,7 @@ fn level_2_wake_is_four_calls_in_order() {
             step,
         });
     }
-    assert_eq!(calls, wake_calls(2));
+    assert_eq!(calls, wake_calls(crate::config::EngineKind::Vllm, 2));
     assert_eq!(s.m.phase, Phase::Awake);
     assert_eq!(s.m.calibration.wake[1].samples, 1);
 }
@@ -524,3 +525,4 @@ fn held_requests_are_summed_across_proxies_and_expire_with_them() {
 
 mod decisions;
 mod demand;
+mod kinds;

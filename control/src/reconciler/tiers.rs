@@ -1,16 +1,23 @@
 //! Idle tiers: which one is due, which one is next.
 
-use super::{Desired, ModelState, Phase};
+use super::{Desired, ModelState, Phase, Settings};
 use crate::config::{IdleAction, IdleTier};
 use tokio::time::Instant;
 
-/// What a tier asks for (attach engines cannot be stopped: deepest sleep).
-pub fn tier_desired(tier: &IdleTier, attach: bool) -> Desired {
+/// What a tier asks for, within what the engine can do: attach engines
+/// cannot be stopped (their deepest sleep instead); a tier the kind cannot
+/// do (config refuses them, this is the last guard) asks for nothing.
+pub fn tier_desired(tier: &IdleTier, s: &Settings) -> Option<Desired> {
     match tier.action {
-        IdleAction::Sleep(l) => Desired::Asleep(l),
-        IdleAction::Stop if attach => Desired::Asleep(2),
-        IdleAction::Stop => Desired::Stopped,
+        IdleAction::Sleep(l) => s.kind.can_sleep(l).then_some(Desired::Asleep(l)),
+        IdleAction::Stop if s.attach => s.kind.deepest_sleep().map(Desired::Asleep),
+        IdleAction::Stop => Some(Desired::Stopped),
     }
+}
+
+/// How deep a tier goes (0: it asks for nothing).
+fn tier_depth(tier: &IdleTier, s: &Settings) -> u8 {
+    tier_desired(tier, s).map_or(0, Desired::depth)
 }
 
 /// Whether tiers may fire at all now: a stable serving state, not pinned,
@@ -33,7 +40,7 @@ pub fn due_tier(m: &ModelState, now: Instant) -> Option<IdleTier> {
         .tiers
         .iter()
         .filter(|t| t.after <= idle)
-        .filter(|t| tier_desired(t, m.settings.attach).depth() > depth)
+        .filter(|t| tier_depth(t, &m.settings) > depth)
         .max_by_key(|t| t.after)
         .copied()
 }
@@ -47,6 +54,6 @@ pub fn next_tier(m: &ModelState, now: Instant) -> Option<(IdleTier, Instant)> {
     m.settings
         .tiers
         .iter()
-        .find(|t| tier_desired(t, m.settings.attach).depth() > depth)
+        .find(|t| tier_depth(t, &m.settings) > depth)
         .map(|t| (*t, m.idle_start() + t.after))
 }

@@ -117,13 +117,28 @@ impl Runner {
                 };
                 let known = recorded.unwrap_or(2);
                 let (name, wake_timeout) = (self.cfg.name.clone(), self.cfg.timeouts.wake);
+                let kind = self.cfg.engine;
                 self.op(async move {
+                    // An engine that cannot say whether it sleeps is asleep
+                    // when siesta recorded it so, and is then only probed
+                    // where nothing reaches its GPU.
+                    let recorded_asleep = check_sleep && !kind.capabilities().sleep_query;
+                    let recorded_asleep = recorded_asleep
+                        .then(|| recorded.and_then(|l| kind.deepest_sleep().map(|d| l.min(d))))
+                        .flatten();
                     loop {
-                        if client.health(PROBE_TIMEOUT).await.is_ok() {
-                            let asleep = if check_sleep {
+                        let probe = if recorded_asleep.is_some() {
+                            client.alive(PROBE_TIMEOUT).await
+                        } else {
+                            client.health(PROBE_TIMEOUT).await
+                        };
+                        if probe.is_ok() {
+                            let asleep = if !check_sleep {
+                                None
+                            } else if kind.capabilities().sleep_query {
                                 sleep_level(&client, &name, known, wake_timeout).await
                             } else {
-                                None
+                                recorded_asleep
                             };
                             send(Event::HealthOk { epoch, asleep });
                             return;
@@ -199,9 +214,10 @@ impl Runner {
             // A fresh port after a failure, in case the old one is taken.
             self.port = p;
             self.facts.endpoint.url = format!("http://{host}:{p}");
-            self.client = crate::engine::EngineClient::with_idle_timeout(
+            self.client = crate::engine::EngineClient::for_model(
                 &self.facts.endpoint.url,
                 self.shared.engine_idle_timeout,
+                &self.cfg,
             );
         }
         // A P2P probe since the last start may have changed the NCCL switches.
@@ -332,10 +348,14 @@ impl Runner {
         let tx = self.tx.clone();
         let epoch = self.state.epoch;
         let timeout = PROBE_TIMEOUT * 2;
+        let has_metric = self.cfg.engine.capabilities().activity_metric.is_some();
         tokio::spawn(async move {
             let result = async {
-                client.health(timeout).await?;
-                if awake {
+                // Never SGLang's /health here (it generates a token): a
+                // release may begin while this probe is on its way, and a
+                // generation reaching released memory kills the engine.
+                client.alive(timeout).await?;
+                if awake && has_metric {
                     Ok(Some(client.metrics(timeout).await?.running))
                 } else {
                     Ok(None)

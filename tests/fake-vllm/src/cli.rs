@@ -93,6 +93,21 @@ pub struct ServeArgs {
     /// No stats: every `vllm:` metric is gone from `/metrics` (running, waiting, sleep state).
     #[arg(long)]
     pub disable_log_stats: bool,
+    /// Which server to imitate: `vllm`; `sglang` (`fake-vllm --personality sglang
+    /// --model-path M ...` takes SGLang's argv, serves its routes and dies like it when
+    /// something reaches released memory); `openai` (a plain OpenAI server: no dev routes,
+    /// no `/metrics`). Given first, before `serve`.
+    #[arg(long, default_value = "vllm", value_parser = ["vllm", "sglang", "openai"])]
+    pub personality: String,
+    /// SGLang's `--enable-memory-saver` (the sglang argv sets it).
+    #[arg(long, hide = true)]
+    pub sglang_memory_saver: bool,
+    /// SGLang's `--enable-weights-cpu-backup` (the sglang argv sets it).
+    #[arg(long, hide = true)]
+    pub sglang_weights_cpu_backup: bool,
+    /// SGLang's `--enable-metrics` (the sglang argv sets it).
+    #[arg(long, hide = true)]
+    pub sglang_metrics: bool,
     /// Seconds an idle HTTP/1 keep-alive connection stays open (uvicorn's, default 5).
     #[arg(long, default_value_t = 5)]
     pub timeout_keep_alive: u64,
@@ -134,6 +149,16 @@ impl ServeArgs {
                 836
             });
         mib << 20
+    }
+
+    /// `--personality sglang`.
+    pub fn sglang(&self) -> bool {
+        self.personality == "sglang"
+    }
+
+    /// `--personality openai`.
+    pub fn plain_openai(&self) -> bool {
+        self.personality == "openai"
     }
 
     /// The served names: `--served-model-name`, else the model.

@@ -29,7 +29,19 @@ pub struct EngineCore {
 fn prefix(argv: &[OsString], marker: &str) -> Vec<OsString> {
     let real: Vec<OsString> = std::env::args_os().collect();
     match real.iter().position(|a| a == marker) {
-        Some(i) if i >= 1 => real[1..i].to_vec(),
+        // `--personality P` before `serve` is the server's, not the engine core's.
+        Some(i) if i >= 1 => {
+            let mut out = Vec::new();
+            let mut it = real[1..i].iter();
+            while let Some(a) = it.next() {
+                if a == "--personality" {
+                    it.next();
+                } else if !a.to_string_lossy().starts_with("--personality=") {
+                    out.push(a.clone());
+                }
+            }
+            out
+        }
         _ => argv
             .iter()
             .position(|a| a == marker)

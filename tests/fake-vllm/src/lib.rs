@@ -15,6 +15,7 @@ pub mod memory;
 mod metrics;
 mod openai;
 pub mod server;
+pub mod sglang;
 pub mod sim_gpu;
 pub mod version;
 
@@ -31,6 +32,13 @@ where
     T: Into<OsString> + Clone,
 {
     let argv: Vec<OsString> = args.into_iter().map(Into::into).collect();
+    let argv = match personality(argv) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
     let cli = match cli::parse(argv.clone()) {
         Ok(c) => c,
         Err(e) => return ExitCode::from(e.report()),
@@ -57,6 +65,40 @@ where
             code
         }
     }
+}
+
+/// `fake-vllm --personality P ...` (first): `sglang` takes SGLang's argv (see [`sglang`]);
+/// `vllm` and `openai` take `serve ...` and the flag moves after `serve`.
+fn personality(argv: Vec<OsString>) -> Result<Vec<OsString>, sglang::SglangArgvError> {
+    let first = argv.get(1).map(|a| a.to_string_lossy().into_owned());
+    let (p, rest_at) = match first.as_deref() {
+        Some("--personality") => match argv.get(2) {
+            Some(p) => (p.to_string_lossy().into_owned(), 3),
+            None => return Ok(argv),
+        },
+        Some(f) if f.starts_with("--personality=") => (f["--personality=".len()..].to_string(), 2),
+        _ => return Ok(argv),
+    };
+    let mut rest: Vec<OsString> = vec![argv[0].clone()];
+    rest.extend(argv[rest_at..].iter().cloned());
+    if p == "sglang" {
+        return sglang::translate(&rest);
+    }
+    // `fake-vllm serve --personality P ...`.
+    let mut out = Vec::with_capacity(rest.len() + 2);
+    let serve_at = rest.iter().position(|a| a == "serve");
+    for (i, a) in rest.into_iter().enumerate() {
+        out.push(a);
+        if Some(i) == serve_at {
+            out.push("--personality".into());
+            out.push(p.clone().into());
+        }
+    }
+    if serve_at.is_none() {
+        out.push("--personality".into());
+        out.push(p.into());
+    }
+    Ok(out)
 }
 
 async fn run(args: cli::ServeArgs, argv: &[OsString]) -> ExitCode {

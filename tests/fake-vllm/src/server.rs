@@ -63,12 +63,20 @@ pub struct App {
     pub dev_mode: bool,
     /// Start time (unix seconds) for `/v1/models`.
     pub created: u64,
+    /// `--personality sglang`: memory tags offloaded (`/release_memory_occupation`).
+    pub sglang_released: std::sync::atomic::AtomicBool,
 }
 
 impl App {
     /// Counts a generation request; crashes on `--crash-after-requests`; refuses when the
     /// engine is "dead" (`--fail-health-after`).
     pub fn arrive(&self) -> Result<(), ApiError> {
+        if crate::sglang::released(self) {
+            crate::sglang::die(
+                self,
+                "CUDA error: an illegal memory access was encountered (a request while the memory is released)",
+            );
+        }
         self.engine
             .last_request_arrived_ns
             .store(crate::engine::unix_ns(), Ordering::SeqCst);
@@ -147,6 +155,7 @@ pub async fn serve(
         core,
         dev_mode: dev::dev_mode_from_env(),
         created: unix_ns() / 1_000_000_000,
+        sglang_released: std::sync::atomic::AtomicBool::new(false),
     });
     let died = CancellationToken::new();
     tokio::spawn(watch_engine_core(
@@ -309,6 +318,22 @@ pub(crate) async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAd
             empty(StatusCode::SERVICE_UNAVAILABLE)
         }
     };
+    let args = &app.engine.args;
+    let body = if args.sglang() {
+        // SGLang's own routes first; the vLLM-only ones are not SGLang's.
+        match crate::sglang::route(app.clone(), &method, uri.path(), body).await {
+            Ok(resp) => return access_log(resp, &method, &uri, peer),
+            Err(body) => body,
+        }
+    } else {
+        body
+    };
+    let vllm_only = matches!(uri.path(), "/version" | "/metrics")
+        || (args.plain_openai() && uri.path() == "/ping");
+    if (args.plain_openai() || args.sglang()) && vllm_only {
+        let resp = detail(StatusCode::NOT_FOUND, "Not Found");
+        return access_log(resp, &method, &uri, peer);
+    }
     let resp = match (&method, uri.path()) {
         (&Method::GET, "/health") | (&Method::GET | &Method::POST, "/ping") => health(),
         (&Method::GET, "/version") => json(
@@ -338,12 +363,19 @@ pub(crate) async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAd
         (_, "/v1/embeddings") if app.engine.args.pooling() => {
             detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
         }
-        _ if app.dev_mode => match dev::route(app.clone(), &method, &uri, body).await {
-            Some(r) => r,
-            None => detail(StatusCode::NOT_FOUND, "Not Found"),
-        },
+        _ if app.dev_mode && args.personality == "vllm" => {
+            match dev::route(app.clone(), &method, &uri, body).await {
+                Some(r) => r,
+                None => detail(StatusCode::NOT_FOUND, "Not Found"),
+            }
+        }
         _ => detail(StatusCode::NOT_FOUND, "Not Found"),
     };
+    access_log(resp, &method, &uri, peer)
+}
+
+/// Writes uvicorn's access-log line for `resp` and returns it.
+fn access_log(resp: Resp, method: &Method, uri: &http::Uri, peer: SocketAddr) -> Resp {
     let status = resp.status();
     // uvicorn's access log; a closed stdout must not take the request down.
     let _ = writeln!(
