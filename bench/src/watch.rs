@@ -124,7 +124,7 @@ async fn held(a: &Args, ctl: &mut Client) -> Result<()> {
         Row::new(s, "RSS per subscriber", "KB"),
         Row::new(s, format!("event delay to every one of {} p99", a.held), "ms"),
         Row::new(s, "events missed (subscriber × revision)", "").target(Target::AtMost(0.0)),
-        Row::new(s, "sleep + wake with them (ms)", "ms"),
+        Row::new(s, "sleep + wake with them", "ms"),
     ];
     let before = rss();
     let stop = Arc::new(tokio::sync::Notify::new());
