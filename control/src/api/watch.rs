@@ -195,3 +195,6 @@ where
         })
     }
 }
+
+#[cfg(test)]
+mod tests;
