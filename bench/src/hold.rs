@@ -54,11 +54,14 @@ fn open_files_limit(pid: &str) -> Option<usize> {
 
 pub async fn run(mut a: Args) -> Result<()> {
     // One descriptor per held connection in this process and in the proxy.
-    let allowed = [open_files_limit("self"), open_files_limit(&a.proxy_pid.to_string())]
-        .into_iter()
-        .flatten()
-        .min()
-        .map_or(usize::MAX, |n| n.saturating_sub(500));
+    let allowed = [
+        open_files_limit("self"),
+        open_files_limit(&a.proxy_pid.to_string()),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+    .map_or(usize::MAX, |n| n.saturating_sub(500));
     if a.requests > allowed {
         eprintln!(
             "hold: {} requests asked, but the open-files limit allows {allowed}: holding {allowed}",
@@ -66,7 +69,11 @@ pub async fn run(mut a: Args) -> Result<()> {
         );
         a.requests = allowed;
     }
-    let sources = if a.sources == 0 { a.requests.div_ceil(25_000).max(1) } else { a.sources };
+    let sources = if a.sources == 0 {
+        a.requests.div_ceil(25_000).max(1)
+    } else {
+        a.sources
+    };
     let froms: Vec<Option<std::net::IpAddr>> = (0..sources)
         .map(|i| (sources > 1).then(|| std::net::IpAddr::from([127, 0, 0, 1 + i as u8])))
         .collect();
@@ -178,7 +185,10 @@ pub async fn run(mut a: Args) -> Result<()> {
             Some(e) => {
                 let stats = e.get_json("/fake/stats").await?;
                 let ns = |k: &str| stats.get(k).and_then(|v| v.as_f64());
-                match (ns("last_wake_finished_unix_ns"), ns("last_request_arrived_unix_ns")) {
+                match (
+                    ns("last_wake_finished_unix_ns"),
+                    ns("last_request_arrived_unix_ns"),
+                ) {
                     (Some(w), Some(r)) => {
                         let last_resp = unix_us() - last.elapsed().as_secs_f64() * 1e6;
                         ((r - w) / 1e9, (last_resp - w / 1e3) / 1e6)

@@ -108,7 +108,11 @@ impl Row {
                     };
                     let by = (med - goal).abs();
                     if goal != 0.0 {
-                        format!("**MISSED** by {} ({:.0} %)", num(by), by / goal.abs() * 100.0)
+                        format!(
+                            "**MISSED** by {} ({:.0} %)",
+                            num(by),
+                            by / goal.abs() * 100.0
+                        )
                     } else {
                         format!("**MISSED** by {}", num(by))
                     }

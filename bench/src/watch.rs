@@ -98,7 +98,10 @@ async fn open(
 }
 
 /// Ends the subscribers and collects what each saw.
-async fn close(stop: &tokio::sync::Notify, subs: Vec<JoinHandle<Result<Seen>>>) -> Result<Vec<Seen>> {
+async fn close(
+    stop: &tokio::sync::Notify,
+    subs: Vec<JoinHandle<Result<Seen>>>,
+) -> Result<Vec<Seen>> {
     tokio::time::sleep(Duration::from_millis(500)).await;
     stop.notify_waiters();
     let mut seen = Vec::with_capacity(subs.len());
@@ -115,14 +118,26 @@ async fn held(a: &Args, ctl: &mut Client) -> Result<()> {
     for _ in 0..a.held_connections.max(1) {
         chans.push(control::connect(&a.control).await?);
     }
-    let rss = || a.pid.and_then(|p| control::rss_bytes(p).ok()).map_or(f64::NAN, |b| b as f64);
+    let rss = || {
+        a.pid
+            .and_then(|p| control::rss_bytes(p).ok())
+            .map_or(f64::NAN, |b| b as f64)
+    };
     let s = "5";
     let mut rows = vec![
-        Row::new(s, format!("{} subscribers: all snapshots received", a.held), "ms"),
+        Row::new(
+            s,
+            format!("{} subscribers: all snapshots received", a.held),
+            "ms",
+        ),
         Row::new(s, "daemon RSS before", "MB"),
         Row::new(s, format!("daemon RSS with {} subscribers", a.held), "MB"),
         Row::new(s, "RSS per subscriber", "KB"),
-        Row::new(s, format!("event delay to every one of {} p99", a.held), "ms"),
+        Row::new(
+            s,
+            format!("event delay to every one of {} p99", a.held),
+            "ms",
+        ),
         Row::new(s, "events missed (subscriber × revision)", "").target(Target::AtMost(0.0)),
         Row::new(s, "sleep + wake with them", "ms"),
     ];

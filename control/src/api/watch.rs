@@ -167,11 +167,7 @@ impl<S: NamedService> NamedService for WatchRoute<S> {
 
 impl<S, B> Service<http::Request<B>> for WatchRoute<S>
 where
-    S: Service<
-            http::Request<B>,
-            Response = http::Response<tonic::body::Body>,
-            Error = Infallible,
-        >,
+    S: Service<http::Request<B>, Response = http::Response<tonic::body::Body>, Error = Infallible>,
     S::Future: Send + 'static,
     B: HttpBody<Data = Bytes> + Send + 'static,
     B::Error: Into<StdError> + Send + 'static,

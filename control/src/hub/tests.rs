@@ -160,10 +160,15 @@ async fn each_event_is_encoded_once_and_shared() {
         Bytes::from(format!("rev {}", item.revision))
     });
     let mut subs: Vec<_> = (0..5).map(|_| hub.subscribe(0).unwrap()).collect();
-    let snapshots = Vec::from_iter(futures::future::join_all(subs.iter_mut().map(|s| s.next())).await);
+    let snapshots =
+        Vec::from_iter(futures::future::join_all(subs.iter_mut().map(|s| s.next())).await);
     hub.publish_model(status("a", 1));
     hub.publish_model(status("a", 2));
-    assert_eq!(calls.load(Ordering::SeqCst), 2, "one encoding per published event");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "one encoding per published event"
+    );
     let mut wires = Vec::new();
     for s in &mut subs {
         for rev in [1, 2] {
@@ -172,10 +177,18 @@ async fn each_event_is_encoded_once_and_shared() {
             wires.push(hub.wire(&item).unwrap());
         }
     }
-    assert_eq!(calls.load(Ordering::SeqCst), 2, "subscribers reuse the bytes");
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "subscribers reuse the bytes"
+    );
     for pair in wires.chunks(2) {
         assert_eq!(pair[0], Bytes::from("rev 1"));
-        assert_eq!(pair[1].as_ptr(), wires[1].as_ptr(), "the same allocation for everyone");
+        assert_eq!(
+            pair[1].as_ptr(),
+            wires[1].as_ptr(),
+            "the same allocation for everyone"
+        );
     }
     // Each snapshot is its subscriber's own: encoded once, on first use.
     for snap in snapshots {

@@ -131,7 +131,10 @@ async fn many_subscribers_get_every_event_in_order() {
     }
     let mut expected = Vec::new();
     for _ in 0..40 {
-        expected.push(convert::watch_event(&reference.next().await.unwrap(), "ctl"));
+        expected.push(convert::watch_event(
+            &reference.next().await.unwrap(),
+            "ctl",
+        ));
     }
     let got = join_all(streams.iter_mut().map(|s| async move {
         let mut v = Vec::new();
@@ -174,6 +177,11 @@ async fn resume_and_resync_are_unchanged() {
     assert!(snap.resync);
     // Shutdown ends the streams.
     cancel.cancel();
-    let end = tokio::time::timeout(LONG, s.message()).await.expect("ended in time");
-    assert!(!matches!(end, Ok(Some(_))), "no message after shutdown: {end:?}");
+    let end = tokio::time::timeout(LONG, s.message())
+        .await
+        .expect("ended in time");
+    assert!(
+        !matches!(end, Ok(Some(_))),
+        "no message after shutdown: {end:?}"
+    );
 }
