@@ -27,6 +27,7 @@ use tokio::time::Instant;
 
 use crate::handler::Shared;
 use crate::handler::checks::{forwardable_path, key_ok};
+use crate::hold::{Release, Wait};
 use crate::model_field::find_model;
 
 /// What the waiting room read and how long the request has been held.
@@ -98,17 +99,19 @@ pub async fn enter(
     let deadline = since + Duration::from_millis(route.max_hold_ms);
     drop(route);
     let mut one = [0u8; 1];
-    let closed = tokio::select! {
+    let (released, closed) = tokio::select! {
         // Released, timed out or draining: the handler decides.
-        _ = ticket.wait(deadline, None) => false,
+        w = ticket.wait(deadline, None) => (matches!(w, Wait::Released(Release::Go)), false),
         // The client sent more (hyper serves it after this one) or closed.
-        n = stream.peek(&mut one) => matches!(n, Ok(0) | Err(_)),
+        n = stream.peek(&mut one) => (false, matches!(n, Ok(0) | Err(_))),
     };
     drop(ticket);
-    let gate = if closed {
-        None
-    } else {
+    // Only a released request waits for its turn to leave (the others are
+    // answered at once or held again by the handler).
+    let gate = if released {
         shared.leaving.clone().acquire_owned().await.ok()
+    } else {
+        None
     };
     Entry {
         prefix,
