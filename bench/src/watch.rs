@@ -53,7 +53,7 @@ pub async fn run(a: Args) -> Result<()> {
     let mut ctl = control::connect(&a.control).await?;
     let mut chans = Vec::new();
     for _ in 0..a.connections.max(1) {
-        chans.push(connect_subscribers(&a.control).await?);
+        chans.push(control::connect(&a.control).await?);
     }
     for m in &a.models {
         control::wake_wait(&mut ctl, m).await?;
@@ -67,30 +67,6 @@ pub async fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
-/// The subscribers' own runtime (two threads), so that thousands of
-/// subscriber tasks do not queue ahead of the transition timer's RPCs in
-/// this process (in production they are other processes: proxies, CLIs).
-fn subscribers_rt() -> &'static tokio::runtime::Runtime {
-    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
-    RT.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("subscribers")
-            .enable_all()
-            .build()
-            .expect("subscribers' runtime")
-    })
-}
-
-/// A connection driven by the subscribers' runtime.
-async fn connect_subscribers(url: &str) -> Result<Client> {
-    let url = url.to_string();
-    subscribers_rt()
-        .spawn(async move { control::connect(&url).await })
-        .await
-        .context("join")?
-}
-
 /// Opens `n` subscribers over `chans`; returns their tasks and the time
 /// until every one had its snapshot.
 async fn open(
@@ -102,7 +78,7 @@ async fn open(
     let t_open = Instant::now();
     let mut subs = Vec::with_capacity(n);
     for i in 0..n {
-        subs.push(subscribers_rt().spawn(subscriber(
+        subs.push(tokio::spawn(subscriber(
             chans[i % chans.len()].clone(),
             ready.clone(),
             stop.clone(),
@@ -140,7 +116,7 @@ async fn close(
 async fn held(a: &Args, ctl: &mut Client) -> Result<()> {
     let mut chans = Vec::new();
     for _ in 0..a.held_connections.max(1) {
-        chans.push(connect_subscribers(&a.control).await?);
+        chans.push(control::connect(&a.control).await?);
     }
     let rss = || {
         a.pid
