@@ -47,7 +47,7 @@ async fn two_thousand_held_requests_are_all_answered_once() {
         n + 100
     );
     let mut control = spawn_control_with(&config, &["--stop-engines-on-exit"]).await;
-    let mut c = control.client().await;
+    let c = control.client().await;
     let status = || {
         let mut c = c.clone();
         async move {
