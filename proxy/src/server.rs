@@ -197,6 +197,7 @@ impl Proxy {
             let builder = builder.clone();
             let watcher = graceful.watcher();
             let (max_header_bytes, header_timeout) = (cfg.max_header_bytes, cfg.header_timeout);
+            let stopping = shutdown.clone();
             conns.spawn(async move {
                 let res = if admin_conn {
                     let svc = service_fn(move |req| {
@@ -226,8 +227,21 @@ impl Proxy {
                         }
                     });
                     let io = TokioIo::new(Rewind::new(entry.prefix, stream));
-                    // Boxed: the waiting connection's task stays small.
-                    Box::pin(watcher.watch(builder.serve_connection(io, svc))).await
+                    if entry.held_since.is_some() && stopping.is_cancelled() {
+                        // Draining: the watcher would close this connection
+                        // before hyper read the request that waited. Serve
+                        // that one request, then close; holding the watcher
+                        // keeps the drain waiting for it.
+                        let _drain_waits = watcher;
+                        let mut once = hyper::server::conn::http1::Builder::new();
+                        once.timer(TokioTimer::new()).keep_alive(false);
+                        Box::pin(once.serve_connection(io, svc))
+                            .await
+                            .map_err(Into::into)
+                    } else {
+                        // Boxed: the waiting connection's task stays small.
+                        Box::pin(watcher.watch(builder.serve_connection(io, svc))).await
+                    }
                 };
                 if let Err(e) = res {
                     tracing::debug!(error = %e, "connection ended with error");
