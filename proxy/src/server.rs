@@ -209,9 +209,14 @@ impl Proxy {
                 } else {
                     // A request for a sleeping model waits here, cheaply,
                     // before hyper's connection state exists.
-                    let entry =
-                        waiting_room::enter(&shared, &stream, max_header_bytes, header_timeout)
-                            .await;
+                    let entry = waiting_room::enter(
+                        &shared,
+                        &stream,
+                        max_header_bytes,
+                        header_timeout,
+                        &stopping,
+                    )
+                    .await;
                     if entry.closed {
                         return;
                     }

@@ -24,6 +24,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::handler::Shared;
 use crate::handler::checks::{forwardable_path, key_ok};
@@ -54,19 +55,25 @@ pub const LEAVING_AT_ONCE: usize = 256;
 const MAX_HEADERS: usize = 64;
 
 /// Reads the first request; when it must wait for its model, waits here.
+/// The proxy stopping (`stopping`) ends the reading at once (what was read
+/// goes to hyper, which closes the connection as the drain asks).
 pub async fn enter(
     shared: &Shared,
     stream: &TcpStream,
     max_header_bytes: usize,
     header_timeout: Duration,
+    stopping: &CancellationToken,
 ) -> Entry {
     let mut buf = Vec::new();
-    let read = tokio::time::timeout(
-        header_timeout,
-        read_request(shared, stream, &mut buf, max_header_bytes),
-    )
-    .await;
-    let Ok(Some(model)) = read else {
+    // `buf` keeps what was read if the read is cut short.
+    let read = tokio::select! {
+        r = tokio::time::timeout(
+            header_timeout,
+            read_request(shared, stream, &mut buf, max_header_bytes),
+        ) => r.ok().flatten(),
+        _ = stopping.cancelled() => None,
+    };
+    let Some(model) = read else {
         return Entry {
             prefix: Bytes::from(buf),
             ..Entry::default()
