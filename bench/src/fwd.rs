@@ -159,7 +159,7 @@ fn rows_for(targets: &[(String, String)], res: &[Vec<WrkResult>], c: u32, reps: 
         }
         if let Some(di) = idx("direct") {
             let (t50, t99) = if c == 1 {
-                (Some(Target::AtMost(100.0)), Some(Target::AtMost(500.0)))
+                (Some(Target::AtMost(30.0)), Some(Target::AtMost(150.0)))
             } else {
                 (None, None)
             };

@@ -11,7 +11,7 @@ use anyhow::{Context, Result};
 use tokio::sync::Semaphore;
 
 use crate::control;
-use crate::http::{Conn, chat_body, socket_addr};
+use crate::http::{Conn, chat_body, socket_addr, unix_us};
 use crate::stats::{Row, Target, print_table};
 
 #[derive(Debug, clap::Args)]
@@ -35,9 +35,52 @@ pub struct Args {
     connect_parallel: usize,
     #[arg(long, default_value_t = 3)]
     repeats: usize,
+    /// The held model's fake-vllm base URL (for /fake/stats: when the wake
+    /// finished and when the last request arrived).
+    #[arg(long)]
+    engine: Option<String>,
+    /// Loopback source addresses to connect from (127.0.0.1, .2, ...);
+    /// 0: one per 25,000 requests.
+    #[arg(long, default_value_t = 0)]
+    sources: usize,
 }
 
-pub async fn run(a: Args) -> Result<()> {
+/// The soft open-files limit of a process (`/proc/PID/limits`).
+fn open_files_limit(pid: &str) -> Option<usize> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+pub async fn run(mut a: Args) -> Result<()> {
+    // One descriptor per held connection in this process and in the proxy.
+    let allowed = [
+        open_files_limit("self"),
+        open_files_limit(&a.proxy_pid.to_string()),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+    .map_or(usize::MAX, |n| n.saturating_sub(500));
+    if a.requests > allowed {
+        eprintln!(
+            "hold: {} requests asked, but the open-files limit allows {allowed}: holding {allowed}",
+            a.requests
+        );
+        a.requests = allowed;
+    }
+    let sources = if a.sources == 0 {
+        a.requests.div_ceil(25_000).max(1)
+    } else {
+        a.sources
+    };
+    let froms: Vec<Option<std::net::IpAddr>> = (0..sources)
+        .map(|i| (sources > 1).then(|| std::net::IpAddr::from([127, 0, 0, 1 + i as u8])))
+        .collect();
+    let mut engine = match &a.engine {
+        Some(e) => Some(Conn::connect(socket_addr(e)?).await?),
+        None => None,
+    };
     let mut ctl = control::connect(&a.control).await?;
     let addr = socket_addr(&a.proxy)?;
     let mut admin = Conn::connect(addr).await?;
@@ -58,11 +101,16 @@ pub async fn run(a: Args) -> Result<()> {
             "proxy RSS growth at peak, held + release (vs before 1st repeat)",
             "MB",
         )
-        .target(Target::AtMost(100.0)),
+        .target(Target::AtMost(a.requests as f64 * 10e3 / 1e6)),
+        Row::new(s, "RSS growth at peak per held request", "KB").target(Target::AtMost(10.0)),
+        Row::new(s, "RSS growth while held per held request", "KB"),
         Row::new(s, "time to connect all", "s"),
         Row::new(s, "held gauge on /metrics after connecting", ""),
         Row::new(s, "all connected → last response", "s"),
         Row::new(s, "proxy RSS after release − RSS before first repeat", "MB"),
+        Row::new(s, "wake finished → last held request at the engine", "s")
+            .target(Target::AtMost(2.0)),
+        Row::new(s, "wake finished → last response at the client", "s"),
     ];
     let rss_first = control::rss_bytes(a.proxy_pid)?;
     control::wake_wait(&mut ctl, &a.model).await?;
@@ -86,11 +134,12 @@ pub async fn run(a: Args) -> Result<()> {
         let start = Instant::now();
         let gate = Arc::new(Semaphore::new(a.connect_parallel));
         let mut tasks = Vec::with_capacity(a.requests);
-        for _ in 0..a.requests {
+        for i in 0..a.requests {
             let permit = gate.clone().acquire_owned().await?;
             let body = body.clone();
+            let from = froms[i % froms.len()];
             tasks.push(tokio::spawn(async move {
-                let mut c = Conn::connect(addr).await;
+                let mut c = Conn::connect_from(addr, from).await;
                 drop(permit);
                 let c = c.as_mut().map_err(|e| anyhow::anyhow!("{e:#}"))?;
                 let t = c
@@ -130,23 +179,46 @@ pub async fn run(a: Args) -> Result<()> {
         let rss_after = control::rss_bytes(a.proxy_pid)?;
         let st = control::state(&mut ctl, &a.model).await?;
         let awake_at = last.duration_since(start).as_secs_f64();
+        // fake-vllm's clock: when the wake finished and when the last
+        // request arrived (only the held ones reach this engine).
+        let (to_engine, to_client) = match engine.as_mut() {
+            Some(e) => {
+                let stats = e.get_json("/fake/stats").await?;
+                let ns = |k: &str| stats.get(k).and_then(|v| v.as_f64());
+                match (
+                    ns("last_wake_finished_unix_ns"),
+                    ns("last_request_arrived_unix_ns"),
+                ) {
+                    (Some(w), Some(r)) => {
+                        let last_resp = unix_us() - last.elapsed().as_secs_f64() * 1e6;
+                        ((r - w) / 1e9, (last_resp - w / 1e3) / 1e6)
+                    }
+                    _ => (f64::NAN, f64::NAN),
+                }
+            }
+            None => (f64::NAN, f64::NAN),
+        };
         let vals = [
             ok as f64,
             lost as f64,
             rss0 as f64 / 1e6,
             rss_held.saturating_sub(rss_first) as f64 / 1e6,
             peak.saturating_sub(rss_first) as f64 / 1e6,
+            peak.saturating_sub(rss_first) as f64 / a.requests as f64 / 1e3,
+            rss_held.saturating_sub(rss_first) as f64 / a.requests as f64 / 1e3,
             sent.as_secs_f64(),
             held,
             awake_at - sent.as_secs_f64(),
             (rss_after as f64 - rss_first as f64) / 1e6,
+            to_engine,
+            to_client,
         ];
         eprintln!(
             "hold rep={rep}: ok {ok} lost {lost} ({}) rss {:.1} MB → peak {:.1} MB; connected in {:.2}s; held {held}; state now {st:?}",
             first_err.unwrap_or_default(),
             vals[2],
             peak as f64 / 1e6,
-            vals[5]
+            vals[7]
         );
         for (row, v) in rows.iter_mut().zip(vals) {
             row.push(v);

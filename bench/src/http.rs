@@ -54,9 +54,22 @@ pub struct Timed {
 
 impl Conn {
     pub async fn connect(addr: SocketAddr) -> Result<Conn> {
-        let stream = TcpStream::connect(addr)
-            .await
-            .with_context(|| format!("connect {addr}"))?;
+        Conn::connect_from(addr, None).await
+    }
+
+    /// Connects from a chosen local address (another loopback address has
+    /// its own ephemeral ports: one has about 28,000 toward one server).
+    pub async fn connect_from(addr: SocketAddr, from: Option<std::net::IpAddr>) -> Result<Conn> {
+        let stream = match from {
+            None => TcpStream::connect(addr).await,
+            Some(ip) => {
+                let sock = tokio::net::TcpSocket::new_v4()?;
+                sock.bind(SocketAddr::new(ip, 0))
+                    .with_context(|| format!("bind {ip}"))?;
+                sock.connect(addr).await
+            }
+        }
+        .with_context(|| format!("connect {addr} from {from:?}"))?;
         stream.set_nodelay(true)?;
         let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
         tokio::spawn(async move {

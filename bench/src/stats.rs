@@ -100,8 +100,24 @@ impl Row {
             None => ("".to_string(), "".to_string()),
             Some(_) if finite.is_empty() => ("".to_string(), "not measured".to_string()),
             Some(t) => {
-                let verdict = if t.met(med) { "met" } else { "**MISSED**" };
-                (t.describe(), verdict.to_string())
+                let verdict = if t.met(med) {
+                    "met".to_string()
+                } else {
+                    let goal = match t {
+                        Target::AtMost(g) | Target::AtLeast(g) => g,
+                    };
+                    let by = (med - goal).abs();
+                    if goal != 0.0 {
+                        format!(
+                            "**MISSED** by {} ({:.0} %)",
+                            num(by),
+                            by / goal.abs() * 100.0
+                        )
+                    } else {
+                        format!("**MISSED** by {}", num(by))
+                    }
+                };
+                (t.describe(), verdict)
             }
         };
         let unit = if self.unit.is_empty() {

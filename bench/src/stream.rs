@@ -110,7 +110,7 @@ pub async fn run(a: Args) -> Result<()> {
 fn ttfb_row(s: &str, judged: bool) -> Row {
     let row = Row::new(s, "siesta − direct TTFB p50", "µs");
     if judged {
-        row.target(Target::AtMost(100.0))
+        row.target(Target::AtMost(50.0))
     } else {
         row
     }

@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod convert;
 mod errors;
+pub mod watch;
 
 use crate::OpError;
 use crate::gpu_view::GpuView;

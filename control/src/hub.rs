@@ -2,11 +2,16 @@
 //! history of changes, and subscribers that each get a bounded channel. A
 //! subscriber that falls behind is cut off and resynced with a snapshot, so
 //! it never blocks the publisher or other subscribers.
+//!
+//! With an encoder set ([`Hub::set_encoder`]), every published item is
+//! encoded once, as it is published, and every gRPC subscriber sends those
+//! same shared bytes ([`WatchItem::wire`]) instead of encoding it again.
 
 use crate::gpu_view::{GpuList, PlacementReport};
 use crate::status::{Clock, ModelStatus};
+use bytes::Bytes;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use tokio::sync::mpsc;
 
 /// What changed.
@@ -29,11 +34,43 @@ pub struct Snapshot {
 }
 
 /// One Watch message.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct WatchItem {
     pub revision: u64,
     pub at_unix_ms: i64,
     pub body: Body,
+    /// The encoded wire form, made once (at publish, or by the first
+    /// subscriber for a snapshot) and shared by every subscriber.
+    wire: OnceLock<Bytes>,
+}
+
+/// Equal when the message is: the cached encoding is not part of it.
+impl PartialEq for WatchItem {
+    fn eq(&self, other: &Self) -> bool {
+        self.revision == other.revision
+            && self.at_unix_ms == other.at_unix_ms
+            && self.body == other.body
+    }
+}
+
+impl WatchItem {
+    pub fn new(revision: u64, at_unix_ms: i64, body: Body) -> WatchItem {
+        WatchItem {
+            revision,
+            at_unix_ms,
+            body,
+            wire: OnceLock::new(),
+        }
+    }
+}
+
+/// Turns an item into its wire form (the daemon's gRPC encoding).
+pub struct Encoder(Box<dyn Fn(&WatchItem) -> Bytes + Send + Sync>);
+
+impl std::fmt::Debug for Encoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Encoder")
+    }
 }
 
 #[derive(Debug)]
@@ -54,6 +91,7 @@ pub struct Hub {
     history_cap: usize,
     channel_cap: usize,
     clock: Clock,
+    encoder: OnceLock<Encoder>,
 }
 
 /// One subscriber: catch-up items first, then the live channel; resynced
@@ -98,16 +136,31 @@ impl Hub {
             history_cap: history_cap.max(1),
             channel_cap: channel_cap.max(1),
             clock,
+            encoder: OnceLock::new(),
         })
+    }
+
+    /// Sets how items are encoded for the wire (once; later calls are
+    /// ignored). From then on every published item is encoded at publish.
+    pub fn set_encoder(&self, f: impl Fn(&WatchItem) -> Bytes + Send + Sync + 'static) {
+        let _ = self.encoder.set(Encoder(Box::new(f)));
+    }
+
+    /// The item's wire form: the bytes made at publish, shared by every
+    /// subscriber (a snapshot, made per subscriber, is encoded on first
+    /// use). `None` when no encoder is set.
+    pub fn wire(&self, item: &WatchItem) -> Option<Bytes> {
+        let enc = self.encoder.get()?;
+        Some(item.wire.get_or_init(|| (enc.0)(item)).clone())
     }
 
     fn publish(&self, inner: &mut Inner, body: Body) -> u64 {
         inner.revision += 1;
-        let item = Arc::new(WatchItem {
-            revision: inner.revision,
-            at_unix_ms: self.clock.now_ms(),
-            body,
-        });
+        let item = WatchItem::new(inner.revision, self.clock.now_ms(), body);
+        if let Some(enc) = self.encoder.get() {
+            let _ = item.wire.set((enc.0)(&item));
+        }
+        let item = Arc::new(item);
         if inner.history.len() == self.history_cap {
             inner.history.pop_front();
         }
@@ -196,16 +249,16 @@ impl Hub {
                 .collect(),
             _ => {
                 let resync = resync || since.is_some();
-                VecDeque::from([Arc::new(WatchItem {
-                    revision: inner.revision,
-                    at_unix_ms: self.clock.now_ms(),
-                    body: Body::Snapshot(Snapshot {
+                VecDeque::from([Arc::new(WatchItem::new(
+                    inner.revision,
+                    self.clock.now_ms(),
+                    Body::Snapshot(Snapshot {
                         models: inner.models.values().cloned().collect(),
                         gpus: inner.gpus.clone(),
                         placement: inner.placement.clone(),
                         resync,
                     }),
-                })])
+                ))])
             }
         };
         let (tx, rx) = mpsc::channel(self.channel_cap);

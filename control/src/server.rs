@@ -4,6 +4,7 @@
 use crate::admission::{Admission, AdmissionPolicy};
 use crate::api::ControlService;
 use crate::api::auth::BearerAuth;
+use crate::api::watch::{WatchRoute, WatchSvc};
 use crate::gpu_view::GpuView;
 use crate::hub::{Body, Hub};
 use crate::models::Models;
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 
 /// How to serve, besides the configuration.
 #[derive(Debug, Clone, Default)]
@@ -118,6 +120,8 @@ impl Server {
         let state_dir = config.control.state_dir.clone();
         let clock = Clock::new();
         let hub = Hub::new(clock, 4096, 1024);
+        // Every Watch event is encoded once, as it is published.
+        crate::api::watch::install_encoder(&hub, config.control.control_id.clone());
         let cfg = config.clone();
         let gpus = Arc::new(
             tokio::task::spawn_blocking(move || GpuView::detect(&cfg))
@@ -196,9 +200,15 @@ impl Server {
             crate::web::spawn(web, service.clone(), token.clone(), tasks.clone());
         }
         let auth = BearerAuth::new(token);
-        let control = pb::control_server::ControlServer::with_interceptor(service, move |req| {
-            auth.check(req)
-        });
+        let watch = WatchSvc {
+            hub: hub.clone(),
+            control_id: service.control_id.clone(),
+            cancel: service.cancel.clone(),
+        };
+        let control = InterceptedService::new(
+            WatchRoute::new(pb::control_server::ControlServer::new(service), watch),
+            move |req| auth.check(req),
+        );
         tracing::info!(addr = %local_addr, models = config.models.len(), origin = %config.origin, "serving");
         // TCP_NODELAY: without it small gRPC frames (Watch events, unary
         // replies) can wait 40 ms for the peer's delayed ACK.

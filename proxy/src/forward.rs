@@ -9,17 +9,20 @@
 
 mod conn;
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::Authority;
 use http::{Request, Response, Uri, Version};
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::body::ProxyBody;
 use crate::metrics::{Metrics, ModelLabels};
@@ -51,6 +54,8 @@ pub struct Forwarder {
     metrics: Arc<Metrics>,
     /// Drop the client's Authorization header (it carries the proxy's API key).
     strip_authorization: bool,
+    /// Per engine (`host:port`): slots for concurrent requests.
+    slots: Arc<Mutex<HashMap<Authority, Arc<Semaphore>>>>,
 }
 
 static HOP_BY_HOP: [HeaderName; 8] = [
@@ -83,7 +88,8 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
     h.remove(header::UPGRADE);
 }
 
-/// Tracks one request at an engine: outstanding count, activity, metrics.
+/// Tracks one request at an engine: outstanding count, activity, metrics,
+/// and its slot among the engine's concurrent requests.
 /// Completion is recorded once, when the response body ends or is dropped.
 #[derive(Debug)]
 pub struct InFlightGuard {
@@ -91,10 +97,11 @@ pub struct InFlightGuard {
     metrics: Arc<Metrics>,
     started: Instant,
     done: bool,
+    _slot: OwnedSemaphorePermit,
 }
 
 impl InFlightGuard {
-    fn new(up: Arc<Upstream>, metrics: Arc<Metrics>) -> Self {
+    fn new(up: Arc<Upstream>, metrics: Arc<Metrics>, slot: OwnedSemaphorePermit) -> Self {
         up.outstanding.fetch_add(1, Ordering::Relaxed);
         up.activity.start();
         InFlightGuard {
@@ -102,6 +109,7 @@ impl InFlightGuard {
             metrics,
             started: Instant::now(),
             done: false,
+            _slot: slot,
         }
     }
 
@@ -135,6 +143,11 @@ impl Drop for InFlightGuard {
 
 /// Idle upstream connections kept per engine.
 const MAX_IDLE_PER_ENGINE: usize = 128;
+/// Requests at one engine at once (so connections to it): more wait here,
+/// in arrival order, for a slot. This paces the release of a whole hold
+/// queue (10,000 requests do not open 10,000 connections at once) and is
+/// no lower than what vLLM runs at once (`max_num_seqs`: 256 to 1024).
+pub const MAX_CONCURRENT_PER_ENGINE: usize = 1024;
 
 fn connector() -> HttpConnector {
     let mut http = HttpConnector::new();
@@ -164,7 +177,23 @@ impl Forwarder {
             fresh,
             metrics,
             strip_authorization,
+            slots: Default::default(),
         }
+    }
+
+    /// A slot for one request at `up`'s engine; waits (in order) while
+    /// [`MAX_CONCURRENT_PER_ENGINE`] are there.
+    async fn slot(&self, up: &Upstream) -> OwnedSemaphorePermit {
+        let sem = self
+            .slots
+            .lock()
+            .unwrap()
+            .entry(up.authority.clone())
+            .or_insert_with(|| Arc::new(Semaphore::new(MAX_CONCURRENT_PER_ENGINE)))
+            .clone();
+        sem.acquire_owned()
+            .await
+            .expect("the semaphore is never closed")
     }
 
     /// Sends the request to `up` and returns its response, body streaming.
@@ -198,7 +227,8 @@ impl Forwarder {
         };
         let mut req = build();
 
-        let guard = InFlightGuard::new(up.clone(), self.metrics.clone());
+        let slot = self.slot(up).await;
+        let guard = InFlightGuard::new(up.clone(), self.metrics.clone(), slot);
         let capture = capture_connection(&mut req);
         let sent = Instant::now();
         let mut result = self.client.request(req).await;

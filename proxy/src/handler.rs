@@ -18,7 +18,7 @@ use crate::metrics::{Metrics, ModelLabels, ShedLabels, no_model};
 use crate::model_field::{find_model, rewrite_model};
 use crate::route_table::{ModelRoute, RouteTable};
 
-mod checks;
+pub(crate) mod checks;
 mod models;
 
 use checks::{authorized, forwardable_path, read_body};
@@ -39,6 +39,8 @@ pub struct Shared {
     pub api_keys: Vec<Vec<u8>>,
     pub max_body_bytes: usize,
     pub body_timeout: Duration,
+    /// Places for requests leaving the waiting room at once.
+    pub leaving: Arc<tokio::sync::Semaphore>,
 }
 
 fn text(status: StatusCode, body: &'static str) -> Response<ProxyBody> {
@@ -83,8 +85,13 @@ pub async fn handle_admin(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
     ApiError::NoRoute(format!("{} {}", req.method(), req.uri().path())).into_response()
 }
 
-/// The OpenAI-compatible listener.
-pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBody> {
+/// The OpenAI-compatible listener. `held_since`: the request already
+/// waited for its model (in the waiting room) since then.
+pub async fn handle_main(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+    held_since: Option<Instant>,
+) -> Response<ProxyBody> {
     let path = req.uri().path();
     let (model, resp) = if req.method() == Method::GET {
         if let Some(r) = health(&shared, path) {
@@ -102,7 +109,7 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
         }
     } else if req.method() == Method::POST && forwardable_path(path) {
         if authorized(&shared, &req) {
-            model_request(&shared, req).await
+            model_request(&shared, req, held_since).await
         } else {
             (no_model(), ApiError::Unauthorized.into_response())
         }
@@ -115,7 +122,11 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
 }
 
 /// A POST to a `/v1` path: find the model, then forward or hold.
-async fn model_request(shared: &Shared, req: Request<Incoming>) -> (Arc<str>, Response<ProxyBody>) {
+async fn model_request(
+    shared: &Shared,
+    req: Request<Incoming>,
+    held_since: Option<Instant>,
+) -> (Arc<str>, Response<ProxyBody>) {
     let (parts, body) = req.into_parts();
     let content_length = parts
         .headers
@@ -146,6 +157,7 @@ async fn model_request(shared: &Shared, req: Request<Incoming>) -> (Arc<str>, Re
         &parts,
         &body,
         field.span.clone(),
+        held_since,
     )
     .await
     .unwrap_or_else(|e| {
@@ -172,13 +184,13 @@ async fn route_loop(
     parts: &http::request::Parts,
     body: &Bytes,
     span: std::ops::Range<usize>,
+    mut held_since: Option<Instant>,
 ) -> Result<Response<ProxyBody>, ApiError> {
-    let mut held_since: Option<Instant> = None;
     let mut ticket: Option<Ticket> = None;
     let mut clock = HoldClock {
         shared,
         model,
-        since: None,
+        since: held_since,
     };
     loop {
         let view = shared.table.view();
@@ -198,7 +210,8 @@ async fn route_loop(
             } else {
                 rewrite_model(body, span.clone(), &up.served_name)
             };
-            match shared.forwarder.forward(&up, parts, out).await {
+            // Boxed: a held request's future need not carry its size.
+            match Box::pin(shared.forwarder.forward(&up, parts, out)).await {
                 Ok(resp) => return Ok(resp),
                 Err(ForwardError::Connect(err)) => {
                     tracing::warn!(model = %model, url = %up.url, error = %err, "engine refused connection; trying elsewhere");

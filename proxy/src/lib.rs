@@ -17,6 +17,7 @@ mod metrics;
 mod model_field;
 mod route_table;
 mod server;
+mod waiting_room;
 mod watch_client;
 
 pub use config::{DEFAULT_CONTROL, DEFAULT_MAX_BODY_BYTES, ProxyConfig};

@@ -116,6 +116,7 @@ async fn main() -> anyhow::Result<()> {
         upstream_idle_timeout: args.upstream_idle_timeout,
         ..ProxyConfig::default()
     };
+    raise_fd_limit();
     let proxy = Proxy::bind(cfg)?;
     if let Some(path) = &args.addr_file {
         write_addr_file(path, &proxy)?;
@@ -129,6 +130,22 @@ async fn main() -> anyhow::Result<()> {
     });
     proxy.run(shutdown).await?;
     Ok(())
+}
+
+/// One descriptor per client connection: a proxy holding many requests
+/// needs more than the usual soft limit (1024); take the hard limit.
+fn raise_fd_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < hard
+    {
+        match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the open-files limit"),
+            Err(e) => {
+                tracing::warn!(soft, hard, error = %e, "could not raise the open-files limit")
+            }
+        }
+    }
 }
 
 /// Colour in the log only on a terminal, and never with `NO_COLOR` set.

@@ -20,6 +20,7 @@ use crate::handler::{self, Shared};
 use crate::hold::Holds;
 use crate::metrics::Metrics;
 use crate::route_table::RouteTable;
+use crate::waiting_room::{self, Rewind};
 use crate::watch_client::{ControlUrl, Controls, WatchCtx, run_control};
 
 /// A bound proxy, ready to [`run`](Proxy::run).
@@ -133,6 +134,7 @@ impl Proxy {
             api_keys: cfg.api_keys.iter().map(|k| k.as_bytes().to_vec()).collect(),
             max_body_bytes: cfg.max_body_bytes,
             body_timeout: cfg.body_timeout,
+            leaving: Arc::new(tokio::sync::Semaphore::new(waiting_room::LEAVING_AT_ONCE)),
         });
 
         let ctx = WatchCtx {
@@ -195,20 +197,57 @@ impl Proxy {
             let shared = shared.clone();
             let builder = builder.clone();
             let watcher = graceful.watcher();
+            let (max_header_bytes, header_timeout) = (cfg.max_header_bytes, cfg.header_timeout);
+            let stopping = shutdown.clone();
             conns.spawn(async move {
-                let io = TokioIo::new(stream);
                 let res = if admin_conn {
                     let svc = service_fn(move |req| {
                         let s = shared.clone();
                         async move { Ok::<_, Infallible>(handler::handle_admin(s, req).await) }
                     });
-                    watcher.watch(builder.serve_connection(io, svc)).await
+                    let io = TokioIo::new(stream);
+                    Box::pin(watcher.watch(builder.serve_connection(io, svc))).await
                 } else {
+                    // A request for a sleeping model waits here, cheaply,
+                    // before hyper's connection state exists.
+                    let entry = waiting_room::enter(
+                        &shared,
+                        &stream,
+                        max_header_bytes,
+                        header_timeout,
+                        &stopping,
+                    )
+                    .await;
+                    if entry.closed {
+                        return;
+                    }
+                    let first = std::sync::Mutex::new(Some((entry.held_since, entry.gate)));
                     let svc = service_fn(move |req| {
                         let s = shared.clone();
-                        async move { Ok::<_, Infallible>(handler::handle_main(s, req).await) }
+                        let (held_since, gate) = first.lock().unwrap().take().unwrap_or_default();
+                        async move {
+                            let resp = handler::handle_main(s, req, held_since).await;
+                            // Answered: the next waiting request may leave.
+                            drop(gate);
+                            Ok::<_, Infallible>(resp)
+                        }
                     });
-                    watcher.watch(builder.serve_connection(io, svc)).await
+                    let io = TokioIo::new(Rewind::new(entry.prefix, stream));
+                    if entry.held_since.is_some() && stopping.is_cancelled() {
+                        // Draining: the watcher would close this connection
+                        // before hyper read the request that waited. Serve
+                        // that one request, then close; holding the watcher
+                        // keeps the drain waiting for it.
+                        let _drain_waits = watcher;
+                        let mut once = hyper::server::conn::http1::Builder::new();
+                        once.timer(TokioTimer::new()).keep_alive(false);
+                        Box::pin(once.serve_connection(io, svc))
+                            .await
+                            .map_err(Into::into)
+                    } else {
+                        // Boxed: the waiting connection's task stays small.
+                        Box::pin(watcher.watch(builder.serve_connection(io, svc))).await
+                    }
                 };
                 if let Err(e) = res {
                     tracing::debug!(error = %e, "connection ended with error");

@@ -148,3 +148,52 @@ async fn close_ends_subscriptions() {
     assert!(sub.next().await.is_none());
     assert!(hub.subscribe(0).is_none());
 }
+
+#[tokio::test]
+async fn each_event_is_encoded_once_and_shared() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let hub = Hub::new(Clock::new(), 100, 16);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    hub.set_encoder(move |item| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        Bytes::from(format!("rev {}", item.revision))
+    });
+    let mut subs: Vec<_> = (0..5).map(|_| hub.subscribe(0).unwrap()).collect();
+    let snapshots =
+        Vec::from_iter(futures::future::join_all(subs.iter_mut().map(|s| s.next())).await);
+    hub.publish_model(status("a", 1));
+    hub.publish_model(status("a", 2));
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "one encoding per published event"
+    );
+    let mut wires = Vec::new();
+    for s in &mut subs {
+        for rev in [1, 2] {
+            let item = s.next().await.unwrap();
+            assert_eq!(item.revision, rev);
+            wires.push(hub.wire(&item).unwrap());
+        }
+    }
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "subscribers reuse the bytes"
+    );
+    for pair in wires.chunks(2) {
+        assert_eq!(pair[0], Bytes::from("rev 1"));
+        assert_eq!(
+            pair[1].as_ptr(),
+            wires[1].as_ptr(),
+            "the same allocation for everyone"
+        );
+    }
+    // Each snapshot is its subscriber's own: encoded once, on first use.
+    for snap in snapshots {
+        let snap = snap.unwrap();
+        assert_eq!(hub.wire(&snap).unwrap(), hub.wire(&snap).unwrap());
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2 + 5);
+}

@@ -27,13 +27,23 @@ pub fn forwardable_path(path: &str) -> bool {
 }
 
 pub fn authorized(shared: &Shared, req: &Request<Incoming>) -> bool {
+    key_ok(
+        shared,
+        req.headers()
+            .get(header::AUTHORIZATION)
+            .map(|v| v.as_bytes()),
+    )
+}
+
+/// The Authorization header's value carries a valid API key (or none is
+/// needed).
+pub fn key_ok(shared: &Shared, authorization: Option<&[u8]>) -> bool {
     if shared.api_keys.is_empty() {
         return true;
     }
-    let Some(v) = req.headers().get(header::AUTHORIZATION) else {
+    let Some(v) = authorization else {
         return false;
     };
-    let v = v.as_bytes();
     if v.len() < 7 || !v[..7].eq_ignore_ascii_case(b"bearer ") {
         return false;
     }

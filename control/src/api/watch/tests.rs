@@ -1,0 +1,187 @@
+//! `Watch` through the pass-through codec, over real gRPC: every subscriber
+//! gets exactly the messages the per-subscriber encoding gave (snapshot,
+//! then every event in order), and resume / resync are unchanged.
+
+use super::*;
+use crate::config::Config;
+use crate::reconciler::{ModelState, Settings};
+use crate::status::{Clock, Endpoint, EngineFacts, ModelStatus, model_status};
+use futures::future::join_all;
+use pb::control_client::ControlClient;
+use pb::watch_event::Kind;
+use std::time::Duration;
+use tonic::transport::Channel;
+
+/// Every path but Watch: unimplemented (the route must not reach it).
+#[derive(Debug, Clone)]
+struct Nothing;
+
+impl NamedService for Nothing {
+    const NAME: &'static str = "siesta.v1.Control";
+}
+
+impl<B: Send + 'static> Service<http::Request<B>> for Nothing {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<B>) -> Self::Future {
+        std::future::ready(Ok(Status::unimplemented("not in this test").into_http()))
+    }
+}
+
+fn status(name: &str, restarts: u32) -> ModelStatus {
+    let cfg = Config::demo(vec!["fake-vllm".into()]);
+    let mut m = cfg.models[0].clone();
+    m.name = name.into();
+    let facts = EngineFacts {
+        endpoint: Endpoint {
+            url: "http://x".into(),
+            served_model_name: name.into(),
+        },
+        gpus: vec![],
+        p2p_disabled: false,
+        control_id: "ctl".into(),
+        waiting_for: String::new(),
+        asleep_residual: Default::default(),
+    };
+    let now = tokio::time::Instant::now();
+    let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);
+    st.restarts = restarts;
+    model_status(&m, &facts, &st, &Clock::new(), now)
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+/// A hub with the daemon's encoder, served on a free port.
+async fn serve(history: usize) -> (Arc<Hub>, String, CancellationToken) {
+    let hub = Hub::new(Clock::new(), history, 1024);
+    install_encoder(&hub, "ctl".into());
+    let cancel = CancellationToken::new();
+    let watch = WatchSvc {
+        hub: hub.clone(),
+        control_id: "ctl".into(),
+        cancel: cancel.clone(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let incoming = tonic::transport::server::TcpIncoming::from(listener);
+    let stop = cancel.clone();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(WatchRoute::new(Nothing, watch))
+            .serve_with_incoming_shutdown(incoming, async move { stop.cancelled().await }),
+    );
+    (hub, url, cancel)
+}
+
+async fn client(url: &str) -> ControlClient<Channel> {
+    ControlClient::connect(url.to_string()).await.unwrap()
+}
+
+async fn watch(c: &mut ControlClient<Channel>, since: u64) -> tonic::Streaming<pb::WatchEvent> {
+    c.watch(pb::WatchRequest {
+        since_revision: since,
+        client_id: "t".into(),
+    })
+    .await
+    .unwrap()
+    .into_inner()
+}
+
+async fn next(s: &mut tonic::Streaming<pb::WatchEvent>) -> pb::WatchEvent {
+    tokio::time::timeout(LONG, s.message())
+        .await
+        .expect("event in time")
+        .unwrap()
+        .expect("stream open")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_subscribers_get_every_event_in_order() {
+    let (hub, url, cancel) = serve(4096).await;
+    hub.publish_model(status("a", 0));
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(client(&url).await);
+    }
+    let mut streams = Vec::new();
+    let n = clients.len();
+    for i in 0..200 {
+        streams.push(watch(&mut clients[i % n], 0).await);
+    }
+    // Everyone has its snapshot (so is subscribed) before the events.
+    for s in &mut streams {
+        let first = next(s).await;
+        let Some(Kind::Snapshot(snap)) = first.kind else {
+            panic!("first message is not a snapshot: {first:?}")
+        };
+        assert_eq!(first.revision, 1);
+        assert_eq!(snap.models.len(), 1);
+        assert!(!snap.resync);
+    }
+    // What the per-subscriber encoding sent: convert each hub item.
+    let mut reference = hub.subscribe(hub.revision()).unwrap();
+    for i in 1..=40 {
+        hub.publish_model(status(if i % 2 == 0 { "a" } else { "b" }, i));
+    }
+    let mut expected = Vec::new();
+    for _ in 0..40 {
+        expected.push(convert::watch_event(
+            &reference.next().await.unwrap(),
+            "ctl",
+        ));
+    }
+    let got = join_all(streams.iter_mut().map(|s| async move {
+        let mut v = Vec::new();
+        for _ in 0..40 {
+            v.push(next(s).await);
+        }
+        v
+    }))
+    .await;
+    for (i, events) in got.iter().enumerate() {
+        assert_eq!(events, &expected, "subscriber {i}");
+    }
+    let revisions: Vec<u64> = expected.iter().map(|e| e.revision).collect();
+    assert_eq!(revisions, (2..=41).collect::<Vec<_>>());
+    cancel.cancel();
+}
+
+#[tokio::test]
+async fn resume_and_resync_are_unchanged() {
+    let (hub, url, cancel) = serve(4).await;
+    for i in 0..10 {
+        hub.publish_model(status("a", i));
+    }
+    let mut c = client(&url).await;
+    // Within the history: the events after it, no snapshot.
+    let mut s = watch(&mut c, 8).await;
+    for rev in [9, 10] {
+        let e = next(&mut s).await;
+        assert_eq!(e.revision, rev);
+        assert_eq!(e.control_id, "ctl");
+        assert!(matches!(e.kind, Some(Kind::Model(ref m)) if m.restarts == rev as u32 - 1));
+    }
+    // Older than the history: a resync snapshot at the current revision.
+    let mut s = watch(&mut c, 2).await;
+    let e = next(&mut s).await;
+    assert_eq!(e.revision, 10);
+    let Some(Kind::Snapshot(snap)) = e.kind else {
+        panic!("want a snapshot: {e:?}")
+    };
+    assert!(snap.resync);
+    // Shutdown ends the streams.
+    cancel.cancel();
+    let end = tokio::time::timeout(LONG, s.message())
+        .await
+        .expect("ended in time");
+    assert!(
+        !matches!(end, Ok(Some(_))),
+        "no message after shutdown: {end:?}"
+    );
+}

@@ -1,0 +1,272 @@
+//! The waiting room: a new HTTP/1 connection whose first request is for a
+//! model that is not awake waits here, before hyper serves it, holding only
+//! the request's own bytes (sized to the request) and its place in the hold
+//! queue, not hyper's per-connection buffers and state (8 KB read buffer,
+//! 8 KB write buffer, the connection future: ~20–40 KB per connection).
+//!
+//! When the wait ends (the model woke, the hold limit passed, the proxy is
+//! draining, or the client sent more or closed), the connection goes to
+//! hyper with the bytes already read put back in front of the stream, and
+//! the usual handler answers the request, with the hold's start carried
+//! over so the hold limit and the hold-wait metric count from the first
+//! wait. Anything unusual goes to hyper at once, exactly as before: HTTP/2,
+//! a chunked or `Expect: 100-continue` request, a body over the limit, a
+//! request that is not complete within the header timeout, a request
+//! without a valid API key, a model that is awake or unknown, a full queue.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::OwnedSemaphorePermit;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::handler::Shared;
+use crate::handler::checks::{forwardable_path, key_ok};
+use crate::hold::{Release, Wait};
+use crate::model_field::find_model;
+
+/// What the waiting room read and how long the request has been held.
+#[derive(Debug, Default)]
+pub struct Entry {
+    /// Bytes read from the connection, to be served before the rest.
+    pub prefix: Bytes,
+    /// When the first request started waiting, if it waited here.
+    pub held_since: Option<Instant>,
+    /// Its place among the requests leaving the waiting room; give it up
+    /// when the request is answered.
+    pub gate: Option<OwnedSemaphorePermit>,
+    /// The client closed the connection while waiting: nothing to serve.
+    pub closed: bool,
+}
+
+/// Requests that left the waiting room and are not answered yet (response
+/// head): each is a full hyper connection and an engine request, so a
+/// released queue of 100,000 enters the engine this many at a time, in
+/// order, as earlier ones are answered, instead of all at once.
+pub const LEAVING_AT_ONCE: usize = 256;
+
+/// Headers parsed at most (more: hyper takes the request).
+const MAX_HEADERS: usize = 64;
+
+/// Reads the first request; when it must wait for its model, waits here.
+/// The proxy stopping (`stopping`) ends the reading at once (what was read
+/// goes to hyper, which closes the connection as the drain asks).
+pub async fn enter(
+    shared: &Shared,
+    stream: &TcpStream,
+    max_header_bytes: usize,
+    header_timeout: Duration,
+    stopping: &CancellationToken,
+) -> Entry {
+    let mut buf = Vec::new();
+    // `buf` keeps what was read if the read is cut short.
+    let read = tokio::select! {
+        r = tokio::time::timeout(
+            header_timeout,
+            read_request(shared, stream, &mut buf, max_header_bytes),
+        ) => r.ok().flatten(),
+        _ = stopping.cancelled() => None,
+    };
+    let Some(model) = read else {
+        return Entry {
+            prefix: Bytes::from(buf),
+            ..Entry::default()
+        };
+    };
+    let view = shared.table.view();
+    let Some(route) = view.by_name.get(model.as_str()).cloned() else {
+        return Entry {
+            prefix: Bytes::from(buf),
+            ..Entry::default()
+        };
+    };
+    drop(view);
+    if route.is_awake() {
+        return Entry {
+            prefix: Bytes::from(buf),
+            ..Entry::default()
+        };
+    }
+    let since = Instant::now();
+    let Ok(mut ticket) = shared.holds.admit(&route, since) else {
+        // Shed: the handler gives the same answer.
+        return Entry {
+            prefix: Bytes::from(buf),
+            ..Entry::default()
+        };
+    };
+    buf.shrink_to_fit();
+    let prefix = Bytes::from(buf);
+    let deadline = since + Duration::from_millis(route.max_hold_ms);
+    drop(route);
+    let mut one = [0u8; 1];
+    let (released, closed) = tokio::select! {
+        // Released, timed out or draining: the handler decides.
+        w = ticket.wait(deadline, None) => (matches!(w, Wait::Released(Release::Go)), false),
+        // The client sent more (hyper serves it after this one) or closed.
+        n = stream.peek(&mut one) => (false, matches!(n, Ok(0) | Err(_))),
+    };
+    drop(ticket);
+    // Only a released request waits for its turn to leave (the others are
+    // answered at once or held again by the handler).
+    let gate = if released {
+        shared.leaving.clone().acquire_owned().await.ok()
+    } else {
+        None
+    };
+    Entry {
+        prefix,
+        held_since: Some(since),
+        gate,
+        closed,
+    }
+}
+
+/// Reads one complete HTTP/1 request into `buf`; its model when it is a
+/// plain POST to a forwardable path with an exact body (and nothing after
+/// it) that may be held. `None`: leave it to hyper (what was read is kept).
+async fn read_request(
+    shared: &Shared,
+    stream: &TcpStream,
+    buf: &mut Vec<u8>,
+    max_header_bytes: usize,
+) -> Option<String> {
+    let limit = max_header_bytes.saturating_add(shared.max_body_bytes);
+    let head_len = loop {
+        read_more(stream, buf, limit).await?;
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(buf) {
+            Ok(httparse::Status::Complete(n)) => break n,
+            Ok(httparse::Status::Partial) if buf.len() < max_header_bytes => continue,
+            _ => return None,
+        }
+    };
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    req.parse(buf).ok()?;
+    if req.method != Some("POST") || !forwardable_path(req.path?) {
+        return None;
+    }
+    let mut length = None;
+    let mut auth = None;
+    for h in req.headers.iter() {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            if length.is_some() {
+                return None;
+            }
+            length = Some(
+                std::str::from_utf8(h.value)
+                    .ok()?
+                    .trim()
+                    .parse::<usize>()
+                    .ok()?,
+            );
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding")
+            || h.name.eq_ignore_ascii_case("expect")
+            || h.name.eq_ignore_ascii_case("upgrade")
+        {
+            return None;
+        } else if h.name.eq_ignore_ascii_case("authorization") {
+            auth = Some(h.value);
+        }
+    }
+    let length = length?;
+    if length > shared.max_body_bytes || !key_ok(shared, auth) {
+        return None;
+    }
+    let end = head_len + length;
+    while buf.len() < end {
+        read_more(stream, buf, end).await?;
+    }
+    if buf.len() != end {
+        return None;
+    }
+    let field = find_model(&buf[head_len..]).ok()?;
+    Some(field.name.into_owned())
+}
+
+/// Reads what is there (at least one byte); `None` at EOF, on error or
+/// when `buf` is already `limit` long.
+async fn read_more(stream: &TcpStream, buf: &mut Vec<u8>, limit: usize) -> Option<()> {
+    if buf.len() >= limit {
+        return None;
+    }
+    if buf.capacity() == buf.len() {
+        buf.reserve((buf.len().max(1024)).min(limit - buf.len()));
+    }
+    loop {
+        stream.readable().await.ok()?;
+        match stream.try_read_buf(buf) {
+            Ok(0) => return None,
+            Ok(_) => return Some(()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(_) => return None,
+        }
+    }
+}
+
+/// A stream with bytes already read put back in front.
+#[derive(Debug)]
+pub struct Rewind {
+    prefix: Bytes,
+    io: TcpStream,
+}
+
+impl Rewind {
+    pub fn new(prefix: Bytes, io: TcpStream) -> Self {
+        Rewind { prefix, io }
+    }
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(buf.remaining());
+            buf.put_slice(&self.prefix[..n]);
+            self.prefix.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}

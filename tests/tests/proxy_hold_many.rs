@@ -1,0 +1,137 @@
+//! Many requests held at once by the real siesta-proxy, each on its own
+//! connection (so each waits in the proxy's waiting room, not in a hyper
+//! connection), while a sleeping model wakes: every one is answered 200,
+//! none is lost, and the engine receives each exactly once
+//! (`cargo build --workspace --bins` first).
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use siesta_proto::v1::{GetModelRequest, ModelState};
+use siesta_tests::{DEADLINE, spawn_control_with, spawn_proxy, wait_until};
+
+/// Requests held at once (fewer if this process may not open that many
+/// connections).
+const HELD: usize = 2000;
+
+/// Takes the hard open-files limit; returns the soft limit now.
+fn raise_fd_limit() -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+        return hard;
+    }
+    soft
+}
+
+async fn held_gauge(admin: &str) -> f64 {
+    let Ok(r) = reqwest::get(format!("{admin}/metrics")).await else {
+        return -1.0;
+    };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with("siesta_proxy_held_requests{model=\"sleepy\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_held_requests_are_all_answered_once() {
+    let n = HELD.min(raise_fd_limit().saturating_sub(300) as usize);
+    assert!(n >= 500, "the open-files limit allows only {n} connections");
+    let config = format!(
+        "[control]\nlisten = \"127.0.0.1:0\"\nstate_dir = \"@DIR@/state\"\n\n\
+         [defaults]\nmax_queue = {}\nmax_hold = \"120s\"\n\n\
+         [[model]]\nname = \"sleepy\"\nmodel = \"org/sleepy\"\nexecutable = \"@FAKE_VLLM@\"\n\
+         preload = \"asleep\"\nargs = [\"--startup-time\", \"100ms\", \"--wake-time\", \"10s\"]\n",
+        n + 100
+    );
+    let mut control = spawn_control_with(&config, &["--stop-engines-on-exit"]).await;
+    let c = control.client().await;
+    let status = || {
+        let mut c = c.clone();
+        async move {
+            c.get_model(GetModelRequest {
+                name: "sleepy".into(),
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .model
+            .unwrap()
+        }
+    };
+    wait_until("sleepy asleep", DEADLINE, || async {
+        status().await.state() == ModelState::Asleep
+    })
+    .await;
+    let proxy = spawn_proxy(&[control.url()], &[]).await;
+    let (url, admin) = (
+        format!("{}/v1/chat/completions", proxy.url()),
+        proxy.admin_url(),
+    );
+    wait_until("proxy knows sleepy", DEADLINE, || async {
+        matches!(reqwest::get(format!("{}/v1/models/sleepy", proxy.url())).await,
+            Ok(r) if r.status() == 200)
+    })
+    .await;
+
+    // Every request on its own connection, all held during the 10 s wake.
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .timeout(Duration::from_secs(120))
+        .build()
+        .unwrap();
+    let body = json!({"model": "sleepy", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    // In batches of 100 (the listen backlog is finite): each batch is held
+    // before the next is sent.
+    let mut tasks = Vec::with_capacity(n);
+    while tasks.len() < n {
+        for _ in 0..100.min(n - tasks.len()) {
+            let (http, url, body) = (http.clone(), url.clone(), body.clone());
+            tasks.push(tokio::spawn(async move {
+                let r = http
+                    .post(&url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await?;
+                let status = r.status().as_u16();
+                let text = r.text().await?;
+                Ok::<_, reqwest::Error>((status, text))
+            }));
+        }
+        let sent = tasks.len() as f64;
+        wait_until(&format!("{sent} held"), DEADLINE, || async {
+            held_gauge(&admin).await == sent
+        })
+        .await;
+    }
+    assert_ne!(
+        status().await.state(),
+        ModelState::Awake,
+        "all {n} were held before the wake ended"
+    );
+    let mut ok = 0;
+    for t in tasks {
+        let (status, text) = t.await.unwrap().expect("answered, not lost");
+        assert_eq!(status, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["object"], "chat.completion", "{text}");
+        ok += 1;
+    }
+    assert_eq!(ok, n);
+    assert_eq!(held_gauge(&admin).await, 0.0, "none left in the queue");
+    // The engine saw each request once: nothing lost, nothing sent twice.
+    let engine = status().await.endpoints[0].url.clone();
+    let stats: Value = reqwest::get(format!("{engine}/fake/stats"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(stats["requests_arrived"], json!(n), "{stats}");
+    control.terminate().await;
+}
