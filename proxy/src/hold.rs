@@ -3,7 +3,7 @@
 //! non-empty), release on the `awake` event, and the Retry-After estimates
 //! used when shedding.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -46,7 +46,9 @@ pub enum Wait {
 
 #[derive(Debug, Default)]
 struct QueueInner {
-    waiters: VecDeque<(u64, oneshot::Sender<Release>)>,
+    /// By arrival (ids grow): in order to release, and a leaver is removed
+    /// in O(log n) (100,000 clients may hang up at once).
+    waiters: BTreeMap<u64, oneshot::Sender<Release>>,
     next_id: u64,
     /// The wait episode under way (its Demand was or is being sent), if any.
     episode: Option<u64>,
@@ -67,7 +69,7 @@ impl HoldQueue {
         let mut q = self.inner.lock().unwrap();
         q.episode = None;
         let n = q.waiters.len();
-        for (_, tx) in q.waiters.drain(..) {
+        for (_, tx) in std::mem::take(&mut q.waiters) {
             let _ = tx.send(f());
         }
         self.report_held(0);
@@ -147,9 +149,7 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut q = self.queue.inner.lock().unwrap();
-        if let Some(i) = q.waiters.iter().position(|(id, _)| *id == self.id) {
-            q.waiters.remove(i);
-        }
+        q.waiters.remove(&self.id);
         if q.waiters.is_empty() {
             q.episode = None;
         }
@@ -278,7 +278,7 @@ impl Holds {
         let id = q.next_id;
         q.next_id += 1;
         let (tx, rx) = oneshot::channel();
-        q.waiters.push_back((id, tx));
+        q.waiters.insert(id, tx);
         queue.report_held(q.waiters.len());
         let new_episode = q.episode.is_none().then(|| {
             q.episodes += 1;
