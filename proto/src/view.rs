@@ -186,6 +186,7 @@ impl From<&pb::IdleTier> for TierView {
         let action = match t.action() {
             pb::IdleAction::Sleep => "sleep",
             pb::IdleAction::Stop => "stop",
+            pb::IdleAction::Suspend => "suspend",
             pb::IdleAction::Unspecified => "unspecified",
         };
         TierView {
@@ -202,6 +203,7 @@ impl From<&pb::Intent> for IntentView {
             pb::DesiredState::Stopped => "stopped",
             pb::DesiredState::Awake => "awake",
             pb::DesiredState::Asleep => "asleep",
+            pb::DesiredState::Suspended => "suspended",
             pb::DesiredState::Unspecified => "unspecified",
         };
         let reason = match i.reason() {
