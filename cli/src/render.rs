@@ -93,6 +93,7 @@ pub fn tier_label(t: &IdleTier) -> String {
     match t.action() {
         IdleAction::Sleep => format!("sleep l{}", t.level.max(1)),
         IdleAction::Stop => "stop".into(),
+        IdleAction::Suspend => "suspend".into(),
         IdleAction::Unspecified => "-".into(),
     }
 }

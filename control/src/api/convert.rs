@@ -63,6 +63,10 @@ fn calibration(c: &Calibration) -> pb::Calibration {
         wake_l2_samples: c.wake[1].samples,
         sleep_l1_samples: c.sleep[0].samples,
         sleep_l2_samples: c.sleep[1].samples,
+        suspend_ms: c.suspend.millis(),
+        resume_ms: c.resume.millis(),
+        suspend_samples: c.suspend.samples,
+        resume_samples: c.resume.samples,
     }
 }
 
