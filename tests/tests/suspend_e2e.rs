@@ -61,11 +61,17 @@ fn queued_at(port: u16) -> u64 {
         };
         for line in text.lines().skip(1) {
             let f: Vec<&str> = line.split_whitespace().collect();
-            let local_port = f[1].rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+            let local_port = f[1]
+                .rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok());
             if local_port != Some(port) {
                 continue;
             }
-            let rx = f[4].split(':').nth(1).and_then(|q| u64::from_str_radix(q, 16).ok());
+            let rx = f[4]
+                .split(':')
+                .nth(1)
+                .and_then(|q| u64::from_str_radix(q, 16).ok());
             // A peer's FIN (a control that died) takes one sequence number: no data.
             let fin = u64::from(f[3] == "08");
             total += rx.unwrap_or(0).saturating_sub(fin);
@@ -122,7 +128,11 @@ async fn a_suspended_engine_is_never_reached_and_a_held_request_resumes_it() {
     );
     // Control keeps probing awake engines every second; a suspended one it leaves alone.
     tokio::time::sleep(SEVERAL_PROBE_ROUNDS).await;
-    assert_eq!(queued_at(port), 0, "a probe or request reached the frozen engine");
+    assert_eq!(
+        queued_at(port),
+        0,
+        "a probe or request reached the frozen engine"
+    );
     let s = status(&mut c, "m").await;
     assert_eq!(state(&s), pb::ModelState::Suspended, "{s:#?}");
     assert!(s.last_error.is_empty(), "{s:#?}");
@@ -134,18 +144,28 @@ async fn a_suspended_engine_is_never_reached_and_a_held_request_resumes_it() {
     proxy_ready(&proxy).await;
     let url = proxy.url();
     let asked = tokio::spawn(async move { try_chat(&url, "m", 4, LONG).await });
-    wait_status(&mut c, "m", "the request held while it resumes", LONG, |s| {
-        s.held > 0 && state(s) == pb::ModelState::Waking
-    })
+    wait_status(
+        &mut c,
+        "m",
+        "the request held while it resumes",
+        LONG,
+        |s| s.held > 0 && state(s) == pb::ModelState::Waking,
+    )
     .await;
     asked.await.unwrap().expect("answered 200 after the resume");
     let s = status(&mut c, "m").await;
-    assert_eq!((state(&s), s.pid, s.restarts), (pb::ModelState::Awake, pid, 1));
+    assert_eq!(
+        (state(&s), s.pid, s.restarts),
+        (pb::ModelState::Awake, pid, 1)
+    );
     assert!(group(pid).iter().all(|(_, st)| *st != 'T'));
     let st = stats(&s).await;
     assert_eq!(engine_requests(&st), 1, "{st}");
     let cal = s.calibration.expect("calibration");
-    assert!(cal.suspend_samples >= 1 && cal.resume_samples >= 1, "{cal:?}");
+    assert!(
+        cal.suspend_samples >= 1 && cal.resume_samples >= 1,
+        "{cal:?}"
+    );
 }
 
 #[tokio::test]
@@ -176,7 +196,11 @@ async fn siesta_suspend_then_wake_and_a_restarted_control_adopts_it_suspended() 
     let s = suspended(&mut c).await;
     assert_eq!(s.pid, pid);
     tokio::time::sleep(SEVERAL_PROBE_ROUNDS).await;
-    assert_eq!(queued_at(port), 0, "the adopting control reached the frozen engine");
+    assert_eq!(
+        queued_at(port),
+        0,
+        "the adopting control reached the frozen engine"
+    );
     let s = wake_awake(&mut c, "m").await;
     assert_eq!((s.pid, s.restarts), (pid, 1), "resumed, not restarted");
     chat(&endpoint(&s), "m").await;
@@ -197,7 +221,11 @@ async fn a_failed_restore_restarts_the_engine_and_a_failed_suspend_leaves_it_ser
     })
     .await;
     assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, awake.pid));
-    assert!(s.last_error.contains("suspend failed, the engine keeps running"), "{s:#?}");
+    assert!(
+        s.last_error
+            .contains("suspend failed, the engine keeps running"),
+        "{s:#?}"
+    );
     chat(&endpoint(&s), "m").await;
 
     // A restore fails: the engine is restarted and the status says why.
@@ -209,7 +237,10 @@ async fn a_failed_restore_restarts_the_engine_and_a_failed_suspend_leaves_it_ser
         s.last_error.contains("resume failed")
     })
     .await;
-    assert!(s.last_error.contains("CUDA_ERROR_OPERATING_SYSTEM"), "{s:#?}");
+    assert!(
+        s.last_error.contains("CUDA_ERROR_OPERATING_SYSTEM"),
+        "{s:#?}"
+    );
     let s = wait_status(&mut c, "m", "a new engine", LONG, |s| {
         state(s) == pb::ModelState::Awake && s.pid != awake.pid
     })

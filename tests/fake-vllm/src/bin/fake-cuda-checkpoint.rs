@@ -21,8 +21,10 @@ fn fault(pid: i32, op: &str) -> bool {
     let from_target = std::fs::read(format!("/proc/{pid}/environ"))
         .ok()
         .and_then(|env| {
-            env.split(|b| *b == 0)
-                .find_map(|kv| kv.strip_prefix(format!("{FAULTS}=").as_bytes()).map(<[u8]>::to_vec))
+            env.split(|b| *b == 0).find_map(|kv| {
+                kv.strip_prefix(format!("{FAULTS}=").as_bytes())
+                    .map(<[u8]>::to_vec)
+            })
         })
         .map(|v| String::from_utf8_lossy(&v).into_owned());
     from_target
@@ -62,38 +64,67 @@ fn main() {
         let ms = || t.elapsed().as_millis() as u64;
         let Some(state) = proc_state(pid) else {
             all = false;
-            line(pid, op, false, serde_json::json!({ "error": format!("pid {pid}: no such process") }));
+            line(
+                pid,
+                op,
+                false,
+                serde_json::json!({ "error": format!("pid {pid}: no such process") }),
+            );
             continue;
         };
         match op.as_str() {
             "suspend" if fault(pid, "suspend") => {
                 all = false;
-                line(pid, op, false, serde_json::json!({
-                    "error": "driver has no cuCheckpointProcessLock: needs r570+ (injected)"
-                }));
+                line(
+                    pid,
+                    op,
+                    false,
+                    serde_json::json!({
+                        "error": "driver has no cuCheckpointProcessLock: needs r570+ (injected)"
+                    }),
+                );
             }
             "suspend" => {
                 let ok = kill(Pid::from_raw(pid), Signal::SIGSTOP).is_ok();
                 all &= ok;
-                line(pid, op, ok, serde_json::json!({
-                    "state": "checkpointed", "lock_ms": 0, "checkpoint_ms": ms()
-                }));
+                line(
+                    pid,
+                    op,
+                    ok,
+                    serde_json::json!({
+                        "state": "checkpointed", "lock_ms": 0, "checkpoint_ms": ms()
+                    }),
+                );
             }
             "resume" if fault(pid, "resume") => {
                 all = false;
-                line(pid, op, false, serde_json::json!({
-                    "error": "restore failed: cuCheckpointProcessRestore(pid) failed: CUDA_ERROR_OPERATING_SYSTEM (304) (injected)"
-                }));
+                line(
+                    pid,
+                    op,
+                    false,
+                    serde_json::json!({
+                        "error": "restore failed: cuCheckpointProcessRestore(pid) failed: CUDA_ERROR_OPERATING_SYSTEM (304) (injected)"
+                    }),
+                );
             }
             "resume" => {
                 let ok = kill(Pid::from_raw(pid), Signal::SIGCONT).is_ok();
                 all &= ok;
-                line(pid, op, ok, serde_json::json!({
-                    "state": "running", "restore_ms": ms(), "unlock_ms": 0
-                }));
+                line(
+                    pid,
+                    op,
+                    ok,
+                    serde_json::json!({
+                        "state": "running", "restore_ms": ms(), "unlock_ms": 0
+                    }),
+                );
             }
             "state" => {
-                let s = if state == 'T' { "checkpointed" } else { "running" };
+                let s = if state == 'T' {
+                    "checkpointed"
+                } else {
+                    "running"
+                };
                 line(pid, op, true, serde_json::json!({ "state": s }));
             }
             other => {
