@@ -3,8 +3,8 @@
 //! gauge tells its activity. Config validation, the reconciler's pure step
 //! and the status all ask here.
 //!
-//! Adding a capability (a CUDA-suspend tier, say) means a field here, the
-//! kinds that have it, and the places that ask.
+//! Adding a capability (as the CUDA-suspend tier did: `suspend`) means a
+//! field here, the kinds that have it, and the places that ask.
 
 use super::IdleAction;
 
