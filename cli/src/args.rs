@@ -93,6 +93,9 @@ pub enum Command {
         #[command(flatten)]
         out: OutputArg,
     },
+    /// Suspend a model: checkpoint its GPU state to host memory through
+    /// the CUDA driver (about 0 GPU memory left); `wake` resumes it.
+    Suspend(ModelArg),
     /// Start a stopped or failed model.
     Start(ModelArg),
     /// Stop a model's engine; demand will not start it again until `start` or `wake`.

@@ -65,6 +65,9 @@ pub async fn run(cli: Cli) -> Result<(), Failure> {
             let wait = wait.then(|| timeout.map(Into::into));
             sleep::run(conn, &model, level, wait, out.format).await
         }
+        Command::Suspend(m) => {
+            lifecycle::run(conn, lifecycle::Op::Suspend, &m.model, m.out.format).await
+        }
         Command::Start(m) => {
             lifecycle::run(conn, lifecycle::Op::Start, &m.model, m.out.format).await
         }

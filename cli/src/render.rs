@@ -93,6 +93,7 @@ pub fn tier_label(t: &IdleTier) -> String {
     match t.action() {
         IdleAction::Sleep => format!("sleep l{}", t.level.max(1)),
         IdleAction::Stop => "stop".into(),
+        IdleAction::Suspend => "suspend".into(),
         IdleAction::Unspecified => "-".into(),
     }
 }
@@ -193,7 +194,7 @@ pub fn residual(bytes: u64, measured: bool) -> String {
     format!("{} ({how})", self::bytes(bytes))
 }
 
-/// What an engine kind can do, one line: `sleep (levels 1, 2), stop;
+/// What an engine kind can do, one line: `sleep (levels 1, 2), suspend, stop;
 /// activity from vllm:num_requests_running; health /health`.
 pub fn capabilities(c: &siesta_proto::v1::EngineCapabilities) -> String {
     let mut can: Vec<String> = Vec::new();
@@ -201,6 +202,9 @@ pub fn capabilities(c: &siesta_proto::v1::EngineCapabilities) -> String {
         let levels: Vec<String> = c.sleep_levels.iter().map(u32::to_string).collect();
         let word = if levels.len() > 1 { "levels" } else { "level" };
         can.push(format!("sleep ({word} {})", levels.join(", ")));
+    }
+    if c.can_suspend {
+        can.push("suspend".into());
     }
     if c.can_stop {
         can.push("stop".into());

@@ -65,8 +65,9 @@ fn kinds_example_runs_the_seeds_box_with_three_kinds() {
     assert!(
         matches!(&ocr.launch, Launch::Process { command, .. } if command[0].ends_with("llama-server"))
     );
-    assert_eq!(ocr.idle.len(), 1);
-    assert_eq!(ocr.idle[0].action, IdleAction::Stop);
+    assert_eq!(ocr.idle.len(), 2);
+    assert_eq!(ocr.idle[0].action, IdleAction::Suspend);
+    assert_eq!(ocr.idle[1].action, IdleAction::Stop);
     let embed = cfg.model("embed").unwrap();
     assert_eq!(
         (embed.engine, embed.gpu_ids.as_slice()),

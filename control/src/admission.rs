@@ -195,6 +195,12 @@ impl Admission {
         self.gpus.as_ref()?.measure_residual(model, pgid)
     }
 
+    /// The CUDA processes of process group `pgid` and their GPU memory
+    /// (NVML; None without it). Blocking.
+    pub fn engine_cuda_processes(&self, pgid: u32) -> Option<Vec<(u32, u64)>> {
+        self.gpus.as_ref()?.engine_cuda_processes(pgid)
+    }
+
     /// Returns once `model` may take its GPUs awake. `waiting` is told what
     /// it waits for while it waits. The caller's deadline bounds the wait:
     /// drop the future to leave the queue.

@@ -144,6 +144,17 @@ impl pb::control_server::Control for ControlService {
         Ok(op(s, m))
     }
 
+    async fn suspend(
+        &self,
+        req: Request<pb::ModelRequest>,
+    ) -> Result<Response<pb::OperationResponse>, Status> {
+        let (s, m) = self
+            .models
+            .command(&req.get_ref().name, Command::Suspend)
+            .await?;
+        Ok(op(s, m))
+    }
+
     async fn start(
         &self,
         req: Request<pb::ModelRequest>,

@@ -53,6 +53,9 @@ pub struct ControlConfig {
     /// The web status page, SSE `/events` and `/metrics` (`web_listen`; off
     /// when unset). A non-loopback address requires the token.
     pub web_listen: Option<SocketAddr>,
+    /// The CUDA checkpoint helper a suspend runs (`cuda_checkpoint`;
+    /// default: `siesta-cuda-checkpoint` next to the siesta-control binary).
+    pub cuda_checkpoint: Option<PathBuf>,
 }
 
 /// Default `[control] engine_idle_timeout`: below uvicorn's 5 s keep-alive,
@@ -159,6 +162,8 @@ pub struct GpuConfig {
 pub enum IdleAction {
     Sleep(u8),
     Stop,
+    /// Checkpoint the engine's GPU state to host memory (CUDA driver r570+).
+    Suspend,
 }
 
 /// After `after` without activity, do `action`.

@@ -115,6 +115,8 @@ fn run_state(s: State) -> RunState {
         State::Waking => RunState::Waking,
         State::Stopping => RunState::Stopping,
         State::Failed => RunState::Failed,
+        State::Suspending => RunState::Suspending,
+        State::Suspended => RunState::Suspended,
     }
 }
 
@@ -326,6 +328,30 @@ impl GpuView {
             tracing::info!(model, bytes = r.bytes, "measured asleep residual per GPU");
         }
         Some(r)
+    }
+
+    /// The CUDA processes NVML lists within process group `pgid`, with the
+    /// GPU memory each holds (summed over GPUs): what a suspend
+    /// checkpoints. None without NVML. Blocking.
+    pub fn engine_cuda_processes(&self, pgid: u32) -> Option<Vec<(u32, u64)>> {
+        {
+            let mut st = self.state.lock().unwrap();
+            st.read_at = Instant::now() - INVENTORY_MAX_AGE;
+        }
+        self.refresh_inventory();
+        let st = self.state.lock().unwrap();
+        if st.inventory.source != InventorySource::Nvml {
+            return None;
+        }
+        let mut out: BTreeMap<u32, u64> = BTreeMap::new();
+        for g in &st.inventory.gpus {
+            for p in &g.processes {
+                if p.pid == pgid || pgid_of(p.pid) == Some(pgid) {
+                    *out.entry(p.pid).or_default() += p.used_bytes;
+                }
+            }
+        }
+        Some(out.into_iter().collect())
     }
 
     /// Every placement (empty when placement failed).

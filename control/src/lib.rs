@@ -3,6 +3,7 @@
 
 pub(crate) mod admission;
 pub(crate) mod api;
+pub mod checkpoint;
 pub mod config;
 pub(crate) mod engine;
 mod error;

@@ -2,7 +2,7 @@
 //! the gRPC layer calls. Answers in domain types; refusals are [`OpError`].
 
 use crate::OpError;
-use crate::config::{Config, ModelConfig};
+use crate::config::{Config, IdleAction, ModelConfig};
 use crate::placement::{Placed, Planned, default_placement};
 use crate::reconciler::{Command, Desired, Event, Reason};
 use crate::recovery::Adopted;
@@ -202,7 +202,16 @@ impl Models {
                     h.cfg.engine.actions(attach)
                 )));
             }
-            Command::Sleep(_) if before.state == State::Stopped => {
+            Command::Suspend if !h.cfg.engine.can(IdleAction::Suspend, attach) => {
+                return Err(OpError::Refused(format!(
+                    "{} runs {}engine = \"{}\", which siesta cannot suspend (it does not own an attached engine's processes); what it can do when idle: {}",
+                    before.name,
+                    if attach { "an attached " } else { "" },
+                    h.cfg.engine,
+                    h.cfg.engine.actions(attach)
+                )));
+            }
+            Command::Sleep(_) | Command::Suspend if before.state == State::Stopped => {
                 return Err(OpError::Refused(format!(
                     "{} is stopped: start it first",
                     before.name
@@ -217,7 +226,7 @@ impl Models {
             _ => {}
         }
         let mut after = self.send(&h, Event::Command(cmd)).await?;
-        if matches!(cmd, Command::Sleep(_)) && holds_for_requests(&after) {
+        if matches!(cmd, Command::Sleep(_) | Command::Suspend) && holds_for_requests(&after) {
             after = self.fresh_in_flight(&h).await;
         }
         let msg = account(&before, &after, cmd);
@@ -466,6 +475,13 @@ fn account(before: &ModelStatus, after: &ModelStatus, cmd: Command) -> String {
         (Command::Stop, State::Stopped) => "already stopped".into(),
         (Command::Sleep(l), State::Asleep) if before.sleep_level >= l => {
             format!("already asleep at level {}", before.sleep_level)
+        }
+        (Command::Suspend, State::Suspended) => "already suspended".into(),
+        (Command::Suspend, _) if after.in_flight > 0 && after.state == State::Awake => {
+            format!(
+                "will suspend once {} request(s) in flight finish",
+                after.in_flight
+            )
         }
         (Command::Sleep(_), _) if after.in_flight > 0 && after.state == State::Awake => {
             format!(

@@ -37,6 +37,11 @@ pub struct ProxyLoad {
 /// demand tries again. As long as the proxy's default `max_hold`.
 pub const ROOM_WAIT: Duration = Duration::from_secs(300);
 
+/// How long the checkpoint helper may take to suspend an engine: it copies
+/// the whole GPU allocation to host memory (about 2 GB/s measured on an
+/// H200: 43.5 GB in 20 s), so a full 141 GB GPU takes some 70 s.
+pub const SUSPEND_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// Failed periodic probes in a row that fail an engine (one slow answer or
 /// a connection the engine just closed is not a fault).
 pub const HEALTH_STRIKES: u8 = 3;
@@ -47,15 +52,18 @@ pub enum Desired {
     Stopped,
     Awake,
     Asleep(u8),
+    /// GPU state checkpointed to host memory by the CUDA driver.
+    Suspended,
 }
 
 impl Desired {
-    /// How far from serving: awake 0, asleep 1 or 2, stopped 3.
+    /// How far from serving: awake 0, asleep 1 or 2, suspended 3, stopped 4.
     pub fn depth(self) -> u8 {
         match self {
             Desired::Awake => 0,
             Desired::Asleep(l) => l,
-            Desired::Stopped => 3,
+            Desired::Suspended => 3,
+            Desired::Stopped => 4,
         }
     }
 }
@@ -107,6 +115,23 @@ pub enum Phase {
         deadline: Instant,
         admitted: bool,
     },
+    /// The checkpoint helper runs on the engine's CUDA processes. `under`:
+    /// the sleep level the engine was at (0: awake), where a resume lands.
+    Suspending {
+        under: u8,
+        deadline: Instant,
+    },
+    /// Checkpointed: nothing may reach the engine (no request, no probe).
+    Suspended {
+        under: u8,
+    },
+    /// Restore + unlock. Until `admitted`, waits for room on its GPUs (at
+    /// most [`ROOM_WAIT`]), like a wake; the deadline counts from admission.
+    Resuming {
+        under: u8,
+        deadline: Instant,
+        admitted: bool,
+    },
     /// `killed`: SIGKILL already sent.
     Stopping {
         deadline: Instant,
@@ -123,9 +148,21 @@ impl Phase {
             Phase::Starting { deadline, .. }
             | Phase::Sleeping { deadline, .. }
             | Phase::Waking { deadline, .. }
+            | Phase::Suspending { deadline, .. }
+            | Phase::Resuming { deadline, .. }
             | Phase::Stopping { deadline, .. } => Some(deadline),
             _ => None,
         }
+    }
+
+    /// Suspending, suspended or resuming: the engine's CUDA state is (or
+    /// is being) checkpointed, and nothing but the checkpoint helper may
+    /// touch it (a request or probe reaching it can kill it).
+    pub fn untouchable(&self) -> bool {
+        matches!(
+            self,
+            Phase::Suspending { .. } | Phase::Suspended { .. } | Phase::Resuming { .. }
+        )
     }
 }
 
@@ -167,6 +204,8 @@ pub fn wake_calls(kind: EngineKind, level: u8) -> &'static [WakeCall] {
 pub enum Command {
     Wake,
     Sleep(u8),
+    /// Checkpoint the engine's GPU state to host memory.
+    Suspend,
     Start,
     Stop,
     Restart,
@@ -245,6 +284,25 @@ pub enum Event {
         epoch: u64,
         error: String,
     },
+    /// Every CUDA process of the engine is checkpointed.
+    SuspendDone {
+        epoch: u64,
+    },
+    /// The helper (or the host-memory check before it) refused or failed;
+    /// it put back what it did, the engine runs as before.
+    SuspendFailed {
+        epoch: u64,
+        error: String,
+    },
+    /// Every CUDA process of the engine is restored and unlocked.
+    ResumeDone {
+        epoch: u64,
+    },
+    /// A restore failed: the engine cannot be trusted and is restarted.
+    ResumeFailed {
+        epoch: u64,
+        error: String,
+    },
     /// A timer fired (deadlines, retries, tiers, pin expiry are checked).
     Tick,
 }
@@ -287,6 +345,18 @@ pub enum Effect {
         epoch: u64,
         level: u8,
     },
+    /// Check host memory, then run the checkpoint helper's `suspend` on
+    /// every CUDA process of the engine's process group; answer
+    /// `SuspendDone` or `SuspendFailed`. Sent only when nothing is in
+    /// flight, after [`Effect::RecordSuspended`].
+    Suspend {
+        epoch: u64,
+    },
+    /// Wait for room on the GPUs (answer `Admitted`), then run the
+    /// helper's `resume`; answer `ResumeDone` or `ResumeFailed`.
+    Resume {
+        epoch: u64,
+    },
     Wake {
         epoch: u64,
         step: usize,
@@ -309,6 +379,11 @@ pub enum Effect {
     /// The engine is now awake (0) or asleep at this level: record it for
     /// recovery.
     RecordSleepLevel(u8),
+    /// A suspend is about to start (recorded before the helper runs, so a
+    /// restarted control adopts the engine as suspended, never probing it).
+    RecordSuspended {
+        under: u8,
+    },
     /// The engine is asleep now: measure what it still holds on its GPUs.
     MeasureResidual,
 }

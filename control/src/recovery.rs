@@ -139,6 +139,12 @@ fn recorded_level(rec: &EngineRecord) -> u8 {
 async fn observe(client: &EngineClient, rec: &EngineRecord, wake_timeout: Duration) -> Observed {
     let url = client.base();
     let kind = client.kind();
+    if rec.suspended {
+        // Nothing may reach a checkpointed engine: adopted as recorded, and
+        // a demand resumes it (a resume of a process the helper never got
+        // to checkpoint finds it running and leaves it so).
+        return Observed::Suspended(rec.sleep_level);
+    }
     if !kind.capabilities().sleep_query {
         return observe_recorded(client, rec).await;
     }
@@ -329,6 +335,8 @@ mod tests {
             tag: tag.into(),
             proc_gen: 1,
             sleep_level: 0,
+            suspended: false,
+            suspended_pids: Vec::new(),
             spawned_unix_ms: 0,
         }
     }

@@ -3,6 +3,7 @@
 
 mod effects;
 mod persist;
+mod suspend;
 
 use crate::config::{Launch, ModelConfig};
 use crate::engine::EngineClient;
@@ -31,6 +32,8 @@ pub struct Shared {
     pub control_id: String,
     /// How often an awake or asleep engine is probed.
     pub poll_every: Duration,
+    /// The CUDA checkpoint helper (`[control] cuda_checkpoint`).
+    pub cuda_checkpoint: PathBuf,
     /// Stop engines when the server shuts down.
     pub stop_engines_on_exit: bool,
     /// Room on the GPUs before a start or wake.
@@ -208,6 +211,8 @@ pub fn spawn_model_adopting(
         ops: Vec::new(),
         timer: None,
         polling: false,
+        probe_gate: Arc::default(),
+        frozen: Arc::default(),
         landed: None,
     };
     let task = tokio::spawn(runner.run(rx, cancel));
@@ -240,6 +245,12 @@ struct Runner {
     ops: Vec<AbortHandle>,
     timer: Option<Instant>,
     polling: bool,
+    /// Held by a periodic probe while it talks to the engine; a suspend
+    /// takes it first, so no probe is on its way when the helper runs.
+    probe_gate: Arc<tokio::sync::Mutex<()>>,
+    /// Set while the engine is suspending, suspended or resuming: a probe
+    /// that got the gate late sends nothing.
+    frozen: Arc<std::sync::atomic::AtomicBool>,
     /// A spawned engine waiting for `step` to keep it or kill it.
     landed: Option<ProcHandle>,
 }
@@ -353,6 +364,10 @@ impl Runner {
         let epoch = self.state.epoch;
         let (state, effects) = step(self.state.clone(), event, now);
         self.state = state;
+        self.frozen.store(
+            self.state.phase.untouchable(),
+            std::sync::atomic::Ordering::SeqCst,
+        );
         // The intent is durable before anything is done about it.
         if effects.contains(&Effect::Persist) {
             self.persist();

@@ -144,6 +144,11 @@ impl Server {
             log_dir: state_dir.join("logs"),
             control_id: config.control.control_id.clone(),
             poll_every: Duration::from_secs(1),
+            cuda_checkpoint: config
+                .control
+                .cuda_checkpoint
+                .clone()
+                .unwrap_or_else(crate::checkpoint::default_tool),
             stop_engines_on_exit: opts.stop_engines_on_exit,
             admission: Admission::start(
                 gpus.clone(),

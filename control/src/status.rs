@@ -68,6 +68,11 @@ pub enum State {
     Waking,
     Stopping,
     Failed,
+    /// The CUDA checkpoint helper is copying its GPU state to host memory.
+    Suspending,
+    /// GPU state in host memory; `sleep_level` is the level it was asleep
+    /// at (0: awake). A resume shows as `Waking`.
+    Suspended,
 }
 
 /// Where a proxy forwards.
@@ -205,6 +210,9 @@ pub fn model_status(
         Phase::Waking { .. } => (State::Waking, 0),
         Phase::Stopping { .. } => (State::Stopping, 0),
         Phase::Failed { .. } => (State::Failed, 0),
+        Phase::Suspending { under, .. } => (State::Suspending, under),
+        Phase::Suspended { under } => (State::Suspended, under),
+        Phase::Resuming { under, .. } => (State::Waking, under),
     };
     let retry_at = match m.phase {
         Phase::Failed { retry_at: Some(t) } => Some(ms(t)),

@@ -9,7 +9,9 @@
 //! - one engine process per model: no `Spawn` while a process of the model
 //!   may still run un-killed (and, its own test, while an earlier spawn may
 //!   still land);
-//! - no `Sleep` effect while requests are in flight;
+//! - no `Sleep` or `Suspend` effect while requests are in flight, and no
+//!   probe, sleep or wake call while the engine is suspending, suspended or
+//!   resuming (a request reaching a checkpointed engine kills it);
 //! - every transitional phase has a deadline, and the timer fires by then;
 //!   a `Tick` past a deadline leaves that deadline behind;
 //! - a failed model that should run has a retry time, and the retry backoff
@@ -21,8 +23,8 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 use siesta_control::config::{Backoff, EngineKind, IdleAction, IdleTier, Preload, Timeouts};
 use siesta_control::reconciler::{
-    Command, Desired, Effect, Event, ModelState, Phase, ROOM_WAIT, Settings, Signal, step,
-    wake_calls,
+    Command, Desired, Effect, Event, ModelState, Phase, ROOM_WAIT, SUSPEND_TIMEOUT, Settings,
+    Signal, step, wake_calls,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use tokio::time::{Duration, Instant};
@@ -40,7 +42,8 @@ fn settings() -> impl Strategy<Value = Settings> {
         prop_oneof![
             Just(IdleAction::Sleep(1)),
             Just(IdleAction::Sleep(2)),
-            Just(IdleAction::Stop)
+            Just(IdleAction::Stop),
+            Just(IdleAction::Suspend)
         ],
         0..4,
     )
@@ -115,6 +118,14 @@ enum Action {
         ok: bool,
     },
     Admitted(usize),
+    Suspend {
+        sel: usize,
+        ok: bool,
+    },
+    Resume {
+        sel: usize,
+        ok: bool,
+    },
     Tick,
 }
 
@@ -125,6 +136,7 @@ fn action() -> impl Strategy<Value = Action> {
         Just(Command::Start),
         Just(Command::Stop),
         Just(Command::Restart),
+        Just(Command::Suspend),
     ];
     let sel = any::<usize>();
     prop_oneof![
@@ -145,6 +157,8 @@ fn action() -> impl Strategy<Value = Action> {
         3 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Sleep { sel, ok }),
         3 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Wake { sel, ok }),
         1 => sel.prop_map(Action::Admitted),
+        2 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Suspend { sel, ok }),
+        2 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Resume { sel, ok }),
         3 => Just(Action::Tick),
     ]
 }
@@ -187,6 +201,8 @@ struct World {
     probes: Vec<u64>,
     sleeps: Vec<u64>,
     wakes: Vec<(u64, usize)>,
+    suspends: Vec<u64>,
+    resumes: Vec<u64>,
     strict: Strict,
     /// Phases entered (for the generator's own test).
     seen: BTreeSet<&'static str>,
@@ -215,6 +231,8 @@ impl World {
             probes: vec![],
             sleeps: vec![],
             wakes: vec![],
+            suspends: vec![],
+            resumes: vec![],
             strict,
             seen: BTreeSet::new(),
         };
@@ -308,12 +326,35 @@ impl World {
                     }
                 }
             }
+            Action::Suspend { sel, ok } => {
+                let epoch = take(&mut self.suspends, sel)?;
+                if ok {
+                    Event::SuspendDone { epoch }
+                } else {
+                    Event::SuspendFailed {
+                        epoch,
+                        error: "driver has no cuCheckpointProcessLock".into(),
+                    }
+                }
+            }
+            Action::Resume { sel, ok } => {
+                let epoch = take(&mut self.resumes, sel)?;
+                if ok {
+                    Event::ResumeDone { epoch }
+                } else {
+                    Event::ResumeFailed {
+                        epoch,
+                        error: "CUDA_ERROR_OPERATING_SYSTEM".into(),
+                    }
+                }
+            }
             Action::Admitted(sel) => {
                 let steps0: Vec<u64> = self
                     .wakes
                     .iter()
                     .filter(|(_, s)| *s == 0)
                     .map(|(e, _)| *e)
+                    .chain(self.resumes.iter().copied())
                     .collect();
                 let epoch = *steps0.get(sel % steps0.len().max(1))?;
                 Event::Admitted { epoch }
@@ -409,7 +450,35 @@ impl World {
                     prop_assert_eq!(call, wake_calls(m.settings.kind, from_level)[step]);
                     self.wakes.push((epoch, step));
                 }
+                Effect::Suspend { epoch } => {
+                    prop_assert_eq!(
+                        m.in_flight(),
+                        0,
+                        "suspend with requests in flight\n{}",
+                        ctx()
+                    );
+                    prop_assert!(
+                        !m.settings.attach,
+                        "suspend of an attached engine\n{}",
+                        ctx()
+                    );
+                    prop_assert!(
+                        matches!(m.phase, Phase::Suspending { .. }),
+                        "suspend outside Suspending\n{}",
+                        ctx()
+                    );
+                    self.suspends.push(epoch);
+                }
+                Effect::Resume { epoch } => {
+                    prop_assert!(
+                        matches!(m.phase, Phase::Resuming { .. }),
+                        "resume outside Resuming\n{}",
+                        ctx()
+                    );
+                    self.resumes.push(epoch);
+                }
                 Effect::Timer(t) => self.timer = t,
+                Effect::RecordSuspended { .. } => {}
                 Effect::ReleaseStartLock
                 | Effect::Log(_)
                 | Effect::Persist
@@ -418,6 +487,16 @@ impl World {
                 | Effect::RecordSleepLevel(_)
                 | Effect::MeasureResidual => {}
             }
+        }
+        // Nothing reaches an engine whose CUDA state is (being) checkpointed.
+        if m.phase.untouchable() {
+            let touches = fx.iter().any(|f| {
+                matches!(
+                    f,
+                    Effect::ProbeHealth { .. } | Effect::Sleep { .. } | Effect::Wake { .. }
+                )
+            });
+            prop_assert!(!touches, "a call planned to a suspended engine\n{}", ctx());
         }
         // The runner cancels a pending spawn once the phase leaves Starting.
         if m.epoch != prev.epoch && !matches!(m.phase, Phase::Starting { .. }) {
@@ -430,7 +509,13 @@ impl World {
             ctx()
         );
         let t = &m.settings.timeouts;
-        let longest = t.start * 2 + t.wake + t.sleep + t.stop_grace + KILL_GRACE + ROOM_WAIT;
+        let longest = t.start * 2
+            + t.wake
+            + t.sleep
+            + t.stop_grace
+            + KILL_GRACE
+            + ROOM_WAIT
+            + SUSPEND_TIMEOUT;
         if let Some(deadline) = m.phase.deadline() {
             prop_assert!(
                 self.timer.is_some_and(|at| at <= deadline),
@@ -517,6 +602,9 @@ fn phase_name(p: &Phase) -> &'static str {
         Phase::Stopping { killed: false, .. } => "Stopping",
         Phase::Stopping { killed: true, .. } => "Stopping(killed)",
         Phase::Failed { .. } => "Failed",
+        Phase::Suspending { .. } => "Suspending",
+        Phase::Suspended { .. } => "Suspended",
+        Phase::Resuming { .. } => "Resuming",
     }
 }
 
@@ -550,6 +638,9 @@ fn the_generator_reaches_every_phase() {
         "Stopping",
         "Stopping(killed)",
         "Failed",
+        "Suspending",
+        "Suspended",
+        "Resuming",
     ] {
         assert!(seen.contains(p), "never reached {p}; reached {seen:?}");
     }

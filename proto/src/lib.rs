@@ -37,6 +37,8 @@ impl v1::ModelState {
             S::Waking => "waking",
             S::Stopping => "stopping",
             S::Failed => "failed",
+            S::Suspending => "suspending",
+            S::Suspended => "suspended",
         }
     }
 }

@@ -65,6 +65,7 @@ pub struct CapabilitiesView {
     pub sleep_query: bool,
     pub activity_metric: String,
     pub health_path: String,
+    pub can_suspend: bool,
 }
 
 impl From<&pb::EngineCapabilities> for CapabilitiesView {
@@ -75,6 +76,7 @@ impl From<&pb::EngineCapabilities> for CapabilitiesView {
             sleep_query: c.sleep_query,
             activity_metric: c.activity_metric.clone(),
             health_path: c.health_path.clone(),
+            can_suspend: c.can_suspend,
         }
     }
 }
@@ -103,6 +105,10 @@ pub struct CalibrationView {
     pub wake_l2_samples: u32,
     pub sleep_l1_samples: u32,
     pub sleep_l2_samples: u32,
+    pub suspend_ms: u64,
+    pub resume_ms: u64,
+    pub suspend_samples: u32,
+    pub resume_samples: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -156,6 +162,10 @@ impl From<&pb::ModelStatus> for ModelView {
                 wake_l2_samples: c.wake_l2_samples,
                 sleep_l1_samples: c.sleep_l1_samples,
                 sleep_l2_samples: c.sleep_l2_samples,
+                suspend_ms: c.suspend_ms,
+                resume_ms: c.resume_ms,
+                suspend_samples: c.suspend_samples,
+                resume_samples: c.resume_samples,
             }),
             last_activity_unix_ms: m.last_activity_unix_ms,
             in_flight: m.in_flight,
@@ -186,6 +196,7 @@ impl From<&pb::IdleTier> for TierView {
         let action = match t.action() {
             pb::IdleAction::Sleep => "sleep",
             pb::IdleAction::Stop => "stop",
+            pb::IdleAction::Suspend => "suspend",
             pb::IdleAction::Unspecified => "unspecified",
         };
         TierView {
@@ -202,6 +213,7 @@ impl From<&pb::Intent> for IntentView {
             pb::DesiredState::Stopped => "stopped",
             pb::DesiredState::Awake => "awake",
             pb::DesiredState::Asleep => "asleep",
+            pb::DesiredState::Suspended => "suspended",
             pb::DesiredState::Unspecified => "unspecified",
         };
         let reason = match i.reason() {

@@ -152,12 +152,14 @@ fn rank(s: &ModelStatus) -> u32 {
         ModelState::Starting => 2,
         ModelState::Asleep if s.sleep_level <= 1 => 3,
         ModelState::Asleep => 4,
-        ModelState::Sleeping => 5,
-        ModelState::Awake => 6,
-        ModelState::Stopped => 7,
-        ModelState::Stopping => 8,
-        ModelState::Failed => 9,
-        ModelState::Unspecified => 10,
+        ModelState::Suspended => 5,
+        ModelState::Sleeping => 6,
+        ModelState::Suspending => 7,
+        ModelState::Awake => 8,
+        ModelState::Stopped => 9,
+        ModelState::Stopping => 10,
+        ModelState::Failed => 11,
+        ModelState::Unspecified => 12,
     }
 }
 

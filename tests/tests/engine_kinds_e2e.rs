@@ -131,10 +131,10 @@ async fn vllm_sglang_and_openai_take_turns_on_one_gpu_through_the_proxy() {
     // `siesta get` names each kind and what it can do.
     let get = at(&ctl, &["get", "sg"]).await.ok().stdout;
     assert!(get.contains("Engine:           sglang"), "{get}");
-    assert!(get.contains("sleep (level 1), stop"), "{get}");
+    assert!(get.contains("sleep (level 1), suspend, stop"), "{get}");
     let get = at(&ctl, &["get", "ocr"]).await.ok().stdout;
     assert!(get.contains("Engine:           openai"), "{get}");
-    assert!(get.contains("Can:              stop;"), "{get}");
+    assert!(get.contains("Can:              suspend, stop;"), "{get}");
     let get = at(&ctl, &["get", "chat", "-o", "json"]).await.ok().json();
     assert_eq!(get["model"]["engine"], "vllm");
     assert_eq!(
@@ -184,7 +184,7 @@ async fn a_reload_asking_an_openai_server_to_sleep_is_refused_with_its_tiers() {
     assert_eq!(run.code, 1, "{run:#?}");
     let want = format!(
         "{}: model[2].idle[0].action: an engine = \"openai\" cannot sleep at level 1; \
-         its idle tiers can be: stop",
+         its idle tiers can be: suspend, stop",
         ctl.config_path.display()
     );
     assert!(run.stderr.contains(&want), "{run:#?}");
@@ -208,7 +208,7 @@ async fn a_config_asking_an_openai_server_to_sleep_is_refused_with_its_tiers() {
         run.stderr.trim_end(),
         format!(
             "{}: model[2].idle[0].action: an engine = \"openai\" cannot sleep at level 1; \
-             its idle tiers can be: stop",
+             its idle tiers can be: suspend, stop",
             path.display()
         ),
         "{run:#?}"

@@ -1,4 +1,4 @@
-//! `siesta start|stop|restart MODEL`.
+//! `siesta start|stop|restart|suspend MODEL`.
 
 use siesta_proto::v1 as pb;
 
@@ -13,6 +13,7 @@ pub enum Op {
     Start,
     Stop,
     Restart,
+    Suspend,
 }
 
 pub async fn run(conn: Conn, op: Op, name: &str, format: Format) -> Result<(), Failure> {
@@ -25,6 +26,7 @@ pub async fn run(conn: Conn, op: Op, name: &str, format: Format) -> Result<(), F
                 Op::Start => c.start(req).await,
                 Op::Stop => c.stop(req).await,
                 Op::Restart => c.restart(req).await,
+                Op::Suspend => c.suspend(req).await,
             }
         })
         .await?;

@@ -22,6 +22,8 @@ fn state(s: State) -> pb::ModelState {
         State::Waking => pb::ModelState::Waking,
         State::Stopping => pb::ModelState::Stopping,
         State::Failed => pb::ModelState::Failed,
+        State::Suspending => pb::ModelState::Suspending,
+        State::Suspended => pb::ModelState::Suspended,
     }
 }
 
@@ -40,6 +42,7 @@ fn tier(t: &IdleTier) -> pb::IdleTier {
     let (action, level) = match t.action {
         IdleAction::Sleep(l) => (pb::IdleAction::Sleep, u32::from(l)),
         IdleAction::Stop => (pb::IdleAction::Stop, 0),
+        IdleAction::Suspend => (pb::IdleAction::Suspend, 0),
     };
     pb::IdleTier {
         after_ms: t.after.as_millis() as u64,
@@ -60,6 +63,10 @@ fn calibration(c: &Calibration) -> pb::Calibration {
         wake_l2_samples: c.wake[1].samples,
         sleep_l1_samples: c.sleep[0].samples,
         sleep_l2_samples: c.sleep[1].samples,
+        suspend_ms: c.suspend.millis(),
+        resume_ms: c.resume.millis(),
+        suspend_samples: c.suspend.samples,
+        resume_samples: c.resume.samples,
     }
 }
 
@@ -78,6 +85,7 @@ pub fn model_status(s: &ModelStatus) -> pb::ModelStatus {
         Desired::Stopped => (pb::DesiredState::Stopped, 0),
         Desired::Awake => (pb::DesiredState::Awake, 0),
         Desired::Asleep(l) => (pb::DesiredState::Asleep, u32::from(l)),
+        Desired::Suspended => (pb::DesiredState::Suspended, 0),
     };
     pb::ModelStatus {
         name: s.name.clone(),
@@ -137,6 +145,7 @@ fn capabilities(s: &ModelStatus) -> pb::EngineCapabilities {
     pb::EngineCapabilities {
         sleep_levels: c.sleep_levels.iter().map(|l| u32::from(*l)).collect(),
         can_stop: s.launch != "attach",
+        can_suspend: c.suspend && s.launch != "attach",
         sleep_query: c.sleep_query,
         activity_metric: c.activity_metric.unwrap_or_default().to_string(),
         health_path: match s.engine {

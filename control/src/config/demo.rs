@@ -134,6 +134,7 @@ pub(super) fn demo(command_prefix: Vec<String>) -> Config {
             min_awake: super::DEFAULT_MIN_AWAKE,
             engine_idle_timeout: super::DEFAULT_ENGINE_IDLE_TIMEOUT,
             web_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            cuda_checkpoint: None,
         },
         defaults,
         gpus: Vec::new(),

@@ -3,8 +3,8 @@
 //! gauge tells its activity. Config validation, the reconciler's pure step
 //! and the status all ask here.
 //!
-//! Adding a capability (a CUDA-suspend tier, say) means a field here, the
-//! kinds that have it, and the places that ask.
+//! Adding a capability (as the CUDA-suspend tier did: `suspend`) means a
+//! field here, the kinds that have it, and the places that ask.
 
 use super::IdleAction;
 
@@ -32,6 +32,13 @@ pub struct Capabilities {
     pub sleep_query: bool,
     /// The Prometheus gauge of its running requests, if it has one.
     pub activity_metric: Option<&'static str>,
+    /// Its processes can be CUDA-checkpointed (idle action `suspend`): every
+    /// kind siesta runs is a CUDA process (a CPU-only server is refused by
+    /// the checkpoint helper at the first suspend, with the reason in the
+    /// status). An attached engine never: siesta does not own its
+    /// processes, cannot find them by process group, and cannot restart
+    /// them when a restore fails.
+    pub suspend: bool,
 }
 
 impl EngineKind {
@@ -56,16 +63,19 @@ impl EngineKind {
                 sleep_levels: &[1, 2],
                 sleep_query: true,
                 activity_metric: Some("vllm:num_requests_running"),
+                suspend: true,
             },
             EngineKind::Sglang => Capabilities {
                 sleep_levels: &[1],
                 sleep_query: false,
                 activity_metric: Some("sglang:num_running_reqs"),
+                suspend: true,
             },
             EngineKind::Openai => Capabilities {
                 sleep_levels: &[],
                 sleep_query: false,
                 activity_metric: None,
+                suspend: true,
             },
         }
     }
@@ -85,6 +95,7 @@ impl EngineKind {
         match action {
             IdleAction::Sleep(l) => self.can_sleep(l),
             IdleAction::Stop => !attach || self.deepest_sleep().is_some(),
+            IdleAction::Suspend => self.capabilities().suspend && !attach,
         }
     }
 
@@ -96,6 +107,9 @@ impl EngineKind {
             .iter()
             .map(|l| format!("sleep (level {l})"))
             .collect();
+        if !attach && self.capabilities().suspend {
+            out.push("suspend".into());
+        }
         if !attach {
             out.push("stop".into());
         }
@@ -143,6 +157,13 @@ mod tests {
         assert!(EngineKind::Openai.can(IdleAction::Stop, false));
         assert!(!EngineKind::Openai.can(IdleAction::Stop, true));
         assert!(EngineKind::Sglang.can(IdleAction::Stop, true));
-        assert_eq!(EngineKind::Sglang.actions(false), "sleep (level 1), stop");
+        assert_eq!(
+            EngineKind::Sglang.actions(false),
+            "sleep (level 1), suspend, stop"
+        );
+        for k in EngineKind::ALL {
+            assert!(k.can(IdleAction::Suspend, false), "{k} suspends");
+            assert!(!k.can(IdleAction::Suspend, true), "attached {k} never");
+        }
     }
 }

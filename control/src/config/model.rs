@@ -314,6 +314,9 @@ fn check_tiers(p: &mut Problems, key: &str, engine: EngineKind, attach: bool, ti
         let asked = match t.action {
             IdleAction::Sleep(l) => format!("sleep at level {l}"),
             IdleAction::Stop => "stop (an attached engine is run by someone else)".to_string(),
+            IdleAction::Suspend => {
+                "suspend (siesta does not own an attached engine's processes)".to_string()
+            }
         };
         let launch = if attach { "attached " } else { "" };
         p.push(
@@ -340,7 +343,7 @@ fn default_tiers(engine: EngineKind, attach: bool, tiers: &[IdleTier]) -> Vec<Id
                 None if attach => continue,
                 None => IdleAction::Stop,
             },
-            IdleAction::Stop => continue,
+            IdleAction::Stop | IdleAction::Suspend => continue,
         };
         if out
             .iter()

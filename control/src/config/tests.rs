@@ -100,7 +100,7 @@ env = { PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True" }
         r#"demo.toml: control.listen: "nowhere" is not an address"#,
         "demo.toml: control.colour: unknown key",
         r#"demo.toml: model[0].idle[0].after: "5x" is not a duration"#,
-        r#"demo.toml: model[0].idle[1].action: "nap" is not "sleep" or "stop""#,
+        r#"demo.toml: model[0].idle[1].action: "nap" is not "sleep", "suspend" or "stop""#,
         "demo.toml: model[1].url: is required with launch = \"attach\"",
         "demo.toml: model[1].port: does not apply to launch = \"attach\"",
         r#"demo.toml: model[1].preload: "sometimes" is not"#,

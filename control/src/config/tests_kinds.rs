@@ -76,7 +76,7 @@ idle = [ { after = "5m", action = "sleep", level = 1 } ]
     assert_eq!(
         e,
         "box.toml: model[0].idle[0].action: an engine = \"openai\" cannot sleep at level 1; \
-         its idle tiers can be: stop"
+         its idle tiers can be: suspend, stop"
     );
 }
 
@@ -101,7 +101,7 @@ idle = [ { after = "5m", action = "stop" } ]
     assert!(
         e.contains(
             "model[0].idle[1].action: an engine = \"sglang\" cannot sleep at level 2; \
-             its idle tiers can be: sleep (level 1), stop"
+             its idle tiers can be: sleep (level 1), suspend, stop"
         ),
         "{e}"
     );

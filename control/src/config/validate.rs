@@ -119,6 +119,16 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         }
     });
     let state_dir = r.string(p, "state_dir").map(PathBuf::from);
+    let cuda_checkpoint = match r.string(p, "cuda_checkpoint") {
+        Some(s) if s.is_empty() => {
+            p.push(
+                r.key("cuda_checkpoint"),
+                "is empty (a path to siesta-cuda-checkpoint)",
+            );
+            None
+        }
+        s => s.map(PathBuf::from),
+    };
     let token = r.string(p, "token").filter(|t| !t.is_empty());
     let control_id = r.string(p, "control_id").filter(|s| !s.is_empty());
     let p2p_probe = read_p2p_probe(p, &mut r);
@@ -147,6 +157,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         min_awake,
         engine_idle_timeout: engine_idle_timeout.unwrap_or(super::DEFAULT_ENGINE_IDLE_TIMEOUT),
         web_listen,
+        cuda_checkpoint,
     }
 }
 
@@ -265,16 +276,25 @@ pub(super) fn read_tiers(p: &mut Problems, r: &mut Reader<'_>) -> Option<Vec<Idl
                 }
                 Some(IdleAction::Stop)
             }
+            Some("suspend") => {
+                if level.is_some() {
+                    p.push(tr.key("level"), "only applies to action = \"sleep\"");
+                }
+                Some(IdleAction::Suspend)
+            }
             Some(other) => {
                 p.push(
                     tr.key("action"),
-                    format!("{other:?} is not \"sleep\" or \"stop\""),
+                    format!("{other:?} is not \"sleep\", \"suspend\" or \"stop\""),
                 );
                 None
             }
             None => {
                 if t.get("action").is_none() {
-                    p.push(tr.key("action"), "is missing (\"sleep\" or \"stop\")");
+                    p.push(
+                        tr.key("action"),
+                        "is missing (\"sleep\", \"suspend\" or \"stop\")",
+                    );
                 }
                 None
             }

@@ -18,6 +18,10 @@ pub enum RunState {
     /// Exiting: holds its memory until the process group is gone.
     Stopping,
     Failed,
+    /// Being checkpointed: holds its memory until the copy is done.
+    Suspending,
+    /// Checkpointed to host memory: holds ~0 GPU memory.
+    Suspended,
 }
 
 impl RunState {
@@ -31,6 +35,8 @@ impl RunState {
             Self::Waking => "waking",
             Self::Stopping => "stopping",
             Self::Failed => "failed",
+            Self::Suspending => "suspending",
+            Self::Suspended => "suspended",
         }
     }
 }
@@ -95,9 +101,10 @@ fn usage(p: &Placement, gpu: u32, state: RunState, residual: u64) -> (u64, u64) 
         | RunState::Awake
         | RunState::Sleeping
         | RunState::Waking
-        | RunState::Stopping => (awake, 0),
+        | RunState::Stopping
+        | RunState::Suspending => (awake, 0),
         RunState::Asleep => (0, awake.min(residual)),
-        RunState::Stopped | RunState::Failed => (0, 0),
+        RunState::Stopped | RunState::Failed | RunState::Suspended => (0, 0),
     }
 }
 
@@ -252,7 +259,11 @@ pub fn plan_wake(
                     "woken recently, stays awake {} ms more",
                     s.min_awake_left_ms
                 ),
-                RunState::Awake | RunState::Asleep | RunState::Stopped | RunState::Failed => {
+                RunState::Awake
+                | RunState::Asleep
+                | RunState::Stopped
+                | RunState::Failed
+                | RunState::Suspended => {
                     return None;
                 }
                 other => other.as_str().to_string(),

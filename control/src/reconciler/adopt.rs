@@ -9,6 +9,9 @@ use super::*;
 pub enum Observed {
     Awake,
     Asleep(u8),
+    /// Recorded as suspended (or being suspended) by the CUDA checkpoint
+    /// helper, asleep at this level underneath (0: awake); never probed.
+    Suspended(u8),
     /// Running but `/health` does not answer (still starting, or stuck).
     NotServing,
 }
@@ -33,6 +36,7 @@ pub fn adopt(
     match observed {
         Observed::Awake => become_awake(m, now),
         Observed::Asleep(level) => set_phase(m, Phase::Asleep { level }, now),
+        Observed::Suspended(under) => set_phase(m, Phase::Suspended { under }, now),
         Observed::NotServing if m.intent.desired == Desired::Stopped => terminate(m, now, &mut fx),
         Observed::NotServing => {
             let deadline = now + m.settings.timeouts.start;

@@ -39,6 +39,9 @@ pub struct Calibration {
     pub start: Average,
     pub sleep: [Average; 2],
     pub wake: [Average; 2],
+    /// CUDA checkpoint (suspend) and restore (resume) of the whole engine.
+    pub suspend: Average,
+    pub resume: Average,
 }
 
 impl Calibration {

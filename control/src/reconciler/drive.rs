@@ -64,6 +64,30 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             now,
             fx,
         ),
+        Phase::Suspending { .. } => fail(
+            m,
+            "suspend timed out (the checkpoint helper did not finish)".into(),
+            now,
+            fx,
+        ),
+        Phase::Resuming {
+            under,
+            admitted: false,
+            ..
+        } => {
+            // No room within ROOM_WAIT: the engine stays suspended, unharmed.
+            let error = format!(
+                "no room on its GPUs within {ROOM_WAIT:?} to restore it: the models holding \
+                 them stayed busy or pinned; the engine stays suspended and the next request \
+                 tries again"
+            );
+            fx.push(Effect::Log(format!("resume gave up: {error}")));
+            m.last_error = Some(error);
+            m.demand_since = None;
+            set_intent(m, Desired::Suspended, Reason::Eviction, now);
+            set_phase(m, Phase::Suspended { under }, now);
+        }
+        Phase::Resuming { .. } => fail(m, "resume timed out".into(), now, fx),
         Phase::Stopping { killed: false, .. } => {
             fx.push(Effect::Signal(Signal::Kill));
             fx.push(Effect::Log(
@@ -131,6 +155,35 @@ fn begin_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>
     });
 }
 
+fn begin_suspend(m: &mut ModelState, under: u8, now: Instant, fx: &mut Vec<Effect>) {
+    m.transition_start = now;
+    let deadline = now + SUSPEND_TIMEOUT;
+    // Recorded first: a control restarted mid-suspend adopts the engine
+    // as suspended and never probes it.
+    fx.push(Effect::RecordSuspended { under });
+    set_phase(m, Phase::Suspending { under, deadline }, now);
+    fx.push(Effect::Log(
+        "suspending: checkpointing GPU state to host memory".into(),
+    ));
+    fx.push(Effect::Suspend { epoch: m.epoch });
+}
+
+fn begin_resume(m: &mut ModelState, under: u8, now: Instant, fx: &mut Vec<Effect>) {
+    m.transition_start = now;
+    let deadline = now + ROOM_WAIT;
+    set_phase(
+        m,
+        Phase::Resuming {
+            under,
+            deadline,
+            admitted: false,
+        },
+        now,
+    );
+    fx.push(Effect::Log("resuming: restoring GPU state".into()));
+    fx.push(Effect::Resume { epoch: m.epoch });
+}
+
 fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Effect>) {
     m.transition_start = now;
     let deadline = now + ROOM_WAIT;
@@ -185,6 +238,11 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         }
         Phase::Awake => match desired {
             Desired::Awake => {}
+            Desired::Suspended => {
+                if m.in_flight() == 0 && m.held() == 0 {
+                    begin_suspend(m, 0, now, fx);
+                }
+            }
             Desired::Asleep(level) => {
                 if m.in_flight() == 0 {
                     begin_sleep(m, level, now, fx);
@@ -201,6 +259,13 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         },
         Phase::Asleep { level } => match desired {
             Desired::Awake => begin_wake(m, level, now, fx),
+            // A sleeping engine is suspended as it is (less to copy); the
+            // resume lands asleep at the same level.
+            Desired::Suspended => {
+                if m.in_flight() == 0 && m.held() == 0 {
+                    begin_suspend(m, level, now, fx);
+                }
+            }
             // Deeper sleep: wake, then sleep again at the new level.
             Desired::Asleep(l) if l > level => begin_wake(m, level, now, fx),
             Desired::Asleep(_) => {}
@@ -211,9 +276,17 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             }
             Desired::Stopped => terminate(m, now, fx),
         },
+        Phase::Suspended { under } => match desired {
+            Desired::Suspended => {}
+            // Stopping a checkpointed process: SIGTERM, SIGKILL at the grace.
+            Desired::Stopped if !m.settings.attach => terminate(m, now, fx),
+            _ => begin_resume(m, under, now, fx),
+        },
         Phase::Starting { .. }
         | Phase::Sleeping { .. }
         | Phase::Waking { .. }
+        | Phase::Suspending { .. }
+        | Phase::Resuming { .. }
         | Phase::Stopping { .. } => {}
     }
 }
@@ -223,10 +296,23 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
 /// sleep it lacks becomes its deepest sleep, else a stop, else (an attached
 /// engine that cannot sleep) staying awake.
 fn fit_intent(m: &mut ModelState, fx: &mut Vec<Effect>) {
+    let kind = m.settings.kind;
+    if m.intent.desired == Desired::Suspended
+        && !kind.can(crate::config::IdleAction::Suspend, m.settings.attach)
+    {
+        let fitted = match kind.deepest_sleep() {
+            Some(l) => Desired::Asleep(l),
+            None => Desired::Awake,
+        };
+        fx.push(Effect::Log(format!(
+            "this engine = \"{kind}\" cannot be suspended: {fitted:?} instead"
+        )));
+        m.intent.desired = fitted;
+        return;
+    }
     let Desired::Asleep(level) = m.intent.desired else {
         return;
     };
-    let kind = m.settings.kind;
     if kind.can_sleep(level) {
         return;
     }

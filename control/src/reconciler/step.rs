@@ -2,6 +2,7 @@
 
 use super::drive::{deadlines, next_wakeup, reconcile, terminate};
 use super::*;
+use crate::config::IdleAction;
 
 /// Applies `event` at `now`; returns the new state and what to do.
 pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<Effect>) {
@@ -310,7 +311,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 }
             }
         }
-        Event::Admitted { epoch: e } if e == epoch => {
+        Event::Admitted { epoch: e } if e == epoch && matches!(m.phase, Phase::Waking { .. }) => {
             if let Phase::Waking {
                 from_level,
                 step: 0,
@@ -337,7 +338,82 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 fail(m, format!("wake failed: {error}"), now, fx);
             }
         }
+        Event::SuspendDone { epoch: e } if e == epoch => {
+            if let Phase::Suspending { under, .. } = m.phase {
+                m.calibration.suspend.add(now - m.transition_start);
+                fx.push(Effect::Log(
+                    "suspended: GPU state checkpointed to host memory".into(),
+                ));
+                set_phase(m, Phase::Suspended { under }, now);
+            }
+        }
+        Event::SuspendFailed { epoch: e, error } if e == epoch => {
+            if let Phase::Suspending { under, .. } = m.phase {
+                // The helper put back what it did: the engine runs as before.
+                // Tiers count again from here (no retry loop); an operator
+                // asks again.
+                let error = format!("suspend failed, the engine keeps running: {error}");
+                fx.push(Effect::Log(error.clone()));
+                m.last_error = Some(error);
+                m.idle_floor = now;
+                let back = if under == 0 {
+                    Desired::Awake
+                } else {
+                    Desired::Asleep(under)
+                };
+                if m.intent.desired == Desired::Suspended {
+                    let reason = m.intent.reason;
+                    set_intent(m, back, reason, now);
+                }
+                let phase = if under == 0 {
+                    Phase::Awake
+                } else {
+                    Phase::Asleep { level: under }
+                };
+                set_phase(m, phase, now);
+            }
+        }
+        Event::ResumeDone { epoch: e } if e == epoch => {
+            if let Phase::Resuming { under, .. } = m.phase {
+                m.calibration.resume.add(now - m.transition_start);
+                fx.push(Effect::Log("resumed: GPU state restored".into()));
+                if under == 0 {
+                    become_awake(m, now);
+                } else {
+                    set_phase(m, Phase::Asleep { level: under }, now);
+                }
+            }
+        }
+        Event::ResumeFailed { epoch: e, error } if e == epoch => {
+            if matches!(m.phase, Phase::Resuming { .. }) {
+                fail(
+                    m,
+                    format!("resume failed, restarting the engine: {error}"),
+                    now,
+                    fx,
+                );
+            }
+        }
+        Event::Admitted { epoch: e } if e == epoch && matches!(m.phase, Phase::Resuming { .. }) => {
+            if let Phase::Resuming {
+                under,
+                admitted: false,
+                ..
+            } = m.phase
+            {
+                m.transition_start = now;
+                m.phase = Phase::Resuming {
+                    under,
+                    deadline: now + m.settings.timeouts.wake,
+                    admitted: true,
+                };
+            }
+        }
         Event::Tick => deadlines(m, now, fx),
+        Event::SuspendDone { .. }
+        | Event::SuspendFailed { .. }
+        | Event::ResumeDone { .. }
+        | Event::ResumeFailed { .. } => {}
         Event::HealthOk { .. }
         | Event::HealthFailed { .. }
         | Event::ProbeOk { .. }
@@ -386,6 +462,19 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             set_intent(m, Desired::Asleep(level), Reason::Operator, now);
             retry_now(m, now);
         }
+        Command::Suspend if !m.settings.kind.can(IdleAction::Suspend, m.settings.attach) => {
+            fx.push(Effect::Log(format!(
+                "suspend ignored: an {}engine = \"{}\" cannot be suspended",
+                if m.settings.attach { "attached " } else { "" },
+                m.settings.kind
+            )));
+        }
+        Command::Suspend => {
+            m.pin = Pin::None;
+            m.demand_since = None;
+            set_intent(m, Desired::Suspended, Reason::Operator, now);
+            retry_now(m, now);
+        }
         Command::Stop => {
             m.pin = Pin::None;
             m.demand_since = None;
@@ -393,7 +482,10 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             // An operator stop interrupts a transition under way.
             let busy = matches!(
                 m.phase,
-                Phase::Starting { .. } | Phase::Sleeping { .. } | Phase::Waking { .. }
+                Phase::Starting { .. }
+                    | Phase::Sleeping { .. }
+                    | Phase::Waking { .. }
+                    | Phase::Resuming { .. }
             );
             if busy && !m.settings.attach {
                 terminate(m, now, fx);
@@ -410,6 +502,9 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
                     | Phase::Sleeping { .. }
                     | Phase::Asleep { .. }
                     | Phase::Waking { .. }
+                    | Phase::Suspending { .. }
+                    | Phase::Suspended { .. }
+                    | Phase::Resuming { .. }
             );
             if running && !m.settings.attach {
                 terminate(m, now, fx);

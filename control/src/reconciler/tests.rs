@@ -526,3 +526,4 @@ fn held_requests_are_summed_across_proxies_and_expire_with_them() {
 mod decisions;
 mod demand;
 mod kinds;
+mod suspend;

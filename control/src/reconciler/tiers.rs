@@ -12,6 +12,10 @@ pub fn tier_desired(tier: &IdleTier, s: &Settings) -> Option<Desired> {
         IdleAction::Sleep(l) => s.kind.can_sleep(l).then_some(Desired::Asleep(l)),
         IdleAction::Stop if s.attach => s.kind.deepest_sleep().map(Desired::Asleep),
         IdleAction::Stop => Some(Desired::Stopped),
+        IdleAction::Suspend => s
+            .kind
+            .can(IdleAction::Suspend, s.attach)
+            .then_some(Desired::Suspended),
     }
 }
 
@@ -23,8 +27,10 @@ fn tier_depth(tier: &IdleTier, s: &Settings) -> u8 {
 /// Whether tiers may fire at all now: a stable serving state, not pinned,
 /// nothing in flight, no demand waiting to be served.
 fn idle_eligible(m: &ModelState, now: Instant) -> bool {
-    matches!(m.phase, Phase::Awake | Phase::Asleep { .. })
-        && !m.pinned(now)
+    matches!(
+        m.phase,
+        Phase::Awake | Phase::Asleep { .. } | Phase::Suspended { .. }
+    ) && !m.pinned(now)
         && m.in_flight() == 0
         && m.demand_since.is_none()
 }

@@ -55,14 +55,14 @@ pub(super) async fn sleep_level(
 }
 
 impl Runner {
-    fn event_sender(&self) -> impl Fn(Event) + Send + 'static {
+    pub(super) fn event_sender(&self) -> impl Fn(Event) + Send + 'static {
         let tx = self.tx.clone();
         move |e| {
             let _ = tx.send(Msg::Event(e, None));
         }
     }
 
-    fn op<F>(&mut self, fut: F)
+    pub(super) fn op<F>(&mut self, fut: F)
     where
         F: std::future::Future<Output = ()> + Send + 'static,
     {
@@ -192,6 +192,17 @@ impl Runner {
             Effect::ReleaseStartLock => {
                 self.lock_release.take();
             }
+            Effect::Suspend { epoch } => self.suspend(epoch),
+            Effect::Resume { epoch } => self.resume(epoch),
+            Effect::RecordSuspended { under } => {
+                if !self.record_suspended(under) {
+                    self.logs.push(
+                        "siesta",
+                        "cannot record the suspend in the state store: a restarted control \
+                         would not know the engine is suspended",
+                    );
+                }
+            }
             Effect::Timer(t) => self.timer = t,
             Effect::Log(line) => {
                 tracing::info!(model = %self.cfg.name, "{line}");
@@ -240,6 +251,8 @@ impl Runner {
             ),
             proc_gen,
             sleep_level: 0,
+            suspended: false,
+            suspended_pids: Vec::new(),
             spawned_unix_ms: self.shared.clock.now_ms(),
         };
         let old = self.proc.take();
@@ -349,7 +362,18 @@ impl Runner {
         let epoch = self.state.epoch;
         let timeout = PROBE_TIMEOUT * 2;
         let has_metric = self.cfg.engine.capabilities().activity_metric.is_some();
+        let (gate, frozen) = (self.probe_gate.clone(), self.frozen.clone());
         tokio::spawn(async move {
+            // Nothing may reach a suspended engine (a request reaching a
+            // checkpointed engine core killed it on an H200).
+            let _gate = gate.lock().await;
+            if frozen.load(std::sync::atomic::Ordering::SeqCst) {
+                let _ = tx.send(Msg::Poll {
+                    epoch,
+                    result: Ok(None),
+                });
+                return;
+            }
             let result = async {
                 // Never SGLang's /health here (it generates a token): a
                 // release may begin while this probe is on its way, and a

@@ -58,10 +58,26 @@ impl Runner {
         }
         if let Some(mut rec) = self.shared.store.engine(&self.cfg.name)
             && rec.proc_gen == self.state.proc_gen
-            && rec.sleep_level != level
+            && (rec.sleep_level != level || rec.suspended)
         {
             rec.sleep_level = level;
+            rec.suspended = false;
+            rec.suspended_pids.clear();
             self.shared.store.set_engine(&self.cfg.name, &rec);
+        }
+    }
+
+    /// Records (durably, before the helper runs) that the engine is being
+    /// suspended: a control restarted from here on adopts it as suspended.
+    /// False when it could not be recorded (then no suspend is started).
+    pub(super) fn record_suspended(&self, under: u8) -> bool {
+        match self.shared.store.engine(&self.cfg.name) {
+            Some(mut rec) if rec.proc_gen == self.state.proc_gen => {
+                rec.sleep_level = under;
+                rec.suspended = true;
+                self.shared.store.set_engine(&self.cfg.name, &rec)
+            }
+            _ => false,
         }
     }
 

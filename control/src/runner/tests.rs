@@ -15,6 +15,7 @@ fn shared(dir: &std::path::Path) -> Arc<Shared> {
         log_dir: dir.join("logs"),
         control_id: "test".into(),
         poll_every: Duration::from_secs(1),
+        cuda_checkpoint: crate::checkpoint::default_tool(),
         stop_engines_on_exit: false,
         admission: crate::admission::Admission::open(),
         engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,

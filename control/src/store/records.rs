@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 /// One model's persisted intent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IntentRecord {
-    /// "stopped", "awake" or "asleep".
+    /// "stopped", "awake", "asleep" or "suspended".
     pub desired: String,
     #[serde(default)]
     pub level: u8,
@@ -45,6 +45,7 @@ impl IntentRecord {
             Desired::Stopped => ("stopped", 0),
             Desired::Awake => ("awake", 0),
             Desired::Asleep(l) => ("asleep", l),
+            Desired::Suspended => ("suspended", 0),
         };
         Self {
             desired: desired.into(),
@@ -80,6 +81,7 @@ impl IntentRecord {
             ("stopped", _) => Desired::Stopped,
             ("awake", _) => Desired::Awake,
             ("asleep", l @ (1 | 2)) => Desired::Asleep(l),
+            ("suspended", _) => Desired::Suspended,
             _ => return,
         };
         let reason = match self.reason.as_str() {
@@ -125,6 +127,14 @@ pub struct EngineRecord {
     /// Last known sleep level (0: awake or unknown).
     #[serde(default)]
     pub sleep_level: u8,
+    /// Checkpointed (or being checkpointed) by the CUDA helper: a restarted
+    /// control adopts it as suspended and never probes it. `sleep_level`
+    /// is then the level it was asleep at underneath.
+    #[serde(default)]
+    pub suspended: bool,
+    /// The processes the suspend checkpointed (what a resume restores).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub suspended_pids: Vec<u32>,
     pub spawned_unix_ms: i64,
 }
 
@@ -141,6 +151,11 @@ pub struct CalibrationRecord {
     pub start: AverageRecord,
     pub sleep: [AverageRecord; 2],
     pub wake: [AverageRecord; 2],
+    /// CUDA checkpoint and restore (absent in records from before).
+    #[serde(default)]
+    pub suspend: AverageRecord,
+    #[serde(default)]
+    pub resume: AverageRecord,
 }
 
 fn avg_rec(a: &Average) -> AverageRecord {
@@ -163,6 +178,8 @@ impl From<&Calibration> for CalibrationRecord {
             start: avg_rec(&c.start),
             sleep: c.sleep.each_ref().map(avg_rec),
             wake: c.wake.each_ref().map(avg_rec),
+            suspend: avg_rec(&c.suspend),
+            resume: avg_rec(&c.resume),
         }
     }
 }
@@ -173,6 +190,8 @@ impl From<&CalibrationRecord> for Calibration {
             start: avg(&c.start),
             sleep: c.sleep.each_ref().map(avg),
             wake: c.wake.each_ref().map(avg),
+            suspend: avg(&c.suspend),
+            resume: avg(&c.resume),
         }
     }
 }

@@ -15,6 +15,8 @@ fn engine(pid: u32, proc_gen: u64) -> EngineRecord {
         tag: "t".into(),
         proc_gen,
         sleep_level: 0,
+        suspended: false,
+        suspended_pids: Vec::new(),
         spawned_unix_ms: 1,
     }
 }

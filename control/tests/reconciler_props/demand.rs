@@ -34,6 +34,10 @@ impl World {
             Event::SleepDone { epoch }
         } else if let Some((epoch, step)) = self.wakes.pop() {
             Event::WakeStepDone { epoch, step }
+        } else if let Some(epoch) = self.suspends.pop() {
+            Event::SuspendDone { epoch }
+        } else if let Some(epoch) = self.resumes.pop() {
+            Event::ResumeDone { epoch }
         } else {
             return Ok(false);
         };

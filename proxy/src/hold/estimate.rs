@@ -68,6 +68,12 @@ fn estimate_status(state: ModelState, s: &ModelStatus, now_ms: i64) -> Estimate 
             };
             (sl.saturating_sub(elapsed) + w, wc)
         }
+        // Held like an asleep model; a demand resumes it (CUDA restore).
+        ModelState::Suspended => measured(c.resume_ms, DEFAULT_WAKE_MS),
+        ModelState::Suspending => {
+            let (r, rc) = measured(c.resume_ms, DEFAULT_WAKE_MS);
+            (c.suspend_ms.saturating_sub(elapsed) + r, rc)
+        }
         ModelState::Starting => remaining(start),
         ModelState::Failed => {
             let until = (s.retry_at_unix_ms - now_ms).max(0) as u64;

@@ -66,6 +66,9 @@ impl Control for Svc {
     async fn sleep(&self, _: Request<SleepRequest>) -> Res<OperationResponse> {
         unimpl()
     }
+    async fn suspend(&self, _: Request<ModelRequest>) -> Res<OperationResponse> {
+        unimpl()
+    }
     async fn start(&self, _: Request<ModelRequest>) -> Res<OperationResponse> {
         unimpl()
     }

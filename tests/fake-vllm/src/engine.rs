@@ -220,6 +220,11 @@ impl Engine {
         self.memory.weights_intact()
     }
 
+    /// Every resident weight byte compared with the pattern.
+    pub fn verify_all(&self) -> Result<bool, String> {
+        self.memory.verify_all().map_err(|e| e.to_string())
+    }
+
     /// Bytes the memory backend holds on the device.
     pub fn device_bytes(&self) -> u64 {
         self.memory.device_bytes()

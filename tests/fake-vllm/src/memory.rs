@@ -64,6 +64,11 @@ pub trait Memory: Send + Sync + std::fmt::Debug {
     fn weights_intact(&self) -> bool;
     /// Bytes currently held on the device (for `/fake/stats`).
     fn device_bytes(&self) -> u64;
+    /// Reads every resident weight byte back and compares it with the pattern (`GET
+    /// /fake/verify`: after a CUDA checkpoint and restore). Default: the recorded flag.
+    fn verify_all(&self) -> Result<bool, MemoryError> {
+        Ok(self.weights_intact())
+    }
 }
 
 /// Chooses the backend: the host one unless a real-GPU backend is compiled in and

@@ -106,6 +106,29 @@ pub fn metrics(app: &App) -> Resp {
     )
 }
 
+/// `GET /fake/verify`: every resident weight byte read back and compared with the pattern
+/// (`{"intact": bool, "bytes": N, "ms": T}`; 500 when the device cannot be read).
+pub fn verify(app: &App) -> Resp {
+    let t = std::time::Instant::now();
+    match app.engine.verify_all() {
+        Ok(intact) => {
+            tracing::info!(intact, "verified every weight byte");
+            json(
+                StatusCode::OK,
+                &json!({
+                    "intact": intact,
+                    "bytes": app.engine.device_bytes(),
+                    "ms": t.elapsed().as_millis() as u64,
+                }),
+            )
+        }
+        Err(e) => json(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &json!({ "intact": false, "error": e }),
+        ),
+    }
+}
+
 /// `GET /fake/stats`: fake-only numbers for tests and benchmarks.
 pub fn stats(app: &App) -> Resp {
     let e = &app.engine;

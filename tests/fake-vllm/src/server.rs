@@ -349,6 +349,7 @@ pub(crate) async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAd
         }
         (&Method::GET, "/metrics") => metrics::metrics(&app),
         (&Method::GET, "/fake/stats") => metrics::stats(&app),
+        (&Method::GET, "/fake/verify") => metrics::verify(&app),
         (
             _,
             "/health"

@@ -191,6 +191,25 @@ impl Memory for CudaMemory {
         m.weights.is_some() && m.intact
     }
 
+    fn verify_all(&self) -> Result<bool, MemoryError> {
+        let m = self.inner.lock().unwrap();
+        let Some(w) = m.weights.as_ref() else {
+            return Ok(false);
+        };
+        let chunk = pattern(CHUNK.min(self.weight_bytes));
+        let mut at = 0;
+        while at < self.weight_bytes {
+            let n = CHUNK.min(self.weight_bytes - at);
+            let back = self.stream.clone_dtoh(&w.slice(at..at + n)).map_err(dev)?;
+            if back[..] != chunk[..n] {
+                tracing::error!(offset = at, "weights differ from the pattern");
+                return Ok(false);
+            }
+            at += n;
+        }
+        Ok(true)
+    }
+
     fn device_bytes(&self) -> u64 {
         let m = self.inner.lock().unwrap();
         m.weights.as_ref().map_or(0, |w| w.len() as u64)

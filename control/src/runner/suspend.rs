@@ -1,0 +1,156 @@
+//! The suspend tier's effects: the CUDA checkpoint helper run on the
+//! engine's CUDA processes once no probe is on its way to it, and the
+//! restore after admission finds room on its GPUs.
+
+use super::{Msg, Runner};
+use crate::checkpoint::{self, Op};
+use crate::reconciler::{Event, SUSPEND_TIMEOUT};
+use std::time::Duration;
+
+/// How long proxies take to see the new state and stop forwarding (they
+/// watch the status and report every 100 ms).
+const PROXY_SETTLE: Duration = Duration::from_millis(300);
+const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Runner {
+    /// The engine's process group (its leader's pid).
+    fn pgid(&self) -> Option<u32> {
+        self.proc.as_ref().map(|p| p.pid).or(self.state.pid)
+    }
+
+    pub(super) fn suspend(&mut self, epoch: u64) {
+        let send = self.event_sender();
+        let Some(pgid) = self.pgid() else {
+            send(Event::SuspendFailed {
+                epoch,
+                error: "no engine process to suspend".into(),
+            });
+            return;
+        };
+        let (gate, admission) = (self.probe_gate.clone(), self.shared.admission.clone());
+        let (store, tool) = (
+            self.shared.store.clone(),
+            self.shared.cuda_checkpoint.clone(),
+        );
+        let (name, client, logs) = (
+            self.cfg.name.clone(),
+            self.client.clone(),
+            self.logs.clone(),
+        );
+        let has_metric = self.cfg.engine.capabilities().activity_metric.is_some();
+        let proc_gen = self.state.proc_gen;
+        self.op(async move {
+            // A periodic probe on its way finishes first; none starts after.
+            drop(gate.lock().await);
+            tokio::time::sleep(PROXY_SETTLE).await;
+            // A request forwarded just before the proxies saw the change
+            // would reach a checkpointed engine: look once more (the
+            // engine is not locked yet, asking is safe).
+            if has_metric
+                && let Ok(m) = client.metrics(METRICS_TIMEOUT).await
+                && m.running > 0
+            {
+                let error = format!(
+                    "{} request(s) reached the engine as the suspend began",
+                    m.running
+                );
+                send(Event::SuspendFailed { epoch, error });
+                return;
+            }
+            let nvml = tokio::task::spawn_blocking(move || admission.engine_cuda_processes(pgid))
+                .await
+                .ok()
+                .flatten();
+            let (pids, bytes) = checkpoint::targets(pgid, nvml);
+            if pids.is_empty() {
+                let error = checkpoint::CheckpointError::NoProcess(pgid).to_string();
+                send(Event::SuspendFailed { epoch, error });
+                return;
+            }
+            if let (Some(need), Some(available)) = (bytes, checkpoint::mem_available())
+                && let Err(error) = checkpoint::check_host_room(need, available)
+            {
+                send(Event::SuspendFailed { epoch, error });
+                return;
+            }
+            // Which pids, durably, before the helper touches them.
+            if let Some(mut rec) = store.engine(&name)
+                && rec.proc_gen == proc_gen
+            {
+                rec.suspended_pids.clone_from(&pids);
+                store.set_engine(&name, &rec);
+            }
+            tracing::info!(model = %name, ?pids, gpu_bytes = bytes, "suspending: CUDA checkpoint");
+            match checkpoint::run(&tool, Op::Suspend, &pids, SUSPEND_TIMEOUT).await {
+                Ok(reports) => {
+                    logs.push("siesta", times_line("suspend", &reports));
+                    send(Event::SuspendDone { epoch });
+                }
+                Err(e) => send(Event::SuspendFailed {
+                    epoch,
+                    error: e.to_string(),
+                }),
+            }
+        });
+    }
+
+    pub(super) fn resume(&mut self, epoch: u64) {
+        let send = self.event_sender();
+        let Some(pgid) = self.pgid() else {
+            send(Event::ResumeFailed {
+                epoch,
+                error: "no engine process to resume".into(),
+            });
+            return;
+        };
+        let (shared, name, tx) = (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
+        let logs = self.logs.clone();
+        let timeout = self.cfg.timeouts.wake;
+        self.op(async move {
+            let waiting_tx = tx.clone();
+            let waiting = Box::new(move |w: Option<String>| {
+                let _ = waiting_tx.send(Msg::WaitingFor(w));
+            });
+            shared.admission.admit(&name, waiting).await;
+            let _ = tx.send(Msg::Event(Event::Admitted { epoch }, None));
+            let pids = shared
+                .store
+                .engine(&name)
+                .map(|r| r.suspended_pids)
+                .filter(|p| !p.is_empty())
+                .unwrap_or_else(|| checkpoint::group_pids(pgid));
+            tracing::info!(model = %name, ?pids, "resuming: CUDA restore");
+            match checkpoint::run(&shared.cuda_checkpoint, Op::Resume, &pids, timeout).await {
+                Ok(reports) => {
+                    logs.push("siesta", times_line("resume", &reports));
+                    send(Event::ResumeDone { epoch });
+                }
+                Err(e) => send(Event::ResumeFailed {
+                    epoch,
+                    error: e.to_string(),
+                }),
+            }
+        });
+    }
+}
+
+/// `suspend: pid 12 lock 3 ms checkpoint 2301 ms; ...` for the model's log.
+fn times_line(op: &str, reports: &[checkpoint::PidReport]) -> String {
+    let each: Vec<String> = reports
+        .iter()
+        .map(|r| {
+            let mut s = format!("pid {}", r.pid);
+            for (what, ms) in [
+                ("lock", r.lock_ms),
+                ("checkpoint", r.checkpoint_ms),
+                ("restore", r.restore_ms),
+            ] {
+                if let Some(ms) = ms {
+                    s.push_str(&format!(" {what} {ms} ms"));
+                }
+            }
+            s
+        })
+        .collect();
+    format!("{op}: {}", each.join("; "))
+}

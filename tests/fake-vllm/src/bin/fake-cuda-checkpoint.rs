@@ -1,0 +1,137 @@
+//! `fake-cuda-checkpoint`: a stand-in for `siesta-cuda-checkpoint` (same
+//! arguments, same JSON lines) that is as unkind as the driver: `suspend`
+//! SIGSTOPs every pid, so anything that reaches a "checkpointed" engine
+//! hangs (the real engine core dies); `resume` SIGCONTs them.
+//!
+//! Faults: when the file named by `FAKE_CUDA_CHECKPOINT_FAULTS` (in the
+//! target process's environment, else this one's) holds a line `resume`,
+//! a resume fails the way a failed restore does (the pids stay stopped);
+//! `suspend` fails a suspend (nothing is stopped); `slow` makes each
+//! command take a second (a resume long enough to see requests held).
+
+use std::io::Write;
+use std::time::Instant;
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+const FAULTS: &str = "FAKE_CUDA_CHECKPOINT_FAULTS";
+
+fn fault(pid: i32, op: &str) -> bool {
+    let from_target = std::fs::read(format!("/proc/{pid}/environ"))
+        .ok()
+        .and_then(|env| {
+            env.split(|b| *b == 0).find_map(|kv| {
+                kv.strip_prefix(format!("{FAULTS}=").as_bytes())
+                    .map(<[u8]>::to_vec)
+            })
+        })
+        .map(|v| String::from_utf8_lossy(&v).into_owned());
+    from_target
+        .or_else(|| std::env::var(FAULTS).ok())
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .is_some_and(|s| s.lines().any(|l| l.trim() == op))
+}
+
+/// `/proc/PID/stat` state letter (None: no such process).
+fn proc_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 2..].chars().next()
+}
+
+fn line(pid: i32, op: &str, ok: bool, extra: serde_json::Value) {
+    let mut v = serde_json::json!({ "pid": pid, "op": op, "ok": ok });
+    if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), extra) {
+        o.extend(e);
+    }
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}");
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((op, rest)) = args.split_first() else {
+        eprintln!("usage: fake-cuda-checkpoint suspend|resume|state PID...");
+        std::process::exit(2);
+    };
+    let pids: Vec<i32> = rest.iter().filter_map(|p| p.parse().ok()).collect();
+    if pids.first().is_some_and(|&p| fault(p, "slow")) {
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+    let mut all = true;
+    for &pid in &pids {
+        let t = Instant::now();
+        let ms = || t.elapsed().as_millis() as u64;
+        let Some(state) = proc_state(pid) else {
+            all = false;
+            line(
+                pid,
+                op,
+                false,
+                serde_json::json!({ "error": format!("pid {pid}: no such process") }),
+            );
+            continue;
+        };
+        match op.as_str() {
+            "suspend" if fault(pid, "suspend") => {
+                all = false;
+                line(
+                    pid,
+                    op,
+                    false,
+                    serde_json::json!({
+                        "error": "driver has no cuCheckpointProcessLock: needs r570+ (injected)"
+                    }),
+                );
+            }
+            "suspend" => {
+                let ok = kill(Pid::from_raw(pid), Signal::SIGSTOP).is_ok();
+                all &= ok;
+                line(
+                    pid,
+                    op,
+                    ok,
+                    serde_json::json!({
+                        "state": "checkpointed", "lock_ms": 0, "checkpoint_ms": ms()
+                    }),
+                );
+            }
+            "resume" if fault(pid, "resume") => {
+                all = false;
+                line(
+                    pid,
+                    op,
+                    false,
+                    serde_json::json!({
+                        "error": "restore failed: cuCheckpointProcessRestore(pid) failed: CUDA_ERROR_OPERATING_SYSTEM (304) (injected)"
+                    }),
+                );
+            }
+            "resume" => {
+                let ok = kill(Pid::from_raw(pid), Signal::SIGCONT).is_ok();
+                all &= ok;
+                line(
+                    pid,
+                    op,
+                    ok,
+                    serde_json::json!({
+                        "state": "running", "restore_ms": ms(), "unlock_ms": 0
+                    }),
+                );
+            }
+            "state" => {
+                let s = if state == 'T' {
+                    "checkpointed"
+                } else {
+                    "running"
+                };
+                line(pid, op, true, serde_json::json!({ "state": s }));
+            }
+            other => {
+                eprintln!("fake-cuda-checkpoint: unknown command {other:?}");
+                std::process::exit(2);
+            }
+        }
+    }
+    std::process::exit(if all { 0 } else { 1 });
+}

@@ -1,0 +1,250 @@
+//! The CUDA-suspend tier end to end, on `fake-cuda-checkpoint`: a stand-in for the
+//! checkpoint helper that is as unkind as the driver (it SIGSTOPs every process of the
+//! engine, so anything reaching a "checkpointed" engine hangs, as a real engine core dies).
+//! A model with a suspend tier reaches `suspended`, no probe or request reaches it (the
+//! kernel's queues on its port stay empty), a request through the proxy is held, resumes it
+//! and is answered 200; `siesta suspend` then `siesta wake`; a control restarted while the
+//! engine is suspended adopts it suspended; a failed restore restarts the engine and says
+//! why; a failed suspend leaves it serving.
+
+use siesta_proto::v1 as pb;
+use siesta_tests::cli::at;
+use siesta_tests::ctl::*;
+use siesta_tests::{bin_path, proc_stat, spawn_proxy};
+use std::time::Duration;
+
+/// Long enough for several of control's 1 s probe rounds.
+const SEVERAL_PROBE_ROUNDS: Duration = Duration::from_secs(3);
+
+fn suspend_config(idle: &str) -> String {
+    let model = format!(
+        r#"
+[[model]]
+name = "m"
+model = "fake/m"
+executable = "@FAKE_VLLM@"
+gpus = 0
+preload = "awake"
+env = {{ SIESTA_TEST_TAG = "@DIR@", FAKE_CUDA_CHECKPOINT_FAULTS = "@DIR@/ckpt-faults" }}
+{idle}
+"#
+    );
+    config(&model).replace(
+        "state_dir = \"@DIR@/state\"",
+        &format!(
+            "state_dir = \"@DIR@/state\"\ncuda_checkpoint = {:?}",
+            bin_path("fake-cuda-checkpoint").display().to_string()
+        ),
+    )
+}
+
+/// Every process of the engine's process group (pgid = its pid).
+fn group(pgid: u32) -> Vec<(i32, char)> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(proc_stat)
+        .filter(|s| s.pgrp == pgid as i32)
+        .map(|s| (s.pid, s.state))
+        .collect()
+}
+
+/// Bytes (or, on the listening socket, connections) queued by the kernel for the engine's
+/// port that nobody has read: something reached a frozen engine. Columns of
+/// `/proc/net/tcp`: local address, state (`08`: CLOSE_WAIT), `tx_queue:rx_queue`.
+fn queued_at(port: u16) -> u64 {
+    let mut total = 0;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let local_port = f[1]
+                .rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok());
+            if local_port != Some(port) {
+                continue;
+            }
+            let rx = f[4]
+                .split(':')
+                .nth(1)
+                .and_then(|q| u64::from_str_radix(q, 16).ok());
+            // A peer's FIN (a control that died) takes one sequence number: no data.
+            let fin = u64::from(f[3] == "08");
+            total += rx.unwrap_or(0).saturating_sub(fin);
+        }
+    }
+    total
+}
+
+fn port_of(s: &pb::ModelStatus) -> u16 {
+    endpoint(s).rsplit(':').next().unwrap().parse().unwrap()
+}
+
+async fn suspended(c: &mut Client) -> pb::ModelStatus {
+    let s = wait_state(c, "m", pb::ModelState::Suspended, LONG).await;
+    let procs = group(s.pid);
+    assert!(!procs.is_empty(), "no process in group {}", s.pid);
+    assert!(
+        procs.iter().all(|(_, st)| *st == 'T'),
+        "every process of the engine is frozen: {procs:?}"
+    );
+    s
+}
+
+fn engine_requests(stats: &serde_json::Value) -> u64 {
+    stats["requests_arrived"].as_u64().unwrap()
+}
+
+async fn stats(s: &pb::ModelStatus) -> serde_json::Value {
+    reqwest::get(format!("{}/fake/stats", endpoint(s)))
+        .await
+        .expect("fake stats")
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_suspended_engine_is_never_reached_and_a_held_request_resumes_it() {
+    let ctl = start(&suspend_config(
+        r#"idle = [ { after = "1s", action = "suspend" } ]"#,
+    ))
+    .await;
+    let mut c = ctl.client().await;
+    let awake = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
+    let (pid, port) = (awake.pid, port_of(&awake));
+    let caps = awake.capabilities.clone().expect("capabilities");
+    assert!(caps.can_suspend);
+
+    let s = suspended(&mut c).await;
+    assert_eq!(s.pid, pid);
+    assert_eq!(
+        s.intent.as_ref().map(|i| i.reason),
+        Some(pb::IntentReason::IdleTier as i32)
+    );
+    // Control keeps probing awake engines every second; a suspended one it leaves alone.
+    tokio::time::sleep(SEVERAL_PROBE_ROUNDS).await;
+    assert_eq!(
+        queued_at(port),
+        0,
+        "a probe or request reached the frozen engine"
+    );
+    let s = status(&mut c, "m").await;
+    assert_eq!(state(&s), pb::ModelState::Suspended, "{s:#?}");
+    assert!(s.last_error.is_empty(), "{s:#?}");
+
+    // A request through the proxy is held, resumes the engine (a restore that takes a
+    // second here), and is answered.
+    std::fs::write(ctl.dir.path().join("ckpt-faults"), "slow\n").unwrap();
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    proxy_ready(&proxy).await;
+    let url = proxy.url();
+    let asked = tokio::spawn(async move { try_chat(&url, "m", 4, LONG).await });
+    wait_status(
+        &mut c,
+        "m",
+        "the request held while it resumes",
+        LONG,
+        |s| s.held > 0 && state(s) == pb::ModelState::Waking,
+    )
+    .await;
+    asked.await.unwrap().expect("answered 200 after the resume");
+    let s = status(&mut c, "m").await;
+    assert_eq!(
+        (state(&s), s.pid, s.restarts),
+        (pb::ModelState::Awake, pid, 1)
+    );
+    assert!(group(pid).iter().all(|(_, st)| *st != 'T'));
+    let st = stats(&s).await;
+    assert_eq!(engine_requests(&st), 1, "{st}");
+    let cal = s.calibration.expect("calibration");
+    assert!(
+        cal.suspend_samples >= 1 && cal.resume_samples >= 1,
+        "{cal:?}"
+    );
+}
+
+#[tokio::test]
+async fn siesta_suspend_then_wake_and_a_restarted_control_adopts_it_suspended() {
+    // The stand-in freezes the engine with SIGSTOP; when control dies the engine's group
+    // would become an orphaned process group with stopped members, which the kernel sends
+    // SIGHUP (killing it). The real driver stops no process, so nothing like that happens
+    // there: this test process adopts the orphans (same session, another group) instead.
+    nix::sys::prctl::set_child_subreaper(true).expect("PR_SET_CHILD_SUBREAPER");
+    let mut ctl = start(&suspend_config("")).await;
+    let mut c = ctl.client().await;
+    let awake = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
+    let (pid, port) = (awake.pid, port_of(&awake));
+
+    at(&ctl, &["suspend", "m"]).await.ok();
+    suspended(&mut c).await;
+    at(&ctl, &["wake", "m", "--wait"]).await.ok();
+    let s = status(&mut c, "m").await;
+    assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, pid));
+    chat(&endpoint(&s), "m").await;
+
+    // Suspended, then control dies and comes back: it adopts the engine as suspended and
+    // sends it nothing.
+    at(&ctl, &["suspend", "m"]).await.ok();
+    suspended(&mut c).await;
+    ctl.restart().await;
+    let mut c = ctl.client().await;
+    let s = suspended(&mut c).await;
+    assert_eq!(s.pid, pid);
+    tokio::time::sleep(SEVERAL_PROBE_ROUNDS).await;
+    assert_eq!(
+        queued_at(port),
+        0,
+        "the adopting control reached the frozen engine"
+    );
+    let s = wake_awake(&mut c, "m").await;
+    assert_eq!((s.pid, s.restarts), (pid, 1), "resumed, not restarted");
+    chat(&endpoint(&s), "m").await;
+}
+
+#[tokio::test]
+async fn a_failed_restore_restarts_the_engine_and_a_failed_suspend_leaves_it_serving() {
+    let ctl = start(&suspend_config("")).await;
+    let faults = ctl.dir.path().join("ckpt-faults");
+    let mut c = ctl.client().await;
+    let awake = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
+
+    // The driver refuses: the engine keeps serving, and the status says why.
+    std::fs::write(&faults, "suspend\n").unwrap();
+    at(&ctl, &["suspend", "m"]).await.ok();
+    let s = wait_status(&mut c, "m", "the suspend refused", LONG, |s| {
+        s.last_error.contains("needs r570+")
+    })
+    .await;
+    assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, awake.pid));
+    assert!(
+        s.last_error
+            .contains("suspend failed, the engine keeps running"),
+        "{s:#?}"
+    );
+    chat(&endpoint(&s), "m").await;
+
+    // A restore fails: the engine is restarted and the status says why.
+    std::fs::write(&faults, "resume\n").unwrap();
+    at(&ctl, &["suspend", "m"]).await.ok();
+    suspended(&mut c).await;
+    wake(&mut c, "m", false).await;
+    let s = wait_status(&mut c, "m", "the failed restore", LONG, |s| {
+        s.last_error.contains("resume failed")
+    })
+    .await;
+    assert!(
+        s.last_error.contains("CUDA_ERROR_OPERATING_SYSTEM"),
+        "{s:#?}"
+    );
+    let s = wait_status(&mut c, "m", "a new engine", LONG, |s| {
+        state(s) == pb::ModelState::Awake && s.pid != awake.pid
+    })
+    .await;
+    assert_eq!(s.restarts, 2);
+    chat(&endpoint(&s), "m").await;
+}
