@@ -460,6 +460,9 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             m.pin = Pin::None;
             m.demand_since = None;
             set_intent(m, Desired::Asleep(level), Reason::Operator, now);
+            // Deeper tiers count from the operator's choice: an overdue one
+            // does not replace it at once.
+            m.idle_floor = now;
             retry_now(m, now);
         }
         Command::Suspend if !m.settings.kind.can(IdleAction::Suspend, m.settings.attach) => {
@@ -473,6 +476,7 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             m.pin = Pin::None;
             m.demand_since = None;
             set_intent(m, Desired::Suspended, Reason::Operator, now);
+            m.idle_floor = now;
             retry_now(m, now);
         }
         Command::Stop => {

@@ -164,3 +164,51 @@ fn a_slow_preload_counts_its_tiers_from_the_end_of_the_preload() {
     assert!(!s.has(is_wake));
     assert_eq!(s.timer(), Some(s.now + secs(20)));
 }
+
+/// Pinned awake long past every tier, then the operator asks for a level:
+/// the deeper tiers count from that command, not from the last request, so
+/// an overdue tier does not replace the operator's choice at once.
+fn pinned_for_an_hour_then(cmd: Command) -> (Sim, Instant) {
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Demand);
+    s.boot();
+    s.ev(Event::Pin(None));
+    s.advance(secs(3600));
+    assert_eq!(s.m.phase, Phase::Awake, "a pinned model stays awake");
+    let at = s.now;
+    s.ev(Event::Command(cmd));
+    (s, at)
+}
+
+#[test]
+fn an_operators_sleep_is_not_deepened_at_once_by_an_overdue_tier() {
+    // Tiers: L1 10 s, L2 20 s, stop 30 s; idle for an hour.
+    let (mut s, at) = pinned_for_an_hour_then(Command::Sleep(1));
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }), "{:?}", s.m.phase);
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+    s.advance(secs(5));
+    assert_eq!(s.m.intent.desired, Desired::Asleep(1));
+    assert_eq!(s.m.intent.reason, Reason::Operator);
+    // The next tier is L2, 20 s after the operator's command.
+    assert_eq!(s.timer(), Some(at + secs(20)));
+    s.now = at + secs(20);
+    s.ev(Event::Tick);
+    assert_eq!(s.m.intent.desired, Desired::Asleep(2));
+    assert_eq!(s.m.intent.reason, Reason::IdleTier);
+}
+
+#[test]
+fn an_operators_suspend_is_not_replaced_at_once_by_an_overdue_stop_tier() {
+    let (mut s, at) = pinned_for_an_hour_then(Command::Suspend);
+    assert!(matches!(s.m.phase, Phase::Suspending { .. }), "{:?}", s.m.phase);
+    s.ev(Event::SuspendDone { epoch: s.m.epoch });
+    assert!(matches!(s.m.phase, Phase::Suspended { .. }), "{:?}", s.m.phase);
+    s.advance(secs(1));
+    assert_eq!(s.m.intent.desired, Desired::Suspended);
+    assert_eq!(s.m.intent.reason, Reason::Operator);
+    // The stop tier (30 s) counts from the command too.
+    s.now = at + secs(30);
+    s.ev(Event::Tick);
+    assert_eq!(s.m.intent.desired, Desired::Stopped);
+}
