@@ -236,6 +236,16 @@ impl ModelConfig {
         matches!(self.launch, Launch::Attach { .. })
     }
 
+    /// A multi-GPU engine with a `suspend` idle tier: siesta starts it with
+    /// no GPU memory shared between its processes (no CUDA IPC: NCCL P2P
+    /// and cuMem off, no custom or symmetric-memory all-reduce), because
+    /// the CUDA driver cannot restore a checkpointed process that shares
+    /// device memory with another (`CUDA_ERROR_NOT_SUPPORTED`, measured on
+    /// two H200s with vLLM 0.24 TP=2). Only such an engine may be suspended.
+    pub fn checkpointable_multi_gpu(&self) -> bool {
+        self.gpus > 1 && self.idle.iter().any(|t| t.action == IdleAction::Suspend)
+    }
+
     /// "process" or "attach".
     pub fn launch_kind(&self) -> &'static str {
         if self.is_attach() {

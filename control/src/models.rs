@@ -211,6 +211,15 @@ impl Models {
                     h.cfg.engine.actions(attach)
                 )));
             }
+            Command::Suspend if h.cfg.gpus > 1 && !h.cfg.checkpointable_multi_gpu() => {
+                return Err(OpError::Refused(format!(
+                    "{} runs on {} GPUs and was started sharing GPU memory between its processes \
+                     (NCCL P2P, custom all-reduce): the CUDA driver cannot restore such a process \
+                     (CUDA_ERROR_NOT_SUPPORTED). Give it an idle tier with action = \"suspend\" \
+                     (siesta then starts it without sharing) and suspend it after its restart",
+                    before.name, h.cfg.gpus
+                )));
+            }
             Command::Sleep(_) | Command::Suspend if before.state == State::Stopped => {
                 return Err(OpError::Refused(format!(
                     "{} is stopped: start it first",

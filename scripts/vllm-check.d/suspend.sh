@@ -10,11 +10,16 @@
 #       S2 N requests at once through the proxy while suspended: held, the restore runs, all
 #          200, answers identical to the one before the suspend, the same pid (not restarted)
 #       S3 `siesta suspend` then `siesta wake --wait`: the same again
-#   s2  GPUs 0+1, TP=2 (two worker processes), preload none (after s1 is stopped):
+#   s2  GPUs 0+1, TP=2 (two worker processes), preload none (after s1 is stopped), a suspend
+#       tier (so siesta starts it sharing no GPU memory between its processes: NCCL P2P and
+#       cuMem off, no symmetric-memory all-reduce; the operator's argv adds vLLM's
+#       --disable-custom-all-reduce, as the README says for an `openai` engine):
 #       S4 started by a request; `siesta suspend`: every CUDA process of the engine is
 #          checkpointed (one per GPU), NVML shows both GPUs' share gone; a request through
 #          the proxy restores it: 200, identical answer, same pid
 #   S5 daemon shutdown: no engine process, no GPU memory left
+# Knobs: ONLY=s2 (skip s1), S2_ARGS (s2's extra `vllm serve` flags; default
+# --disable-custom-all-reduce), S2_ENV (TOML pairs for s2's env, e.g. 'NCCL_SHM_DISABLE = "1"').
 # LOCAL=1: fake-vllm (no sleep mode) is the engine and `fake-cuda-checkpoint` (SIGSTOP) the
 # helper; NVML figures print "-".
 set -uo pipefail
@@ -84,10 +89,12 @@ name = "s2"
 engine = "openai"
 model = "$MODEL"
 executable = "$EXE"
-args = $(args --tensor-parallel-size 2)
+args = $(args --tensor-parallel-size 2 ${S2_ARGS---disable-custom-all-reduce})
+${S2_ENV:+env = { $S2_ENV \}}
 gpus = 2
 gpu_memory = 0.12
 preload = "none"
+idle = [ { after = "1h", action = "suspend" } ]
 T
     if [ "$LOCAL" = 1 ]; then
         printf '\n[[gpu]]\nindex = %s\nname = "fake"\nmemory = "140GiB"\n' 0 1
@@ -124,10 +131,14 @@ max_ms() { grep -oE "$2 [0-9]+ ms" <<<"$1" | awk '$2 > m {m = $2} END {print m +
 
 # --- s1: awake, answered once (the reference answer)
 TRACK=s1
-if ! waitst s1 "$START_DEADLINE" awake; then
+if [ "${ONLY:-}" = s2 ]; then
+    result SKIP S1-S3 "ONLY=s2"
+    S stop s1 >>"$RUN/detail.txt" 2>&1
+    waitst s1 "$OP_DEADLINE" stopped
+elif ! waitst s1 "$START_DEADLINE" awake; then
     result FAIL S1-idle-suspend "s1 never awake: $WAIT_LAST"
     finish 1
-fi
+else
 preq s1
 REF=$RTXT
 keep_text before "$RTXT"
@@ -194,6 +205,7 @@ result "$(verdict $ok)" S3-cli-suspend-wake suspend_ms=$susp_ms nvml_group_mib_s
     calibration="$(S get s1 -o json 2>/dev/null | python3 "$PY" get model.calibration | tr -d ' ')"
 S stop s1 >>"$RUN/detail.txt" 2>&1
 waitst s1 "$OP_DEADLINE" stopped
+fi
 
 # --- s2: TP=2, two worker processes on two GPUs
 TRACK=s2
@@ -222,12 +234,15 @@ if [ "$NG" -ge 2 ]; then
     rline=$(op_line s2 resume)
     [ "$RS" = 200 ] && [ "$RTXT" = "$REF2" ] && [ "$(mget s2 pid)" = "$PID" ] && [ "$(mget s2 restarts)" = "$R0" ] || ok=0
     [ "$(pids_in "$sline")" -ge 2 ] || ok=0
+    # What siesta set because s2 has a suspend tier (the engine's own environment).
+    noshare=$(tr '\0' '\n' <"/proc/$PID/environ" 2>/dev/null | grep -E '^(NCCL_P2P_DISABLE|NCCL_CUMEM_ENABLE|VLLM_ALLREDUCE_USE_SYMM_MEM)=' | sort | tr '\n' ',')
+    [ "$noshare" = "NCCL_CUMEM_ENABLE=0,NCCL_P2P_DISABLE=1,VLLM_ALLREDUCE_USE_SYMM_MEM=0," ] || ok=0
     have_nvml && { [ "${susp_mib:-0}" -le $((awake_mib / 50)) ] || ok=0; }
     result "$(verdict $ok)" S4-tp2-suspend-resume status=$RS ms=$RMS identical=$([ "$RTXT" = "$REF2" ] && echo yes || echo no) \
         same_as_tp1=$([ "$RTXT" = "$REF" ] && echo yes || echo no) pid=$PID/$(mget s2 pid) \
         checkpointed_pids=$(pids_in "$sline") nvml_group_mib=awake:$awake_mib,suspended:$susp_mib \
         suspend_ms=$susp_ms checkpoint_ms=$(max_ms "$sline" checkpoint) restore_ms=$(max_ms "$rline" restore) \
-        apps_awake=$apps_awake apps_suspended=$apps_susp text=$RTXT
+        apps_awake=$apps_awake apps_suspended=$apps_susp env_set_by_siesta=$noshare text=$RTXT
 else
     result SKIP S4-tp2-suspend-resume "one GPU: tensor parallel 2 needs two"
 fi
@@ -241,11 +256,15 @@ end=$((SECONDS + 150))
 while kill -0 "$CPID" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 0.2; done
 end=$((SECONDS + 30))
 while [ "$(engines | wc -l)" -gt 0 ] && [ $SECONDS -lt $end ]; do sleep 0.5; done
+# The driver gives a dead process's memory back a few seconds later.
+end=$((SECONDS + 30))
+while have_nvml && [ "$(gpu_used_mib)" -gt $((BASE_MIB + 100)) ] && [ $SECONDS -lt $end ]; do sleep 0.5; done
 left=$(engines | wc -l)
 apps=$(compute_apps)
 ok=1
 ! kill -0 "$CPID" 2>/dev/null && [ "$left" = 0 ] || ok=0
 [ "$apps" = - ] || [ "$apps" = none ] || ok=0
+have_nvml && { [ "$(gpu_used_mib)" -le $((BASE_MIB + 100)) ] || ok=0; }
 result "$(verdict $ok)" S5-shutdown engine_processes_left=$left nvml_apps=$apps gpu_used_mib=$(gpu_used_mib) baseline_mib=$BASE_MIB
 kill_pid TERM "$(cat "$RUN/proxy.pid")" 2>/dev/null
 for w in $(cat "$RUN/watch.pids" 2>/dev/null); do kill_pid TERM "$w" 2>/dev/null; done

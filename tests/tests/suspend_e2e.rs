@@ -248,3 +248,95 @@ async fn a_failed_restore_restarts_the_engine_and_a_failed_suspend_leaves_it_ser
     assert_eq!(s.restarts, 2);
     chat(&endpoint(&s), "m").await;
 }
+
+/// `/proc/PID/environ` and `/proc/PID/cmdline` as one string each.
+fn proc_text(pid: u32, what: &str) -> String {
+    let raw = std::fs::read(format!("/proc/{pid}/{what}")).unwrap_or_default();
+    String::from_utf8_lossy(&raw).replace('\0', " ")
+}
+
+#[tokio::test]
+async fn a_tensor_parallel_engine_is_suspended_only_when_started_sharing_no_gpu_memory() {
+    // Real vLLM TP=2 on two H200s: an engine whose processes share device memory (CUDA IPC
+    // through NCCL P2P/cuMem and the custom all-reduce) is checkpointed but never restored
+    // (CUDA_ERROR_NOT_SUPPORTED). A suspend tier makes siesta start it without sharing; a
+    // suspend asked of one started with sharing is refused before anything is frozen.
+    let model = |name: &str, idle: &str| {
+        format!(
+            r#"
+[[model]]
+name = "{name}"
+model = "fake/{name}"
+executable = "@FAKE_VLLM@"
+gpus = 2
+gpu_memory = 0.2
+preload = "awake"
+env = {{ SIESTA_TEST_TAG = "@DIR@" }}
+{idle}
+"#
+        )
+    };
+    let gpus = "[[gpu]]\nindex = 0\nname = \"test-gpu\"\nmemory = \"80GiB\"\n\
+                [[gpu]]\nindex = 1\nname = \"test-gpu\"\nmemory = \"80GiB\"\n";
+    let cfg = suspend_config("").replace(
+        "[[model]]",
+        &format!(
+            "{gpus}{}{}\n[[model]]",
+            model("shared", ""),
+            model(
+                "split",
+                r#"idle = [ { after = "1h", action = "suspend" } ]"#
+            )
+        ),
+    );
+    let ctl = start(&cfg).await;
+    let mut c = ctl.client().await;
+    let shared = wait_state(&mut c, "shared", pb::ModelState::Awake, LONG).await;
+    let split = wait_state(&mut c, "split", pb::ModelState::Awake, LONG).await;
+
+    let env = proc_text(split.pid, "environ");
+    let argv = proc_text(split.pid, "cmdline");
+    for var in [
+        "NCCL_P2P_DISABLE=1",
+        "NCCL_CUMEM_ENABLE=0",
+        "VLLM_ALLREDUCE_USE_SYMM_MEM=0",
+    ] {
+        assert!(
+            env.contains(var),
+            "{var} missing from split's environment: {env}"
+        );
+    }
+    assert!(argv.contains("--tensor-parallel-size 2 "), "{argv}");
+    assert!(argv.contains("--disable-custom-all-reduce"), "{argv}");
+    let env = proc_text(shared.pid, "environ");
+    assert!(!env.contains("NCCL_CUMEM_ENABLE"), "{env}");
+
+    let refused = at(&ctl, &["suspend", "shared"]).await;
+    assert_ne!(refused.code, 0, "{refused:#?}");
+    assert!(
+        refused.stderr.contains("sharing GPU memory")
+            && refused.stderr.contains("action = \"suspend\""),
+        "{refused:#?}"
+    );
+    let s = status(&mut c, "shared").await;
+    assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, shared.pid));
+    assert!(
+        group(s.pid).iter().all(|(_, st)| *st != 'T'),
+        "nothing frozen"
+    );
+
+    // The one started without sharing: every process (API server, engine core, both
+    // workers) is checkpointed, then restored.
+    at(&ctl, &["suspend", "split"]).await.ok();
+    let s = wait_state(&mut c, "split", pb::ModelState::Suspended, LONG).await;
+    let procs = group(s.pid);
+    assert!(
+        procs.len() >= 4,
+        "API server, engine core, 2 workers: {procs:?}"
+    );
+    assert!(procs.iter().all(|(_, st)| *st == 'T'), "{procs:?}");
+    at(&ctl, &["wake", "split", "--wait"]).await.ok();
+    let s = status(&mut c, "split").await;
+    assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, split.pid));
+    chat(&endpoint(&s), "split").await;
+}

@@ -75,12 +75,41 @@ pub fn spawn_spec(cfg: &ModelConfig, port: u16, placed: &Placed) -> SpawnSpec {
         }
     }
     env.extend(placed.engine_env());
+    if cfg.checkpointable_multi_gpu() {
+        let (more_args, more_env) = no_shared_gpu_memory(cfg.engine, placed);
+        args.extend(more_args);
+        env.extend(more_env);
+    }
     env.extend(cfg.env.iter().map(|(k, v)| (k.clone(), v.clone())));
     SpawnSpec {
         program: command[0].clone(),
         args,
         env,
     }
+}
+
+/// What makes a multi-GPU engine checkpointable
+/// ([`ModelConfig::checkpointable_multi_gpu`]): no device memory shared
+/// between its processes. NCCL: no P2P transport and no cuMem (its shared
+/// memory transport then uses plain host memory); vLLM: no custom
+/// all-reduce (CUDA IPC buffers) and no symmetric-memory all-reduce. An
+/// `openai` engine gets the environment only: its own flags are the
+/// operator's (README: "Suspend").
+fn no_shared_gpu_memory(kind: EngineKind, placed: &Placed) -> (Vec<String>, Vec<(String, String)>) {
+    let mut args = Vec::new();
+    if matches!(kind, EngineKind::Vllm | EngineKind::Sglang) && !placed.p2p_disabled {
+        args.push("--disable-custom-all-reduce".to_string());
+    }
+    let mut env: Vec<(String, String)> = [
+        ("NCCL_CUMEM_ENABLE", "0"),
+        ("VLLM_ALLREDUCE_USE_SYMM_MEM", "0"),
+    ]
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .to_vec();
+    if !placed.p2p_disabled {
+        env.push(("NCCL_P2P_DISABLE".to_string(), "1".to_string()));
+    }
+    (args, env)
 }
 
 /// `sglang.launch_server` flags for the placement: `--tp-size` (above 1),
@@ -169,5 +198,97 @@ mod tests {
                 .contains(&("CUDA_VISIBLE_DEVICES".into(), "2,3".into()))
         );
         assert!(!spec.env.iter().any(|(k, _)| k == "VLLM_SERVER_DEV_MODE"));
+    }
+}
+
+#[cfg(test)]
+mod suspend_tests {
+    use super::*;
+    use crate::config::{Config, IdleAction, IdleTier};
+    use std::time::Duration;
+
+    fn two_gpus() -> Placed {
+        Placed {
+            gpus: vec![0, 1],
+            gpu_memory_utilization: 0.3,
+            p2p_disabled: false,
+        }
+    }
+
+    fn model(kind: EngineKind, gpus: u32, suspend: bool) -> ModelConfig {
+        let cfg = Config::demo(vec!["fake-vllm".into()]);
+        let mut m = cfg.models[0].clone();
+        m.engine = kind;
+        m.gpus = gpus;
+        m.idle = vec![IdleTier {
+            after: Duration::from_secs(600),
+            action: if suspend {
+                IdleAction::Suspend
+            } else {
+                IdleAction::Stop
+            },
+        }];
+        m
+    }
+
+    fn has_env(spec: &SpawnSpec, k: &str, v: &str) -> bool {
+        spec.env.contains(&(k.into(), v.into()))
+    }
+
+    #[test]
+    fn a_multi_gpu_engine_with_a_suspend_tier_shares_no_gpu_memory() {
+        let spec = spawn_spec(&model(EngineKind::Vllm, 2, true), 8000, &two_gpus());
+        let args = spec.args.join(" ");
+        assert!(args.contains("--tensor-parallel-size 2"), "{args}");
+        assert_eq!(args.matches("--disable-custom-all-reduce").count(), 1);
+        assert!(has_env(&spec, "NCCL_P2P_DISABLE", "1"));
+        assert!(has_env(&spec, "NCCL_CUMEM_ENABLE", "0"));
+        assert!(has_env(&spec, "VLLM_ALLREDUCE_USE_SYMM_MEM", "0"));
+
+        // P2P already off (a bad pair): the flag and variable once each.
+        let mut placed = two_gpus();
+        placed.p2p_disabled = true;
+        let spec = spawn_spec(&model(EngineKind::Vllm, 2, true), 8000, &placed);
+        assert_eq!(
+            spec.args
+                .join(" ")
+                .matches("--disable-custom-all-reduce")
+                .count(),
+            1
+        );
+        assert_eq!(
+            spec.env
+                .iter()
+                .filter(|(k, _)| k == "NCCL_P2P_DISABLE")
+                .count(),
+            1
+        );
+    }
+
+    #[test]
+    fn without_a_suspend_tier_or_on_one_gpu_nothing_changes() {
+        for (gpus, suspend) in [(2, false), (1, true)] {
+            let spec = spawn_spec(&model(EngineKind::Vllm, gpus, suspend), 8000, &two_gpus());
+            assert!(!spec.args.iter().any(|a| a == "--disable-custom-all-reduce"));
+            assert!(
+                !spec.env.iter().any(|(k, _)| k.starts_with("NCCL_")),
+                "{:?}",
+                spec.env
+            );
+        }
+    }
+
+    #[test]
+    fn an_openai_engine_gets_the_environment_but_never_a_flag() {
+        let mut m = model(EngineKind::Openai, 2, true);
+        m.args = vec!["--port".into(), "{port}".into()];
+        let spec = spawn_spec(&m, 8000, &two_gpus());
+        assert!(
+            !spec.args.iter().any(|a| a.starts_with("--disable")),
+            "{:?}",
+            spec.args
+        );
+        assert!(has_env(&spec, "NCCL_CUMEM_ENABLE", "0"));
+        assert!(has_env(&spec, "NCCL_P2P_DISABLE", "1"));
     }
 }

@@ -184,7 +184,11 @@ fn pinned_for_an_hour_then(cmd: Command) -> (Sim, Instant) {
 fn an_operators_sleep_is_not_deepened_at_once_by_an_overdue_tier() {
     // Tiers: L1 10 s, L2 20 s, stop 30 s; idle for an hour.
     let (mut s, at) = pinned_for_an_hour_then(Command::Sleep(1));
-    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }), "{:?}", s.m.phase);
+    assert!(
+        matches!(s.m.phase, Phase::Sleeping { level: 1, .. }),
+        "{:?}",
+        s.m.phase
+    );
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
     s.advance(secs(5));
@@ -201,9 +205,17 @@ fn an_operators_sleep_is_not_deepened_at_once_by_an_overdue_tier() {
 #[test]
 fn an_operators_suspend_is_not_replaced_at_once_by_an_overdue_stop_tier() {
     let (mut s, at) = pinned_for_an_hour_then(Command::Suspend);
-    assert!(matches!(s.m.phase, Phase::Suspending { .. }), "{:?}", s.m.phase);
+    assert!(
+        matches!(s.m.phase, Phase::Suspending { .. }),
+        "{:?}",
+        s.m.phase
+    );
     s.ev(Event::SuspendDone { epoch: s.m.epoch });
-    assert!(matches!(s.m.phase, Phase::Suspended { .. }), "{:?}", s.m.phase);
+    assert!(
+        matches!(s.m.phase, Phase::Suspended { .. }),
+        "{:?}",
+        s.m.phase
+    );
     s.advance(secs(1));
     assert_eq!(s.m.intent.desired, Desired::Suspended);
     assert_eq!(s.m.intent.reason, Reason::Operator);
