@@ -261,6 +261,7 @@ impl pb::control_server::Control for ControlService {
                 in_flight: a.in_flight,
                 held: a.held,
                 last_finished_unix_ms: a.last_finished_unix_ms,
+                fenced_since_unix_ms: a.fenced_since_unix_ms,
             })
             .collect();
         self.models.activity(&r.proxy_id, &reports);

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub(crate) mod engine;
 mod error;
+pub(crate) mod fence;
 pub mod gpu;
 pub mod gpu_view;
 pub(crate) mod hub;

@@ -3,6 +3,7 @@
 
 use crate::OpError;
 use crate::config::{Config, IdleAction, ModelConfig};
+use crate::fence::FenceReport;
 use crate::placement::{Placed, Planned, default_placement};
 use crate::reconciler::{Command, Desired, Event, Reason};
 use crate::recovery::Adopted;
@@ -23,6 +24,8 @@ pub struct Activity {
     pub in_flight: u32,
     pub held: u32,
     pub last_finished_unix_ms: i64,
+    /// See `ModelActivity.fenced_since_unix_ms`.
+    pub fenced_since_unix_ms: i64,
 }
 
 /// What a reload changed, by model name.
@@ -347,6 +350,15 @@ impl Models {
 
     /// Activity reports from a proxy (unknown models are skipped).
     pub fn activity(&self, proxy: &str, reports: &[Activity]) {
+        let fences: Vec<FenceReport> = reports
+            .iter()
+            .map(|r| FenceReport {
+                model: r.model.clone(),
+                fenced_since_unix_ms: r.fenced_since_unix_ms,
+                in_flight: r.in_flight,
+            })
+            .collect();
+        self.shared.fences.report(proxy, &fences);
         for r in reports {
             let Ok(h) = self.resolve(&r.model) else {
                 continue;

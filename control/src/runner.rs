@@ -40,6 +40,8 @@ pub struct Shared {
     pub admission: crate::admission::Admission,
     /// Idle time of pooled connections to engines (`[control] engine_idle_timeout`).
     pub engine_idle_timeout: Duration,
+    /// What every proxy confirmed it stopped forwarding (before a suspend).
+    pub fences: Arc<crate::fence::Fences>,
 }
 
 pub use crate::placement::Placed;

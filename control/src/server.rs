@@ -160,6 +160,7 @@ impl Server {
                 shutdown.child_token(),
             ),
             engine_idle_timeout: config.control.engine_idle_timeout,
+            fences: Default::default(),
         });
         let tasks = shutdown.child_token();
         let placed = gpus.placed();

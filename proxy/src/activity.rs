@@ -2,6 +2,15 @@
 //! model, in batches (one `ReportActivity` per control plane per tick, so at
 //! most about one RPC per model per 100 ms), plus endpoints that refused
 //! connections while believed awake.
+//!
+//! Fences: when the route table applies a non-serving state of a model, its
+//! counters are fenced with that state's `state_since`; the next report
+//! carries it with the in-flight count, and every forward checks the fence
+//! after counting itself in flight (both sequentially consistent), so a
+//! report that says "fenced, 0 in flight" is exact: nothing more reaches
+//! the engine from this proxy. Every control plane hears from the proxy at
+//! least every second (an empty report is a heartbeat), so control knows
+//! which proxies to wait for before a CUDA suspend.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
@@ -16,6 +25,8 @@ use crate::watch_client::Controls;
 
 /// How often batches are sent.
 pub const TICK: Duration = Duration::from_millis(100);
+/// A control plane hears from the proxy at least this often.
+const HEARTBEAT_TICKS: u32 = 10;
 /// A model with requests in flight or held but none started or finished is
 /// still reported this often, so long streams count as activity and the
 /// control plane's held count does not go stale.
@@ -34,12 +45,44 @@ pub struct ActivityCounters {
     /// Requests held for the model now, and what the last report said.
     held: AtomicU32,
     held_reported: AtomicU32,
+    /// `state_since` of the non-serving state applied (0: serving), and
+    /// what the last report said.
+    fenced_since: AtomicI64,
+    fence_reported: AtomicI64,
 }
 
 impl ActivityCounters {
+    fn new(source: SourceId, model: Arc<str>) -> Self {
+        ActivityCounters {
+            source,
+            model,
+            started: AtomicU32::new(0),
+            finished: AtomicU32::new(0),
+            in_flight: AtomicU32::new(0),
+            last_finished_unix_ms: AtomicI64::new(0),
+            quiet_ticks: AtomicU32::new(0),
+            held: AtomicU32::new(0),
+            held_reported: AtomicU32::new(0),
+            fenced_since: AtomicI64::new(0),
+            fence_reported: AtomicI64::new(0),
+        }
+    }
+
     pub fn start(&self) {
         self.started.fetch_add(1, Ordering::Relaxed);
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Fences the model at the non-serving state applied since
+    /// `since_unix_ms` (0: it serves again).
+    pub fn set_fence(&self, since_unix_ms: i64) {
+        self.fenced_since.store(since_unix_ms, Ordering::SeqCst);
+    }
+
+    /// Whether the model is fenced: a request counted in flight after this
+    /// says true must not be sent.
+    pub fn fenced(&self) -> bool {
+        self.fenced_since.load(Ordering::SeqCst) != 0
     }
 
     pub fn finish(&self) {
@@ -56,13 +99,17 @@ impl ActivityCounters {
 
     /// Takes what accumulated since the last report, if worth reporting.
     fn take(&self) -> Option<ModelActivity> {
+        // The fence before the in-flight count (see the module note).
+        let fenced_since = self.fenced_since.load(Ordering::SeqCst);
         let started = self.started.swap(0, Ordering::Relaxed);
         let finished = self.finished.swap(0, Ordering::Relaxed);
-        let in_flight = self.in_flight.load(Ordering::Relaxed);
+        let in_flight = self.in_flight.load(Ordering::SeqCst);
         let last = self.last_finished_unix_ms.swap(0, Ordering::Relaxed);
         let held = self.held.load(Ordering::Relaxed);
         let held_changed = self.held_reported.swap(held, Ordering::Relaxed) != held;
-        if started == 0 && finished == 0 && !held_changed {
+        let fence_changed =
+            self.fence_reported.swap(fenced_since, Ordering::Relaxed) != fenced_since;
+        if started == 0 && finished == 0 && !held_changed && !fence_changed {
             if in_flight == 0 && held == 0 {
                 return None;
             }
@@ -79,6 +126,7 @@ impl ActivityCounters {
             in_flight,
             last_finished_unix_ms: last,
             held,
+            fenced_since_unix_ms: fenced_since,
         })
     }
 }
@@ -104,19 +152,7 @@ impl Activity {
     pub fn counters(&self, source: &SourceId, model: &Arc<str>) -> Arc<ActivityCounters> {
         let mut map = self.counters.lock().unwrap();
         map.entry((source.clone(), model.clone()))
-            .or_insert_with(|| {
-                Arc::new(ActivityCounters {
-                    source: source.clone(),
-                    model: model.clone(),
-                    started: AtomicU32::new(0),
-                    finished: AtomicU32::new(0),
-                    in_flight: AtomicU32::new(0),
-                    last_finished_unix_ms: AtomicI64::new(0),
-                    quiet_ticks: AtomicU32::new(0),
-                    held: AtomicU32::new(0),
-                    held_reported: AtomicU32::new(0),
-                })
-            })
+            .or_insert_with(|| Arc::new(ActivityCounters::new(source.clone(), model.clone())))
             .clone()
     }
 
@@ -161,12 +197,20 @@ impl Activity {
     ) {
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut ticks: u32 = 0;
         loop {
             let last = tokio::select! {
                 _ = tick.tick() => false,
                 _ = shutdown.cancelled() => true,
             };
-            for (src, mut req) in self.drain() {
+            let mut batches = self.drain();
+            ticks = ticks.wrapping_add(1);
+            if ticks.is_multiple_of(HEARTBEAT_TICKS) {
+                for src in controls.sources() {
+                    batches.entry(src).or_default();
+                }
+            }
+            for (src, mut req) in batches {
                 let Some(mut client) = controls.client(&src) else {
                     continue;
                 };
@@ -222,5 +266,27 @@ mod tests {
         c.set_held(0);
         assert_eq!(one(&a).map(|m| m.held), Some(0));
         assert!((0..2 * IN_FLIGHT_EVERY_TICKS).all(|_| one(&a).is_none()));
+    }
+
+    /// A fence is news: reported at once with what is still in flight, and
+    /// again as that drains, so control knows when nothing can reach the
+    /// engine from this proxy.
+    #[test]
+    fn a_fence_is_reported_with_the_requests_still_in_flight() {
+        let a = Activity::default();
+        let c = a.counters(&SourceId::from("http://control"), &Arc::from("m"));
+        c.start();
+        assert_eq!(one(&a).map(|m| (m.fenced_since_unix_ms, m.in_flight)), Some((0, 1)));
+        c.set_fence(1234);
+        assert!(c.fenced());
+        let m = one(&a).expect("the fence is reported");
+        assert_eq!((m.fenced_since_unix_ms, m.in_flight), (1234, 1));
+        c.finish();
+        let m = one(&a).expect("the drain is reported");
+        assert_eq!((m.fenced_since_unix_ms, m.in_flight), (1234, 0));
+        assert!(one(&a).is_none(), "then quiet");
+        c.set_fence(0);
+        assert!(!c.fenced());
+        assert_eq!(one(&a).map(|m| m.fenced_since_unix_ms), Some(0));
     }
 }

@@ -41,6 +41,9 @@ pub enum ForwardError {
     /// The engine could not be connected to: the request was not sent, so it
     /// may go elsewhere.
     Connect(String),
+    /// The model stopped serving before the request was sent (a fence:
+    /// `activity.rs`): route it again (it is held).
+    Fenced,
     /// Anything after the request may have reached the engine.
     Other(String),
 }
@@ -229,6 +232,12 @@ impl Forwarder {
 
         let slot = self.slot(up).await;
         let guard = InFlightGuard::new(up.clone(), self.metrics.clone(), slot);
+        if up.activity.fenced() {
+            // The model stopped serving between the route lookup and now;
+            // counted in flight first, so a fence report never misses it.
+            guard.finish(false);
+            return Err(ForwardError::Fenced);
+        }
         let capture = capture_connection(&mut req);
         let sent = Instant::now();
         let mut result = self.client.request(req).await;

@@ -264,6 +264,13 @@ impl RouteTable {
             let mut endpoints = Vec::new();
             let mut aliases: Vec<String> = Vec::new();
             for (id, s) in &statuses {
+                // Forwards are checked against this fence (activity.rs).
+                let fence = if s.state() == ModelState::Awake {
+                    0
+                } else {
+                    s.state_since_unix_ms.max(1)
+                };
+                self.activity.counters(id, &name).set_fence(fence);
                 for a in &s.aliases {
                     if !aliases.contains(a) {
                         aliases.push(a.clone());

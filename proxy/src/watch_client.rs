@@ -61,6 +61,11 @@ impl Controls {
         self.clients.lock().unwrap().get(source).cloned()
     }
 
+    /// Every control plane address with a client.
+    pub fn sources(&self) -> Vec<SourceId> {
+        self.clients.lock().unwrap().keys().cloned().collect()
+    }
+
     fn connect(&self, source: &SourceId) -> Result<Client, Error> {
         let ep = Endpoint::from_shared(source.to_string())
             .map_err(|e| Error::ControlUrl {

@@ -340,3 +340,60 @@ env = {{ SIESTA_TEST_TAG = "@DIR@" }}
     assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, split.pid));
     chat(&endpoint(&s), "split").await;
 }
+
+#[tokio::test]
+async fn suspends_amid_a_stream_of_requests_never_reach_the_frozen_engine() {
+    // The stand-in kills an engine that anything reached while it was frozen and fails
+    // its restore (as a real engine core dies), so one request slipping past the proxy's
+    // fence shows as a restart. Two clients send requests one after another (with a
+    // short pause, so the engine has idle moments to be suspended in) while the operator
+    // suspends the model four times; every request must be answered.
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let ctl = start(&suspend_config("")).await;
+    let mut c = ctl.client().await;
+    let awake = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    proxy_ready(&proxy).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            let (url, stop) = (proxy.url(), stop.clone());
+            tokio::spawn(async move {
+                let mut answered = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    try_chat(&url, "m", 4, LONG)
+                        .await
+                        .expect("every request answered");
+                    answered += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                answered
+            })
+        })
+        .collect();
+    let samples = |s: &pb::ModelStatus| s.calibration.as_ref().map_or(0, |k| k.suspend_samples);
+    for round in 0..4 {
+        let before = status(&mut c, "m").await;
+        at(&ctl, &["suspend", "m"]).await;
+        wait_status(&mut c, "m", "the suspend done", LONG, |s| {
+            samples(s) > samples(&before) || s.last_error != before.last_error
+        })
+        .await;
+        let s = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
+        assert_eq!(
+            (s.pid, s.restarts),
+            (awake.pid, 1),
+            "round {round}: the engine was restarted: {s:#?}"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut answered = 0;
+    for client in clients {
+        answered += client.await.expect("client task");
+    }
+    let s = status(&mut c, "m").await;
+    assert!(samples(&s) >= 2, "suspended at least twice: {s:#?}");
+    assert!(answered > 8, "{answered} requests answered");
+    assert_eq!((s.pid, s.restarts), (awake.pid, 1), "{s:#?}");
+}

@@ -1,15 +1,14 @@
 //! The suspend tier's effects: the CUDA checkpoint helper run on the
-//! engine's CUDA processes once no probe is on its way to it, and the
+//! engine's CUDA processes once no probe is on its way to it and every
+//! proxy has confirmed it forwards nothing more to it (`fence.rs`), and the
 //! restore after admission finds room on its GPUs.
 
 use super::{Msg, Runner};
 use crate::checkpoint::{self, Op};
+use crate::fence::FENCE_TIMEOUT;
 use crate::reconciler::{Event, SUSPEND_TIMEOUT};
 use std::time::Duration;
 
-/// How long proxies take to see the new state and stop forwarding (they
-/// watch the status and report every 100 ms).
-const PROXY_SETTLE: Duration = Duration::from_millis(300);
 const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Runner {
@@ -39,10 +38,18 @@ impl Runner {
         );
         let has_metric = self.cfg.engine.capabilities().activity_metric.is_some();
         let proc_gen = self.state.proc_gen;
+        // The suspending state as published: proxies echo it once applied.
+        let since_ms = self.shared.clock.unix_ms(self.state.since);
+        let fences = self.shared.fences.clone();
         self.op(async move {
             // A periodic probe on its way finishes first; none starts after.
             drop(gate.lock().await);
-            tokio::time::sleep(PROXY_SETTLE).await;
+            // Every live proxy has applied the suspending state (it holds
+            // new requests) and has nothing in flight to the engine.
+            if let Err(error) = fences.wait_fenced(&name, since_ms, FENCE_TIMEOUT).await {
+                send(Event::SuspendFailed { epoch, error });
+                return;
+            }
             // A request forwarded just before the proxies saw the change
             // would reach a checkpointed engine: look once more (the
             // engine is not locked yet, asking is safe).

@@ -19,6 +19,7 @@ fn shared(dir: &std::path::Path) -> Arc<Shared> {
         stop_engines_on_exit: false,
         admission: crate::admission::Admission::open(),
         engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
+        fences: Default::default(),
     })
 }
 

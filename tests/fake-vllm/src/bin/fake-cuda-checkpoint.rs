@@ -8,6 +8,12 @@
 //! a resume fails the way a failed restore does (the pids stay stopped);
 //! `suspend` fails a suspend (nothing is stopped); `slow` makes each
 //! command take a second (a resume long enough to see requests held).
+//!
+//! Like the real thing, an engine that something reached while it was
+//! checkpointed is dead: a resume first looks for bytes (or connections)
+//! the kernel queued for the engine's sockets while it was frozen; if there
+//! are any, it kills the engine and fails the restore, as a real vLLM
+//! engine core died with EngineDeadError and its restore then failed.
 
 use std::io::Write;
 use std::time::Instant;
@@ -39,6 +45,46 @@ fn proc_state(pid: i32) -> Option<char> {
     stat[stat.rfind(')')? + 2..].chars().next()
 }
 
+/// Bytes and pending connections the kernel holds, unread, for the TCP
+/// sockets of `pids` (a peer's FIN, one sequence number, is not data).
+fn queued_for(pids: &[i32]) -> u64 {
+    let mut inodes = std::collections::HashSet::new();
+    for pid in pids {
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if let Ok(target) = std::fs::read_link(fd.path())
+                && let Some(inode) = target
+                    .to_str()
+                    .and_then(|t| t.strip_prefix("socket:["))
+                    .and_then(|t| t.strip_suffix(']'))
+            {
+                inodes.insert(inode.to_string());
+            }
+        }
+    }
+    let mut total = 0;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for row in text.lines().skip(1) {
+            let f: Vec<&str> = row.split_whitespace().collect();
+            if f.len() < 10 || !inodes.contains(f[9]) {
+                continue;
+            }
+            let rx = f[4]
+                .split(':')
+                .nth(1)
+                .and_then(|q| u64::from_str_radix(q, 16).ok())
+                .unwrap_or(0);
+            total += rx.saturating_sub(u64::from(f[3] == "08"));
+        }
+    }
+    total
+}
+
 fn line(pid: i32, op: &str, ok: bool, extra: serde_json::Value) {
     let mut v = serde_json::json!({ "pid": pid, "op": op, "ok": ok });
     if let (Some(o), serde_json::Value::Object(e)) = (v.as_object_mut(), extra) {
@@ -57,6 +103,25 @@ fn main() {
     let pids: Vec<i32> = rest.iter().filter_map(|p| p.parse().ok()).collect();
     if pids.first().is_some_and(|&p| fault(p, "slow")) {
         std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+    if op == "resume" {
+        let queued = queued_for(&pids);
+        if queued > 0 {
+            for &pid in &pids {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                line(
+                    pid,
+                    op,
+                    false,
+                    serde_json::json!({ "error": format!(
+                        "restore failed: cuCheckpointProcessRestore(pid) failed: \
+                         CUDA_ERROR_OPERATING_SYSTEM (304): something reached the engine while \
+                         it was checkpointed ({queued} unread bytes or connections): it died"
+                    ) }),
+                );
+            }
+            std::process::exit(1);
+        }
     }
     let mut all = true;
     for &pid in &pids {
