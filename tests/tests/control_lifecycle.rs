@@ -207,6 +207,7 @@ async fn a_model_with_requests_in_flight_is_not_put_to_sleep() {
             in_flight,
             last_finished_unix_ms: 0,
             held: 0,
+            fenced_since_unix_ms: 0,
         }],
         failures: vec![],
     };

@@ -34,6 +34,7 @@ async fn restarts_and_last_activity_survive_adoption() {
             in_flight: 0,
             last_finished_unix_ms: finished,
             held: 0,
+            fenced_since_unix_ms: 0,
         }],
         ..Default::default()
     })
