@@ -21,6 +21,8 @@ use tokio::time::Instant;
 pub const PROXY_LIVE: Duration = Duration::from_secs(5);
 /// How long a suspend waits for every proxy's confirmation.
 pub const FENCE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A daemon just started has not heard every proxy's heartbeat yet.
+pub const STARTUP_GRACE: Duration = Duration::from_secs(2);
 
 /// What one proxy last said of one model.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -45,10 +47,21 @@ pub struct FenceReport {
 }
 
 /// Every proxy's latest fences.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Fences {
     proxies: Mutex<HashMap<String, Proxy>>,
     changed: Notify,
+    started: Instant,
+}
+
+impl Default for Fences {
+    fn default() -> Self {
+        Fences {
+            proxies: Mutex::default(),
+            changed: Notify::new(),
+            started: Instant::now(),
+        }
+    }
 }
 
 impl Fences {
@@ -76,6 +89,10 @@ impl Fences {
     /// `since_unix_ms` with nothing in flight: `(proxy, why)`.
     pub fn unconfirmed(&self, model: &str, since_unix_ms: i64) -> Vec<(String, String)> {
         let now = Instant::now();
+        if now - self.started < STARTUP_GRACE {
+            let why = "not heard yet: control started less than 2 s ago".to_string();
+            return vec![("(every proxy)".to_string(), why)];
+        }
         let all = self.proxies.lock().unwrap();
         let mut out: Vec<(String, String)> = all
             .iter()
@@ -147,6 +164,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn waits_for_every_live_proxy_and_forgets_silent_ones() {
         let f = Fences::default();
+        // Just started: proxies have not had the time to say they exist.
+        assert_eq!(f.unconfirmed("m", 1000).len(), 1);
+        tokio::time::advance(STARTUP_GRACE).await;
         // No proxy: nothing can forward, nothing to wait for.
         assert_eq!(
             f.wait_fenced("m", 1000, Duration::from_secs(1)).await,
