@@ -397,3 +397,49 @@ async fn suspends_amid_a_stream_of_requests_never_reach_the_frozen_engine() {
     assert!(answered > 8, "{answered} requests answered");
     assert_eq!((s.pid, s.restarts), (awake.pid, 1), "{s:#?}");
 }
+
+#[tokio::test]
+async fn a_suspend_waits_until_every_proxy_has_stopped_forwarding() {
+    // A proxy that has not applied the suspending state could still forward a request to
+    // the engine once it is checkpointed. Freeze the proxy (SIGSTOP) so it cannot: the
+    // engine must stay un-checkpointed, `suspending`, until the proxy is back and says so.
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let ctl = start(&suspend_config("")).await;
+    let mut c = ctl.client().await;
+    let awake = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    proxy_ready(&proxy).await;
+    try_chat(&proxy.url(), "m", 4, LONG).await.expect("served");
+    // Control has heard from this proxy (its activity report).
+    wait_status(&mut c, "m", "the proxy's report", LONG, |s| {
+        s.last_activity_unix_ms > 0
+    })
+    .await;
+
+    let proxy_pid = Pid::from_raw(proxy.child.pid() as i32);
+    kill(proxy_pid, Signal::SIGSTOP).expect("SIGSTOP the proxy");
+    c.suspend(pb::ModelRequest { name: "m".into() })
+        .await
+        .expect("suspend accepted");
+    wait_state(&mut c, "m", pb::ModelState::Suspending, LONG).await;
+    // Absence can only be sampled (deliberate): a second with the proxy frozen, and the
+    // engine is still running, not checkpointed.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let s = status(&mut c, "m").await;
+    let frozen_engine = group(awake.pid).iter().any(|(_, st)| *st == 'T');
+    kill(proxy_pid, Signal::SIGCONT).expect("SIGCONT the proxy");
+    assert_eq!(state(&s), pb::ModelState::Suspending, "{s:#?}");
+    assert!(
+        !frozen_engine,
+        "checkpointed while a proxy had not confirmed"
+    );
+
+    // The proxy is back, confirms, and the suspend goes through; a request resumes it.
+    suspended(&mut c).await;
+    try_chat(&proxy.url(), "m", 4, LONG)
+        .await
+        .expect("answered after the resume");
+    let s = status(&mut c, "m").await;
+    assert_eq!((s.pid, s.restarts), (awake.pid, 1), "{s:#?}");
+}
