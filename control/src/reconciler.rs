@@ -294,6 +294,11 @@ pub enum Event {
         epoch: u64,
         error: String,
     },
+    /// A request arrived before the helper started: nothing was done, the
+    /// engine serves as before.
+    SuspendCalledOff {
+        epoch: u64,
+    },
     /// Every CUDA process of the engine is restored and unlocked.
     ResumeDone {
         epoch: u64,

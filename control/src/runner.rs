@@ -215,6 +215,7 @@ pub fn spawn_model_adopting(
         polling: false,
         probe_gate: Arc::default(),
         frozen: Arc::default(),
+        suspend_cancel: CancellationToken::new(),
         landed: None,
     };
     let task = tokio::spawn(runner.run(rx, cancel));
@@ -253,6 +254,9 @@ struct Runner {
     /// Set while the engine is suspending, suspended or resuming: a probe
     /// that got the gate late sends nothing.
     frozen: Arc<std::sync::atomic::AtomicBool>,
+    /// Cancelled when a demand arrives while a suspend waits for proxies:
+    /// the suspend is called off before the helper starts.
+    suspend_cancel: CancellationToken,
     /// A spawned engine waiting for `step` to keep it or kill it.
     landed: Option<ProcHandle>,
 }
@@ -373,6 +377,10 @@ impl Runner {
         // The intent is durable before anything is done about it.
         if effects.contains(&Effect::Persist) {
             self.persist();
+        }
+        if matches!(self.state.phase, Phase::Suspending { .. }) && self.state.demand_since.is_some()
+        {
+            self.suspend_cancel.cancel();
         }
         if self.state.epoch != epoch {
             // Results of the old epoch's operations would be ignored anyway.

@@ -347,7 +347,8 @@ async fn suspends_amid_a_stream_of_requests_never_reach_the_frozen_engine() {
     // its restore (as a real engine core dies), so one request slipping past the proxy's
     // fence shows as a restart. Two clients send requests one after another (with a
     // short pause, so the engine has idle moments to be suspended in) while the operator
-    // suspends the model four times; every request must be answered.
+    // suspends the model four times (each is checkpointed and resumed, or called off by a
+    // request held while proxies confirm); every request must be answered.
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     let ctl = start(&suspend_config("")).await;
@@ -376,11 +377,12 @@ async fn suspends_amid_a_stream_of_requests_never_reach_the_frozen_engine() {
     for round in 0..4 {
         let before = status(&mut c, "m").await;
         at(&ctl, &["suspend", "m"]).await;
-        wait_status(&mut c, "m", "the suspend done", LONG, |s| {
-            samples(s) > samples(&before) || s.last_error != before.last_error
+        // Suspended and resumed by the next request, or called off by a request that
+        // arrived while the proxy's fence was being confirmed: awake again either way.
+        let s = wait_status(&mut c, "m", "awake after the suspend", LONG, |s| {
+            state(s) == pb::ModelState::Awake && s.state_since_unix_ms > before.state_since_unix_ms
         })
         .await;
-        let s = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
         assert_eq!(
             (s.pid, s.restarts),
             (awake.pid, 1),
@@ -393,7 +395,10 @@ async fn suspends_amid_a_stream_of_requests_never_reach_the_frozen_engine() {
         answered += client.await.expect("client task");
     }
     let s = status(&mut c, "m").await;
-    assert!(samples(&s) >= 2, "suspended at least twice: {s:#?}");
+    eprintln!(
+        "{} of 4 suspends checkpointed, the others called off",
+        samples(&s)
+    );
     assert!(answered > 8, "{answered} requests answered");
     assert_eq!((s.pid, s.restarts), (awake.pid, 1), "{s:#?}");
 }
@@ -442,4 +447,46 @@ async fn a_suspend_waits_until_every_proxy_has_stopped_forwarding() {
         .expect("answered after the resume");
     let s = status(&mut c, "m").await;
     assert_eq!((s.pid, s.restarts), (awake.pid, 1), "{s:#?}");
+}
+
+#[tokio::test]
+async fn a_request_while_a_suspend_waits_for_the_proxies_calls_it_off() {
+    // Proxy `a` is frozen, so the suspend waits for it; a request through proxy `b` is
+    // held meanwhile and calls the suspend off before anything is checkpointed (cheaper
+    // than a checkpoint and a restore), with no error in the status.
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let ctl = start(&suspend_config("")).await;
+    let mut c = ctl.client().await;
+    let awake = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
+    let a = spawn_proxy(&[ctl.url()], &[]).await;
+    let b = spawn_proxy(&[ctl.url()], &[]).await;
+    proxy_ready(&a).await;
+    proxy_ready(&b).await;
+    try_chat(&a.url(), "m", 4, LONG).await.expect("served");
+    wait_status(&mut c, "m", "proxy a's report", LONG, |s| {
+        s.last_activity_unix_ms > 0
+    })
+    .await;
+
+    let a_pid = Pid::from_raw(a.child.pid() as i32);
+    kill(a_pid, Signal::SIGSTOP).expect("SIGSTOP proxy a");
+    c.suspend(pb::ModelRequest { name: "m".into() })
+        .await
+        .expect("suspend accepted");
+    wait_state(&mut c, "m", pb::ModelState::Suspending, LONG).await;
+    let answered = try_chat(&b.url(), "m", 4, LONG).await;
+    let s = status(&mut c, "m").await;
+    let frozen_engine = group(awake.pid).iter().any(|(_, st)| *st == 'T');
+    kill(a_pid, Signal::SIGCONT).expect("SIGCONT proxy a");
+    answered.expect("the held request answered");
+    assert_eq!(
+        (state(&s), s.pid, s.restarts),
+        (pb::ModelState::Awake, awake.pid, 1),
+        "{s:#?}"
+    );
+    assert!(!frozen_engine);
+    assert!(s.last_error.is_empty(), "{s:#?}");
+    let cal = s.calibration.expect("calibration");
+    assert_eq!(cal.suspend_samples, 0, "no checkpoint was made: {cal:?}");
 }

@@ -347,6 +347,18 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 set_phase(m, Phase::Suspended { under }, now);
             }
         }
+        Event::SuspendCalledOff { epoch: e } if e == epoch => {
+            if let Phase::Suspending { under, .. } = m.phase {
+                fx.push(Effect::Log(
+                    "suspend called off: a request arrived before the checkpoint began".into(),
+                ));
+                if under == 0 {
+                    become_awake(m, now);
+                } else {
+                    set_phase(m, Phase::Asleep { level: under }, now);
+                }
+            }
+        }
         Event::SuspendFailed { epoch: e, error } if e == epoch => {
             if let Phase::Suspending { under, .. } = m.phase {
                 // The helper put back what it did: the engine runs as before.
@@ -411,6 +423,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         }
         Event::Tick => deadlines(m, now, fx),
         Event::SuspendDone { .. }
+        | Event::SuspendCalledOff { .. }
         | Event::SuspendFailed { .. }
         | Event::ResumeDone { .. }
         | Event::ResumeFailed { .. } => {}

@@ -41,12 +41,24 @@ impl Runner {
         // The suspending state as published: proxies echo it once applied.
         let since_ms = self.shared.clock.unix_ms(self.state.since);
         let fences = self.shared.fences.clone();
+        self.suspend_cancel = tokio_util::sync::CancellationToken::new();
+        let cancel = self.suspend_cancel.clone();
         self.op(async move {
             // A periodic probe on its way finishes first; none starts after.
             drop(gate.lock().await);
             // Every live proxy has applied the suspending state (it holds
-            // new requests) and has nothing in flight to the engine.
-            if let Err(error) = fences.wait_fenced(&name, since_ms, FENCE_TIMEOUT).await {
+            // new requests) and has nothing in flight to the engine. A
+            // request held meanwhile calls the suspend off: cheaper than a
+            // checkpoint and a restore.
+            let fenced = tokio::select! {
+                r = fences.wait_fenced(&name, since_ms, FENCE_TIMEOUT) => r,
+                () = cancel.cancelled() => Err(String::new()),
+            };
+            if cancel.is_cancelled() {
+                send(Event::SuspendCalledOff { epoch });
+                return;
+            }
+            if let Err(error) = fenced {
                 send(Event::SuspendFailed { epoch, error });
                 return;
             }

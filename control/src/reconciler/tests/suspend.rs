@@ -257,3 +257,18 @@ fn a_stop_of_a_suspended_engine_signals_it_and_a_restart_adopts_it_suspended() {
     assert_eq!(m.phase, Phase::Suspended { under: 0 });
     assert!(!touches_engine(&fx), "{fx:?}");
 }
+
+#[test]
+fn a_suspend_called_off_by_a_demand_leaves_it_serving_without_an_error() {
+    let mut s = sim_suspend_tier(false);
+    s.advance(secs(10));
+    assert!(suspends(&s.fx), "{:?}", s.fx);
+    assert!(matches!(s.m.phase, Phase::Suspending { .. }));
+    s.ev(Event::Demand);
+    s.ev(Event::SuspendCalledOff { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert_eq!(s.m.intent.desired, Desired::Awake);
+    assert_eq!(s.m.last_error, None, "not an error: nothing was done");
+    // The idle clock counts from here: the tier is 10 s away again.
+    assert_eq!(s.timer(), Some(s.now + secs(10)));
+}
