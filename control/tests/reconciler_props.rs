@@ -330,6 +330,9 @@ impl World {
                 let epoch = take(&mut self.suspends, sel)?;
                 if ok {
                     Event::SuspendDone { epoch }
+                } else if sel % 2 == 1 {
+                    // A demand held while proxies confirmed.
+                    Event::SuspendCalledOff { epoch }
                 } else {
                     Event::SuspendFailed {
                         epoch,
