@@ -6,6 +6,9 @@
 //! With an encoder set ([`Hub::set_encoder`]), every published item is
 //! encoded once, as it is published, and every gRPC subscriber sends those
 //! same shared bytes ([`WatchItem::wire`]) instead of encoding it again.
+//! The hub also keeps each model's status, the GPU list and the placement
+//! encoded, so a snapshot or a `ListModels` answer at 1,000 models is a
+//! concatenation of kept bytes, not 1,000 conversions ([`Hub::models_wire`]).
 
 use crate::gpu_view::{GpuList, PlacementReport};
 use crate::status::{Clock, ModelStatus};
@@ -27,10 +30,22 @@ pub enum Body {
 /// The whole picture at a revision.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
-    pub models: Vec<ModelStatus>,
+    pub models: Vec<Arc<ModelStatus>>,
     pub gpus: Option<Arc<GpuList>>,
     pub placement: Option<Arc<PlacementReport>>,
     pub resync: bool,
+    /// The same parts already encoded (with an encoder set).
+    pub wire: Option<SnapshotWire>,
+}
+
+/// A snapshot's parts in their wire form, kept by the hub as they were
+/// published: each model (in the order of [`Snapshot::models`]), the GPU
+/// list and the placement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotWire {
+    pub models: Vec<Bytes>,
+    pub gpus: Option<Bytes>,
+    pub placement: Option<Bytes>,
 }
 
 /// One Watch message.
@@ -64,8 +79,18 @@ impl WatchItem {
     }
 }
 
-/// Turns an item into its wire form (the daemon's gRPC encoding).
-pub struct Encoder(Box<dyn Fn(&WatchItem) -> Bytes + Send + Sync>);
+/// The wire form of the hub's values (the daemon's gRPC encoding).
+pub trait Wire: Send + Sync {
+    /// A whole message. `part` is the body already encoded by [`Wire::model`],
+    /// [`Wire::gpus`] or [`Wire::placement`] for such an event; a snapshot
+    /// carries its parts in [`Snapshot::wire`].
+    fn item(&self, item: &WatchItem, part: Option<&Bytes>) -> Bytes;
+    fn model(&self, status: &ModelStatus) -> Bytes;
+    fn gpus(&self, gpus: &GpuList) -> Bytes;
+    fn placement(&self, placement: &PlacementReport) -> Bytes;
+}
+
+struct Encoder(Box<dyn Wire>);
 
 impl std::fmt::Debug for Encoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -77,9 +102,14 @@ impl std::fmt::Debug for Encoder {
 struct Inner {
     revision: u64,
     history: VecDeque<Arc<WatchItem>>,
-    models: BTreeMap<String, ModelStatus>,
+    models: BTreeMap<String, Arc<ModelStatus>>,
     gpus: Option<Arc<GpuList>>,
     placement: Option<Arc<PlacementReport>>,
+    /// With an encoder: every model's status, the GPUs and the placement
+    /// encoded, as last published.
+    models_wire: BTreeMap<String, Bytes>,
+    gpus_wire: Option<Bytes>,
+    placement_wire: Option<Bytes>,
     subscribers: Vec<mpsc::Sender<Arc<WatchItem>>>,
     closed: bool,
 }
@@ -130,6 +160,9 @@ impl Hub {
                 models: BTreeMap::new(),
                 gpus: None,
                 placement: None,
+                models_wire: BTreeMap::new(),
+                gpus_wire: None,
+                placement_wire: None,
                 subscribers: Vec::new(),
                 closed: false,
             }),
@@ -140,25 +173,45 @@ impl Hub {
         })
     }
 
-    /// Sets how items are encoded for the wire (once; later calls are
-    /// ignored). From then on every published item is encoded at publish.
-    pub fn set_encoder(&self, f: impl Fn(&WatchItem) -> Bytes + Send + Sync + 'static) {
-        let _ = self.encoder.set(Encoder(Box::new(f)));
+    /// Sets how values are encoded for the wire (once, before anything is
+    /// published; later calls are ignored). From then on every published
+    /// item is encoded at publish.
+    pub fn set_encoder(&self, wire: impl Wire + 'static) {
+        let _ = self.encoder.set(Encoder(Box::new(wire)));
+    }
+
+    fn enc(&self) -> Option<&dyn Wire> {
+        self.encoder.get().map(|e| &*e.0)
     }
 
     /// The item's wire form: the bytes made at publish, shared by every
     /// subscriber (a snapshot, made per subscriber, is encoded on first
-    /// use). `None` when no encoder is set.
+    /// use, from the parts the hub keeps encoded). `None` when no encoder
+    /// is set.
     pub fn wire(&self, item: &WatchItem) -> Option<Bytes> {
-        let enc = self.encoder.get()?;
-        Some(item.wire.get_or_init(|| (enc.0)(item)).clone())
+        let enc = self.enc()?;
+        Some(item.wire.get_or_init(|| enc.item(item, None)).clone())
     }
 
-    fn publish(&self, inner: &mut Inner, body: Body) -> u64 {
+    /// Every model's encoded status (by name) and the revision they are
+    /// consistent with; `None` when no encoder is set (or it was set after
+    /// models were published).
+    pub fn models_wire(&self) -> Option<(Vec<Bytes>, u64)> {
+        let inner = self.inner.lock().unwrap();
+        self.enc()?;
+        (inner.models_wire.len() == inner.models.len()).then(|| {
+            (
+                inner.models_wire.values().cloned().collect(),
+                inner.revision,
+            )
+        })
+    }
+
+    fn publish(&self, inner: &mut Inner, body: Body, part: Option<&Bytes>) -> u64 {
         inner.revision += 1;
         let item = WatchItem::new(inner.revision, self.clock.now_ms(), body);
-        if let Some(enc) = self.encoder.get() {
-            let _ = item.wire.set((enc.0)(&item));
+        if let Some(enc) = self.enc() {
+            let _ = item.wire.set(enc.item(&item, part));
         }
         let item = Arc::new(item);
         if inner.history.len() == self.history_cap {
@@ -176,42 +229,56 @@ impl Hub {
     /// Publishes a model's status if it differs from the last one.
     pub fn publish_model(&self, status: ModelStatus) {
         let mut inner = self.inner.lock().unwrap();
-        if inner.closed || inner.models.get(&status.name) == Some(&status) {
+        if inner.closed || inner.models.get(&status.name).map(|s| &**s) == Some(&status) {
             return;
         }
-        inner.models.insert(status.name.clone(), status.clone());
-        self.publish(&mut inner, Body::Model(Box::new(status)));
+        let part = self.enc().map(|enc| enc.model(&status));
+        if let Some(part) = &part {
+            inner.models_wire.insert(status.name.clone(), part.clone());
+        }
+        inner
+            .models
+            .insert(status.name.clone(), Arc::new(status.clone()));
+        self.publish(&mut inner, Body::Model(Box::new(status)), part.as_ref());
     }
 
     pub fn remove_model(&self, name: &str) {
         let mut inner = self.inner.lock().unwrap();
         if inner.models.remove(name).is_some() {
-            self.publish(&mut inner, Body::ModelRemoved(name.to_string()));
+            inner.models_wire.remove(name);
+            self.publish(&mut inner, Body::ModelRemoved(name.to_string()), None);
         }
     }
 
     pub fn set_gpus(&self, gpus: GpuList) {
         let mut inner = self.inner.lock().unwrap();
         if inner.gpus.as_deref() != Some(&gpus) {
+            inner.gpus_wire = self.enc().map(|enc| enc.gpus(&gpus));
+            let part = inner.gpus_wire.clone();
             let gpus = Arc::new(gpus);
             inner.gpus = Some(gpus.clone());
-            self.publish(&mut inner, Body::Gpus(gpus));
+            self.publish(&mut inner, Body::Gpus(gpus), part.as_ref());
         }
     }
 
     pub fn set_placement(&self, placement: PlacementReport) {
         let mut inner = self.inner.lock().unwrap();
         if inner.placement.as_deref() != Some(&placement) {
+            inner.placement_wire = self.enc().map(|enc| enc.placement(&placement));
+            let part = inner.placement_wire.clone();
             let p = Arc::new(placement);
             inner.placement = Some(p.clone());
-            self.publish(&mut inner, Body::Placement(p));
+            self.publish(&mut inner, Body::Placement(p), part.as_ref());
         }
     }
 
     /// Current statuses and the revision they are consistent with.
     pub fn models(&self) -> (Vec<ModelStatus>, u64) {
         let inner = self.inner.lock().unwrap();
-        (inner.models.values().cloned().collect(), inner.revision)
+        (
+            inner.models.values().map(|s| (**s).clone()).collect(),
+            inner.revision,
+        )
     }
 
     pub fn revision(&self) -> u64 {
@@ -249,6 +316,17 @@ impl Hub {
                 .collect(),
             _ => {
                 let resync = resync || since.is_some();
+                // The parts as kept, when every one is (an encoder set
+                // after models were published leaves some out).
+                let wire = (self.enc().is_some()
+                    && inner.models_wire.len() == inner.models.len()
+                    && inner.gpus_wire.is_some() == inner.gpus.is_some()
+                    && inner.placement_wire.is_some() == inner.placement.is_some())
+                .then(|| SnapshotWire {
+                    models: inner.models_wire.values().cloned().collect(),
+                    gpus: inner.gpus_wire.clone(),
+                    placement: inner.placement_wire.clone(),
+                });
                 VecDeque::from([Arc::new(WatchItem::new(
                     inner.revision,
                     self.clock.now_ms(),
@@ -257,6 +335,7 @@ impl Hub {
                         gpus: inner.gpus.clone(),
                         placement: inner.placement.clone(),
                         resync,
+                        wire,
                     }),
                 ))])
             }

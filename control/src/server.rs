@@ -120,6 +120,8 @@ impl Server {
         } = self;
         // Before anything starts, so a failure leaves nothing running.
         let hup = siesta_signal::reload_signal()?;
+        // Watch streams on threads of their own (see grpc.rs).
+        let watch_rt = WatchRuntime::from_env()?;
         let state_dir = config.control.state_dir.clone();
         let clock = Clock::new();
         let hub = Hub::new(clock, 4096, 1024);
@@ -220,13 +222,11 @@ impl Server {
         let routes = tonic::service::Routes::new(health_service)
             .add_service(reflection)
             .add_service(control);
-        // Watch streams on threads of their own (see grpc.rs).
-        let watch_rt = WatchRuntime::start().map_err(Error::Startup)?;
         tracing::info!(addr = %local_addr, models = config.models.len(), origin = %config.origin, "serving");
         grpc::serve(
             listener,
             routes,
-            grpc::Exec::new(watch_rt.handle()),
+            grpc::Exec::new(watch_rt.as_ref().map(WatchRuntime::handle)),
             tasks.clone(),
         )
         .await;

@@ -155,10 +155,24 @@ async fn each_event_is_encoded_once_and_shared() {
     let hub = Hub::new(Clock::new(), 100, 16);
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
-    hub.set_encoder(move |item| {
-        counted.fetch_add(1, Ordering::SeqCst);
-        Bytes::from(format!("rev {}", item.revision))
-    });
+    /// Counts whole-message encodings.
+    struct Counting(Arc<AtomicUsize>);
+    impl Wire for Counting {
+        fn item(&self, item: &WatchItem, _: Option<&Bytes>) -> Bytes {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Bytes::from(format!("rev {}", item.revision))
+        }
+        fn model(&self, s: &ModelStatus) -> Bytes {
+            Bytes::from(s.name.clone())
+        }
+        fn gpus(&self, _: &GpuList) -> Bytes {
+            Bytes::new()
+        }
+        fn placement(&self, _: &PlacementReport) -> Bytes {
+            Bytes::new()
+        }
+    }
+    hub.set_encoder(Counting(counted));
     let mut subs: Vec<_> = (0..5).map(|_| hub.subscribe(0).unwrap()).collect();
     let snapshots =
         Vec::from_iter(futures::future::join_all(subs.iter_mut().map(|s| s.next())).await);

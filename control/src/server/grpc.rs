@@ -49,11 +49,32 @@ pub struct WatchRuntime {
     handle: Handle,
 }
 
+/// `SIESTA_WATCH_THREADS`: the watch runtime's threads; `0` runs the
+/// `Watch` streams on the daemon's runtime like every other request.
+pub const THREADS_ENV: &str = "SIESTA_WATCH_THREADS";
+
 impl WatchRuntime {
-    pub fn start() -> std::io::Result<WatchRuntime> {
-        // Half the cores (at least one): the fan-out never takes every
-        // core from the reconcilers and the unary RPCs.
-        let threads = std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1));
+    /// Half the cores (at least one; the fan-out never takes every core
+    /// from the reconcilers and the unary RPCs), or [`THREADS_ENV`].
+    /// `None` when that is 0.
+    pub fn from_env() -> Result<Option<WatchRuntime>, crate::Error> {
+        let threads = match std::env::var(THREADS_ENV) {
+            Ok(v) => v.trim().parse::<usize>().map_err(|e| {
+                crate::Error::Startup(std::io::Error::other(format!(
+                    "{THREADS_ENV}={v:?}: not a number of threads: {e}"
+                )))
+            })?,
+            Err(_) => std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1)),
+        };
+        if threads == 0 {
+            return Ok(None);
+        }
+        WatchRuntime::start(threads)
+            .map(Some)
+            .map_err(crate::Error::Startup)
+    }
+
+    pub fn start(threads: usize) -> std::io::Result<WatchRuntime> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads)
             .thread_name("siesta-watch")
@@ -84,12 +105,13 @@ impl Drop for WatchRuntime {
 /// the runtime of the connection (the daemon's).
 #[derive(Debug, Clone)]
 pub struct Exec {
-    watch: Handle,
+    watch: Option<Handle>,
     watch_streams: Arc<AtomicU64>,
 }
 
 impl Exec {
-    pub fn new(watch: Handle) -> Exec {
+    /// `None`: every stream on the connection's runtime.
+    pub fn new(watch: Option<Handle>) -> Exec {
         Exec {
             watch,
             watch_streams: Arc::default(),
@@ -109,11 +131,15 @@ where
     F::Output: Send + 'static,
 {
     fn execute(&self, fut: F) {
-        if NEXT_IS_WATCH.with(|w| w.replace(false)) {
-            self.watch_streams.fetch_add(1, Ordering::Relaxed);
-            self.watch.spawn(fut);
-        } else {
-            tokio::spawn(fut);
+        let is_watch = NEXT_IS_WATCH.with(|w| w.replace(false));
+        match &self.watch {
+            Some(watch) if is_watch => {
+                self.watch_streams.fetch_add(1, Ordering::Relaxed);
+                watch.spawn(fut);
+            }
+            _ => {
+                tokio::spawn(fut);
+            }
         }
     }
 }
@@ -140,12 +166,7 @@ where
 /// concurrent streams: the settings tonic's `Server` used) until
 /// `shutdown`; then stops accepting, asks every connection to finish
 /// (GOAWAY) and waits until they have.
-pub async fn serve(
-    listener: TcpListener,
-    routes: Routes,
-    exec: Exec,
-    shutdown: CancellationToken,
-) {
+pub async fn serve(listener: TcpListener, routes: Routes, exec: Exec, shutdown: CancellationToken) {
     let mut builder = hyper::server::conn::http2::Builder::new(exec);
     builder
         .timer(TokioTimer::new())

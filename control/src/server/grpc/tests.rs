@@ -54,8 +54,8 @@ async fn request(addr: std::net::SocketAddr, path: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_streams_run_on_the_watch_runtime_and_the_rest_do_not() {
-    let rt = WatchRuntime::start().unwrap();
-    let exec = Exec::new(rt.handle());
+    let rt = WatchRuntime::start(1).unwrap();
+    let exec = Exec::new(Some(rt.handle()));
     let seen = Where::default();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -73,7 +73,11 @@ async fn watch_streams_run_on_the_watch_runtime_and_the_rest_do_not() {
     assert_eq!(seen.len(), 3, "{seen:?}");
     for (path, thread) in &seen {
         let on_watch = thread == "siesta-watch";
-        assert_eq!(on_watch, path == WATCH_PATH, "{path} ran on thread {thread:?}");
+        assert_eq!(
+            on_watch,
+            path == WATCH_PATH,
+            "{path} ran on thread {thread:?}"
+        );
     }
     assert_eq!(exec.watch_streams(), 2);
     stop.cancel();
@@ -85,22 +89,24 @@ async fn watch_streams_run_on_the_watch_runtime_and_the_rest_do_not() {
 
 #[tokio::test]
 async fn shutdown_ends_serving_with_a_connection_open() {
-    let rt = WatchRuntime::start().unwrap();
+    let rt = WatchRuntime::start(1).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
     let served = tokio::spawn(serve(
         listener,
         Routes::new(Where::default()),
-        Exec::new(rt.handle()),
+        Exec::new(Some(rt.handle())),
         stop.clone(),
     ));
     // An idle HTTP/2 connection, as a client between calls holds one.
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (_send, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-            .await
-            .unwrap();
+    let (_send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
     let client = tokio::spawn(conn);
     request(addr, "/siesta.v1.Control/GetModel").await;
     stop.cancel();
