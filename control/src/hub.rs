@@ -110,8 +110,17 @@ struct Inner {
     models_wire: BTreeMap<String, Bytes>,
     gpus_wire: Option<Bytes>,
     placement_wire: Option<Bytes>,
-    subscribers: Vec<mpsc::Sender<Arc<WatchItem>>>,
+    subscribers: Vec<Sub>,
+    /// The last revision handed to the subscribers (see fan_out.rs).
+    fanned: u64,
     closed: bool,
+}
+
+/// A subscriber's channel and the first revision it still needs.
+#[derive(Debug)]
+struct Sub {
+    tx: mpsc::Sender<Arc<WatchItem>>,
+    next: u64,
 }
 
 /// Shared by every model task and every Watch stream.
@@ -122,6 +131,8 @@ pub struct Hub {
     channel_cap: usize,
     clock: Clock,
     encoder: OnceLock<Encoder>,
+    /// Set by [`Hub::spawn_fan_out`]: `publish` only wakes the fan-out task.
+    fan_out: OnceLock<Arc<tokio::sync::Notify>>,
 }
 
 /// One subscriber: catch-up items first, then the live channel; resynced
@@ -164,12 +175,14 @@ impl Hub {
                 gpus_wire: None,
                 placement_wire: None,
                 subscribers: Vec::new(),
+                fanned: 0,
                 closed: false,
             }),
             history_cap: history_cap.max(1),
             channel_cap: channel_cap.max(1),
             clock,
             encoder: OnceLock::new(),
+            fan_out: OnceLock::new(),
         })
     }
 
@@ -218,11 +231,14 @@ impl Hub {
             inner.history.pop_front();
         }
         inner.history.push_back(item.clone());
-        // A full or closed channel drops the subscriber; a full one then
-        // resyncs from a snapshot when it has drained what it holds.
-        inner
-            .subscribers
-            .retain(|tx| tx.try_send(item.clone()).is_ok());
+        match self.fan_out.get() {
+            // The fan-out task hands it to every subscriber.
+            Some(wake) => wake.notify_one(),
+            None => {
+                inner.fanned = inner.revision;
+                send(&mut inner.subscribers, std::slice::from_ref(&item));
+            }
+        }
         inner.revision
     }
 
@@ -290,6 +306,9 @@ impl Hub {
         let mut inner = self.inner.lock().unwrap();
         inner.closed = true;
         inner.subscribers.clear();
+        if let Some(wake) = self.fan_out.get() {
+            wake.notify_one();
+        }
     }
 
     /// Subscribes: `since_revision` 0 starts with a snapshot; otherwise the
@@ -341,7 +360,9 @@ impl Hub {
             }
         };
         let (tx, rx) = mpsc::channel(self.channel_cap);
-        inner.subscribers.push(tx);
+        // Everything up to now is in the snapshot or in `pending`.
+        let next = inner.revision + 1;
+        inner.subscribers.push(Sub { tx, next });
         Some(Subscription {
             hub: self.clone(),
             pending,
@@ -349,6 +370,9 @@ impl Hub {
         })
     }
 }
+
+mod fan_out;
+use fan_out::send;
 
 #[cfg(test)]
 mod tests;

@@ -125,6 +125,13 @@ impl Server {
         let state_dir = config.control.state_dir.clone();
         let clock = Clock::new();
         let hub = Hub::new(clock, 4096, 1024);
+        // Items reach the subscribers through one task, next to the Watch
+        // streams, not from inside each publishing reconciler.
+        hub.spawn_fan_out(
+            &watch_rt
+                .as_ref()
+                .map_or_else(tokio::runtime::Handle::current, WatchRuntime::handle),
+        );
         // Every Watch event is encoded once, as it is published.
         crate::api::watch::install_encoder(&hub, config.control.control_id.clone());
         let cfg = config.clone();
