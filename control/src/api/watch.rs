@@ -131,19 +131,23 @@ impl WatchSvc {
         tracing::debug!(client = %r.client_id, since = r.since_revision, "watch");
         let hub = self.hub.clone();
         let control_id = self.control_id.clone();
-        let cancel = self.cancel.clone();
-        let stream = futures::stream::unfold((sub, cancel), move |(mut sub, cancel)| {
+        // One wait for cancellation per stream, kept across items: a new
+        // `cancelled()` per item would register with the token's shared
+        // waiter list (one lock for every stream) on every event.
+        let cancelled = Box::pin(self.cancel.clone().cancelled_owned());
+        let stream = futures::stream::unfold((sub, cancelled), move |(mut sub, mut cancelled)| {
             let hub = hub.clone();
             let control_id = control_id.clone();
             async move {
                 let item = tokio::select! {
-                    _ = cancel.cancelled() => None,
+                    biased;
+                    _ = &mut cancelled => None,
                     item = sub.next() => item,
                 }?;
                 let bytes = hub
                     .wire(&item)
                     .unwrap_or_else(|| encode(&item, &control_id));
-                Some((Ok(bytes), (sub, cancel)))
+                Some((Ok(bytes), (sub, cancelled)))
             }
         });
         Ok(Box::pin(stream))
