@@ -1,7 +1,8 @@
 //! Serves the gRPC routes over HTTP/2 with hyper directly (in place of
 //! tonic's `Server`) so that each stream's task can be placed: `Watch`
-//! streams run on a runtime of their own (threads named `siesta-watch`),
-//! every other request on the daemon's runtime.
+//! streams, and `ListModels` (also answered from the hub's kept bytes),
+//! run on a runtime of their own (threads named `siesta-watch`), every
+//! other request on the daemon's runtime.
 //!
 //! Why: hyper drives each HTTP/2 stream's response in its own task. With
 //! 1,000 subscribers one event wakes 1,000 stream tasks; on the daemon's
@@ -9,7 +10,9 @@
 //! (`Sleep`, `GetModel`, `Demand`), so every state transition waited for
 //! the fan-out. On their own threads the operating system's scheduler
 //! runs a waking reconciler or RPC next to (or before) the fan-out, not
-//! after it. Messages, order and resync semantics are unchanged: only
+//! after it. The other way round too: at 1,000 models the reconcilers'
+//! once-a-second engine polls come in bursts, and a `ListModels` answered
+//! on the daemon's runtime waited behind them. Messages, order and resync semantics are unchanged: only
 //! where the stream tasks run.
 //!
 //! How a stream is placed: hyper calls the service ([`Place::call`]) and
@@ -33,7 +36,7 @@ use tokio_util::task::TaskTracker;
 use tonic::codegen::http;
 use tonic::service::Routes;
 
-use crate::api::watch::WATCH_PATH;
+use crate::api::watch::{LIST_MODELS_PATH, WATCH_PATH};
 
 thread_local! {
     /// Set by [`Place::call`] for a `Watch` request, taken by the
@@ -157,7 +160,8 @@ where
     type Future = S::Future;
 
     fn call(&self, req: http::Request<Incoming>) -> S::Future {
-        NEXT_IS_WATCH.with(|w| w.set(req.uri().path() == WATCH_PATH));
+        let path = req.uri().path();
+        NEXT_IS_WATCH.with(|w| w.set(path == WATCH_PATH || path == LIST_MODELS_PATH));
         self.0.call(req)
     }
 }

@@ -53,7 +53,7 @@ async fn request(addr: std::net::SocketAddr, path: &str) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn watch_streams_run_on_the_watch_runtime_and_the_rest_do_not() {
+async fn watch_and_list_models_run_on_the_watch_runtime_and_the_rest_do_not() {
     let rt = WatchRuntime::start(1).unwrap();
     let exec = Exec::new(Some(rt.handle()));
     let seen = Where::default();
@@ -68,18 +68,17 @@ async fn watch_streams_run_on_the_watch_runtime_and_the_rest_do_not() {
     ));
     request(addr, WATCH_PATH).await;
     request(addr, "/siesta.v1.Control/GetModel").await;
+    request(addr, LIST_MODELS_PATH).await;
+    request(addr, "/siesta.v1.Control/Sleep").await;
     request(addr, WATCH_PATH).await;
     let seen = seen.0.lock().unwrap().clone();
-    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert_eq!(seen.len(), 5, "{seen:?}");
     for (path, thread) in &seen {
         let on_watch = thread == "siesta-watch";
-        assert_eq!(
-            on_watch,
-            path == WATCH_PATH,
-            "{path} ran on thread {thread:?}"
-        );
+        let want = path == WATCH_PATH || path == LIST_MODELS_PATH;
+        assert_eq!(on_watch, want, "{path} ran on thread {thread:?}");
     }
-    assert_eq!(exec.watch_streams(), 2);
+    assert_eq!(exec.watch_streams(), 3);
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(30), served)
         .await
