@@ -19,7 +19,7 @@ pub struct Args {
     #[arg(long)]
     pid: u32,
     /// Models the config holds (waited for in ListModels).
-    #[arg(long, default_value_t = 200)]
+    #[arg(long, default_value_t = 1000)]
     models: usize,
     /// RSS of the same daemon with one model, for the per-model cost (bytes).
     #[arg(long)]

@@ -5,6 +5,7 @@ pub mod auth;
 pub mod convert;
 mod errors;
 pub mod watch;
+pub mod wire;
 
 use crate::OpError;
 use crate::gpu_view::GpuView;

@@ -6,6 +6,9 @@
 //! With an encoder set ([`Hub::set_encoder`]), every published item is
 //! encoded once, as it is published, and every gRPC subscriber sends those
 //! same shared bytes ([`WatchItem::wire`]) instead of encoding it again.
+//! The hub also keeps each model's status, the GPU list and the placement
+//! encoded, so a snapshot or a `ListModels` answer at 1,000 models is a
+//! concatenation of kept bytes, not 1,000 conversions ([`Hub::models_wire`]).
 
 use crate::gpu_view::{GpuList, PlacementReport};
 use crate::status::{Clock, ModelStatus};
@@ -27,10 +30,22 @@ pub enum Body {
 /// The whole picture at a revision.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
-    pub models: Vec<ModelStatus>,
+    pub models: Vec<Arc<ModelStatus>>,
     pub gpus: Option<Arc<GpuList>>,
     pub placement: Option<Arc<PlacementReport>>,
     pub resync: bool,
+    /// The same parts already encoded (with an encoder set).
+    pub wire: Option<SnapshotWire>,
+}
+
+/// A snapshot's parts in their wire form, kept by the hub as they were
+/// published: each model (in the order of [`Snapshot::models`]), the GPU
+/// list and the placement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SnapshotWire {
+    pub models: Vec<Bytes>,
+    pub gpus: Option<Bytes>,
+    pub placement: Option<Bytes>,
 }
 
 /// One Watch message.
@@ -64,8 +79,18 @@ impl WatchItem {
     }
 }
 
-/// Turns an item into its wire form (the daemon's gRPC encoding).
-pub struct Encoder(Box<dyn Fn(&WatchItem) -> Bytes + Send + Sync>);
+/// The wire form of the hub's values (the daemon's gRPC encoding).
+pub trait Wire: Send + Sync {
+    /// A whole message. `part` is the body already encoded by [`Wire::model`],
+    /// [`Wire::gpus`] or [`Wire::placement`] for such an event; a snapshot
+    /// carries its parts in [`Snapshot::wire`].
+    fn item(&self, item: &WatchItem, part: Option<&Bytes>) -> Bytes;
+    fn model(&self, status: &ModelStatus) -> Bytes;
+    fn gpus(&self, gpus: &GpuList) -> Bytes;
+    fn placement(&self, placement: &PlacementReport) -> Bytes;
+}
+
+struct Encoder(Box<dyn Wire>);
 
 impl std::fmt::Debug for Encoder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -77,11 +102,25 @@ impl std::fmt::Debug for Encoder {
 struct Inner {
     revision: u64,
     history: VecDeque<Arc<WatchItem>>,
-    models: BTreeMap<String, ModelStatus>,
+    models: BTreeMap<String, Arc<ModelStatus>>,
     gpus: Option<Arc<GpuList>>,
     placement: Option<Arc<PlacementReport>>,
-    subscribers: Vec<mpsc::Sender<Arc<WatchItem>>>,
+    /// With an encoder: every model's status, the GPUs and the placement
+    /// encoded, as last published.
+    models_wire: BTreeMap<String, Bytes>,
+    gpus_wire: Option<Bytes>,
+    placement_wire: Option<Bytes>,
+    subscribers: Vec<Sub>,
+    /// The last revision handed to the subscribers (see fan_out.rs).
+    fanned: u64,
     closed: bool,
+}
+
+/// A subscriber's channel and the first revision it still needs.
+#[derive(Debug)]
+struct Sub {
+    tx: mpsc::Sender<Arc<WatchItem>>,
+    next: u64,
 }
 
 /// Shared by every model task and every Watch stream.
@@ -92,6 +131,8 @@ pub struct Hub {
     channel_cap: usize,
     clock: Clock,
     encoder: OnceLock<Encoder>,
+    /// Set by [`Hub::spawn_fan_out`]: `publish` only wakes the fan-out task.
+    fan_out: OnceLock<Arc<tokio::sync::Notify>>,
 }
 
 /// One subscriber: catch-up items first, then the live channel; resynced
@@ -130,88 +171,130 @@ impl Hub {
                 models: BTreeMap::new(),
                 gpus: None,
                 placement: None,
+                models_wire: BTreeMap::new(),
+                gpus_wire: None,
+                placement_wire: None,
                 subscribers: Vec::new(),
+                fanned: 0,
                 closed: false,
             }),
             history_cap: history_cap.max(1),
             channel_cap: channel_cap.max(1),
             clock,
             encoder: OnceLock::new(),
+            fan_out: OnceLock::new(),
         })
     }
 
-    /// Sets how items are encoded for the wire (once; later calls are
-    /// ignored). From then on every published item is encoded at publish.
-    pub fn set_encoder(&self, f: impl Fn(&WatchItem) -> Bytes + Send + Sync + 'static) {
-        let _ = self.encoder.set(Encoder(Box::new(f)));
+    /// Sets how values are encoded for the wire (once, before anything is
+    /// published; later calls are ignored). From then on every published
+    /// item is encoded at publish.
+    pub fn set_encoder(&self, wire: impl Wire + 'static) {
+        let _ = self.encoder.set(Encoder(Box::new(wire)));
+    }
+
+    fn enc(&self) -> Option<&dyn Wire> {
+        self.encoder.get().map(|e| &*e.0)
     }
 
     /// The item's wire form: the bytes made at publish, shared by every
     /// subscriber (a snapshot, made per subscriber, is encoded on first
-    /// use). `None` when no encoder is set.
+    /// use, from the parts the hub keeps encoded). `None` when no encoder
+    /// is set.
     pub fn wire(&self, item: &WatchItem) -> Option<Bytes> {
-        let enc = self.encoder.get()?;
-        Some(item.wire.get_or_init(|| (enc.0)(item)).clone())
+        let enc = self.enc()?;
+        Some(item.wire.get_or_init(|| enc.item(item, None)).clone())
     }
 
-    fn publish(&self, inner: &mut Inner, body: Body) -> u64 {
+    /// Every model's encoded status (by name) and the revision they are
+    /// consistent with; `None` when no encoder is set (or it was set after
+    /// models were published).
+    pub fn models_wire(&self) -> Option<(Vec<Bytes>, u64)> {
+        let inner = self.inner.lock().unwrap();
+        self.enc()?;
+        (inner.models_wire.len() == inner.models.len()).then(|| {
+            (
+                inner.models_wire.values().cloned().collect(),
+                inner.revision,
+            )
+        })
+    }
+
+    fn publish(&self, inner: &mut Inner, body: Body, part: Option<&Bytes>) -> u64 {
         inner.revision += 1;
         let item = WatchItem::new(inner.revision, self.clock.now_ms(), body);
-        if let Some(enc) = self.encoder.get() {
-            let _ = item.wire.set((enc.0)(&item));
+        if let Some(enc) = self.enc() {
+            let _ = item.wire.set(enc.item(&item, part));
         }
         let item = Arc::new(item);
         if inner.history.len() == self.history_cap {
             inner.history.pop_front();
         }
         inner.history.push_back(item.clone());
-        // A full or closed channel drops the subscriber; a full one then
-        // resyncs from a snapshot when it has drained what it holds.
-        inner
-            .subscribers
-            .retain(|tx| tx.try_send(item.clone()).is_ok());
+        match self.fan_out.get() {
+            // The fan-out task hands it to every subscriber.
+            Some(wake) => wake.notify_one(),
+            None => {
+                inner.fanned = inner.revision;
+                send(&mut inner.subscribers, std::slice::from_ref(&item));
+            }
+        }
         inner.revision
     }
 
     /// Publishes a model's status if it differs from the last one.
     pub fn publish_model(&self, status: ModelStatus) {
         let mut inner = self.inner.lock().unwrap();
-        if inner.closed || inner.models.get(&status.name) == Some(&status) {
+        if inner.closed || inner.models.get(&status.name).map(|s| &**s) == Some(&status) {
             return;
         }
-        inner.models.insert(status.name.clone(), status.clone());
-        self.publish(&mut inner, Body::Model(Box::new(status)));
+        let part = self.enc().map(|enc| enc.model(&status));
+        if let Some(part) = &part {
+            inner.models_wire.insert(status.name.clone(), part.clone());
+        }
+        inner
+            .models
+            .insert(status.name.clone(), Arc::new(status.clone()));
+        self.publish(&mut inner, Body::Model(Box::new(status)), part.as_ref());
     }
 
     pub fn remove_model(&self, name: &str) {
         let mut inner = self.inner.lock().unwrap();
         if inner.models.remove(name).is_some() {
-            self.publish(&mut inner, Body::ModelRemoved(name.to_string()));
+            inner.models_wire.remove(name);
+            self.publish(&mut inner, Body::ModelRemoved(name.to_string()), None);
         }
     }
 
     pub fn set_gpus(&self, gpus: GpuList) {
         let mut inner = self.inner.lock().unwrap();
         if inner.gpus.as_deref() != Some(&gpus) {
+            inner.gpus_wire = self.enc().map(|enc| enc.gpus(&gpus));
+            let part = inner.gpus_wire.clone();
             let gpus = Arc::new(gpus);
             inner.gpus = Some(gpus.clone());
-            self.publish(&mut inner, Body::Gpus(gpus));
+            self.publish(&mut inner, Body::Gpus(gpus), part.as_ref());
         }
     }
 
     pub fn set_placement(&self, placement: PlacementReport) {
         let mut inner = self.inner.lock().unwrap();
         if inner.placement.as_deref() != Some(&placement) {
+            inner.placement_wire = self.enc().map(|enc| enc.placement(&placement));
+            let part = inner.placement_wire.clone();
             let p = Arc::new(placement);
             inner.placement = Some(p.clone());
-            self.publish(&mut inner, Body::Placement(p));
+            self.publish(&mut inner, Body::Placement(p), part.as_ref());
         }
     }
 
     /// Current statuses and the revision they are consistent with.
     pub fn models(&self) -> (Vec<ModelStatus>, u64) {
         let inner = self.inner.lock().unwrap();
-        (inner.models.values().cloned().collect(), inner.revision)
+        (
+            inner.models.values().map(|s| (**s).clone()).collect(),
+            inner.revision,
+        )
     }
 
     pub fn revision(&self) -> u64 {
@@ -223,6 +306,9 @@ impl Hub {
         let mut inner = self.inner.lock().unwrap();
         inner.closed = true;
         inner.subscribers.clear();
+        if let Some(wake) = self.fan_out.get() {
+            wake.notify_one();
+        }
     }
 
     /// Subscribes: `since_revision` 0 starts with a snapshot; otherwise the
@@ -249,6 +335,17 @@ impl Hub {
                 .collect(),
             _ => {
                 let resync = resync || since.is_some();
+                // The parts as kept, when every one is (an encoder set
+                // after models were published leaves some out).
+                let wire = (self.enc().is_some()
+                    && inner.models_wire.len() == inner.models.len()
+                    && inner.gpus_wire.is_some() == inner.gpus.is_some()
+                    && inner.placement_wire.is_some() == inner.placement.is_some())
+                .then(|| SnapshotWire {
+                    models: inner.models_wire.values().cloned().collect(),
+                    gpus: inner.gpus_wire.clone(),
+                    placement: inner.placement_wire.clone(),
+                });
                 VecDeque::from([Arc::new(WatchItem::new(
                     inner.revision,
                     self.clock.now_ms(),
@@ -257,12 +354,15 @@ impl Hub {
                         gpus: inner.gpus.clone(),
                         placement: inner.placement.clone(),
                         resync,
+                        wire,
                     }),
                 ))])
             }
         };
         let (tx, rx) = mpsc::channel(self.channel_cap);
-        inner.subscribers.push(tx);
+        // Everything up to now is in the snapshot or in `pending`.
+        let next = inner.revision + 1;
+        inner.subscribers.push(Sub { tx, next });
         Some(Subscription {
             hub: self.clone(),
             pending,
@@ -270,6 +370,9 @@ impl Hub {
         })
     }
 }
+
+mod fan_out;
+use fan_out::send;
 
 #[cfg(test)]
 mod tests;

@@ -22,6 +22,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 
+mod grpc;
+use grpc::WatchRuntime;
+
 /// How to serve, besides the configuration.
 #[derive(Debug, Clone, Default)]
 pub struct ServeOptions {
@@ -117,9 +120,18 @@ impl Server {
         } = self;
         // Before anything starts, so a failure leaves nothing running.
         let hup = siesta_signal::reload_signal()?;
+        // Watch streams on threads of their own (see grpc.rs).
+        let watch_rt = WatchRuntime::from_env()?;
         let state_dir = config.control.state_dir.clone();
         let clock = Clock::new();
         let hub = Hub::new(clock, 4096, 1024);
+        // Items reach the subscribers through one task, next to the Watch
+        // streams, not from inside each publishing reconciler.
+        hub.spawn_fan_out(
+            &watch_rt
+                .as_ref()
+                .map_or_else(tokio::runtime::Handle::current, WatchRuntime::handle),
+        );
         // Every Watch event is encoded once, as it is published.
         crate::api::watch::install_encoder(&hub, config.control.control_id.clone());
         let cfg = config.clone();
@@ -215,25 +227,23 @@ impl Server {
             WatchRoute::new(pb::control_server::ControlServer::new(service), watch),
             move |req| auth.check(req),
         );
-        tracing::info!(addr = %local_addr, models = config.models.len(), origin = %config.origin, "serving");
-        // TCP_NODELAY: without it small gRPC frames (Watch events, unary
-        // replies) can wait 40 ms for the peer's delayed ACK.
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        let served = tonic::transport::Server::builder()
-            .add_service(health_service)
+        let routes = tonic::service::Routes::new(health_service)
             .add_service(reflection)
-            .add_service(control)
-            .serve_with_incoming_shutdown(incoming, {
-                let tasks = tasks.clone();
-                async move { tasks.cancelled().await }
-            })
-            .await;
+            .add_service(control);
+        tracing::info!(addr = %local_addr, models = config.models.len(), origin = %config.origin, "serving");
+        grpc::serve(
+            listener,
+            routes,
+            grpc::Exec::new(watch_rt.as_ref().map(WatchRuntime::handle)),
+            tasks.clone(),
+        )
+        .await;
         tasks.cancel();
         hub.close();
         models.join().await;
+        drop(watch_rt);
         tracing::info!("stopped");
-        served.map_err(Error::from)
+        Ok(())
     }
 }
 

@@ -159,7 +159,7 @@ pub fn watch_event(item: &WatchItem, control_id: &str) -> pb::WatchEvent {
     use pb::watch_event::Kind;
     let kind = match &item.body {
         Body::Snapshot(s) => Kind::Snapshot(pb::Snapshot {
-            models: s.models.iter().map(model_status).collect(),
+            models: s.models.iter().map(|m| model_status(m)).collect(),
             gpus: s.gpus.as_deref().map(gpu_list),
             placement: s.placement.as_deref().map(placement),
             resync: s.resync,

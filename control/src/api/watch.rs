@@ -4,11 +4,14 @@
 //! codec. Clients see the same `siesta.v1.WatchEvent` messages as before;
 //! only the server skips the per-subscriber conversion and encoding.
 //!
-//! [`WatchRoute`] wraps the generated `ControlServer` and answers the one
-//! path `/siesta.v1.Control/Watch` itself; every other path goes to the
-//! generated service unchanged.
+//! [`WatchRoute`] wraps the generated `ControlServer` and answers two paths
+//! itself: `/siesta.v1.Control/Watch`, and `/siesta.v1.Control/ListModels`
+//! from each model's status as the hub keeps it encoded (at 1,000 models,
+//! a concatenation instead of 1,000 conversions); every other path goes
+//! to the generated service unchanged.
 
 use std::convert::Infallible;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -23,11 +26,14 @@ use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
 
 use super::convert;
+use super::wire::DaemonWire;
 use crate::OpError;
 use crate::hub::{Hub, WatchItem};
 
 /// The method's path.
 pub const WATCH_PATH: &str = "/siesta.v1.Control/Watch";
+/// `ListModels`, answered from the hub's encoded statuses.
+pub const LIST_MODELS_PATH: &str = "/siesta.v1.Control/ListModels";
 
 /// Encodes a hub item as the `WatchEvent` clients receive.
 pub fn encode(item: &WatchItem, control_id: &str) -> Bytes {
@@ -36,13 +42,19 @@ pub fn encode(item: &WatchItem, control_id: &str) -> Bytes {
 
 /// Sets the hub's encoder to the daemon's wire form.
 pub fn install_encoder(hub: &Hub, control_id: String) {
-    hub.set_encoder(move |item| encode(item, &control_id));
+    hub.set_encoder(DaemonWire { control_id });
 }
 
-/// Decodes `WatchRequest`; encodes already-encoded `WatchEvent` bytes by
+/// Decodes the request `R`; encodes already-encoded response bytes by
 /// copying them into the frame.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct WireCodec;
+#[derive(Debug, Clone, Copy)]
+pub struct WireCodec<R>(PhantomData<fn() -> R>);
+
+impl<R> Default for WireCodec<R> {
+    fn default() -> Self {
+        WireCodec(PhantomData)
+    }
+}
 
 /// A Watch stream holds a small buffer: events are a few hundred bytes and
 /// it grows for a large snapshot (the default 8 KB, times 10,000
@@ -68,33 +80,33 @@ impl Encoder for WireEncoder {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default)]
-pub struct RequestDecoder;
+#[derive(Debug, Clone, Copy)]
+pub struct RequestDecoder<R>(PhantomData<fn() -> R>);
 
-impl Decoder for RequestDecoder {
-    type Item = pb::WatchRequest;
+impl<R: Message + Default> Decoder for RequestDecoder<R> {
+    type Item = R;
     type Error = Status;
 
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<pb::WatchRequest>, Status> {
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<R>, Status> {
         let len = src.remaining();
-        pb::WatchRequest::decode(src.copy_to_bytes(len))
+        R::decode(src.copy_to_bytes(len))
             .map(Some)
-            .map_err(|e| Status::internal(format!("WatchRequest: {e}")))
+            .map_err(|e| Status::internal(format!("{}: {e}", std::any::type_name::<R>())))
     }
 }
 
-impl Codec for WireCodec {
+impl<R: Message + Default + Send + 'static> Codec for WireCodec<R> {
     type Encode = Bytes;
-    type Decode = pb::WatchRequest;
+    type Decode = R;
     type Encoder = WireEncoder;
-    type Decoder = RequestDecoder;
+    type Decoder = RequestDecoder<R>;
 
     fn encoder(&mut self) -> WireEncoder {
         WireEncoder
     }
 
-    fn decoder(&mut self) -> RequestDecoder {
-        RequestDecoder
+    fn decoder(&mut self) -> RequestDecoder<R> {
+        RequestDecoder(PhantomData)
     }
 }
 
@@ -119,19 +131,23 @@ impl WatchSvc {
         tracing::debug!(client = %r.client_id, since = r.since_revision, "watch");
         let hub = self.hub.clone();
         let control_id = self.control_id.clone();
-        let cancel = self.cancel.clone();
-        let stream = futures::stream::unfold((sub, cancel), move |(mut sub, cancel)| {
+        // One wait for cancellation per stream, kept across items: a new
+        // `cancelled()` per item would register with the token's shared
+        // waiter list (one lock for every stream) on every event.
+        let cancelled = Box::pin(self.cancel.clone().cancelled_owned());
+        let stream = futures::stream::unfold((sub, cancelled), move |(mut sub, mut cancelled)| {
             let hub = hub.clone();
             let control_id = control_id.clone();
             async move {
                 let item = tokio::select! {
-                    _ = cancel.cancelled() => None,
+                    biased;
+                    _ = &mut cancelled => None,
                     item = sub.next() => item,
                 }?;
                 let bytes = hub
                     .wire(&item)
                     .unwrap_or_else(|| encode(&item, &control_id));
-                Some((Ok(bytes), (sub, cancel)))
+                Some((Ok(bytes), (sub, cancelled)))
             }
         });
         Ok(Box::pin(stream))
@@ -148,7 +164,42 @@ impl tonic::server::ServerStreamingService<pb::WatchRequest> for WatchSvc {
     }
 }
 
-/// The generated service with `Watch` answered from shared bytes.
+/// `ListModels` from the hub's encoded statuses (converted when the hub
+/// keeps none: no encoder set).
+#[derive(Debug, Clone)]
+pub struct ListModelsSvc {
+    pub hub: Arc<Hub>,
+}
+
+impl ListModelsSvc {
+    pub fn answer(&self) -> Bytes {
+        match self.hub.models_wire() {
+            Some((models, revision)) => super::wire::list_models(&models, revision),
+            None => {
+                let (models, revision) = self.hub.models();
+                Bytes::from(
+                    pb::ListModelsResponse {
+                        models: models.iter().map(convert::model_status).collect(),
+                        revision,
+                    }
+                    .encode_to_vec(),
+                )
+            }
+        }
+    }
+}
+
+impl tonic::server::UnaryService<pb::ListModelsRequest> for ListModelsSvc {
+    type Response = Bytes;
+    type Future = std::future::Ready<Result<Response<Bytes>, Status>>;
+
+    fn call(&mut self, _: Request<pb::ListModelsRequest>) -> Self::Future {
+        std::future::ready(Ok(Response::new(self.answer())))
+    }
+}
+
+/// The generated service with `Watch` and `ListModels` answered from
+/// shared bytes.
 #[derive(Debug, Clone)]
 pub struct WatchRoute<S> {
     inner: S,
@@ -181,14 +232,27 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        if req.uri().path() != WATCH_PATH {
-            return Box::pin(self.inner.call(req));
+        match req.uri().path() {
+            WATCH_PATH => {
+                let svc = self.watch.clone();
+                Box::pin(async move {
+                    let mut grpc =
+                        tonic::server::Grpc::new(WireCodec::<pb::WatchRequest>::default());
+                    Ok(grpc.server_streaming(svc, req).await)
+                })
+            }
+            LIST_MODELS_PATH => {
+                let svc = ListModelsSvc {
+                    hub: self.watch.hub.clone(),
+                };
+                Box::pin(async move {
+                    let mut grpc =
+                        tonic::server::Grpc::new(WireCodec::<pb::ListModelsRequest>::default());
+                    Ok(grpc.unary(svc, req).await)
+                })
+            }
+            _ => Box::pin(self.inner.call(req)),
         }
-        let svc = self.watch.clone();
-        Box::pin(async move {
-            let mut grpc = tonic::server::Grpc::new(WireCodec);
-            Ok(grpc.server_streaming(svc, req).await)
-        })
     }
 }
 

@@ -155,10 +155,24 @@ async fn each_event_is_encoded_once_and_shared() {
     let hub = Hub::new(Clock::new(), 100, 16);
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
-    hub.set_encoder(move |item| {
-        counted.fetch_add(1, Ordering::SeqCst);
-        Bytes::from(format!("rev {}", item.revision))
-    });
+    /// Counts whole-message encodings.
+    struct Counting(Arc<AtomicUsize>);
+    impl Wire for Counting {
+        fn item(&self, item: &WatchItem, _: Option<&Bytes>) -> Bytes {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Bytes::from(format!("rev {}", item.revision))
+        }
+        fn model(&self, s: &ModelStatus) -> Bytes {
+            Bytes::from(s.name.clone())
+        }
+        fn gpus(&self, _: &GpuList) -> Bytes {
+            Bytes::new()
+        }
+        fn placement(&self, _: &PlacementReport) -> Bytes {
+            Bytes::new()
+        }
+    }
+    hub.set_encoder(Counting(counted));
     let mut subs: Vec<_> = (0..5).map(|_| hub.subscribe(0).unwrap()).collect();
     let snapshots =
         Vec::from_iter(futures::future::join_all(subs.iter_mut().map(|s| s.next())).await);
@@ -196,4 +210,116 @@ async fn each_event_is_encoded_once_and_shared() {
         assert_eq!(hub.wire(&snap).unwrap(), hub.wire(&snap).unwrap());
     }
     assert_eq!(calls.load(Ordering::SeqCst), 2 + 5);
+}
+
+/// A hub whose items reach the subscribers through the fan-out task.
+fn deferred(history: usize, channel: usize) -> Arc<Hub> {
+    let hub = Hub::new(Clock::new(), history, channel);
+    hub.spawn_fan_out(&tokio::runtime::Handle::current());
+    hub
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fan_out_task_gives_every_subscriber_every_event_in_order_across_bursts() {
+    // Channels that hold every event: none is cut off and resynced.
+    let hub = deferred(1000, 1024);
+    let mut subs: Vec<_> = (0..100).map(|_| hub.subscribe(0).unwrap()).collect();
+    // Late subscribers, after some events, resume from where they are.
+    let mut publish = 0..300u32;
+    for i in publish.by_ref().take(20) {
+        hub.publish_model(status("a", i));
+    }
+    subs.extend((0..20).map(|_| hub.subscribe(hub.revision()).unwrap()));
+    let readers: Vec<_> = subs
+        .into_iter()
+        .enumerate()
+        .map(|(n, mut s)| {
+            tokio::spawn(async move {
+                let mut got = vec![];
+                while got.last() != Some(&299) {
+                    let item = tokio::time::timeout(std::time::Duration::from_secs(30), s.next())
+                        .await
+                        .unwrap_or_else(|_| panic!("subscriber {n} waits after {got:?}"))
+                        .unwrap();
+                    match &item.body {
+                        Body::Snapshot(s) => assert!(!s.resync, "subscriber {n} resynced"),
+                        _ => got.extend(revision_of_model(&item)),
+                    }
+                }
+                (n, got)
+            })
+        })
+        .collect();
+    // Bursts of 40 with no await between them: one round takes each.
+    for (k, i) in publish.enumerate() {
+        hub.publish_model(status("a", i));
+        if k % 40 == 39 {
+            tokio::task::yield_now().await;
+        }
+    }
+    for r in readers {
+        let (n, got) = r.await.unwrap();
+        let from = if n < 100 { 0 } else { 20 };
+        assert_eq!(got, (from..300).collect::<Vec<_>>(), "subscriber {n}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fan_out_task_resyncs_a_slow_subscriber_and_blocks_nobody() {
+    let hub = deferred(1000, 4);
+    let mut slow = hub.subscribe(0).unwrap();
+    let mut fast = hub.subscribe(0).unwrap();
+    fast.next().await.unwrap();
+    for i in 0..50 {
+        hub.publish_model(status("a", i));
+        let item = fast.next().await.unwrap();
+        assert_eq!(revision_of_model(&item), Some(i));
+    }
+    // Its channel holds 4: the snapshot, up to 4 events, then a resync.
+    let mut revs = vec![];
+    loop {
+        let item = slow.next().await.unwrap();
+        revs.push(item.revision);
+        if let Body::Snapshot(s) = &item.body
+            && s.resync
+        {
+            assert_eq!(item.revision, 50);
+            break;
+        }
+    }
+    assert!(revs.len() <= 6, "{revs:?}");
+    assert!(revs.windows(2).all(|w| w[0] < w[1]), "{revs:?}");
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn fan_out_task_resyncs_when_the_history_overran_before_its_round() {
+    // One thread: the task cannot run until this test awaits, so ten
+    // events are published while the history keeps four.
+    let hub = deferred(4, 1000);
+    let mut sub = hub.subscribe(0).unwrap();
+    let Body::Snapshot(_) = sub.next().await.unwrap().body else {
+        panic!("want the snapshot first")
+    };
+    for i in 0..10 {
+        hub.publish_model(status("a", i));
+    }
+    // Revisions 1..=6 are gone: no gap, a resync snapshot at 10.
+    let item = sub.next().await.unwrap();
+    let Body::Snapshot(s) = &item.body else {
+        panic!("want a resync, got revision {}", item.revision)
+    };
+    assert!(s.resync);
+    assert_eq!(item.revision, 10);
+    hub.publish_model(status("a", 10));
+    assert_eq!(sub.next().await.unwrap().revision, 11);
+}
+
+#[tokio::test]
+async fn fan_out_task_ends_with_the_hub() {
+    let hub = deferred(10, 4);
+    let mut sub = hub.subscribe(0).unwrap();
+    sub.next().await.unwrap();
+    hub.close();
+    assert!(sub.next().await.is_none());
+    assert!(hub.subscribe(0).is_none());
 }

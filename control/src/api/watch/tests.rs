@@ -185,3 +185,34 @@ async fn resume_and_resync_are_unchanged() {
         "no message after shutdown: {end:?}"
     );
 }
+
+#[tokio::test]
+async fn list_models_is_answered_from_the_kept_bytes_over_grpc() {
+    let (hub, url, cancel) = serve(100).await;
+    for (i, name) in ["b", "a", "c"].into_iter().enumerate() {
+        hub.publish_model(status(name, i as u32));
+    }
+    hub.remove_model("c");
+    let mut client = client(&url).await;
+    let got = tokio::time::timeout(LONG, client.list_models(pb::ListModelsRequest {}))
+        .await
+        .unwrap()
+        .unwrap()
+        .into_inner();
+    let (models, revision) = hub.models();
+    assert_eq!(
+        got,
+        pb::ListModelsResponse {
+            models: models.iter().map(convert::model_status).collect(),
+            revision,
+        }
+    );
+    assert_eq!(
+        got.models
+            .iter()
+            .map(|m| m.name.as_str())
+            .collect::<Vec<_>>(),
+        ["a", "b"]
+    );
+    cancel.cancel();
+}

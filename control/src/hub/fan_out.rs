@@ -1,0 +1,92 @@
+//! Handing published items to the subscribers.
+//!
+//! Without a fan-out task the publisher does it, under the hub's lock: one
+//! `try_send` (and one task wake-up) per subscriber per item, on the
+//! publishing reconciler's own thread — with 1,000 subscribers, 1,000
+//! wake-ups inside every state transition. With [`Hub::spawn_fan_out`] the
+//! publisher only appends to the history and wakes one task; that task,
+//! on the runtime it was spawned on (the daemon puts it with the `Watch`
+//! streams), takes the subscriber list out of the lock, sends every item
+//! published since its last round to each subscriber (so a burst costs one
+//! round), and puts the list back. Order per subscriber is the revision
+//! order; a subscriber whose channel is full, or that missed items the
+//! bounded history no longer holds, is dropped and resyncs from a snapshot.
+
+use super::{Hub, Sub, WatchItem};
+use std::sync::Arc;
+use tokio::runtime::Handle;
+use tokio::sync::Notify;
+
+/// Sends `items` (in revision order) to every subscriber that still needs
+/// them; drops the subscribers that cannot take them (full or closed).
+pub(super) fn send(subs: &mut Vec<Sub>, items: &[Arc<WatchItem>]) {
+    subs.retain_mut(|s| {
+        let from = s.next;
+        for item in items.iter().filter(|i| i.revision >= from) {
+            if s.tx.try_send(item.clone()).is_err() {
+                return false;
+            }
+            s.next = item.revision + 1;
+        }
+        true
+    });
+}
+
+impl Hub {
+    /// From now on items reach the subscribers through a task spawned on
+    /// `rt`, off the publisher's path. Once; later calls do nothing.
+    pub fn spawn_fan_out(self: &Arc<Self>, rt: &Handle) {
+        let wake = Arc::new(Notify::new());
+        if self.fan_out.set(wake.clone()).is_err() {
+            return;
+        }
+        let hub = self.clone();
+        let woken = wake.clone();
+        rt.spawn(async move {
+            loop {
+                woken.notified().await;
+                if !hub.fan_out_round() {
+                    return;
+                }
+            }
+        });
+        // Items published before the task existed.
+        wake.notify_one();
+    }
+
+    /// One round: every item after the last round to every subscriber.
+    /// `false` once the hub is closed.
+    fn fan_out_round(&self) -> bool {
+        let (items, mut subs, oldest) = {
+            let mut inner = self.inner.lock().unwrap();
+            if inner.closed {
+                return false;
+            }
+            let fanned = inner.fanned;
+            let items: Vec<Arc<WatchItem>> = inner
+                .history
+                .iter()
+                .filter(|i| i.revision > fanned)
+                .cloned()
+                .collect();
+            let oldest = inner.history.front().map_or(u64::MAX, |i| i.revision);
+            inner.fanned = inner.revision;
+            (items, std::mem::take(&mut inner.subscribers), oldest)
+        };
+        if !items.is_empty() {
+            // More was published since the last round than the history
+            // keeps: whoever still needed the lost items resyncs.
+            subs.retain(|s| s.next >= oldest);
+            send(&mut subs, &items);
+        }
+        let mut inner = self.inner.lock().unwrap();
+        if inner.closed {
+            return false;
+        }
+        // Those who subscribed during the round come after, as they would
+        // have without it (their `next` skips what they already have).
+        subs.append(&mut inner.subscribers);
+        inner.subscribers = subs;
+        true
+    }
+}

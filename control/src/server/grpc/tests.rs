@@ -1,0 +1,122 @@
+use super::*;
+use std::convert::Infallible;
+use std::sync::Mutex;
+use std::task::{Context, Poll};
+
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::TokioExecutor;
+use tonic::codegen::BoxFuture;
+use tonic::server::NamedService;
+
+/// Records the name of the thread that runs each request's future, by path.
+#[derive(Debug, Clone, Default)]
+struct Where(Arc<Mutex<Vec<(String, String)>>>);
+
+impl NamedService for Where {
+    const NAME: &'static str = "siesta.v1.Control";
+}
+
+impl<B: Send + 'static> tonic::codegen::Service<http::Request<B>> for Where {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Infallible>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let seen = self.0.clone();
+        let path = req.uri().path().to_string();
+        Box::pin(async move {
+            let thread = std::thread::current().name().unwrap_or("").to_string();
+            seen.lock().unwrap().push((path, thread));
+            Ok(http::Response::new(tonic::body::Body::empty()))
+        })
+    }
+}
+
+async fn request(addr: std::net::SocketAddr, path: &str) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/grpc")
+        .body(Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200, "{path}");
+    resp.into_body().collect().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watch_and_list_models_run_on_the_watch_runtime_and_the_rest_do_not() {
+    let rt = WatchRuntime::start(1).unwrap();
+    let exec = Exec::new(Some(rt.handle()));
+    let seen = Where::default();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let served = tokio::spawn(serve(
+        listener,
+        Routes::new(seen.clone()),
+        exec.clone(),
+        stop.clone(),
+    ));
+    request(addr, WATCH_PATH).await;
+    request(addr, "/siesta.v1.Control/GetModel").await;
+    request(addr, LIST_MODELS_PATH).await;
+    request(addr, "/siesta.v1.Control/Sleep").await;
+    request(addr, WATCH_PATH).await;
+    let seen = seen.0.lock().unwrap().clone();
+    assert_eq!(seen.len(), 5, "{seen:?}");
+    for (path, thread) in &seen {
+        let on_watch = thread == "siesta-watch";
+        let want = path == WATCH_PATH || path == LIST_MODELS_PATH;
+        assert_eq!(on_watch, want, "{path} ran on thread {thread:?}");
+    }
+    assert_eq!(exec.watch_streams(), 3);
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(30), served)
+        .await
+        .expect("serve ends after shutdown")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn shutdown_ends_serving_with_a_connection_open() {
+    let rt = WatchRuntime::start(1).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let served = tokio::spawn(serve(
+        listener,
+        Routes::new(Where::default()),
+        Exec::new(Some(rt.handle())),
+        stop.clone(),
+    ));
+    // An idle HTTP/2 connection, as a client between calls holds one.
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (_send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    let client = tokio::spawn(conn);
+    request(addr, "/siesta.v1.Control/GetModel").await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(30), served)
+        .await
+        .expect("serve ends after shutdown")
+        .unwrap();
+    // The server said GOAWAY and closed: the client's connection ends.
+    tokio::time::timeout(Duration::from_secs(30), client)
+        .await
+        .expect("the client connection ends")
+        .unwrap()
+        .ok();
+}
