@@ -268,7 +268,11 @@ impl Runner {
         }
         self.hold_start_lock_if_starting();
         self.apply(Event::Tick);
-        let mut poll = tokio::time::interval(self.shared.poll_every);
+        // Each model polls at its own phase of the period (from its name):
+        // a thousand models do not all probe their engines at once.
+        let every = self.shared.poll_every;
+        let phase = every.mul_f64(poll_phase(&self.cfg.name));
+        let mut poll = tokio::time::interval_at(Instant::now() + phase, every);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let timer = self.timer;
@@ -451,3 +455,11 @@ impl Runner {
 
 #[cfg(test)]
 mod tests;
+
+/// A fraction of the poll period in [0, 1), fixed per model name.
+fn poll_phase(name: &str) -> f64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut h);
+    (h.finish() % 1000) as f64 / 1000.0
+}
