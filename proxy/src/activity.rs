@@ -276,7 +276,10 @@ mod tests {
         let a = Activity::default();
         let c = a.counters(&SourceId::from("http://control"), &Arc::from("m"));
         c.start();
-        assert_eq!(one(&a).map(|m| (m.fenced_since_unix_ms, m.in_flight)), Some((0, 1)));
+        assert_eq!(
+            one(&a).map(|m| (m.fenced_since_unix_ms, m.in_flight)),
+            Some((0, 1))
+        );
         c.set_fence(1234);
         assert!(c.fenced());
         let m = one(&a).expect("the fence is reported");
