@@ -37,8 +37,17 @@ pub struct Args {
     from: Option<IpAddr>,
 }
 
-/// One held request: its status and when the response was complete (Unix µs).
-pub type HeldTask = JoinHandle<Result<(u16, f64)>>;
+/// One held request's answer.
+pub struct Answer {
+    pub status: u16,
+    /// When the response was complete (Unix µs).
+    pub at_us: f64,
+    /// The start of the body of a non-200 response.
+    pub why: Option<String>,
+}
+
+/// One held request.
+pub type HeldTask = JoinHandle<Result<Answer>>;
 
 /// Opens `n` connections to `addr` (`parallel` connecting at once, spread
 /// over `froms`) and sends one request on each; returns once every connect
@@ -64,7 +73,17 @@ pub async fn open(
             let t = c
                 .request("POST", "/v1/chat/completions", Some(&body))
                 .await?;
-            Ok::<(u16, f64), anyhow::Error>((t.status, unix_us()))
+            let at = unix_us();
+            // The body of an error names its reason (e.g. which shed).
+            let why = (t.status != 200).then(|| {
+                let text = String::from_utf8_lossy(&t.body);
+                text.chars().take(300).collect::<String>()
+            });
+            Ok::<Answer, anyhow::Error>(Answer {
+                status: t.status,
+                at_us: at,
+                why,
+            })
         }));
     }
     Ok((tasks, gate))
@@ -87,13 +106,14 @@ impl Outcome {
         let mut o = Outcome::default();
         for t in tasks {
             match t.await.context("join")? {
-                Ok((status, at)) => {
+                Ok(Answer { status, at_us, why }) => {
                     *o.statuses.entry(status).or_default() += 1;
                     if status == 200 {
-                        o.last_ok_us = o.last_ok_us.max(at);
+                        o.last_ok_us = o.last_ok_us.max(at_us);
                     } else {
-                        o.first_err
-                            .get_or_insert_with(|| format!("status {status}"));
+                        o.first_err.get_or_insert_with(|| {
+                            format!("status {status}: {}", why.unwrap_or_default())
+                        });
                     }
                 }
                 Err(e) => {
