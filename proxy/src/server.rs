@@ -34,8 +34,12 @@ pub struct Proxy {
     admin_addr: SocketAddr,
 }
 
-fn bind_std(addr: SocketAddr) -> Result<std::net::TcpListener, Error> {
-    let l = std::net::TcpListener::bind(addr).map_err(|source| bind_error(addr, source, false))?;
+/// `client`: the client listener, whose "in use" error suggests --reuse-port.
+fn bind_std(addr: SocketAddr, client: bool) -> Result<std::net::TcpListener, Error> {
+    let l = std::net::TcpListener::bind(addr).map_err(|source| match client {
+        true => bind_error(addr, source, false),
+        false => Error::Bind { addr, source },
+    })?;
     l.set_nonblocking(true)
         .map_err(|source| Error::Bind { addr, source })?;
     Ok(l)
@@ -102,9 +106,9 @@ impl Proxy {
         let listener = if cfg.reuse_port {
             bind_reuse_port(cfg.listen)?
         } else {
-            bind_std(cfg.listen)?
+            bind_std(cfg.listen, true)?
         };
-        let admin = bind_std(cfg.admin_listen)?;
+        let admin = bind_std(cfg.admin_listen, false)?;
         let local_addr = listener.local_addr()?;
         let admin_addr = admin.local_addr()?;
         Ok(Proxy {
