@@ -1,16 +1,20 @@
 //! Scenario 4, hold capacity: N requests held at once by the proxy for one
 //! sleeping model whose wake is slow (fake-vllm's --wake-time), all on
 //! their own connections; then the wake releases them. Counts statuses and
-//! samples the proxy's VmRSS throughout.
+//! samples the proxy's VmRSS throughout. Past one process's open-files
+//! limit, `--clients N` holds from N client processes (`hold_client.rs`)
+//! and the proxy may be several replicas on one port (`--reuse-port`):
+//! `--proxy-pid` and `--proxy-admin` then list each, and RSS and the held
+//! gauge are summed over them.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use tokio::sync::Semaphore;
 
 use crate::control;
+use crate::hold_client::{self, Clients, Outcome};
 use crate::http::{Conn, chat_body, socket_addr, unix_us};
 use crate::stats::{Row, Target, print_table};
 
@@ -20,12 +24,17 @@ pub struct Args {
     control: String,
     #[arg(long)]
     proxy: String,
-    /// The proxy's admin base URL (for the held-requests gauge on /metrics).
-    #[arg(long)]
-    proxy_admin: Option<String>,
-    /// The proxy's pid (for VmRSS).
-    #[arg(long)]
-    proxy_pid: u32,
+    /// The proxy's admin base URL (for the held-requests gauge on /metrics);
+    /// comma-separated for replicas (the gauges are summed).
+    #[arg(long, value_delimiter = ',')]
+    proxy_admin: Vec<String>,
+    /// The proxy's pid (for VmRSS); comma-separated for replicas (summed).
+    #[arg(long, value_delimiter = ',', required = true)]
+    proxy_pid: Vec<u32>,
+    /// Client processes holding the connections (`siesta-bench
+    /// hold-client`, each from its own loopback address); 0: this process.
+    #[arg(long, default_value_t = 0)]
+    clients: usize,
     #[arg(long, default_value = "bench-hold")]
     model: String,
     #[arg(long, default_value_t = 10_000)]
@@ -46,22 +55,34 @@ pub struct Args {
 }
 
 /// The soft open-files limit of a process (`/proc/PID/limits`).
-fn open_files_limit(pid: &str) -> Option<usize> {
+pub fn open_files_limit(pid: &str) -> Option<usize> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
     let line = text.lines().find(|l| l.starts_with("Max open files"))?;
     line.split_whitespace().nth(3)?.parse().ok()
 }
 
+/// VmRSS summed over the proxy replicas.
+fn rss_sum(pids: &[u32]) -> Result<u64> {
+    pids.iter().map(|&p| control::rss_bytes(p)).sum()
+}
+
 pub async fn run(mut a: Args) -> Result<()> {
-    // One descriptor per held connection in this process and in the proxy.
+    // One descriptor per held connection in the holding process(es) and in
+    // the proxy replicas (the kernel spreads them about evenly).
+    let per = |limit: usize, n: usize| limit.saturating_sub(500).saturating_mul(n.max(1));
+    let proxy_limit = a
+        .proxy_pid
+        .iter()
+        .filter_map(|p| open_files_limit(&p.to_string()))
+        .min();
     let allowed = [
-        open_files_limit("self"),
-        open_files_limit(&a.proxy_pid.to_string()),
+        open_files_limit("self").map(|l| per(l, a.clients)),
+        proxy_limit.map(|l| per(l, a.proxy_pid.len())),
     ]
     .into_iter()
     .flatten()
     .min()
-    .map_or(usize::MAX, |n| n.saturating_sub(500));
+    .unwrap_or(usize::MAX);
     if a.requests > allowed {
         eprintln!(
             "hold: {} requests asked, but the open-files limit allows {allowed}: holding {allowed}",
@@ -84,6 +105,7 @@ pub async fn run(mut a: Args) -> Result<()> {
     let mut ctl = control::connect(&a.control).await?;
     let addr = socket_addr(&a.proxy)?;
     let mut admin = Conn::connect(addr).await?;
+    let pids = a.proxy_pid.clone();
     let body = Arc::new(chat_body(&a.model, 4, false));
     let s = "4";
     let mut rows = vec![
@@ -112,19 +134,19 @@ pub async fn run(mut a: Args) -> Result<()> {
             .target(Target::AtMost(2.0)),
         Row::new(s, "wake finished → last response at the client", "s"),
     ];
-    let rss_first = control::rss_bytes(a.proxy_pid)?;
+    let rss_first = rss_sum(&pids)?;
     control::wake_wait(&mut ctl, &a.model).await?;
     for rep in 0..a.repeats {
         control::sleep_and_wait(&mut ctl, &a.model).await?;
         control::wait_proxy_not_awake(&mut admin, &a.model).await?;
-        let rss0 = control::rss_bytes(a.proxy_pid)?;
+        let rss0 = rss_sum(&pids)?;
         let peak = Arc::new(AtomicU64::new(rss0));
         let sampler = {
             let peak = peak.clone();
-            let pid = a.proxy_pid;
+            let pids = pids.clone();
             tokio::spawn(async move {
                 loop {
-                    if let Ok(r) = control::rss_bytes(pid) {
+                    if let Ok(r) = rss_sum(&pids) {
                         peak.fetch_max(r, Ordering::Relaxed);
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -132,53 +154,61 @@ pub async fn run(mut a: Args) -> Result<()> {
             })
         };
         let start = Instant::now();
-        let gate = Arc::new(Semaphore::new(a.connect_parallel));
-        let mut tasks = Vec::with_capacity(a.requests);
-        for i in 0..a.requests {
-            let permit = gate.clone().acquire_owned().await?;
-            let body = body.clone();
-            let from = froms[i % froms.len()];
-            tasks.push(tokio::spawn(async move {
-                let mut c = Conn::connect_from(addr, from).await;
-                drop(permit);
-                let c = c.as_mut().map_err(|e| anyhow::anyhow!("{e:#}"))?;
-                let t = c
-                    .request("POST", "/v1/chat/completions", Some(&body))
-                    .await?;
-                Ok::<(u16, Instant), anyhow::Error>((t.status, Instant::now()))
-            }));
+        let start_us = unix_us();
+        enum Holding {
+            Here(Vec<hold_client::HeldTask>),
+            Clients(Clients),
         }
+        let holding = if a.clients == 0 {
+            let (tasks, _gate) =
+                hold_client::open(addr, &froms, body.clone(), a.requests, a.connect_parallel)
+                    .await?;
+            Holding::Here(tasks)
+        } else {
+            let mut c = Clients::spawn(
+                a.clients,
+                &a.proxy,
+                &a.model,
+                a.requests,
+                a.connect_parallel,
+            )?;
+            let n = c.connected().await?;
+            eprintln!(
+                "hold rep={rep}: {n} connected from {} client processes",
+                a.clients
+            );
+            Holding::Clients(c)
+        };
         let sent = start.elapsed();
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let rss_held = control::rss_bytes(a.proxy_pid)?;
-        let held = match &a.proxy_admin {
-            Some(url) => held_gauge(url).await.unwrap_or(f64::NAN),
-            None => f64::NAN,
+        let rss_held = rss_sum(&pids)?;
+        let mut held = if a.proxy_admin.is_empty() {
+            f64::NAN
+        } else {
+            0.0
         };
-        let (mut ok, mut lost, mut last) = (0usize, 0usize, start);
-        let mut first_err = None;
-        for t in tasks {
-            match t.await.context("join")? {
-                Ok((200, at)) => {
-                    ok += 1;
-                    last = last.max(at);
-                }
-                Ok((status, _)) => {
-                    lost += 1;
-                    first_err.get_or_insert_with(|| format!("status {status}"));
-                }
-                Err(e) => {
-                    lost += 1;
-                    first_err.get_or_insert_with(|| format!("{e:#}"));
-                }
-            }
+        let mut per_replica = Vec::new();
+        for url in &a.proxy_admin {
+            let h = held_gauge(url).await.unwrap_or(f64::NAN);
+            per_replica.push(h);
+            held += h;
         }
+        if per_replica.len() > 1 {
+            eprintln!("hold rep={rep}: held per proxy replica {per_replica:?}");
+        }
+        let outcome = match holding {
+            Holding::Here(tasks) => Outcome::collect(tasks).await?,
+            Holding::Clients(c) => c.finish().await?,
+        };
+        let (ok, lost) = (outcome.ok(), outcome.lost());
+        let first_err = outcome.first_err.clone();
         sampler.abort();
         let peak = peak.load(Ordering::Relaxed);
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let rss_after = control::rss_bytes(a.proxy_pid)?;
+        let rss_after = rss_sum(&pids)?;
         let st = control::state(&mut ctl, &a.model).await?;
-        let awake_at = last.duration_since(start).as_secs_f64();
+        let last_us = if ok > 0 { outcome.last_ok_us } else { start_us };
+        let awake_at = (last_us - start_us) / 1e6;
         // fake-vllm's clock: when the wake finished and when the last
         // request arrived (only the held ones reach this engine).
         let (to_engine, to_client) = match engine.as_mut() {
@@ -190,8 +220,12 @@ pub async fn run(mut a: Args) -> Result<()> {
                     ns("last_request_arrived_unix_ns"),
                 ) {
                     (Some(w), Some(r)) => {
-                        let last_resp = unix_us() - last.elapsed().as_secs_f64() * 1e6;
-                        ((r - w) / 1e9, (last_resp - w / 1e3) / 1e6)
+                        if w / 1e3 < start_us + sent.as_secs_f64() * 1e6 {
+                            eprintln!(
+                                "hold rep={rep}: WARNING the wake finished before all were connected; raise BENCH_HOLD_WAKE"
+                            );
+                        }
+                        ((r - w) / 1e9, (last_us - w / 1e3) / 1e6)
                     }
                     _ => (f64::NAN, f64::NAN),
                 }
@@ -213,6 +247,8 @@ pub async fn run(mut a: Args) -> Result<()> {
             to_engine,
             to_client,
         ];
+        let statuses = outcome.summary();
+        println!("\nScenario 4, repeat {rep}: responses by status: {statuses}");
         eprintln!(
             "hold rep={rep}: ok {ok} lost {lost} ({}) rss {:.1} MB → peak {:.1} MB; connected in {:.2}s; held {held}; state now {st:?}",
             first_err.unwrap_or_default(),
@@ -224,10 +260,17 @@ pub async fn run(mut a: Args) -> Result<()> {
             row.push(v);
         }
     }
-    print_table(
-        &format!("4. Hold capacity ({} held requests)", a.requests),
-        &rows,
-    );
+    let title = if a.clients == 0 && pids.len() == 1 {
+        format!("4. Hold capacity ({} held requests)", a.requests)
+    } else {
+        format!(
+            "4. Hold capacity ({} held requests, {} proxy replicas on one port, {} client processes; RSS summed over replicas)",
+            a.requests,
+            pids.len(),
+            a.clients.max(1)
+        )
+    };
+    print_table(&title, &rows);
     Ok(())
 }
 

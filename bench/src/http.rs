@@ -64,6 +64,15 @@ impl Conn {
             None => TcpStream::connect(addr).await,
             Some(ip) => {
                 let sock = tokio::net::TcpSocket::new_v4()?;
+                // The port is chosen at connect, unique per 4-tuple: a bind
+                // to port 0 would reserve one and, with tens of thousands
+                // already bound, make the kernel scan for a free one.
+                nix::sys::socket::setsockopt(
+                    &sock,
+                    nix::sys::socket::sockopt::IpBindAddressNoPort,
+                    &true,
+                )
+                .context("IP_BIND_ADDRESS_NO_PORT")?;
                 sock.bind(SocketAddr::new(ip, 0))
                     .with_context(|| format!("bind {ip}"))?;
                 sock.connect(addr).await

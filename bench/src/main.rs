@@ -7,6 +7,7 @@
 mod control;
 mod fwd;
 mod hold;
+mod hold_client;
 mod http;
 mod release;
 mod scale;
@@ -34,6 +35,8 @@ enum Cmd {
     Release(release::Args),
     /// 4. Hold capacity: many requests held for one sleeping model.
     Hold(hold::Args),
+    /// Helper of `hold --clients N`: one process's share of the held requests.
+    HoldClient(hold_client::Args),
     /// 5. Watch fan-out: many subscribers while models change state.
     Watch(watch::Args),
     /// 6. Control plane scale: ListModels and Watch snapshot with many models.
@@ -51,6 +54,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Stream(a) => stream::run(a).await,
         Cmd::Release(a) => release::run(a).await,
         Cmd::Hold(a) => hold::run(a).await,
+        Cmd::HoldClient(a) => hold_client::run(a).await,
         Cmd::Watch(a) => watch::run(a).await,
         Cmd::Scale(a) => scale::run(a).await,
         Cmd::WaitHttp(a) => util::wait_http(a).await,

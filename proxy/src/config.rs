@@ -16,6 +16,9 @@ pub struct ProxyConfig {
     pub controls: Vec<String>,
     /// The OpenAI-compatible listener (port 0: any free port).
     pub listen: SocketAddr,
+    /// Bind `listen` with `SO_REUSEPORT`, so several proxy replicas on one
+    /// host share the address and the kernel spreads connections over them.
+    pub reuse_port: bool,
     /// The admin listener (`/metrics`, `/healthz`, `/readyz`).
     pub admin_listen: SocketAddr,
     /// Bearer token sent to control planes.
@@ -47,6 +50,7 @@ impl Default for ProxyConfig {
             controls: vec![DEFAULT_CONTROL.to_owned()],
             listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 8080)),
             admin_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 9090)),
+            reuse_port: false,
             token: None,
             api_keys: Vec::new(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
@@ -67,6 +71,7 @@ impl std::fmt::Debug for ProxyConfig {
         f.debug_struct("ProxyConfig")
             .field("controls", &self.controls)
             .field("listen", &self.listen)
+            .field("reuse_port", &self.reuse_port)
             .field("admin_listen", &self.admin_listen)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("api_keys", &self.api_keys.len())

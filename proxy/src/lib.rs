@@ -33,6 +33,15 @@ pub enum Error {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
+    /// The client or admin address is taken by another socket.
+    #[error(
+        "cannot listen on {addr}: the address is already in use{}",
+        addr_in_use_hint(.reuse_port)
+    )]
+    AddrInUse {
+        addr: std::net::SocketAddr,
+        reuse_port: bool,
+    },
     /// A `--control` value is not a usable URL.
     #[error("invalid control plane URL {url:?}: {reason}")]
     ControlUrl { url: String, reason: String },
@@ -42,4 +51,12 @@ pub enum Error {
     /// An I/O error while serving.
     #[error("i/o error: {0}")]
     Io(#[from] std::io::Error),
+}
+
+fn addr_in_use_hint(reuse_port: &bool) -> &'static str {
+    if *reuse_port {
+        " by a socket without SO_REUSEPORT (every proxy replica sharing it must use --reuse-port)"
+    } else {
+        " (to run several proxy replicas on one address, start each with --reuse-port)"
+    }
 }

@@ -26,6 +26,11 @@ struct Args {
     /// Address for client traffic.
     #[arg(long, env = "SIESTA_PROXY_LISTEN", default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
+    /// Bind the client address with SO_REUSEPORT: several replicas started
+    /// with it on one host share the address and the kernel spreads new
+    /// connections over them (each replica is an independent proxy).
+    #[arg(long, env = "SIESTA_PROXY_REUSE_PORT")]
+    reuse_port: bool,
     /// Address for /metrics, /healthz and /readyz.
     #[arg(
         long,
@@ -60,7 +65,8 @@ struct Args {
     /// Time allowed to receive a request's body.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     body_timeout: std::time::Duration,
-    /// Identity sent to control planes (default `proxy@HOST:PORT`).
+    /// Identity sent to control planes (default `proxy@HOST:PORT`, with `/PID` added under
+    /// --reuse-port).
     #[arg(long)]
     proxy_id: Option<String>,
     /// Time allowed for in-flight requests to finish on shutdown.
@@ -100,6 +106,7 @@ async fn main() -> anyhow::Result<()> {
     let cfg = ProxyConfig {
         controls: args.controls,
         listen: args.listen,
+        reuse_port: args.reuse_port,
         admin_listen: args.admin_listen,
         token: args.token.filter(|t| !t.is_empty()),
         api_keys: args

@@ -34,11 +34,44 @@ pub struct Proxy {
     admin_addr: SocketAddr,
 }
 
-fn bind_std(addr: SocketAddr) -> Result<std::net::TcpListener, Error> {
-    let l = std::net::TcpListener::bind(addr).map_err(|source| Error::Bind { addr, source })?;
+/// `client`: the client listener, whose "in use" error suggests --reuse-port.
+fn bind_std(addr: SocketAddr, client: bool) -> Result<std::net::TcpListener, Error> {
+    let l = std::net::TcpListener::bind(addr).map_err(|source| match client {
+        true => bind_error(addr, source, false),
+        false => Error::Bind { addr, source },
+    })?;
     l.set_nonblocking(true)
         .map_err(|source| Error::Bind { addr, source })?;
     Ok(l)
+}
+
+/// The client listener with `SO_REUSEPORT`: every replica that binds the
+/// same address with it gets its own accept queue and the kernel spreads new
+/// connections over them.
+fn bind_reuse_port(addr: SocketAddr) -> Result<std::net::TcpListener, Error> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let err = |source| Error::Bind { addr, source };
+    let s =
+        Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP)).map_err(err)?;
+    s.set_reuse_address(true).map_err(err)?;
+    s.set_reuse_port(true).map_err(err)?;
+    s.bind(&addr.into())
+        .map_err(|source| bind_error(addr, source, true))?;
+    s.listen(LISTEN_BACKLOG).map_err(err)?;
+    s.set_nonblocking(true).map_err(err)?;
+    Ok(s.into())
+}
+
+/// Listen backlog of a `--reuse-port` listener (the kernel caps it at
+/// `net.core.somaxconn`).
+const LISTEN_BACKLOG: i32 = 4096;
+
+fn bind_error(addr: SocketAddr, source: std::io::Error, reuse_port: bool) -> Error {
+    if source.kind() == std::io::ErrorKind::AddrInUse {
+        Error::AddrInUse { addr, reuse_port }
+    } else {
+        Error::Bind { addr, source }
+    }
 }
 
 fn hostname() -> String {
@@ -70,8 +103,12 @@ impl Proxy {
         if cfg.max_body_bytes == 0 {
             return Err(Error::Config("max_body_bytes must be positive".into()));
         }
-        let listener = bind_std(cfg.listen)?;
-        let admin = bind_std(cfg.admin_listen)?;
+        let listener = if cfg.reuse_port {
+            bind_reuse_port(cfg.listen)?
+        } else {
+            bind_std(cfg.listen, true)?
+        };
+        let admin = bind_std(cfg.admin_listen, false)?;
         let local_addr = listener.local_addr()?;
         let admin_addr = admin.local_addr()?;
         Ok(Proxy {
@@ -98,10 +135,15 @@ impl Proxy {
     /// finish (up to the drain timeout) and sends the last activity report.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
         let cfg = self.cfg;
-        let proxy_id = cfg
-            .proxy_id
-            .clone()
-            .unwrap_or_else(|| format!("proxy@{}:{}", hostname(), self.local_addr.port()));
+        // Replicas sharing a port (--reuse-port) are told apart by pid.
+        let proxy_id = cfg.proxy_id.clone().unwrap_or_else(|| {
+            let id = format!("proxy@{}:{}", hostname(), self.local_addr.port());
+            if cfg.reuse_port {
+                format!("{id}/{}", std::process::id())
+            } else {
+                id
+            }
+        });
         let listener = TcpListener::from_std(self.listener)?;
         let admin = TcpListener::from_std(self.admin)?;
 

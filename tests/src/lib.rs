@@ -33,7 +33,7 @@ pub use fake::{
 pub use procfs::{
     ProcStat, alive, any_alive, descendants, group_members, pids_with_env, proc_stat,
 };
-pub use proxy::{ProxyProc, spawn_proxy};
+pub use proxy::{ProxyProc, spawn_proxy, spawn_proxy_at};
 
 /// How often [`wait_until`] polls its condition.
 pub const POLL: Duration = Duration::from_millis(20);

@@ -79,14 +79,18 @@ async fn launch(
 /// Runs `siesta-proxy --control URL... --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0
 /// --addr-file DIR/proxy.addr EXTRA...` and waits for its address file.
 pub async fn spawn_proxy(controls: &[String], extra_args: &[&str]) -> ProxyProc {
+    spawn_proxy_at(controls, "127.0.0.1:0", extra_args).await
+}
+
+/// As [`spawn_proxy`], with the client listener on `listen`.
+pub async fn spawn_proxy_at(controls: &[String], listen: &str, extra_args: &[&str]) -> ProxyProc {
     let dir = tempfile::Builder::new()
         .prefix("siesta-proxy-")
         .tempdir()
         .expect("tempdir");
     let controls = controls.to_vec();
     let extra_args: Vec<String> = extra_args.iter().map(|s| s.to_string()).collect();
-    let (child, http, admin) =
-        launch(&dir, &controls, ("127.0.0.1:0", "127.0.0.1:0"), &extra_args).await;
+    let (child, http, admin) = launch(&dir, &controls, (listen, "127.0.0.1:0"), &extra_args).await;
     ProxyProc {
         http,
         admin,
