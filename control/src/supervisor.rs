@@ -53,9 +53,39 @@ pub fn command_hash(spec: &SpawnSpec) -> String {
     format!("{h:016x}")
 }
 
-/// A free TCP port on `host` (bound and released).
+/// Lowest port handed to engines.
+const ENGINE_PORTS_FROM: u16 = 20_000;
+
+/// Where engine ports are picked: from [`ENGINE_PORTS_FROM`] up to the start
+/// of the kernel's ephemeral range (`ip_local_port_range`, 32768 by
+/// default), so no outgoing connection (the kernel binds those from the
+/// ephemeral range) can take an engine's port between the pick and the
+/// engine's own bind. None: the ephemeral range leaves no room below it.
+fn engine_port_range() -> Option<std::ops::Range<u16>> {
+    let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    (start > ENGINE_PORTS_FROM + 1_000).then_some(ENGINE_PORTS_FROM..start)
+}
+
+/// Whether `port` on `host` can be bound now.
+pub fn port_is_free(host: &str, port: u16) -> bool {
+    std::net::TcpListener::bind((host, port)).is_ok()
+}
+
+/// A free TCP port on `host` (bound and released): a random one below the
+/// ephemeral range where there is room, else one the kernel picks.
 pub fn free_port(host: &str) -> std::io::Result<u16> {
     let pick = || {
+        if let Some(range) = engine_port_range() {
+            for _ in 0..64 {
+                let port = rand::random_range(range.clone());
+                if port_is_free(host, port) {
+                    return Ok(port);
+                }
+            }
+        }
         let l = std::net::TcpListener::bind((host, 0))?;
         l.local_addr().map(|a| a.port())
     };
@@ -300,6 +330,19 @@ impl StartLocks {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn engine_ports_are_picked_below_the_ephemeral_range_and_are_free() {
+        let p = free_port("127.0.0.1").unwrap();
+        if let Some(range) = engine_port_range() {
+            assert!(range.contains(&p), "{p} outside {range:?}");
+        }
+        assert!(port_is_free("127.0.0.1", p));
+        let held = std::net::TcpListener::bind(("127.0.0.1", p)).unwrap();
+        assert!(!port_is_free("127.0.0.1", p));
+        drop(held);
+    }
+
     use super::*;
     use crate::config::{Config, GpuMemory};
     use crate::placement::Placed;

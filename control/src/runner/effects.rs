@@ -219,10 +219,11 @@ impl Runner {
         if let Launch::Process {
             host, port: None, ..
         } = &self.cfg.launch
-            && fresh_port
+            && (fresh_port || !supervisor::port_is_free(host, self.port))
             && let Ok(p) = free_port(host)
         {
-            // A fresh port after a failure, in case the old one is taken.
+            // A fresh port after a failure, or when the one picked earlier
+            // (when the model was set up, maybe long ago) is taken now.
             self.port = p;
             self.facts.endpoint.url = format!("http://{host}:{p}");
             self.client = crate::engine::EngineClient::for_model(
