@@ -99,14 +99,11 @@ impl Body for ProxyBody {
                 guard,
                 sse,
             } => {
-                let mut res = Pin::new(&mut *inner).poll_frame(cx);
-                if res.is_pending()
-                    && let Some(c) = conn.as_mut()
-                {
-                    // Read from the engine in this task, then look again.
-                    c.drive(cx);
-                    res = Pin::new(&mut *inner).poll_frame(cx);
-                }
+                // Reads from the engine in this task.
+                let res = match conn.as_mut() {
+                    Some(c) => c.poll_body(inner, cx),
+                    None => Pin::new(&mut *inner).poll_frame(cx),
+                };
                 match &res {
                     // hyper stops polling once a sized body is complete.
                     Poll::Ready(Some(Ok(_))) if inner.is_end_stream() => ended(conn, guard),

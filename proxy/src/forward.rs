@@ -18,6 +18,7 @@
 
 mod conn;
 mod pool;
+mod self_wake;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
+use http_body::{Body, Frame};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, Connection, SendRequest};
@@ -18,6 +19,12 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use super::pool::EnginePool;
+use super::self_wake::SelfWake;
+
+/// Rounds of polling in one poll of the request's task while the
+/// connection and the receiving side keep waking each other; after that the
+/// task yields (tokio's cooperative budget may be what wakes it).
+const ROUNDS: usize = 4;
 
 /// How long connecting to an engine may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
@@ -39,6 +46,7 @@ pub struct UpstreamConn {
     pub poolable: bool,
     /// The connection future finished: the connection is closed.
     closed: bool,
+    wake: SelfWake,
 }
 
 impl UpstreamConn {
@@ -69,6 +77,7 @@ impl UpstreamConn {
             reused: false,
             poolable: true,
             closed: false,
+            wake: SelfWake::default(),
         }))
     }
 
@@ -102,15 +111,48 @@ impl UpstreamConn {
     ) -> Result<Response<Incoming>, hyper::Error> {
         let resp = self.send.send_request(req);
         let mut resp = std::pin::pin!(resp);
-        std::future::poll_fn(|cx| {
-            if let Poll::Ready(r) = resp.as_mut().poll(cx) {
+        std::future::poll_fn(|cx| self.poll_both(cx, |own| resp.as_mut().poll(own))).await
+    }
+
+    /// Polls the response body `inner` (arriving on this connection),
+    /// driving the connection as needed.
+    pub fn poll_body(
+        &mut self,
+        inner: &mut Incoming,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        self.poll_both(cx, |own| std::pin::Pin::new(&mut *inner).poll_frame(own))
+    }
+
+    /// Polls `side` (what this task waits for: the response head or body)
+    /// and the connection future in turn until `side` is ready or neither
+    /// can go on, with wakes they give each other kept inside ([`SelfWake`]).
+    fn poll_both<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        mut side: impl FnMut(&mut Context<'_>) -> Poll<T>,
+    ) -> Poll<T> {
+        for _ in 0..ROUNDS {
+            self.wake.begin(cx);
+            let waker = self.wake.waker().clone();
+            let mut own = Context::from_waker(&waker);
+            if let Poll::Ready(r) = side(&mut own) {
+                self.wake.end();
                 return Poll::Ready(r);
             }
-            // Writes the request, reads the head (or notices the close).
-            self.drive(cx);
-            resp.as_mut().poll(cx)
-        })
-        .await
+            // Writes the request, reads what the engine sent (or notices
+            // the close), then the side looks again.
+            self.drive(&mut own);
+            if let Poll::Ready(r) = side(&mut own) {
+                self.wake.end();
+                return Poll::Ready(r);
+            }
+            if !self.wake.end() {
+                return Poll::Pending;
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 
     /// The response has been read to its end: back to the idle pool if the
