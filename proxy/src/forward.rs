@@ -18,7 +18,6 @@
 
 mod conn;
 mod pool;
-mod self_wake;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

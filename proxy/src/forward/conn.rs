@@ -19,12 +19,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 use super::pool::EnginePool;
-use super::self_wake::SelfWake;
-
-/// Rounds of polling in one poll of the request's task while the
-/// connection and the receiving side keep waking each other; after that the
-/// task yields (tokio's cooperative budget may be what wakes it).
-const ROUNDS: usize = 4;
+use crate::self_wake::{ROUNDS, SelfWake};
 
 /// How long connecting to an engine may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);

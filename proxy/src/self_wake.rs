@@ -1,20 +1,23 @@
 //! A waker that keeps wakes a task gives itself inside one poll from
 //! reaching the scheduler.
 //!
-//! Driving an upstream connection in the request's task means that task is
-//! both ends of hyper's internal channels: polling the connection future
-//! hands a body chunk (or the response head) to a receiver this same task
-//! polls, which wakes the task while it runs. tokio treats a wake of a
-//! running task like a yield: the task goes to the back of the run queue and
-//! an idle worker thread is woken (a futex wake, and often the task moves to
-//! that thread). The poll already loops until neither side can go on, so
-//! such wakes are noted here instead ([`SelfWake::end`] says whether one
-//! came) and only wakes from outside the poll (the socket became readable)
-//! reach the task.
+//! A client connection's task is both ends of hyper's internal channels:
+//! hyper's server hands the request body to the handler over one, and the
+//! upstream connection (driven in the same task) hands the response head
+//! and body chunks over others. Each hand-over wakes the task while it runs.
+//! tokio treats a wake of a running task like a yield: the task goes to the
+//! back of the run queue and an idle worker thread is woken (a futex wake
+//! per hand-over; the woken thread spins looking for work and may take the
+//! task to another core). Here such wakes are noted instead
+//! ([`SelfWake::end`] says whether one came) and the poll simply goes round
+//! again ([`Absorbing`]); only wakes from outside the poll (a socket became
+//! readable, a held request released) reach the task.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::task::{Context, Wake, Waker};
+use std::task::{Context, Poll, Wake, Waker};
 
 use futures::task::AtomicWaker;
 
@@ -78,6 +81,47 @@ impl SelfWake {
     /// again: there may be progress to make).
     pub fn end(&self) -> bool {
         self.inner.state.swap(IDLE, Ordering::AcqRel) == WOKEN
+    }
+}
+
+/// Rounds of polling in one poll of the task while its parts keep waking
+/// each other; after that the task yields to the scheduler (tokio's
+/// cooperative budget, once spent, wakes the task to make it yield).
+pub const ROUNDS: usize = 4;
+
+/// A future polled again at once, up to [`ROUNDS`] times, when it woke its
+/// own task while being polled.
+#[derive(Debug)]
+pub struct Absorbing<F> {
+    inner: Pin<Box<F>>,
+    wake: SelfWake,
+}
+
+impl<F: Future> Absorbing<F> {
+    pub fn new(inner: F) -> Self {
+        Absorbing {
+            inner: Box::pin(inner),
+            wake: SelfWake::default(),
+        }
+    }
+}
+
+impl<F: Future> Future for Absorbing<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let this = self.get_mut();
+        for _ in 0..ROUNDS {
+            this.wake.begin(cx);
+            let mut own = Context::from_waker(this.wake.waker());
+            let res = this.inner.as_mut().poll(&mut own);
+            let woken = this.wake.end();
+            if res.is_ready() || !woken {
+                return res;
+            }
+        }
+        cx.waker().wake_by_ref();
+        Poll::Pending
     }
 }
 
