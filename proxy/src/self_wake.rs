@@ -159,4 +159,33 @@ mod tests {
             "outside a round: the task"
         );
     }
+
+    #[test]
+    fn an_absorbing_future_goes_round_again_when_it_woke_itself() {
+        // Wakes itself twice (as a channel hand-over inside one task does),
+        // then is ready: one poll from outside suffices.
+        let mut polls = 0;
+        let fut = std::future::poll_fn(move |cx| {
+            polls += 1;
+            if polls < 3 {
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            } else {
+                Poll::Ready(polls)
+            }
+        });
+        let count = Arc::new(Count::default());
+        let task = Waker::from(count.clone());
+        let mut cx = Context::from_waker(&task);
+        let mut f = std::pin::pin!(Absorbing::new(fut));
+        assert_eq!(f.as_mut().poll(&mut cx), Poll::Ready(3));
+        assert_eq!(count.0.load(Ordering::SeqCst), 0);
+        // One that never stops waking itself yields after ROUNDS.
+        let mut spin = std::pin::pin!(Absorbing::new(std::future::poll_fn(|cx| {
+            cx.waker().wake_by_ref();
+            Poll::<()>::Pending
+        })));
+        assert!(spin.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "woken to yield");
+    }
 }
