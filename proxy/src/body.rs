@@ -1,5 +1,7 @@
 //! The response body type: either a small body the proxy wrote itself or an
-//! engine's body streamed through frame by frame (never buffered).
+//! engine's body streamed through frame by frame (never buffered). An
+//! engine's body owns its upstream connection and drives it on every poll;
+//! when the body ends the connection goes back to its pool.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -8,7 +10,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 
-use crate::forward::InFlightGuard;
+use crate::forward::{InFlightGuard, UpstreamConn};
 
 /// Body of every response the proxy sends.
 #[derive(Debug)]
@@ -19,6 +21,9 @@ pub enum ProxyBody {
     /// is dropped (client gone), which also drops the upstream connection.
     Upstream {
         inner: Incoming,
+        /// The connection `inner` arrives on: polled here, released to its
+        /// pool at the end, dropped (closed) with an unfinished body.
+        conn: Option<Box<UpstreamConn>>,
         guard: Option<InFlightGuard>,
         /// A server-sent event stream: if the engine fails midway, the
         /// client gets an error event and a clean end, not a cut connection.
@@ -43,6 +48,38 @@ impl ProxyBody {
     pub fn full(bytes: impl Into<Bytes>) -> Self {
         ProxyBody::Full(Some(bytes.into()))
     }
+
+    /// An engine's body arriving on `conn`. An empty body ends here.
+    pub fn upstream(
+        inner: Incoming,
+        conn: Box<UpstreamConn>,
+        guard: InFlightGuard,
+        sse: bool,
+    ) -> Self {
+        if inner.is_end_stream() {
+            // hyper will not poll a body that is already over.
+            conn.release();
+            guard.finish(true);
+            return ProxyBody::Full(None);
+        }
+        ProxyBody::Upstream {
+            inner,
+            conn: Some(conn),
+            guard: Some(guard),
+            sse,
+        }
+    }
+}
+
+/// The body ended normally: the connection goes back to its pool, then the
+/// exchange is recorded (its slot freed).
+fn ended(conn: &mut Option<Box<UpstreamConn>>, guard: &mut Option<InFlightGuard>) {
+    if let Some(c) = conn.take() {
+        c.release();
+    }
+    if let Some(g) = guard.take() {
+        g.finish(true);
+    }
 }
 
 impl Body for ProxyBody {
@@ -56,21 +93,24 @@ impl Body for ProxyBody {
         let this = self.get_mut();
         match this {
             ProxyBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
-            ProxyBody::Upstream { inner, guard, sse } => {
-                let res = Pin::new(&mut *inner).poll_frame(cx);
+            ProxyBody::Upstream {
+                inner,
+                conn,
+                guard,
+                sse,
+            } => {
+                // Reads from the engine in this task.
+                let res = match conn.as_mut() {
+                    Some(c) => c.poll_body(inner, cx),
+                    None => Pin::new(&mut *inner).poll_frame(cx),
+                };
                 match &res {
                     // hyper stops polling once a sized body is complete.
-                    Poll::Ready(Some(Ok(_))) if inner.is_end_stream() => {
-                        if let Some(g) = guard.take() {
-                            g.finish(true);
-                        }
-                    }
-                    Poll::Ready(None) => {
-                        if let Some(g) = guard.take() {
-                            g.finish(true);
-                        }
-                    }
+                    Poll::Ready(Some(Ok(_))) if inner.is_end_stream() => ended(conn, guard),
+                    Poll::Ready(None) => ended(conn, guard),
                     Poll::Ready(Some(Err(e))) => {
+                        // Never reused: drop (close) the connection.
+                        *conn = None;
                         if let Some(g) = guard.take() {
                             g.finish(false);
                         }

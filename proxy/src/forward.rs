@@ -1,13 +1,23 @@
-//! Forwarding to engines over a pooled hyper client: the request body is
-//! already buffered (the model was inside it); the response streams through.
+//! Forwarding to engines over pooled HTTP/1 connections the proxy drives
+//! itself: the request body is already buffered (the model was inside it);
+//! the response streams through.
+//!
+//! Each upstream connection is driven by the task of the request using it
+//! (the client connection's task): while waiting for the response head and,
+//! through [`ProxyBody`], while the body streams. When the body has ended
+//! and the connection can carry another request it goes back to its
+//! engine's idle pool ([`pool`]); a response the client gave up on drops
+//! its connection. No task per connection, so no cross-task wake per chunk.
 //!
 //! Idle pooled connections are dropped after the upstream idle timeout
-//! (default 4 s, below the 5 s after which vLLM's uvicorn closes them). A
+//! (default 4 s, below the 5 s after which vLLM's uvicorn closes them), and
+//! one the engine closed while idle is noticed at checkout and not used. A
 //! request that fails because the engine closed a reused pooled connection
 //! as the request went out (closed or reset before any answer, within
 //! [`RETRY_WINDOW`]) is sent once more on a fresh connection.
 
 mod conn;
+mod pool;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -17,17 +27,16 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::Authority;
-use http::{Request, Response, Uri, Version};
+use http::{Request, Response, Uri};
 use http_body_util::Full;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use prometheus_client::metrics::histogram::Histogram;
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::body::ProxyBody;
 use crate::metrics::{Metrics, ModelLabels};
 use crate::route_table::Upstream;
-use conn::CountingConnector;
+pub use conn::UpstreamConn;
+use pool::EnginePool;
 
 /// Default time an idle upstream connection is kept: below uvicorn's 5 s.
 pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
@@ -48,17 +57,26 @@ pub enum ForwardError {
     Other(String),
 }
 
-/// The pooled client to engines.
+/// What forwarding to one [`Upstream`] needs, resolved on its first request
+/// and kept with it: the engine's pool and slots, the model's metrics and
+/// the Host header.
+#[derive(Debug)]
+pub struct UpstreamHandles {
+    pool: Arc<EnginePool>,
+    ttfb: Histogram,
+    duration: Histogram,
+    host: HeaderValue,
+}
+
+/// Forwards requests to engines over per-engine pools of connections.
 #[derive(Debug, Clone)]
 pub struct Forwarder {
-    client: Client<CountingConnector, Full<Bytes>>,
-    /// Keeps no idle connection: a retry always goes out on a fresh one.
-    fresh: Client<HttpConnector, Full<Bytes>>,
     metrics: Arc<Metrics>,
     /// Drop the client's Authorization header (it carries the proxy's API key).
     strip_authorization: bool,
-    /// Per engine (`host:port`): slots for concurrent requests.
-    slots: Arc<Mutex<HashMap<Authority, Arc<Semaphore>>>>,
+    idle_timeout: Duration,
+    /// Per engine (`host:port`): idle connections and slots.
+    engines: Arc<Mutex<HashMap<Authority, Arc<EnginePool>>>>,
 }
 
 static HOP_BY_HOP: [HeaderName; 8] = [
@@ -97,19 +115,17 @@ pub fn strip_hop_by_hop(h: &mut HeaderMap) {
 #[derive(Debug)]
 pub struct InFlightGuard {
     up: Arc<Upstream>,
-    metrics: Arc<Metrics>,
     started: Instant,
     done: bool,
     _slot: OwnedSemaphorePermit,
 }
 
 impl InFlightGuard {
-    fn new(up: Arc<Upstream>, metrics: Arc<Metrics>, slot: OwnedSemaphorePermit) -> Self {
+    fn new(up: Arc<Upstream>, slot: OwnedSemaphorePermit) -> Self {
         up.outstanding.fetch_add(1, Ordering::Relaxed);
         up.activity.start();
         InFlightGuard {
             up,
-            metrics,
             started: Instant::now(),
             done: false,
             _slot: slot,
@@ -127,13 +143,8 @@ impl InFlightGuard {
         }
         self.up.outstanding.fetch_sub(1, Ordering::Relaxed);
         self.up.activity.finish();
-        if complete {
-            self.metrics
-                .upstream_duration
-                .get_or_create(&ModelLabels {
-                    model: self.up.model.clone(),
-                })
-                .observe(self.started.elapsed().as_secs_f64());
+        if complete && let Some(h) = self.up.handles.get() {
+            h.duration.observe(self.started.elapsed().as_secs_f64());
         }
     }
 }
@@ -144,59 +155,69 @@ impl Drop for InFlightGuard {
     }
 }
 
-/// Idle upstream connections kept per engine.
-const MAX_IDLE_PER_ENGINE: usize = 128;
-/// Requests at one engine at once (so connections to it): more wait here,
-/// in arrival order, for a slot. This paces the release of a whole hold
-/// queue (10,000 requests do not open 10,000 connections at once) and is
-/// no lower than what vLLM runs at once (`max_num_seqs`: 256 to 1024).
-pub const MAX_CONCURRENT_PER_ENGINE: usize = 1024;
-
-fn connector() -> HttpConnector {
-    let mut http = HttpConnector::new();
-    http.set_nodelay(true);
-    http.set_connect_timeout(Some(Duration::from_secs(3)));
-    http.set_keepalive(Some(Duration::from_secs(60)));
-    http
-}
-
 impl Forwarder {
     /// `idle`: how long an idle upstream connection is kept (keep it below
     /// the engines' keep-alive; [`DEFAULT_UPSTREAM_IDLE_TIMEOUT`]).
     pub fn new(metrics: Arc<Metrics>, strip_authorization: bool, idle: Duration) -> Self {
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(idle)
-            // A burst (a queue of held requests released at once) opens one
-            // connection per request; keep only this many idle afterwards so
-            // their buffers are given back.
-            .pool_max_idle_per_host(MAX_IDLE_PER_ENGINE)
-            .build(CountingConnector::new(connector()));
-        let fresh = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(0)
-            .build(connector());
         Forwarder {
-            client,
-            fresh,
             metrics,
             strip_authorization,
-            slots: Default::default(),
+            idle_timeout: idle,
+            engines: Default::default(),
         }
     }
 
-    /// A slot for one request at `up`'s engine; waits (in order) while
-    /// [`MAX_CONCURRENT_PER_ENGINE`] are there.
-    async fn slot(&self, up: &Upstream) -> OwnedSemaphorePermit {
-        let sem = self
-            .slots
-            .lock()
-            .unwrap()
-            .entry(up.authority.clone())
-            .or_insert_with(|| Arc::new(Semaphore::new(MAX_CONCURRENT_PER_ENGINE)))
-            .clone();
-        sem.acquire_owned()
-            .await
-            .expect("the semaphore is never closed")
+    /// `up`'s pool, metrics and Host header; looked up once per upstream.
+    fn handles<'a>(&self, up: &'a Upstream) -> &'a UpstreamHandles {
+        up.handles.get_or_init(|| {
+            let pool = self
+                .engines
+                .lock()
+                .unwrap()
+                .entry(up.authority.clone())
+                .or_insert_with(|| EnginePool::new(&up.authority, self.idle_timeout))
+                .clone();
+            let labels = ModelLabels {
+                model: up.model.clone(),
+            };
+            UpstreamHandles {
+                pool,
+                ttfb: self.metrics.upstream_ttfb.get_or_create(&labels).clone(),
+                duration: self
+                    .metrics
+                    .upstream_duration
+                    .get_or_create(&labels)
+                    .clone(),
+                host: HeaderValue::from_str(up.authority.as_str())
+                    .unwrap_or_else(|_| HeaderValue::from_static("localhost")),
+            }
+        })
+    }
+
+    /// The request as it goes to the engine: origin-form URI, the engine's
+    /// Host, no hop-by-hop headers, the (maybe rewritten) body's length.
+    fn build(
+        &self,
+        h: &UpstreamHandles,
+        parts: &http::request::Parts,
+        body: Bytes,
+    ) -> Request<Full<Bytes>> {
+        let mut headers = parts.headers.clone();
+        strip_hop_by_hop(&mut headers);
+        if self.strip_authorization {
+            headers.remove(header::AUTHORIZATION);
+        }
+        headers.insert(header::HOST, h.host.clone());
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+        let uri = match parts.uri.path_and_query() {
+            Some(pq) => Uri::from(pq.clone()),
+            None => Uri::from_static("/"),
+        };
+        let mut req = Request::new(Full::new(body));
+        *req.method_mut() = parts.method.clone();
+        *req.uri_mut() = uri;
+        *req.headers_mut() = headers;
+        req
     }
 
     /// Sends the request to `up` and returns its response, body streaming.
@@ -206,62 +227,68 @@ impl Forwarder {
         parts: &http::request::Parts,
         body: Bytes,
     ) -> Result<Response<ProxyBody>, ForwardError> {
-        let mut uri = http::uri::Parts::default();
-        uri.scheme = Some(up.scheme.clone());
-        uri.authority = Some(up.authority.clone());
-        uri.path_and_query = parts.uri.path_and_query().cloned();
-        let uri = Uri::from_parts(uri).map_err(|e| ForwardError::Other(e.to_string()))?;
-
-        let len = body.len();
-        let mut headers = parts.headers.clone();
-        strip_hop_by_hop(&mut headers);
-        headers.remove(header::HOST);
-        if self.strip_authorization {
-            headers.remove(header::AUTHORIZATION);
+        if up.scheme != http::uri::Scheme::HTTP {
+            // As hyper's HTTP connector said before: only plain HTTP.
+            return Err(ForwardError::Connect(format!(
+                "{}: only http:// engine URLs are supported",
+                up.url
+            )));
         }
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
-        let build = || {
-            let mut req = Request::new(Full::new(body.clone()));
-            *req.method_mut() = parts.method.clone();
-            *req.uri_mut() = uri.clone();
-            *req.version_mut() = Version::HTTP_11;
-            *req.headers_mut() = headers.clone();
-            req
-        };
-        let mut req = build();
-
-        let slot = self.slot(up).await;
-        let guard = InFlightGuard::new(up.clone(), self.metrics.clone(), slot);
+        let h = self.handles(up);
+        let req = self.build(h, parts, body.clone());
+        let slot = h
+            .pool
+            .slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let guard = InFlightGuard::new(up.clone(), slot);
         if up.activity.fenced() {
             // The model stopped serving between the route lookup and now;
             // counted in flight first, so a fence report never misses it.
             guard.finish(false);
             return Err(ForwardError::Fenced);
         }
-        let capture = capture_connection(&mut req);
+        let mut conn = match h.pool.checkout() {
+            Some(c) => c,
+            None => match UpstreamConn::connect(&h.pool).await {
+                Ok(c) => c,
+                Err(e) => {
+                    guard.finish(false);
+                    return Err(ForwardError::Connect(e));
+                }
+            },
+        };
         let sent = Instant::now();
-        let mut result = self.client.request(req).await;
-        let reused = conn::uses(&capture).is_some_and(|u| u.count());
+        let mut result = conn.send(req).await;
         let mut first_error = None;
         if let Err(e) = &result
-            && reused
+            && conn.reused
             && sent.elapsed() < RETRY_WINDOW
             && closed_before_answer(e)
         {
             let error = error_chain(e);
             tracing::info!(model = %up.model, url = %up.url, %error,
                 "engine closed a reused connection as the request went out; sending it again on a fresh one");
+            conn = match UpstreamConn::connect(&h.pool).await {
+                Ok(c) => c,
+                // The engine is gone, not closing an idle connection: the
+                // first attempt may have reached it, so it goes nowhere else.
+                Err(e) => {
+                    return Err(ForwardError::Other(format!(
+                        "{error} (sent again on a fresh connection: {e})"
+                    )));
+                }
+            };
+            // Like a one-off client: the retry's connection is not kept.
+            conn.poolable = false;
             first_error = Some(error);
-            result = self.fresh.request(build()).await;
+            result = conn.send(self.build(h, parts, body)).await;
         }
         match result {
             Ok(resp) => {
-                self.metrics
-                    .upstream_ttfb
-                    .get_or_create(&ModelLabels {
-                        model: up.model.clone(),
-                    })
-                    .observe(guard.started.elapsed().as_secs_f64());
+                h.ttfb.observe(guard.started.elapsed().as_secs_f64());
                 let (mut head, inner) = resp.into_parts();
                 strip_hop_by_hop(&mut head.headers);
                 let sse = head
@@ -271,34 +298,25 @@ impl Forwarder {
                     .is_some_and(|v| v.starts_with("text/event-stream"));
                 Ok(Response::from_parts(
                     head,
-                    ProxyBody::Upstream {
-                        inner,
-                        guard: Some(guard),
-                        sse,
-                    },
+                    ProxyBody::upstream(inner, conn, guard, sse),
                 ))
             }
-            // The engine is gone, not closing an idle connection: the first
-            // attempt may have reached it, so the request goes nowhere else.
-            Err(e) if first_error.is_some() => Err(ForwardError::Other(format!(
-                "{} (sent again on a fresh connection: {})",
-                first_error.unwrap_or_default(),
-                error_chain(&e)
-            ))),
-            Err(e) if e.is_connect() => {
-                guard.finish(false);
-                Err(ForwardError::Connect(error_chain(&e)))
-            }
-            Err(e) => Err(ForwardError::Other(error_chain(&e))),
+            Err(e) => match first_error {
+                Some(first) => Err(ForwardError::Other(format!(
+                    "{first} (sent again on a fresh connection: {})",
+                    error_chain(&e)
+                ))),
+                None => Err(ForwardError::Other(error_chain(&e))),
+            },
         }
     }
 }
 
 /// The connection was closed or reset before any answer came: hyper's
 /// "connection closed before message completed" or a reset/broken pipe.
-fn closed_before_answer(e: &hyper_util::client::legacy::Error) -> bool {
-    if e.is_connect() {
-        return false;
+fn closed_before_answer(e: &hyper::Error) -> bool {
+    if e.is_incomplete_message() || e.is_canceled() {
+        return true;
     }
     let mut src = std::error::Error::source(e);
     while let Some(c) = src {

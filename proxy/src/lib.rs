@@ -16,6 +16,7 @@ mod hold;
 mod metrics;
 mod model_field;
 mod route_table;
+mod self_wake;
 mod server;
 mod waiting_room;
 mod watch_client;

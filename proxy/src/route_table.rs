@@ -37,6 +37,9 @@ pub struct Upstream {
     /// after refusing a connection; 0: fine.
     suspect_until_ms: AtomicU64,
     pub activity: Arc<ActivityCounters>,
+    /// The forwarder's pool, slots and metrics for this endpoint, resolved
+    /// on its first request.
+    pub handles: std::sync::OnceLock<crate::forward::UpstreamHandles>,
 }
 
 fn epoch() -> Instant {
@@ -369,6 +372,7 @@ fn new_upstream(
         outstanding: AtomicU32::new(0),
         suspect_until_ms: AtomicU64::new(0),
         activity: activity.counters(source, model),
+        handles: Default::default(),
     })
 }
 

@@ -20,6 +20,7 @@ use crate::handler::{self, Shared};
 use crate::hold::Holds;
 use crate::metrics::Metrics;
 use crate::route_table::RouteTable;
+use crate::self_wake::Absorbing;
 use crate::waiting_room::{self, Rewind};
 use crate::watch_client::{ControlUrl, Controls, WatchCtx, run_control};
 
@@ -241,7 +242,10 @@ impl Proxy {
             let watcher = graceful.watcher();
             let (max_header_bytes, header_timeout) = (cfg.max_header_bytes, cfg.header_timeout);
             let stopping = shutdown.clone();
-            conns.spawn(async move {
+            // Absorbing: the hand-overs inside the connection's task (request
+            // body to handler, upstream response to client) do not go
+            // through the scheduler.
+            conns.spawn(Absorbing::new(async move {
                 let res = if admin_conn {
                     let svc = service_fn(move |req| {
                         let s = shared.clone();
@@ -294,7 +298,7 @@ impl Proxy {
                 if let Err(e) = res {
                     tracing::debug!(error = %e, "connection ended with error");
                 }
-            });
+            }));
         }
 
         drop(listener);

@@ -16,5 +16,7 @@ mod forward_test;
 mod hold_test;
 #[path = "component/upstream_conn_test.rs"]
 mod upstream_conn_test;
+#[path = "component/upstream_pool_test.rs"]
+mod upstream_pool_test;
 #[path = "component/watch_test.rs"]
 mod watch_test;

@@ -1,0 +1,195 @@
+//! Per-engine pool of idle upstream connections and the engine's slots for
+//! concurrent requests.
+//!
+//! Checkout takes the most recently used idle connection (LIFO, so the rest
+//! age out) and polls it first: one the engine has closed while it sat idle,
+//! or one idle for longer than the idle timeout, is dropped, never used. A
+//! light background task per engine drops connections idle past the
+//! timeout, so their sockets and buffers are given back without traffic.
+
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use http::uri::Authority;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+
+use super::conn::UpstreamConn;
+
+/// Idle upstream connections kept per engine.
+pub const MAX_IDLE_PER_ENGINE: usize = 128;
+/// Requests at one engine at once (so connections to it): more wait here,
+/// in arrival order, for a slot. This paces the release of a whole hold
+/// queue (10,000 requests do not open 10,000 connections at once) and is
+/// no lower than what vLLM runs at once (`max_num_seqs`: 256 to 1024).
+pub const MAX_CONCURRENT_PER_ENGINE: usize = 1024;
+
+#[derive(Debug)]
+struct Idle {
+    conn: Box<UpstreamConn>,
+    since: Instant,
+}
+
+/// One engine (`host:port`): its idle connections and its request slots.
+#[derive(Debug)]
+pub struct EnginePool {
+    /// `host:port` to connect to (port 80 when the URL named none).
+    addr: String,
+    idle: Mutex<Vec<Idle>>,
+    idle_timeout: Duration,
+    /// Slots for concurrent requests ([`MAX_CONCURRENT_PER_ENGINE`]).
+    pub slots: Arc<Semaphore>,
+}
+
+impl EnginePool {
+    /// A pool for `authority`'s engine; starts the task that drops expired
+    /// idle connections (it ends when the pool is dropped).
+    pub fn new(authority: &Authority, idle_timeout: Duration) -> Arc<EnginePool> {
+        let addr = match authority.port_u16() {
+            Some(_) => authority.as_str().to_owned(),
+            None => format!("{}:80", authority.host()),
+        };
+        let pool = Arc::new(EnginePool {
+            addr,
+            idle: Mutex::new(Vec::new()),
+            idle_timeout,
+            slots: Arc::new(Semaphore::new(MAX_CONCURRENT_PER_ENGINE)),
+        });
+        tokio::spawn(reap(Arc::downgrade(&pool), idle_timeout));
+        pool
+    }
+
+    /// The engine's `host:port`.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// An idle connection that can carry a request now, if there is one.
+    pub fn checkout(&self) -> Option<Box<UpstreamConn>> {
+        loop {
+            let idle = self.idle.lock().unwrap().pop()?;
+            if idle.since.elapsed() >= self.idle_timeout {
+                // The newest is too old: so are all the others.
+                let stale = std::mem::take(&mut *self.idle.lock().unwrap());
+                drop(stale);
+                return None;
+            }
+            let mut conn = idle.conn;
+            if conn.is_usable() {
+                return Some(conn);
+            }
+            tracing::debug!(engine = %self.addr, "dropping an idle connection the engine closed");
+        }
+    }
+
+    /// Keeps `conn` for the next request (at most [`MAX_IDLE_PER_ENGINE`]).
+    pub fn put_back(&self, conn: Box<UpstreamConn>) {
+        let mut idle = self.idle.lock().unwrap();
+        if idle.len() < MAX_IDLE_PER_ENGINE {
+            idle.push(Idle {
+                conn,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    /// Idle connections now.
+    #[cfg(test)]
+    pub fn idle_count(&self) -> usize {
+        self.idle.lock().unwrap().len()
+    }
+
+    /// Drops connections idle for the idle timeout or closed by the engine.
+    fn prune(&self) {
+        let expired: Vec<Idle> = {
+            let mut idle = self.idle.lock().unwrap();
+            let (keep, expired) = std::mem::take(&mut *idle)
+                .into_iter()
+                .partition(|i| i.since.elapsed() < self.idle_timeout);
+            *idle = keep;
+            expired
+        };
+        drop(expired);
+    }
+}
+
+async fn reap(pool: Weak<EnginePool>, idle_timeout: Duration) {
+    let every = (idle_timeout / 4).max(Duration::from_millis(10));
+    loop {
+        tokio::time::sleep(every).await;
+        match pool.upgrade() {
+            Some(p) => p.prune(),
+            None => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DEADLINE: Duration = Duration::from_secs(30);
+
+    async fn engine() -> (tokio::net::TcpListener, Authority) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = l.local_addr().unwrap().to_string().parse().unwrap();
+        (l, a)
+    }
+
+    #[tokio::test]
+    async fn checkout_drops_an_idle_connection_the_engine_closed() {
+        let (listener, authority) = engine().await;
+        let pool = EnginePool::new(&authority, Duration::from_secs(60));
+        let conn = UpstreamConn::connect(&pool).await.unwrap();
+        let (engine_side, _) = listener.accept().await.unwrap();
+        conn.release();
+        assert_eq!(pool.idle_count(), 1, "an open connection goes back");
+        let conn = pool.checkout().expect("an open idle connection is used");
+        assert!(conn.reused);
+        conn.release();
+        drop(engine_side);
+        let start = Instant::now();
+        while let Some(conn) = pool.checkout() {
+            assert!(
+                start.elapsed() < DEADLINE,
+                "a closed connection still checked out"
+            );
+            conn.release();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(pool.idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn idle_connections_are_dropped_after_the_idle_timeout_without_traffic() {
+        let (listener, authority) = engine().await;
+        let pool = EnginePool::new(&authority, Duration::from_millis(50));
+        let conn = UpstreamConn::connect(&pool).await.unwrap();
+        let (mut engine_side, _) = listener.accept().await.unwrap();
+        conn.release();
+        assert_eq!(pool.idle_count(), 1);
+        // The reaper closes it: the engine reads the end of the stream.
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(
+            DEADLINE,
+            tokio::io::AsyncReadExt::read(&mut engine_side, &mut b),
+        )
+        .await
+        .expect("the idle connection was not closed")
+        .unwrap();
+        assert_eq!(n, 0);
+        assert_eq!(pool.idle_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_is_not_poolable_is_closed_on_release() {
+        let (listener, authority) = engine().await;
+        let pool = EnginePool::new(&authority, Duration::from_secs(60));
+        let mut conn = UpstreamConn::connect(&pool).await.unwrap();
+        let (_engine_side, _) = listener.accept().await.unwrap();
+        conn.poolable = false;
+        conn.release();
+        assert_eq!(pool.idle_count(), 0);
+        assert!(pool.checkout().is_none());
+    }
+}
