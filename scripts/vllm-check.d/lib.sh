@@ -134,3 +134,52 @@ start_control() {
 }
 control_env() { export SIESTA_CONTROL="http://$(sed -n 's/^grpc=//p' "$RUN/control.addr")"; }
 proxy_env() { P="http://$(sed -n 's/^http=//p' "$RUN/proxy.addr")"; }
+
+# A matrix's beginning (matrix.sh, suspend.sh): its folders, an empty output, and
+# `finish CODE` (writes RUN/done, exits), also on TERM/INT.
+matrix_begin() {
+    mkdir -p "$RUN/logs" "$RUN/flags" "$RUN/state"
+    : >"$RUN/output.txt"
+    trap 'log "matrix killed"; finish 1' TERM INT
+}
+finish() {
+    echo "$1" >"$RUN/done.tmp" && mv "$RUN/done.tmp" "$RUN/done"
+    exit "$1"
+}
+
+# siesta-control on $CFG and siesta-proxy in front of it, both up (proxy /readyz 200), or a
+# FAIL stack-up line and `finish 1`; sets and exports P. T0: when the stack was asked for.
+stack_up() {
+    T0=$SECONDS
+    if ! start_control first; then
+        result FAIL stack-up control_log=logs/control-first.log
+        finish 1
+    fi
+    setsid "$B/siesta-proxy" --control "$SIESTA_CONTROL" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+        --addr-file "$RUN/proxy.addr" >"$RUN/logs/proxy.log" 2>&1 </dev/null &
+    echo $! >"$RUN/proxy.pid"
+    local end=$((SECONDS + 60))
+    until [ -s "$RUN/proxy.addr" ] && proxy_env && [ "$(python3 "$PY" req GET "$(sed -n 's/^admin=/http:\/\//p' "$RUN/proxy.addr")/readyz" "" 5 | cut -c1-3)" = 200 ]; do
+        if [ $SECONDS -ge $end ]; then
+            result FAIL stack-up proxy_log=logs/proxy.log
+            finish 1
+        fi
+        sleep 0.2
+    done
+    proxy_env
+    export P
+    result PASS stack-up control=$SIESTA_CONTROL proxy=$P up_s=$((SECONDS - T0))
+}
+
+# The matrix's last line (`# NAME: P passed, F failed, S skipped in N s`), then `finish`
+# with 0 only if nothing failed.
+matrix_end() {
+    local pass fail skip
+    pass=$(grep -c '^PASS' "$RUN/output.txt")
+    fail=$(grep -c '^FAIL' "$RUN/output.txt")
+    skip=$(grep -c '^SKIP' "$RUN/output.txt")
+    log "done: $pass passed, $fail failed, $skip skipped in $((SECONDS - T0)) s"
+    echo "# $1: $pass passed, $fail failed, $skip skipped in $((SECONDS - T0)) s (LOCAL=$LOCAL)" >>"$RUN/output.txt"
+    [ "$fail" = 0 ] && finish 0
+    finish 1
+}

@@ -15,13 +15,7 @@ set -uo pipefail
 : "${D:?}" "${RUN:?}" "${B:?}" "${EXE:?}" "${MODEL:?}" "${LOCAL:?}"
 source "$D/lib.sh"
 TRACK=main
-mkdir -p "$RUN/logs" "$RUN/flags" "$RUN/state"
-: >"$RUN/output.txt"
-finish() {
-    echo "$1" >"$RUN/done.tmp" && mv "$RUN/done.tmp" "$RUN/done"
-    exit "$1"
-}
-trap 'log "matrix killed"; finish 1' TERM INT
+matrix_begin
 
 if [ "$LOCAL" = 1 ]; then
     NG=2
@@ -94,25 +88,7 @@ else
 fi
 
 # --- the stack
-T0=$SECONDS
-if ! start_control first; then
-    result FAIL stack-up control_log=logs/control-first.log
-    finish 1
-fi
-setsid "$B/siesta-proxy" --control "$SIESTA_CONTROL" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
-    --addr-file "$RUN/proxy.addr" >"$RUN/logs/proxy.log" 2>&1 </dev/null &
-echo $! >"$RUN/proxy.pid"
-end=$((SECONDS + 60))
-until [ -s "$RUN/proxy.addr" ] && proxy_env && [ "$(python3 "$PY" req GET "$(sed -n 's/^admin=/http:\/\//p' "$RUN/proxy.addr")/readyz" "" 5 | cut -c1-3)" = 200 ]; do
-    if [ $SECONDS -ge $end ]; then
-        result FAIL stack-up proxy_log=logs/proxy.log
-        finish 1
-    fi
-    sleep 0.2
-done
-proxy_env
-export P
-result PASS stack-up control=$SIESTA_CONTROL proxy=$P up_s=$((SECONDS - T0))
+stack_up
 logcmd S gpus
 logcmd S placement
 
@@ -160,10 +136,4 @@ for w in $(cat "$RUN/watch.pids" 2>/dev/null); do kill_pid TERM "$w" 2>/dev/null
 # Anything still tagged as siesta's engine is killed by pid (never by name).
 for p in $(engines | awk '{print $1}'); do kill_pid KILL "$p" 2>/dev/null; done
 
-pass=$(grep -c '^PASS' "$RUN/output.txt")
-fail=$(grep -c '^FAIL' "$RUN/output.txt")
-skip=$(grep -c '^SKIP' "$RUN/output.txt")
-log "done: $pass passed, $fail failed, $skip skipped in $((SECONDS - T0)) s"
-echo "# vllm-check: $pass passed, $fail failed, $skip skipped in $((SECONDS - T0)) s (LOCAL=$LOCAL)" >>"$RUN/output.txt"
-[ "$fail" = 0 ] && finish 0
-finish 1
+matrix_end vllm-check

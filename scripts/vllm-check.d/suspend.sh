@@ -26,13 +26,7 @@ set -uo pipefail
 : "${D:?}" "${RUN:?}" "${B:?}" "${EXE:?}" "${MODEL:?}" "${LOCAL:?}"
 source "$D/lib.sh"
 TRACK=suspend
-mkdir -p "$RUN/logs" "$RUN/flags" "$RUN/state"
-: >"$RUN/output.txt"
-finish() {
-    echo "$1" >"$RUN/done.tmp" && mv "$RUN/done.tmp" "$RUN/done"
-    exit "$1"
-}
-trap 'log "matrix killed"; finish 1' TERM INT
+matrix_begin
 
 if [ "$LOCAL" = 1 ]; then
     NG=2 T_IDLE=4 START_DEADLINE=60 REQ_TIMEOUT=60 OP_DEADLINE=30
@@ -108,19 +102,7 @@ else
     finish 1
 fi
 
-T0=$SECONDS
-CFG=$CFG start_control first || { result FAIL stack-up control_log=logs/control-first.log; finish 1; }
-setsid "$B/siesta-proxy" --control "$SIESTA_CONTROL" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
-    --addr-file "$RUN/proxy.addr" >"$RUN/logs/proxy.log" 2>&1 </dev/null &
-echo $! >"$RUN/proxy.pid"
-end=$((SECONDS + 60))
-until [ -s "$RUN/proxy.addr" ] && proxy_env && [ "$(python3 "$PY" req GET "$(sed -n 's/^admin=/http:\/\//p' "$RUN/proxy.addr")/readyz" "" 5 | cut -c1-3)" = 200 ]; do
-    [ $SECONDS -ge $end ] && { result FAIL stack-up proxy_log=logs/proxy.log; finish 1; }
-    sleep 0.2
-done
-proxy_env
-export P
-result PASS stack-up control=$SIESTA_CONTROL proxy=$P
+stack_up
 
 mem_avail_mib() { awk '/^MemAvailable:/ {print int($2 / 1024)}' /proc/meminfo; }
 # The helper's times from the model's log: `suspend: pid 12 lock 3 ms checkpoint 2301 ms; ...`.
@@ -270,9 +252,4 @@ kill_pid TERM "$(cat "$RUN/proxy.pid")" 2>/dev/null
 for w in $(cat "$RUN/watch.pids" 2>/dev/null); do kill_pid TERM "$w" 2>/dev/null; done
 for p in $(engines | awk '{print $1}'); do kill_pid KILL "$p" 2>/dev/null; done
 
-pass=$(grep -c '^PASS' "$RUN/output.txt")
-fail=$(grep -c '^FAIL' "$RUN/output.txt")
-skip=$(grep -c '^SKIP' "$RUN/output.txt")
-echo "# vllm-check suspend: $pass passed, $fail failed, $skip skipped in $((SECONDS - T0)) s (LOCAL=$LOCAL)" >>"$RUN/output.txt"
-[ "$fail" = 0 ] && finish 0
-finish 1
+matrix_end "vllm-check suspend"
