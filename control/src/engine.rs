@@ -79,6 +79,24 @@ enum Failure {
     Answer(String),
 }
 
+/// A failed probe: what went wrong, and whether the engine was only slow
+/// (no answer within the deadline) rather than refusing or erring.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProbeError {
+    pub message: String,
+    pub timed_out: bool,
+}
+
+impl From<Failure> for ProbeError {
+    fn from(f: Failure) -> Self {
+        let timed_out = matches!(f, Failure::Timeout(_));
+        ProbeError {
+            message: f.into_message(),
+            timed_out,
+        }
+    }
+}
+
 impl Failure {
     fn into_message(self) -> String {
         match self {
@@ -246,14 +264,19 @@ impl EngineClient {
     /// runs a generation, which must not reach released memory); `health`
     /// for the others.
     pub async fn alive(&self, timeout: Duration) -> Result<(), EngineError> {
-        match self.kind {
-            EngineKind::Sglang => self
-                .expect_ok(hyper::Method::GET, "/get_model_info", None, timeout)
-                .await
-                .map(|_| ())
-                .map_err(Failure::into_message),
-            EngineKind::Vllm | EngineKind::Openai => self.health(timeout).await,
-        }
+        self.probe(timeout).await.map_err(|e| e.message)
+    }
+
+    /// [`Self::alive`], saying whether a failure was only slowness.
+    pub async fn probe(&self, timeout: Duration) -> Result<(), ProbeError> {
+        let path = match self.kind {
+            EngineKind::Sglang => "/get_model_info",
+            EngineKind::Vllm | EngineKind::Openai => self.health_path.as_str(),
+        };
+        self.expect_ok(hyper::Method::GET, path, None, timeout)
+            .await
+            .map(|_| ())
+            .map_err(ProbeError::from)
     }
 
     /// `GET /is_sleeping`.

@@ -45,6 +45,10 @@ pub const SUSPEND_TIMEOUT: Duration = Duration::from_secs(600);
 /// Failed periodic probes in a row that fail an engine (one slow answer or
 /// a connection the engine just closed is not a fault).
 pub const HEALTH_STRIKES: u8 = 3;
+/// How long probes that time out while the engine has requests in flight
+/// are taken for load, not a fault (an engine tokenizing a burst of 10,000
+/// held requests can be slow to answer `/health`); after that they count.
+pub const BUSY_PROBE_GRACE: Duration = Duration::from_secs(60);
 
 /// What the reconciler works towards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -259,6 +263,9 @@ pub enum Event {
     HealthFailed {
         epoch: u64,
         error: String,
+        /// No answer within the probe's deadline (not a refusal or an
+        /// error answer): forgiven for a while when the engine is busy.
+        timed_out: bool,
     },
     /// A periodic probe answered: the strikes start again from zero.
     ProbeOk {
@@ -453,6 +460,9 @@ pub struct ModelState {
     pub failures: u32,
     /// Failed periodic probes in a row (see [`HEALTH_STRIKES`]).
     pub health_strikes: u8,
+    /// Since when probes have been timing out while requests were in
+    /// flight (see [`BUSY_PROBE_GRACE`]); cleared by an answer.
+    pub busy_timeouts_since: Option<Instant>,
     pub last_error: Option<String>,
     pub pid: Option<u32>,
     pub restarts: u32,
@@ -489,6 +499,7 @@ impl ModelState {
             engine_running: 0,
             failures: 0,
             health_strikes: 0,
+            busy_timeouts_since: None,
             last_error: None,
             pid: None,
             restarts: 0,

@@ -55,7 +55,7 @@ pub(crate) enum Msg {
     Residual(crate::status::Residual),
     Poll {
         epoch: u64,
-        result: Result<Option<u32>, String>,
+        result: Result<Option<u32>, crate::engine::ProbeError>,
     },
     /// A reload changed only settings that need no new engine (idle
     /// tiers, hold policy, aliases): take them, keep the engine.
@@ -349,7 +349,8 @@ impl Runner {
                 }
                 match result {
                     Ok(running) => {
-                        if self.state.health_strikes > 0 {
+                        if self.state.health_strikes > 0 || self.state.busy_timeouts_since.is_some()
+                        {
                             self.apply(Event::ProbeOk { epoch });
                         }
                         if let Some(running) = running
@@ -358,9 +359,13 @@ impl Runner {
                             self.apply(Event::EngineMetrics { running });
                         }
                     }
-                    Err(error) => {
-                        tracing::warn!(model = %self.cfg.name, %error, "engine probe failed");
-                        self.apply(Event::HealthFailed { epoch, error });
+                    Err(crate::engine::ProbeError { message, timed_out }) => {
+                        tracing::warn!(model = %self.cfg.name, error = %message, timed_out, "engine probe failed");
+                        self.apply(Event::HealthFailed {
+                            epoch,
+                            error: message,
+                            timed_out,
+                        });
                     }
                 }
             }

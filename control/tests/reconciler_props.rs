@@ -297,12 +297,14 @@ impl World {
                     Event::HealthFailed {
                         epoch,
                         error: "refused".into(),
+                        timed_out: false,
                     }
                 }
             }
             Action::PollFailed => Event::HealthFailed {
                 epoch,
                 error: "poll: refused".into(),
+                timed_out: false,
             },
             Action::Sleep { sel, ok } => {
                 let epoch = take(&mut self.sleeps, sel)?;

@@ -248,8 +248,26 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 }
             }
         }
-        Event::HealthFailed { epoch: e, error } if e == epoch => {
+        Event::HealthFailed {
+            epoch: e,
+            error,
+            timed_out,
+        } if e == epoch => {
             if matches!(m.phase, Phase::Awake | Phase::Asleep { .. }) {
+                // A slow answer while requests are in flight is load, not a
+                // fault: killing a working engine would lose them all.
+                if timed_out && m.in_flight() > 0 {
+                    let since = *m.busy_timeouts_since.get_or_insert(now);
+                    if now.saturating_duration_since(since) < BUSY_PROBE_GRACE {
+                        fx.push(Effect::Log(format!(
+                            "probe timed out with {} request(s) in flight: taken for load, not \
+                             counted (for up to {} s): {error}",
+                            m.in_flight(),
+                            BUSY_PROBE_GRACE.as_secs()
+                        )));
+                        return;
+                    }
+                }
                 m.health_strikes = m.health_strikes.saturating_add(1);
                 if m.health_strikes >= HEALTH_STRIKES {
                     fail(
@@ -266,7 +284,10 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 }
             }
         }
-        Event::ProbeOk { epoch: e } if e == epoch => m.health_strikes = 0,
+        Event::ProbeOk { epoch: e } if e == epoch => {
+            m.health_strikes = 0;
+            m.busy_timeouts_since = None;
+        }
         Event::SleepDone { epoch: e } if e == epoch => {
             if let Phase::Sleeping { level, .. } = m.phase {
                 m.calibration.sleep_mut(level).add(now - m.transition_start);

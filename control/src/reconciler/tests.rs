@@ -351,6 +351,7 @@ fn stale_results_are_ignored() {
     s.ev(Event::HealthFailed {
         epoch: old,
         error: "old".into(),
+        timed_out: false,
     });
     assert_eq!(s.m.phase, Phase::Awake);
 }

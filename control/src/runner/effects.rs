@@ -379,9 +379,16 @@ impl Runner {
                 // Never SGLang's /health here (it generates a token): a
                 // release may begin while this probe is on its way, and a
                 // generation reaching released memory kills the engine.
-                client.alive(timeout).await?;
+                client.probe(timeout).await?;
                 if awake && has_metric {
-                    Ok(Some(client.metrics(timeout).await?.running))
+                    // It answered its health probe: a slow /metrics is load.
+                    let m = client.metrics(timeout).await.map_err(|message| {
+                        crate::engine::ProbeError {
+                            message,
+                            timed_out: true,
+                        }
+                    })?;
+                    Ok(Some(m.running))
                 } else {
                     Ok(None)
                 }

@@ -11,6 +11,7 @@ fn three_failed_probes_in_a_row_fail_the_engine_and_an_answer_resets_them() {
         s.ev(Event::HealthFailed {
             epoch: s.m.epoch,
             error: "connection reset".into(),
+            timed_out: false,
         });
     };
     fail(&mut s);
@@ -100,4 +101,64 @@ fn what_changed_is_persisted_by_effects() {
         f,
         Effect::Persist | Effect::PersistHistory | Effect::PersistCalibration
     )));
+}
+
+/// A probe that times out while requests are in flight is load, not a fault,
+/// for up to `BUSY_PROBE_GRACE`; refusals count at once, and an answer
+/// clears the grace.
+#[test]
+fn slow_probes_while_busy_are_load_for_a_while_and_refusals_still_count() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    let busy = |s: &mut Sim, in_flight| {
+        s.ev(Event::Activity {
+            proxy: "p".into(),
+            in_flight,
+            held: 0,
+            active: true,
+            last_finished: None,
+        });
+    };
+    let probe = |s: &mut Sim, timed_out| {
+        s.ev(Event::HealthFailed {
+            epoch: s.m.epoch,
+            error: "GET /health: no answer within 2s".into(),
+            timed_out,
+        });
+    };
+    // The proxy reports its requests in flight every second.
+    for _ in 0..10 {
+        busy(&mut s, 40);
+        probe(&mut s, true);
+        s.now += secs(1);
+    }
+    assert_eq!((s.m.phase, s.m.health_strikes), (Phase::Awake, 0));
+    // Still no answer a minute on: now they count.
+    s.now += BUSY_PROBE_GRACE;
+    busy(&mut s, 40);
+    for _ in 0..HEALTH_STRIKES {
+        probe(&mut s, true);
+    }
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+
+    // Refusals are not slowness: they count even when busy.
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    busy(&mut s, 40);
+    for _ in 0..HEALTH_STRIKES {
+        probe(&mut s, false);
+    }
+    assert!(matches!(s.m.phase, Phase::Failed { .. }));
+
+    // Idle: timeouts count as before; an answer clears a busy spell.
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    probe(&mut s, true);
+    assert_eq!(s.m.health_strikes, 1);
+    s.ev(Event::ProbeOk { epoch: s.m.epoch });
+    busy(&mut s, 1);
+    probe(&mut s, true);
+    assert!(s.m.busy_timeouts_since.is_some());
+    s.ev(Event::ProbeOk { epoch: s.m.epoch });
+    assert_eq!((s.m.health_strikes, s.m.busy_timeouts_since), (0, None));
 }

@@ -150,6 +150,7 @@ fn nothing_probes_or_calls_a_suspended_engine() {
     s.ev(Event::HealthFailed {
         epoch: old,
         error: "x".into(),
+        timed_out: false,
     });
     assert_eq!(s.m.phase, Phase::Suspended { under: 0 });
     assert_eq!(s.m.health_strikes, 0);
