@@ -40,8 +40,8 @@ struct Proxy {
 
 /// One model's line of a proxy's report.
 #[derive(Debug, Clone)]
-pub struct FenceReport {
-    pub model: String,
+pub struct FenceReport<'a> {
+    pub model: &'a str,
     pub fenced_since_unix_ms: i64,
     pub in_flight: u32,
 }
@@ -66,20 +66,23 @@ impl Default for Fences {
 
 impl Fences {
     /// Records one report of `proxy` (an empty one is a heartbeat).
-    pub fn report(&self, proxy: &str, models: &[FenceReport]) {
+    pub fn report(&self, proxy: &str, models: &[FenceReport<'_>]) {
         let now = Instant::now();
         let mut all = self.proxies.lock().unwrap();
         all.retain(|_, p| p.at.is_some_and(|at| now - at < PROXY_LIVE * 4));
         let p = all.entry(proxy.to_string()).or_default();
         p.at = Some(now);
         for m in models {
-            p.models.insert(
-                m.model.clone(),
-                Seen {
-                    fenced_since_unix_ms: m.fenced_since_unix_ms,
-                    in_flight: m.in_flight,
-                },
-            );
+            let seen = Seen {
+                fenced_since_unix_ms: m.fenced_since_unix_ms,
+                in_flight: m.in_flight,
+            };
+            match p.models.get_mut(m.model) {
+                Some(s) => *s = seen,
+                None => {
+                    p.models.insert(m.model.to_string(), seen);
+                }
+            }
         }
         drop(all);
         self.changed.notify_waiters();
@@ -134,7 +137,9 @@ impl Fences {
                     .map(|(id, why)| format!("proxy {id} {why}"))
                     .collect();
                 return Err(format!(
-                    "not every proxy stopped forwarding to {model} within {} s: {}",
+                    "not every proxy stopped forwarding to {model} within {} s: {} \
+                     (a proxy older than this control plane never confirms: upgrade it; \
+                     a stuck one: restart it; the tier tries again after another idle period)",
                     timeout.as_secs(),
                     who.join("; ")
                 ));
@@ -153,9 +158,9 @@ impl Fences {
 mod tests {
     use super::*;
 
-    fn fence(model: &str, since: i64, in_flight: u32) -> FenceReport {
+    fn fence(model: &str, since: i64, in_flight: u32) -> FenceReport<'_> {
         FenceReport {
-            model: model.into(),
+            model,
             fenced_since_unix_ms: since,
             in_flight,
         }

@@ -353,7 +353,7 @@ impl Models {
         let fences: Vec<FenceReport> = reports
             .iter()
             .map(|r| FenceReport {
-                model: r.model.clone(),
+                model: &r.model,
                 fenced_since_unix_ms: r.fenced_since_unix_ms,
                 in_flight: r.in_flight,
             })

@@ -275,5 +275,30 @@ pub fn model_status(
     }
 }
 
+/// A status for tests: the demo config's first model named `name`, with
+/// `restarts`, on GPUs 0 and 1, waiting "a reason", of control plane "ctl".
+#[cfg(test)]
+pub(crate) fn test_status(name: &str, restarts: u32) -> ModelStatus {
+    use crate::reconciler::{ModelState, Settings};
+    let cfg = crate::config::Config::demo(vec!["fake-vllm".into()]);
+    let mut m = cfg.models[0].clone();
+    m.name = name.into();
+    let facts = EngineFacts {
+        endpoint: Endpoint {
+            url: "http://x".into(),
+            served_model_name: name.into(),
+        },
+        gpus: vec![0, 1],
+        p2p_disabled: false,
+        control_id: "ctl".into(),
+        waiting_for: "a reason".into(),
+        asleep_residual: Default::default(),
+    };
+    let now = tokio::time::Instant::now();
+    let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);
+    st.restarts = restarts;
+    model_status(&m, &facts, &st, &Clock::new(), now)
+}
+
 #[cfg(test)]
 mod tests;

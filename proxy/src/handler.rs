@@ -213,7 +213,12 @@ async fn route_loop(
             // Boxed: a held request's future need not carry its size.
             match Box::pin(shared.forwarder.forward(&up, parts, out)).await {
                 Ok(resp) => return Ok(resp),
-                Err(ForwardError::Fenced) => continue,
+                Err(ForwardError::Fenced) => {
+                    // The route table is being rebuilt with the model not
+                    // serving: let that finish, then route again (held).
+                    tokio::task::yield_now().await;
+                    continue;
+                }
                 Err(ForwardError::Connect(err)) => {
                     tracing::warn!(model = %model, url = %up.url, error = %err, "engine refused connection; trying elsewhere");
                     up.mark_suspect(SUSPECT_MS);

@@ -1,28 +1,7 @@
 use super::*;
-use crate::config::Config;
-use crate::reconciler::{ModelState, Settings};
-use crate::status::{Endpoint, EngineFacts, model_status};
-use tokio::time::Instant;
 
 fn status(name: &str, restarts: u32) -> ModelStatus {
-    let cfg = Config::demo(vec!["fake-vllm".into()]);
-    let mut m = cfg.models[0].clone();
-    m.name = name.into();
-    let facts = EngineFacts {
-        endpoint: Endpoint {
-            url: "http://x".into(),
-            served_model_name: name.into(),
-        },
-        gpus: vec![],
-        p2p_disabled: false,
-        control_id: "t".into(),
-        waiting_for: String::new(),
-        asleep_residual: Default::default(),
-    };
-    let now = Instant::now();
-    let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);
-    st.restarts = restarts;
-    model_status(&m, &facts, &st, &Clock::new(), now)
+    crate::status::test_status(name, restarts)
 }
 
 fn revision_of_model(item: &WatchItem) -> Option<u32> {

@@ -3,9 +3,7 @@
 //! then every event in order), and resume / resync are unchanged.
 
 use super::*;
-use crate::config::Config;
-use crate::reconciler::{ModelState, Settings};
-use crate::status::{Clock, Endpoint, EngineFacts, ModelStatus, model_status};
+use crate::status::{Clock, ModelStatus};
 use futures::future::join_all;
 use pb::control_client::ControlClient;
 use pb::watch_event::Kind;
@@ -35,24 +33,7 @@ impl<B: Send + 'static> Service<http::Request<B>> for Nothing {
 }
 
 fn status(name: &str, restarts: u32) -> ModelStatus {
-    let cfg = Config::demo(vec!["fake-vllm".into()]);
-    let mut m = cfg.models[0].clone();
-    m.name = name.into();
-    let facts = EngineFacts {
-        endpoint: Endpoint {
-            url: "http://x".into(),
-            served_model_name: name.into(),
-        },
-        gpus: vec![],
-        p2p_disabled: false,
-        control_id: "ctl".into(),
-        waiting_for: String::new(),
-        asleep_residual: Default::default(),
-    };
-    let now = tokio::time::Instant::now();
-    let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);
-    st.restarts = restarts;
-    model_status(&m, &facts, &st, &Clock::new(), now)
+    crate::status::test_status(name, restarts)
 }
 
 const LONG: Duration = Duration::from_secs(30);

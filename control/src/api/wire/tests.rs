@@ -2,35 +2,16 @@
 //! the converted message, for every kind of item and for `ListModels`.
 
 use super::*;
-use crate::config::Config;
 use crate::gpu::InventorySource;
 use crate::gpu_view::{GpuList, ModelPlacement, PlacementReport};
 use crate::hub::Hub;
-use crate::reconciler::{ModelState, Settings};
-use crate::status::{Clock, Endpoint, EngineFacts, model_status};
+use crate::status::Clock;
 use siesta_proto::v1 as pb;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 fn status(name: &str, restarts: u32) -> ModelStatus {
-    let cfg = Config::demo(vec!["fake-vllm".into()]);
-    let mut m = cfg.models[0].clone();
-    m.name = name.into();
-    let facts = EngineFacts {
-        endpoint: Endpoint {
-            url: "http://x".into(),
-            served_model_name: name.into(),
-        },
-        gpus: vec![0, 1],
-        p2p_disabled: false,
-        control_id: "ctl".into(),
-        waiting_for: "a reason".into(),
-        asleep_residual: Default::default(),
-    };
-    let now = tokio::time::Instant::now();
-    let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);
-    st.restarts = restarts;
-    model_status(&m, &facts, &st, &Clock::new(), now)
+    crate::status::test_status(name, restarts)
 }
 
 fn gpus() -> GpuList {
