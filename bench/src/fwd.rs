@@ -27,14 +27,23 @@ pub struct Args {
     repeats: usize,
     #[arg(long, default_value = "wrk")]
     wrk: String,
+    /// NAME=PGID: the process group serving target NAME (all its processes
+    /// and threads); its CPU time per request is reported. Repeatable.
+    #[arg(long = "cpu")]
+    cpu: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
 struct WrkResult {
     rps: f64,
+    /// Requests wrk completed.
+    requests: f64,
     p50_us: f64,
     p99_us: f64,
     errors: u64,
+    /// CPU time of the target's process group per request (µs); NaN when
+    /// its group was not given.
+    cpu_us: f64,
 }
 
 pub async fn run(a: Args) -> Result<()> {
@@ -45,6 +54,10 @@ pub async fn run(a: Args) -> Result<()> {
             let (n, u) = t.split_once('=').context("target must be NAME=URL")?;
             Ok((n.to_string(), u.trim_end_matches('/').to_string()))
         })
+        .collect::<Result<_>>()?;
+    let groups: Vec<Option<i32>> = targets
+        .iter()
+        .map(|(name, _)| group_of(&a.cpu, name))
         .collect::<Result<_>>()?;
     let body = chat_body(&a.model, 16, false);
     for (name, url) in &targets {
@@ -83,10 +96,17 @@ pub async fn run(a: Args) -> Result<()> {
         let mut results: Vec<Vec<WrkResult>> = vec![Vec::new(); targets.len()];
         for rep in 0..a.repeats {
             for (i, (name, url)) in targets.iter().enumerate() {
-                let r = wrk(&a, url, c, &lua)?;
+                let before = groups[i].map(group_cpu_ticks);
+                let mut r = wrk(&a, url, c, &lua)?;
+                r.cpu_us = match (groups[i], before) {
+                    (Some(g), Some(b)) => {
+                        (group_cpu_ticks(g) - b) as f64 * 1e6 / ticks_per_s() / r.requests
+                    }
+                    _ => f64::NAN,
+                };
                 eprintln!(
-                    "fwd c={c} rep={rep} {name}: {:.0} req/s p50 {:.0}µs p99 {:.0}µs errors {}",
-                    r.rps, r.p50_us, r.p99_us, r.errors
+                    "fwd c={c} rep={rep} {name}: {:.0} req/s p50 {:.0}µs p99 {:.0}µs errors {} cpu {:.1}µs/req",
+                    r.rps, r.p50_us, r.p99_us, r.errors, r.cpu_us
                 );
                 results[i].push(r);
             }
@@ -116,6 +136,18 @@ fn rows_for(targets: &[(String, String)], res: &[Vec<WrkResult>], c: u32, reps: 
             err.push(r.errors as f64);
         }
         rows.extend([rps, p50, p99, err]);
+        if res[i].iter().all(|r| !r.cpu_us.is_nan()) {
+            // A proxy's own CPU; for `direct`, the engine's.
+            let label = match name.as_str() {
+                "direct" => "engine CPU per request (direct)".to_owned(),
+                _ => format!("{name} CPU per request"),
+            };
+            let mut cpu = Row::new(&s, label, "µs");
+            for r in &res[i] {
+                cpu.push(r.cpu_us);
+            }
+            rows.push(cpu);
+        }
     }
     let idx = |n: &str| targets.iter().position(|(name, _)| name == n);
     let ratio = |a: usize, b: usize, f: fn(&WrkResult) -> f64, metric: &str, t: Option<Target>| {
@@ -146,6 +178,17 @@ fn rows_for(targets: &[(String, String)], res: &[Vec<WrkResult>], c: u32, reps: 
                 |r| r.rps,
                 "siesta/nginx throughput",
                 Some(Target::AtLeast(1.0)),
+            ));
+        }
+        if let Some(ni) = idx("nginx")
+            && res[si].iter().chain(&res[ni]).all(|r| !r.cpu_us.is_nan())
+        {
+            rows.push(ratio(
+                si,
+                ni,
+                |r| r.cpu_us,
+                "siesta/nginx CPU per request",
+                None,
             ));
         }
         if let Some(li) = idx("litellm") {
@@ -202,6 +245,7 @@ fn parse_wrk(text: &str) -> Result<WrkResult> {
         let f: Vec<&str> = line.split_whitespace().collect();
         match f.as_slice() {
             ["Requests/sec:", v] => r.rps = v.parse()?,
+            [n, "requests", "in", ..] => r.requests = n.parse()?,
             ["50%", v] => r.p50_us = dur_us(v)?,
             ["99%", v] => r.p99_us = dur_us(v)?,
             ["Non-2xx", "or", "3xx", "responses:", v] => r.errors += v.parse::<u64>()?,
@@ -219,6 +263,53 @@ fn parse_wrk(text: &str) -> Result<WrkResult> {
         bail!("no Requests/sec");
     }
     Ok(r)
+}
+
+/// The process group given for `name` with `--cpu NAME=PGID`.
+fn group_of(cpu: &[String], name: &str) -> Result<Option<i32>> {
+    for c in cpu {
+        let (n, g) = c.split_once('=').context("--cpu must be NAME=PGID")?;
+        if n == name {
+            return Ok(Some(g.parse().with_context(|| format!("--cpu {c}: PGID"))?));
+        }
+    }
+    Ok(None)
+}
+
+/// User + system CPU ticks of every process in group `pgid` (all their
+/// threads: /proc/PID/stat counts them), from /proc.
+fn group_cpu_ticks(pgid: i32) -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    let mut sum = 0;
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // After the command's closing parenthesis: state ppid pgrp ... utime(14) stime(15).
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.get(2).and_then(|g| g.parse::<i32>().ok()) == Some(pgid) {
+            let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            sum += t(11) + t(12);
+        }
+    }
+    sum
+}
+
+/// Clock ticks per second of /proc's CPU times (USER_HZ: 100 on Linux).
+fn ticks_per_s() -> f64 {
+    100.0
 }
 
 /// wrk prints `85.00us`, `1.20ms`, `2.00s`, `1.00m`.
@@ -249,5 +340,32 @@ mod tests {
         assert_eq!(r.p50_us, 85.0);
         assert_eq!(r.p99_us, 2500.0);
         assert_eq!(r.errors, 6);
+        assert_eq!(r.requests, 1000.0);
+    }
+
+    #[test]
+    fn counts_the_cpu_of_its_own_process_group() {
+        let pgid = std::fs::read_to_string("/proc/self/stat").unwrap();
+        let pgid: i32 = pgid
+            .rsplit_once(')')
+            .unwrap()
+            .1
+            .split_whitespace()
+            .nth(2)
+            .unwrap()
+            .parse()
+            .unwrap();
+        let before = group_cpu_ticks(pgid);
+        let start = std::time::Instant::now();
+        let mut x = 0u64;
+        while start.elapsed() < std::time::Duration::from_millis(200) {
+            x = x.wrapping_add(std::hint::black_box(1));
+        }
+        assert!(x > 0);
+        assert!(
+            group_cpu_ticks(pgid) > before,
+            "200 ms of spinning not counted"
+        );
+        assert_eq!(group_cpu_ticks(-7), 0);
     }
 }

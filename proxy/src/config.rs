@@ -21,6 +21,11 @@ pub struct ProxyConfig {
     pub reuse_port: bool,
     /// The admin listener (`/metrics`, `/healthz`, `/readyz`).
     pub admin_listen: SocketAddr,
+    /// Serving threads. 1: serve on the caller's runtime only. N > 1: the
+    /// caller's runtime and N - 1 more threads, each with its own
+    /// single-threaded runtime, accept from the one listener; a connection
+    /// stays on the thread that accepted it (see `threads.rs`).
+    pub threads: usize,
     /// Bearer token sent to control planes.
     pub token: Option<String>,
     /// API keys clients must present (`Authorization: Bearer KEY`); empty: no auth.
@@ -51,6 +56,7 @@ impl Default for ProxyConfig {
             listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 8080)),
             admin_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 9090)),
             reuse_port: false,
+            threads: 1,
             token: None,
             api_keys: Vec::new(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
@@ -73,6 +79,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("listen", &self.listen)
             .field("reuse_port", &self.reuse_port)
             .field("admin_listen", &self.admin_listen)
+            .field("threads", &self.threads)
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("api_keys", &self.api_keys.len())
             .field("max_body_bytes", &self.max_body_bytes)

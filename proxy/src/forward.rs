@@ -75,6 +75,8 @@ pub struct Forwarder {
     /// Drop the client's Authorization header (it carries the proxy's API key).
     strip_authorization: bool,
     idle_timeout: Duration,
+    /// Serving threads (each keeps its own idle connections).
+    threads: usize,
     /// Per engine (`host:port`): idle connections and slots.
     engines: Arc<Mutex<HashMap<Authority, Arc<EnginePool>>>>,
 }
@@ -157,12 +159,19 @@ impl Drop for InFlightGuard {
 
 impl Forwarder {
     /// `idle`: how long an idle upstream connection is kept (keep it below
-    /// the engines' keep-alive; [`DEFAULT_UPSTREAM_IDLE_TIMEOUT`]).
-    pub fn new(metrics: Arc<Metrics>, strip_authorization: bool, idle: Duration) -> Self {
+    /// the engines' keep-alive; [`DEFAULT_UPSTREAM_IDLE_TIMEOUT`]); `threads`:
+    /// the serving threads ([`crate::threads`]).
+    pub fn new(
+        metrics: Arc<Metrics>,
+        strip_authorization: bool,
+        idle: Duration,
+        threads: usize,
+    ) -> Self {
         Forwarder {
             metrics,
             strip_authorization,
             idle_timeout: idle,
+            threads,
             engines: Default::default(),
         }
     }
@@ -175,7 +184,7 @@ impl Forwarder {
                 .lock()
                 .unwrap()
                 .entry(up.authority.clone())
-                .or_insert_with(|| EnginePool::new(&up.authority, self.idle_timeout))
+                .or_insert_with(|| EnginePool::new(&up.authority, self.idle_timeout, self.threads))
                 .clone();
             let labels = ModelLabels {
                 model: up.model.clone(),

@@ -18,6 +18,7 @@ mod model_field;
 mod route_table;
 mod self_wake;
 mod server;
+mod threads;
 mod waiting_room;
 mod watch_client;
 

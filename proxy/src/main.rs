@@ -31,6 +31,18 @@ struct Args {
     /// connections over them (each replica is an independent proxy).
     #[arg(long, env = "SIESTA_PROXY_REUSE_PORT")]
     reuse_port: bool,
+    /// Serving threads (default: one per CPU the process may use). Each runs
+    /// its own single-threaded runtime and accepts from the one listener; a
+    /// connection, its requests and their upstream connections stay on the
+    /// thread that accepted it (nginx's worker model: no hand-offs between
+    /// threads on the request path). The first thread also runs the Watch
+    /// streams, the hold queue and the admin listener.
+    #[arg(long, env = "SIESTA_PROXY_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Option<u16>,
+    /// Run the serving threads as one work-stealing tokio runtime instead
+    /// (connections move between threads; the earlier model, kept to compare).
+    #[arg(long, env = "SIESTA_PROXY_WORK_STEALING")]
+    work_stealing: bool,
     /// Address for /metrics, /healthz and /readyz.
     #[arg(
         long,
@@ -91,8 +103,28 @@ fn write_addr_file(path: &PathBuf, proxy: &Proxy) -> anyhow::Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let threads = args.threads.map(usize::from).unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+    });
+    let rt = if args.work_stealing {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads)
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    }
+    .context("starting the tokio runtime")?;
+    // Work-stealing: one runtime serves everything; else one per thread.
+    let serving_threads = if args.work_stealing { 1 } else { threads };
+    rt.block_on(run(args, serving_threads))
+}
+
+async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -102,11 +134,11 @@ async fn main() -> anyhow::Result<()> {
         .init();
     // Handlers first: a signal during start-up is not lost.
     let signal = siesta_signal::shutdown_signal()?;
-    let args = Args::parse();
     let cfg = ProxyConfig {
         controls: args.controls,
         listen: args.listen,
         reuse_port: args.reuse_port,
+        threads,
         admin_listen: args.admin_listen,
         token: args.token.filter(|t| !t.is_empty()),
         api_keys: args

@@ -27,6 +27,11 @@ pub struct ShedLabels {
     pub reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ThreadLabels {
+    pub thread: usize,
+}
+
 fn latency_histogram() -> Histogram {
     // 0.5 ms .. ~4.6 min
     Histogram::new(exponential_buckets(0.0005, 2.5, 15))
@@ -43,6 +48,7 @@ pub struct Metrics {
     pub upstream_duration: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub upstream_ttfb: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub upstream_failures: Family<ModelLabels, Counter>,
+    pub connections: Family<ThreadLabels, Counter>,
 }
 
 /// Label for requests that name no known model.
@@ -98,8 +104,15 @@ impl Metrics {
             "Engines that refused a connection while believed awake",
             upstream_failures.clone(),
         );
+        let connections = Family::<ThreadLabels, Counter>::default();
+        registry.register(
+            "connections",
+            "Client connections accepted, by serving thread",
+            connections.clone(),
+        );
         Metrics {
             registry,
+            connections,
             requests,
             held,
             hold_wait,

@@ -1,14 +1,11 @@
 //! The proxy process: listeners, connections, background tasks, draining.
 
-use std::convert::Infallible;
+mod serve;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -16,13 +13,14 @@ use crate::Error;
 use crate::activity::Activity;
 use crate::config::{DEFAULT_CONTROL, ProxyConfig};
 use crate::forward::Forwarder;
-use crate::handler::{self, Shared};
+use crate::handler::Shared;
 use crate::hold::Holds;
 use crate::metrics::Metrics;
 use crate::route_table::RouteTable;
-use crate::self_wake::Absorbing;
-use crate::waiting_room::{self, Rewind};
+use crate::threads;
+use crate::waiting_room;
 use crate::watch_client::{ControlUrl, Controls, WatchCtx, run_control};
+use serve::Serve;
 
 /// A bound proxy, ready to [`run`](Proxy::run).
 #[derive(Debug)]
@@ -145,7 +143,6 @@ impl Proxy {
                 id
             }
         });
-        let listener = TcpListener::from_std(self.listener)?;
         let admin = TcpListener::from_std(self.admin)?;
 
         let metrics = Arc::new(Metrics::new());
@@ -171,6 +168,7 @@ impl Proxy {
                 metrics.clone(),
                 !cfg.api_keys.is_empty(),
                 cfg.upstream_idle_timeout,
+                cfg.threads.max(1),
             ),
             metrics: metrics.clone(),
             activity: activity.clone(),
@@ -200,121 +198,54 @@ impl Proxy {
             background.child_token(),
         ));
 
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(cfg.header_timeout)
-            .max_buf_size(cfg.max_header_bytes.max(8192))
-            .keep_alive(true);
-        builder
-            .http2()
-            .timer(TokioTimer::new())
-            .max_header_list_size(cfg.max_header_bytes.min(u32::MAX as usize) as u32)
-            .keep_alive_interval(Duration::from_secs(30));
-        let builder = Arc::new(builder);
-        let graceful = GracefulShutdown::new();
-        // Connections still open after the drain timeout are aborted with it.
-        let mut conns = tokio::task::JoinSet::new();
+        let stop_serving = shutdown.child_token();
+        let serve = Arc::new(Serve::new(shared, &cfg, stop_serving.clone()));
+        // Threads 1.. accept from duplicates of the same listening socket.
+        let mut others = Vec::new();
+        for index in 1..cfg.threads.max(1) {
+            let serve = serve.clone();
+            let started = self.listener.try_clone().map_err(Error::Io).and_then(|l| {
+                threads::spawn(index, move || async move {
+                    match TcpListener::from_std(l) {
+                        Ok(l) => serve.accept_loop(index, l, None).await,
+                        Err(error) => {
+                            tracing::error!(thread = index, %error, "cannot listen on this thread")
+                        }
+                    }
+                })
+            });
+            match started {
+                Ok(t) => others.push(t),
+                Err(e) => {
+                    // The threads already started stop with this one.
+                    stop_serving.cancel();
+                    return Err(e);
+                }
+            }
+        }
+        let listener = TcpListener::from_std(self.listener)?;
         tracing::info!(
             listen = %self.local_addr, admin = %self.admin_addr, %proxy_id,
-            "siesta-proxy serving"
+            threads = cfg.threads.max(1), "siesta-proxy serving"
         );
-
-        loop {
-            let (stream, admin_conn) = tokio::select! {
-                r = listener.accept() => (r, false),
-                r = admin.accept() => (r, true),
-                Some(_) = conns.join_next(), if !conns.is_empty() => continue,
-                _ = shutdown.cancelled() => break,
-            };
-            let stream = match stream {
-                Ok((s, _)) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    continue;
-                }
-            };
-            let _ = stream.set_nodelay(true);
-            let shared = shared.clone();
-            let builder = builder.clone();
-            let watcher = graceful.watcher();
-            let (max_header_bytes, header_timeout) = (cfg.max_header_bytes, cfg.header_timeout);
-            let stopping = shutdown.clone();
-            // Absorbing: the hand-overs inside the connection's task (request
-            // body to handler, upstream response to client) do not go
-            // through the scheduler.
-            conns.spawn(Absorbing::new(async move {
-                let res = if admin_conn {
-                    let svc = service_fn(move |req| {
-                        let s = shared.clone();
-                        async move { Ok::<_, Infallible>(handler::handle_admin(s, req).await) }
-                    });
-                    let io = TokioIo::new(stream);
-                    Box::pin(watcher.watch(builder.serve_connection(io, svc))).await
-                } else {
-                    // A request for a sleeping model waits here, cheaply,
-                    // before hyper's connection state exists.
-                    let entry = waiting_room::enter(
-                        &shared,
-                        &stream,
-                        max_header_bytes,
-                        header_timeout,
-                        &stopping,
-                    )
-                    .await;
-                    if entry.closed {
-                        return;
-                    }
-                    let first = std::sync::Mutex::new(Some((entry.held_since, entry.gate)));
-                    let svc = service_fn(move |req| {
-                        let s = shared.clone();
-                        let (held_since, gate) = first.lock().unwrap().take().unwrap_or_default();
-                        async move {
-                            let resp = handler::handle_main(s, req, held_since).await;
-                            // Answered: the next waiting request may leave.
-                            drop(gate);
-                            Ok::<_, Infallible>(resp)
-                        }
-                    });
-                    let io = TokioIo::new(Rewind::new(entry.prefix, stream));
-                    if entry.held_since.is_some() && stopping.is_cancelled() {
-                        // Draining: the watcher would close this connection
-                        // before hyper read the request that waited. Serve
-                        // that one request, then close; holding the watcher
-                        // keeps the drain waiting for it.
-                        let _drain_waits = watcher;
-                        let mut once = hyper::server::conn::http1::Builder::new();
-                        once.timer(TokioTimer::new()).keep_alive(false);
-                        Box::pin(once.serve_connection(io, svc))
-                            .await
-                            .map_err(Into::into)
-                    } else {
-                        // Boxed: the waiting connection's task stays small.
-                        Box::pin(watcher.watch(builder.serve_connection(io, svc))).await
-                    }
-                };
-                if let Err(e) = res {
-                    tracing::debug!(error = %e, "connection ended with error");
-                }
-            }));
-        }
-
-        drop(listener);
-        drop(admin);
-        tracing::info!(connections = graceful.count(), "draining");
         // Requests still held near the end of the drain get a 503 with
         // Retry-After rather than a cut connection.
-        let margin = (cfg.drain_timeout / 10).min(Duration::from_secs(1));
-        holds.shed_held_at(tokio::time::Instant::now() + cfg.drain_timeout.saturating_sub(margin));
-        if tokio::time::timeout(cfg.drain_timeout, graceful.shutdown())
-            .await
-            .is_err()
-        {
-            tracing::warn!("drain timeout passed; closing remaining connections");
+        let shed_held = async {
+            shutdown.cancelled().await;
+            let margin = (cfg.drain_timeout / 10).min(Duration::from_secs(1));
+            holds.shed_held_at(
+                tokio::time::Instant::now() + cfg.drain_timeout.saturating_sub(margin),
+            );
+        };
+        tokio::join!(
+            serve.clone().accept_loop(0, listener, Some(admin)),
+            shed_held
+        );
+        for thread in others {
+            if thread.done.await.is_err() {
+                tracing::warn!(thread = thread.index, "a serving thread ended abnormally");
+            }
         }
-        conns.abort_all();
         background.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(3), reporter).await;
         tracing::info!("siesta-proxy stopped");

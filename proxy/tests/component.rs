@@ -14,6 +14,8 @@ mod errors_test;
 mod forward_test;
 #[path = "component/hold_test.rs"]
 mod hold_test;
+#[path = "component/threads_test.rs"]
+mod threads_test;
 #[path = "component/upstream_conn_test.rs"]
 mod upstream_conn_test;
 #[path = "component/upstream_pool_test.rs"]

@@ -39,6 +39,8 @@ pub struct UpstreamConn {
     pub reused: bool,
     /// It may go back to the idle pool when its response has ended.
     pub poolable: bool,
+    /// The serving thread that opened it (its runtime drives the socket).
+    pub shard: usize,
     /// The connection future finished: the connection is closed.
     closed: bool,
     wake: SelfWake,
@@ -71,6 +73,7 @@ impl UpstreamConn {
             pool: pool.clone(),
             reused: false,
             poolable: true,
+            shard: pool.shard_here(),
             closed: false,
             wake: SelfWake::default(),
         }))

@@ -6,6 +6,10 @@
 //! or one idle for longer than the idle timeout, is dropped, never used. A
 //! light background task per engine drops connections idle past the
 //! timeout, so their sockets and buffers are given back without traffic.
+//!
+//! Idle connections are kept per serving thread ([`crate::threads`]): a
+//! connection is registered with the runtime of the thread that opened it and
+//! is only ever used again there. The slots are the engine's, shared by all.
 
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -35,23 +39,27 @@ struct Idle {
 pub struct EnginePool {
     /// `host:port` to connect to (port 80 when the URL named none).
     addr: String,
-    idle: Mutex<Vec<Idle>>,
+    /// Per serving thread, the connections it opened and may reuse.
+    idle: Box<[Mutex<Vec<Idle>>]>,
     idle_timeout: Duration,
     /// Slots for concurrent requests ([`MAX_CONCURRENT_PER_ENGINE`]).
     pub slots: Arc<Semaphore>,
 }
 
 impl EnginePool {
-    /// A pool for `authority`'s engine; starts the task that drops expired
-    /// idle connections (it ends when the pool is dropped).
-    pub fn new(authority: &Authority, idle_timeout: Duration) -> Arc<EnginePool> {
+    /// A pool for `authority`'s engine, served by `threads` serving threads;
+    /// starts the task that drops expired idle connections (it ends when the
+    /// pool is dropped).
+    pub fn new(authority: &Authority, idle_timeout: Duration, threads: usize) -> Arc<EnginePool> {
         let addr = match authority.port_u16() {
             Some(_) => authority.as_str().to_owned(),
             None => format!("{}:80", authority.host()),
         };
         let pool = Arc::new(EnginePool {
             addr,
-            idle: Mutex::new(Vec::new()),
+            idle: (0..threads.max(1))
+                .map(|_| Mutex::new(Vec::new()))
+                .collect(),
             idle_timeout,
             slots: Arc::new(Semaphore::new(MAX_CONCURRENT_PER_ENGINE)),
         });
@@ -64,13 +72,20 @@ impl EnginePool {
         &self.addr
     }
 
-    /// An idle connection that can carry a request now, if there is one.
+    /// This serving thread's share of the idle connections.
+    pub fn shard_here(&self) -> usize {
+        crate::threads::current() % self.idle.len()
+    }
+
+    /// An idle connection of this serving thread that can carry a request
+    /// now, if there is one.
     pub fn checkout(&self) -> Option<Box<UpstreamConn>> {
+        let shard = &self.idle[self.shard_here()];
         loop {
-            let idle = self.idle.lock().unwrap().pop()?;
+            let idle = shard.lock().unwrap().pop()?;
             if idle.since.elapsed() >= self.idle_timeout {
                 // The newest is too old: so are all the others.
-                let stale = std::mem::take(&mut *self.idle.lock().unwrap());
+                let stale = std::mem::take(&mut *shard.lock().unwrap());
                 drop(stale);
                 return None;
             }
@@ -82,9 +97,10 @@ impl EnginePool {
         }
     }
 
-    /// Keeps `conn` for the next request (at most [`MAX_IDLE_PER_ENGINE`]).
+    /// Keeps `conn` for the next request on the thread that opened it (at
+    /// most [`MAX_IDLE_PER_ENGINE`] per thread).
     pub fn put_back(&self, conn: Box<UpstreamConn>) {
-        let mut idle = self.idle.lock().unwrap();
+        let mut idle = self.idle[conn.shard % self.idle.len()].lock().unwrap();
         if idle.len() < MAX_IDLE_PER_ENGINE {
             idle.push(Idle {
                 conn,
@@ -96,20 +112,22 @@ impl EnginePool {
     /// Idle connections now.
     #[cfg(test)]
     pub fn idle_count(&self) -> usize {
-        self.idle.lock().unwrap().len()
+        self.idle.iter().map(|s| s.lock().unwrap().len()).sum()
     }
 
     /// Drops connections idle for the idle timeout or closed by the engine.
     fn prune(&self) {
-        let expired: Vec<Idle> = {
-            let mut idle = self.idle.lock().unwrap();
-            let (keep, expired) = std::mem::take(&mut *idle)
-                .into_iter()
-                .partition(|i| i.since.elapsed() < self.idle_timeout);
-            *idle = keep;
-            expired
-        };
-        drop(expired);
+        for shard in &self.idle {
+            let expired: Vec<Idle> = {
+                let mut idle = shard.lock().unwrap();
+                let (keep, expired) = std::mem::take(&mut *idle)
+                    .into_iter()
+                    .partition(|i| i.since.elapsed() < self.idle_timeout);
+                *idle = keep;
+                expired
+            };
+            drop(expired);
+        }
     }
 }
 
@@ -139,7 +157,7 @@ mod tests {
     #[tokio::test]
     async fn checkout_drops_an_idle_connection_the_engine_closed() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(&authority, Duration::from_secs(60));
+        let pool = EnginePool::new(&authority, Duration::from_secs(60), 1);
         let conn = UpstreamConn::connect(&pool).await.unwrap();
         let (engine_side, _) = listener.accept().await.unwrap();
         conn.release();
@@ -163,7 +181,7 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_are_dropped_after_the_idle_timeout_without_traffic() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(&authority, Duration::from_millis(50));
+        let pool = EnginePool::new(&authority, Duration::from_millis(50), 1);
         let conn = UpstreamConn::connect(&pool).await.unwrap();
         let (mut engine_side, _) = listener.accept().await.unwrap();
         conn.release();
@@ -182,9 +200,47 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_connection_is_reused_only_by_the_serving_thread_that_opened_it() {
+        let (listener, authority) = engine().await;
+        let pool = EnginePool::new(&authority, Duration::from_secs(60), 2);
+        let accept = tokio::spawn(async move {
+            let (s, _) = listener.accept().await.unwrap();
+            s
+        });
+        // Thread 1 opens a connection and puts it back.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let p1 = pool.clone();
+        let (again_tx, again_rx) = tokio::sync::oneshot::channel::<()>();
+        let (reused_tx, reused_rx) = tokio::sync::oneshot::channel();
+        let t = crate::threads::spawn(1, move || async move {
+            let conn = UpstreamConn::connect(&p1).await.unwrap();
+            assert_eq!(conn.shard, 1);
+            conn.release();
+            let _ = tx.send(());
+            let _ = again_rx.await;
+            // Back on thread 1: its own idle connection is there.
+            let _ = reused_tx.send(p1.checkout().map(|c| c.reused));
+        })
+        .unwrap();
+        rx.await.unwrap();
+        let _engine_side = tokio::time::timeout(DEADLINE, accept)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(pool.idle_count(), 1);
+        assert!(
+            pool.checkout().is_none(),
+            "thread 0 took a connection registered with thread 1's runtime"
+        );
+        again_tx.send(()).unwrap();
+        assert_eq!(reused_rx.await.unwrap(), Some(true));
+        t.done.await.unwrap();
+    }
+
+    #[tokio::test]
     async fn a_connection_that_is_not_poolable_is_closed_on_release() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(&authority, Duration::from_secs(60));
+        let pool = EnginePool::new(&authority, Duration::from_secs(60), 1);
         let mut conn = UpstreamConn::connect(&pool).await.unwrap();
         let (_engine_side, _) = listener.accept().await.unwrap();
         conn.poolable = false;

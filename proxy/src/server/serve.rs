@@ -1,0 +1,187 @@
+//! One serving thread's accept loop: its connections, and their drain.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use prometheus_client::metrics::counter::Counter;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ProxyConfig;
+use crate::handler::{self, Shared};
+use crate::metrics::ThreadLabels;
+use crate::self_wake::Absorbing;
+use crate::waiting_room::{self, Rewind};
+
+/// What every serving thread shares: the request state, the HTTP settings,
+/// the shutdown signal.
+pub struct Serve {
+    pub shared: Arc<Shared>,
+    builder: auto::Builder<TokioExecutor>,
+    max_header_bytes: usize,
+    header_timeout: Duration,
+    drain_timeout: Duration,
+    pub shutdown: CancellationToken,
+}
+
+impl Serve {
+    pub fn new(shared: Arc<Shared>, cfg: &ProxyConfig, shutdown: CancellationToken) -> Serve {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(cfg.header_timeout)
+            .max_buf_size(cfg.max_header_bytes.max(8192))
+            .keep_alive(true);
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .max_header_list_size(cfg.max_header_bytes.min(u32::MAX as usize) as u32)
+            .keep_alive_interval(Duration::from_secs(30));
+        Serve {
+            shared,
+            builder,
+            max_header_bytes: cfg.max_header_bytes,
+            header_timeout: cfg.header_timeout,
+            drain_timeout: cfg.drain_timeout,
+            shutdown,
+        }
+    }
+
+    /// Accepts on `listener` (and `admin`, on the thread that has it) until
+    /// shutdown, then stops accepting and lets this thread's connections
+    /// finish for up to the drain timeout; those still open are cut.
+    pub async fn accept_loop(
+        self: Arc<Self>,
+        thread: usize,
+        listener: TcpListener,
+        admin: Option<TcpListener>,
+    ) {
+        let accepted: Counter = self
+            .shared
+            .metrics
+            .connections
+            .get_or_create(&ThreadLabels { thread })
+            .clone();
+        let graceful = GracefulShutdown::new();
+        // Connections still open after the drain timeout are aborted with it.
+        let mut conns = tokio::task::JoinSet::new();
+        loop {
+            let (stream, admin_conn) = tokio::select! {
+                r = listener.accept() => (r, false),
+                r = accept_admin(admin.as_ref()) => (r, true),
+                Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+                _ = self.shutdown.cancelled() => break,
+            };
+            let stream = match stream {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, thread, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay(true);
+            if !admin_conn {
+                accepted.inc();
+            }
+            let watcher = graceful.watcher();
+            let serve = self.clone();
+            // Absorbing: the hand-overs inside the connection's task (request
+            // body to handler, upstream response to client) do not go
+            // through the scheduler.
+            conns.spawn(Absorbing::new(async move {
+                let res = if admin_conn {
+                    let shared = serve.shared.clone();
+                    let svc = service_fn(move |req| {
+                        let s = shared.clone();
+                        async move { Ok::<_, Infallible>(handler::handle_admin(s, req).await) }
+                    });
+                    let io = TokioIo::new(stream);
+                    Box::pin(watcher.watch(serve.builder.serve_connection(io, svc))).await
+                } else {
+                    serve.client_connection(stream, watcher).await
+                };
+                if let Err(e) = res {
+                    tracing::debug!(error = %e, "connection ended with error");
+                }
+            }));
+        }
+        drop(listener);
+        drop(admin);
+        tracing::info!(thread, connections = graceful.count(), "draining");
+        if tokio::time::timeout(self.drain_timeout, graceful.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                thread,
+                "drain timeout passed; closing remaining connections"
+            );
+        }
+        conns.abort_all();
+    }
+
+    /// One client connection: the waiting room first (a request for a
+    /// sleeping model waits there, cheaply, before hyper's connection state
+    /// exists), then hyper.
+    async fn client_connection(
+        self: Arc<Self>,
+        stream: tokio::net::TcpStream,
+        watcher: hyper_util::server::graceful::Watcher,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let entry = waiting_room::enter(
+            &self.shared,
+            &stream,
+            self.max_header_bytes,
+            self.header_timeout,
+            &self.shutdown,
+        )
+        .await;
+        if entry.closed {
+            return Ok(());
+        }
+        let first = std::sync::Mutex::new(Some((entry.held_since, entry.gate)));
+        let shared = self.shared.clone();
+        let svc = service_fn(move |req| {
+            let s = shared.clone();
+            let (held_since, gate) = first.lock().unwrap().take().unwrap_or_default();
+            async move {
+                let resp = handler::handle_main(s, req, held_since).await;
+                // Answered: the next waiting request may leave.
+                drop(gate);
+                Ok::<_, Infallible>(resp)
+            }
+        });
+        let io = TokioIo::new(Rewind::new(entry.prefix, stream));
+        if entry.held_since.is_some() && self.shutdown.is_cancelled() {
+            // Draining: the watcher would close this connection before hyper
+            // read the request that waited. Serve that one request, then
+            // close; holding the watcher keeps the drain waiting for it.
+            let _drain_waits = watcher;
+            let mut once = hyper::server::conn::http1::Builder::new();
+            once.timer(TokioTimer::new()).keep_alive(false);
+            Box::pin(once.serve_connection(io, svc))
+                .await
+                .map_err(Into::into)
+        } else {
+            // Boxed: the waiting connection's task stays small.
+            Box::pin(watcher.watch(self.builder.serve_connection(io, svc))).await
+        }
+    }
+}
+
+/// The admin listener's next connection; never, on threads without it.
+async fn accept_admin(
+    admin: Option<&TcpListener>,
+) -> std::io::Result<(tokio::net::TcpStream, std::net::SocketAddr)> {
+    match admin {
+        Some(l) => l.accept().await,
+        None => std::future::pending().await,
+    }
+}

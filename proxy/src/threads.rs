@@ -1,0 +1,94 @@
+//! Serving threads: nginx's worker model in one process.
+//!
+//! With [`ProxyConfig::threads`](crate::ProxyConfig) above one, the proxy
+//! serves on the caller's runtime (thread 0, which also runs the background
+//! tasks and the admin listener) and on `threads - 1` more OS threads, each
+//! running its own single-threaded tokio runtime. Every thread accepts from
+//! the same listening socket (its own registration of a duplicate of it: the
+//! kernel wakes them all, the first to call `accept` takes the connection,
+//! so an idle thread takes new connections before a busy one). A connection
+//! stays on the thread that accepted it, with everything it drives: its
+//! request tasks, its upstream connections (each thread has its own share of
+//! every engine's idle pool, see [`current`]). Nothing hands a request from
+//! thread to thread, so there are no cross-thread wakes or work stealing on
+//! the request path.
+
+use std::cell::Cell;
+use std::future::Future;
+
+use tokio::sync::oneshot;
+
+use crate::Error;
+
+thread_local! {
+    static INDEX: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The serving thread this code runs on (0: the caller's runtime, which may
+/// be a multi-threaded one: its tasks move between its workers, so they all
+/// share index 0).
+pub fn current() -> usize {
+    INDEX.with(Cell::get)
+}
+
+/// A serving thread started by [`spawn`]; `done` fires when its future has
+/// finished (or the thread died).
+#[derive(Debug)]
+pub struct Serving {
+    pub index: usize,
+    pub done: oneshot::Receiver<()>,
+}
+
+/// Starts serving thread `index` (≥ 1): a new OS thread with a
+/// single-threaded runtime that runs `serve` to completion.
+pub fn spawn<F, Fut>(index: usize, serve: F) -> Result<Serving, Error>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = ()>,
+{
+    let (tx, done) = oneshot::channel();
+    std::thread::Builder::new()
+        .name(format!("siesta-serve-{index}"))
+        .spawn(move || {
+            INDEX.with(|i| i.set(index));
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(error) => {
+                    tracing::error!(thread = index, %error, "cannot start a serving thread's runtime");
+                    return;
+                }
+            };
+            rt.block_on(serve());
+            // Tasks still on this runtime (aborted connections) go with it.
+            drop(rt);
+            let _ = tx.send(());
+        })
+        .map_err(Error::Io)?;
+    Ok(Serving { index, done })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_serving_thread_knows_its_index_and_reports_its_end() {
+        assert_eq!(current(), 0);
+        let (tx, rx) = oneshot::channel();
+        let s = spawn(3, move || async move {
+            // A timer works: the runtime has its drivers.
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            let _ = tx.send((current(), std::thread::current().name().map(str::to_owned)));
+        })
+        .unwrap();
+        assert_eq!(s.index, 3);
+        let (index, name) = rx.await.unwrap();
+        assert_eq!(index, 3);
+        assert_eq!(name.as_deref(), Some("siesta-serve-3"));
+        s.done.await.expect("the thread reports its end");
+        assert_eq!(current(), 0, "the caller's index is untouched");
+    }
+}
