@@ -21,7 +21,7 @@ mod pool;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -77,8 +77,11 @@ pub struct Forwarder {
     idle_timeout: Duration,
     /// Serving threads (each keeps its own idle connections).
     threads: usize,
-    /// Per engine (`host:port`): idle connections and slots.
-    engines: Arc<Mutex<HashMap<Authority, Arc<EnginePool>>>>,
+    /// Per engine (`host:port`): idle connections and slots, for as long
+    /// as an upstream (an awake route or a request in flight) holds them:
+    /// an engine that is gone (restarted on another port, asleep, removed)
+    /// takes its pool, its idle connections and its reaper with it.
+    engines: Arc<Mutex<HashMap<Authority, Weak<EnginePool>>>>,
 }
 
 static HOP_BY_HOP: [HeaderName; 8] = [
@@ -179,13 +182,7 @@ impl Forwarder {
     /// `up`'s pool, metrics and Host header; looked up once per upstream.
     fn handles<'a>(&self, up: &'a Upstream) -> &'a UpstreamHandles {
         up.handles.get_or_init(|| {
-            let pool = self
-                .engines
-                .lock()
-                .unwrap()
-                .entry(up.authority.clone())
-                .or_insert_with(|| EnginePool::new(&up.authority, self.idle_timeout, self.threads))
-                .clone();
+            let pool = self.pool_for(&up.authority);
             let labels = ModelLabels {
                 model: up.model.clone(),
             };
@@ -201,6 +198,19 @@ impl Forwarder {
                     .unwrap_or_else(|_| HeaderValue::from_static("localhost")),
             }
         })
+    }
+
+    /// `authority`'s pool: the one upstreams of it hold now, or a new one.
+    fn pool_for(&self, authority: &Authority) -> Arc<EnginePool> {
+        let mut engines = self.engines.lock().unwrap();
+        if let Some(pool) = engines.get(authority).and_then(Weak::upgrade) {
+            return pool;
+        }
+        // Rare (a new engine address): forget the engines no one uses.
+        engines.retain(|_, p| p.strong_count() > 0);
+        let pool = EnginePool::new(authority, self.idle_timeout, self.threads);
+        engines.insert(authority.clone(), Arc::downgrade(&pool));
+        pool
     }
 
     /// The request as it goes to the engine: origin-form URI, the engine's
@@ -385,5 +395,25 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[tokio::test]
+    async fn an_engine_no_upstream_uses_is_forgotten_with_its_pool() {
+        let f = Forwarder::new(Arc::new(Metrics::new()), false, Duration::from_secs(4), 1);
+        let a: Authority = "127.0.0.1:20001".parse().unwrap();
+        let b: Authority = "127.0.0.1:20002".parse().unwrap();
+        let one = f.pool_for(&a);
+        let two = f.pool_for(&a);
+        assert!(
+            Arc::ptr_eq(&one, &two),
+            "two upstreams of one engine share its pool"
+        );
+        let weak = Arc::downgrade(&one);
+        drop((one, two));
+        assert!(weak.upgrade().is_none(), "the pool outlived its upstreams");
+        let _other = f.pool_for(&b);
+        let engines = f.engines.lock().unwrap();
+        assert_eq!(engines.len(), 1, "a gone engine is still listed");
+        assert!(engines.contains_key(&b));
     }
 }
