@@ -8,26 +8,50 @@ use crate::control::{ScriptedControl, model};
 use crate::engine::Engine;
 use crate::support::*;
 
-/// A runtime for the engine and the clients, apart from the proxy's first
-/// thread (the test's own runtime, driven only inside `block_on`).
-fn side_runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
+/// An engine and a ready proxy with `threads` serving threads. The engine,
+/// and the clients, run on `side`; the proxy's first thread is `first`,
+/// driven only inside `first.block_on`.
+struct Stack {
+    side: tokio::runtime::Runtime,
+    first: tokio::runtime::Runtime,
+    engine: Engine,
+    _control: ScriptedControl,
+    proxy: TestProxy,
+}
+
+fn stack(threads: usize) -> Stack {
+    let side = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .unwrap()
-}
-
-#[test]
-fn the_other_threads_serve_while_the_first_is_not_running() {
-    let side = side_runtime();
-    let e = side.block_on(Engine::start("e1"));
-    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+        .unwrap();
+    let engine = side.block_on(Engine::start("e1"));
+    let control = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&engine.url])]);
     let first = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
-    let p = first.block_on(ready_proxy(vec![c.url()], |cfg| cfg.threads = 3));
+    let proxy = first.block_on(ready_proxy(vec![control.url()], |cfg| {
+        cfg.threads = threads
+    }));
+    Stack {
+        side,
+        first,
+        engine,
+        _control: control,
+        proxy,
+    }
+}
+
+#[test]
+fn the_other_threads_serve_while_the_first_is_not_running() {
+    let Stack {
+        side,
+        first,
+        engine: e,
+        proxy: p,
+        _control: _keep,
+    } = stack(3);
     // `first` is not driven now: only threads 1 and 2 can accept and
     // forward. With one serving thread these requests would time out.
     let url = p.url("/v1/chat/completions");
@@ -59,14 +83,13 @@ fn the_other_threads_serve_while_the_first_is_not_running() {
 
 #[test]
 fn a_request_in_flight_on_another_thread_is_finished_by_the_drain() {
-    let side = side_runtime();
-    let e = side.block_on(Engine::start("e1"));
-    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
-    let first = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let mut p = first.block_on(ready_proxy(vec![c.url()], |cfg| cfg.threads = 2));
+    let Stack {
+        side,
+        first,
+        engine: e,
+        proxy: mut p,
+        _control: _keep,
+    } = stack(2);
     e.set_gate(false);
     let url = p.url("/v1/chat/completions");
     // Accepted by thread 1 (the first thread is not running).
