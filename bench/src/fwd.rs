@@ -98,9 +98,12 @@ pub async fn run(a: Args) -> Result<()> {
             for (i, (name, url)) in targets.iter().enumerate() {
                 let before = groups[i].map(group_cpu_ticks);
                 let mut r = wrk(&a, url, c, &lua)?;
+                // A process of the group may exit meanwhile: never below 0.
                 r.cpu_us = match (groups[i], before) {
-                    (Some(g), Some(b)) => {
-                        (group_cpu_ticks(g) - b) as f64 * 1e6 / ticks_per_s() / r.requests
+                    (Some(g), Some(b)) if r.requests > 0.0 => {
+                        group_cpu_ticks(g).saturating_sub(b) as f64 * 1e6
+                            / ticks_per_s()
+                            / r.requests
                     }
                     _ => f64::NAN,
                 };

@@ -77,6 +77,9 @@ pub struct Forwarder {
     idle_timeout: Duration,
     /// Serving threads (each keeps its own idle connections).
     threads: usize,
+    /// The runtime the pools' reapers run on: the one that made this
+    /// forwarder (thread 0's), which outlives the other serving threads.
+    reaper: tokio::runtime::Handle,
     /// Per engine (`host:port`): idle connections and slots, for as long
     /// as an upstream (an awake route or a request in flight) holds them:
     /// an engine that is gone (restarted on another port, asleep, removed)
@@ -163,7 +166,8 @@ impl Drop for InFlightGuard {
 impl Forwarder {
     /// `idle`: how long an idle upstream connection is kept (keep it below
     /// the engines' keep-alive; [`DEFAULT_UPSTREAM_IDLE_TIMEOUT`]); `threads`:
-    /// the serving threads ([`crate::threads`]).
+    /// the serving threads ([`crate::threads`]). Call it on the runtime
+    /// that outlives the serving threads (it panics outside a runtime).
     pub fn new(
         metrics: Arc<Metrics>,
         strip_authorization: bool,
@@ -175,6 +179,7 @@ impl Forwarder {
             strip_authorization,
             idle_timeout: idle,
             threads,
+            reaper: tokio::runtime::Handle::current(),
             engines: Default::default(),
         }
     }
@@ -208,7 +213,7 @@ impl Forwarder {
         }
         // Rare (a new engine address): forget the engines no one uses.
         engines.retain(|_, p| p.strong_count() > 0);
-        let pool = EnginePool::new(authority, self.idle_timeout, self.threads);
+        let pool = EnginePool::new(authority, self.idle_timeout, self.threads, &self.reaper);
         engines.insert(authority.clone(), Arc::downgrade(&pool));
         pool
     }
@@ -395,6 +400,39 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[tokio::test]
+    async fn a_pool_made_on_a_serving_thread_is_reaped_after_that_thread_ends() {
+        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a: Authority = engine.local_addr().unwrap().to_string().parse().unwrap();
+        let f = Forwarder::new(
+            Arc::new(Metrics::new()),
+            false,
+            Duration::from_millis(50),
+            2,
+        );
+        let on_thread = f.clone();
+        let t = crate::threads::spawn(1, move || async move {
+            let pool = on_thread.pool_for(&a);
+            let conn = conn::UpstreamConn::connect(&pool).await.unwrap();
+            conn.release();
+            assert_eq!(pool.idle_count(), 1);
+        })
+        .unwrap();
+        let (mut engine_side, _) = engine.accept().await.unwrap();
+        t.done.await.unwrap();
+        // Thread 1 and its runtime are gone; the idle connection it left is
+        // still closed after the idle timeout (the reaper runs here).
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(
+            Duration::from_secs(30),
+            tokio::io::AsyncReadExt::read(&mut engine_side, &mut b),
+        )
+        .await
+        .expect("the idle connection of an ended thread was never closed")
+        .unwrap();
+        assert_eq!(n, 0);
     }
 
     #[tokio::test]

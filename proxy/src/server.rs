@@ -198,32 +198,38 @@ impl Proxy {
             background.child_token(),
         ));
 
+        // Every duplicate of the listening socket, and thread 0's
+        // registration, before any thread serves: nothing fails after.
+        let dups = (1..cfg.threads.max(1))
+            .map(|_| self.listener.try_clone())
+            .collect::<Result<Vec<_>, _>>()?;
+        let listener = TcpListener::from_std(self.listener)?;
         let stop_serving = shutdown.child_token();
         let serve = Arc::new(Serve::new(shared, &cfg, stop_serving.clone()));
-        // Threads 1.. accept from duplicates of the same listening socket.
+        // Threads 1.. accept from the duplicates.
         let mut others = Vec::new();
-        for index in 1..cfg.threads.max(1) {
+        for (index, l) in (1..).zip(dups) {
             let serve = serve.clone();
-            let started = self.listener.try_clone().map_err(Error::Io).and_then(|l| {
-                threads::spawn(index, move || async move {
-                    match TcpListener::from_std(l) {
-                        Ok(l) => serve.accept_loop(index, l, None).await,
-                        Err(error) => {
-                            tracing::error!(thread = index, %error, "cannot listen on this thread")
-                        }
+            let started = threads::spawn(index, move || async move {
+                match TcpListener::from_std(l) {
+                    Ok(l) => serve.accept_loop(index, l, None).await,
+                    Err(error) => {
+                        tracing::error!(thread = index, %error, "cannot listen on this thread")
                     }
-                })
+                }
             });
             match started {
                 Ok(t) => others.push(t),
                 Err(e) => {
-                    // The threads already started stop with this one.
+                    // The threads already started stop, and are waited for.
                     stop_serving.cancel();
+                    for t in others {
+                        let _ = t.done.await;
+                    }
                     return Err(e);
                 }
             }
         }
-        let listener = TcpListener::from_std(self.listener)?;
         tracing::info!(
             listen = %self.local_addr, admin = %self.admin_addr, %proxy_id,
             threads = cfg.threads.max(1), "siesta-proxy serving"

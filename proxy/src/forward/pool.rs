@@ -48,9 +48,16 @@ pub struct EnginePool {
 
 impl EnginePool {
     /// A pool for `authority`'s engine, served by `threads` serving threads;
-    /// starts the task that drops expired idle connections (it ends when the
-    /// pool is dropped).
-    pub fn new(authority: &Authority, idle_timeout: Duration, threads: usize) -> Arc<EnginePool> {
+    /// starts, on `reaper` (a runtime that outlives the serving threads'),
+    /// the task that drops expired idle connections (it ends when the pool
+    /// is dropped). Idle connections hold their pool, so it is that task
+    /// that lets an unused pool go.
+    pub fn new(
+        authority: &Authority,
+        idle_timeout: Duration,
+        threads: usize,
+        reaper: &tokio::runtime::Handle,
+    ) -> Arc<EnginePool> {
         let addr = match authority.port_u16() {
             Some(_) => authority.as_str().to_owned(),
             None => format!("{}:80", authority.host()),
@@ -63,7 +70,7 @@ impl EnginePool {
             idle_timeout,
             slots: Arc::new(Semaphore::new(MAX_CONCURRENT_PER_ENGINE)),
         });
-        tokio::spawn(reap(Arc::downgrade(&pool), idle_timeout));
+        reaper.spawn(reap(Arc::downgrade(&pool), idle_timeout));
         pool
     }
 
@@ -157,7 +164,12 @@ mod tests {
     #[tokio::test]
     async fn checkout_drops_an_idle_connection_the_engine_closed() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(&authority, Duration::from_secs(60), 1);
+        let pool = EnginePool::new(
+            &authority,
+            Duration::from_secs(60),
+            1,
+            &tokio::runtime::Handle::current(),
+        );
         let conn = UpstreamConn::connect(&pool).await.unwrap();
         let (engine_side, _) = listener.accept().await.unwrap();
         conn.release();
@@ -181,7 +193,12 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_are_dropped_after_the_idle_timeout_without_traffic() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(&authority, Duration::from_millis(50), 1);
+        let pool = EnginePool::new(
+            &authority,
+            Duration::from_millis(50),
+            1,
+            &tokio::runtime::Handle::current(),
+        );
         let conn = UpstreamConn::connect(&pool).await.unwrap();
         let (mut engine_side, _) = listener.accept().await.unwrap();
         conn.release();
@@ -202,7 +219,12 @@ mod tests {
     #[tokio::test]
     async fn a_connection_is_reused_only_by_the_serving_thread_that_opened_it() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(&authority, Duration::from_secs(60), 2);
+        let pool = EnginePool::new(
+            &authority,
+            Duration::from_secs(60),
+            2,
+            &tokio::runtime::Handle::current(),
+        );
         let accept = tokio::spawn(async move {
             let (s, _) = listener.accept().await.unwrap();
             s
@@ -240,7 +262,12 @@ mod tests {
     #[tokio::test]
     async fn a_connection_that_is_not_poolable_is_closed_on_release() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(&authority, Duration::from_secs(60), 1);
+        let pool = EnginePool::new(
+            &authority,
+            Duration::from_secs(60),
+            1,
+            &tokio::runtime::Handle::current(),
+        );
         let mut conn = UpstreamConn::connect(&pool).await.unwrap();
         let (_engine_side, _) = listener.accept().await.unwrap();
         conn.poolable = false;
