@@ -364,13 +364,18 @@ impl EngineClient {
     /// `GET /metrics`, parsed (an engine kind without an activity gauge is
     /// not asked: nothing running as far as siesta can tell).
     pub async fn metrics(&self, timeout: Duration) -> Result<EngineMetrics, EngineError> {
+        self.metrics_probe(timeout).await.map_err(|e| e.message)
+    }
+
+    /// [`Self::metrics`], saying whether a failure was only slowness.
+    pub async fn metrics_probe(&self, timeout: Duration) -> Result<EngineMetrics, ProbeError> {
         if self.kind.capabilities().activity_metric.is_none() {
             return Ok(EngineMetrics::default());
         }
         let bytes = self
             .expect_ok(hyper::Method::GET, "/metrics", None, timeout)
             .await
-            .map_err(Failure::into_message)?;
+            .map_err(ProbeError::from)?;
         Ok(parse_metrics(&String::from_utf8_lossy(&bytes)))
     }
 }

@@ -202,7 +202,14 @@ impl Proxy {
         // registration, before any thread serves: nothing fails after.
         let dups = (1..cfg.threads.max(1))
             .map(|_| self.listener.try_clone())
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| {
+                Error::Config(format!(
+                    "cannot give {} serving threads the listening socket: {e} \
+                     (lower --threads or raise the open-files limit)",
+                    cfg.threads
+                ))
+            })?;
         let listener = TcpListener::from_std(self.listener)?;
         let stop_serving = shutdown.child_token();
         let serve = Arc::new(Serve::new(shared, &cfg, stop_serving.clone()));

@@ -67,7 +67,11 @@ where
             drop(rt);
             let _ = tx.send(());
         })
-        .map_err(Error::Io)?;
+        .map_err(|e| {
+            Error::Config(format!(
+                "cannot start serving thread {index}: {e} (lower --threads)"
+            ))
+        })?;
     Ok(Serving { index, done })
 }
 

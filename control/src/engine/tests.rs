@@ -80,6 +80,20 @@ async fn idle_connections_are_dropped_before_the_engines_keep_alive() {
 }
 
 #[tokio::test]
+async fn a_probe_says_whether_the_engine_was_only_slow() {
+    let short = Duration::from_millis(200);
+    let hang = engine(|_, _, _| Act::Hang).await;
+    let slow = EngineClient::new(&hang.url);
+    assert!(slow.probe(short).await.unwrap_err().timed_out);
+    assert!(slow.metrics_probe(short).await.unwrap_err().timed_out);
+    // A closed connection is a fault, not load, for /health and /metrics.
+    let close = engine(|_, _, _| Act::Close).await;
+    let closed = EngineClient::new(&close.url);
+    assert!(!closed.probe(T).await.unwrap_err().timed_out);
+    assert!(!closed.metrics_probe(T).await.unwrap_err().timed_out);
+}
+
+#[tokio::test]
 async fn is_sleeping_tells_no_answer_from_an_answer() {
     let busy = engine(|_, _, _| Act::Hang).await;
     let c = EngineClient::new(&busy.url);

@@ -381,14 +381,7 @@ impl Runner {
                 // generation reaching released memory kills the engine.
                 client.probe(timeout).await?;
                 if awake && has_metric {
-                    // It answered its health probe: a slow /metrics is load.
-                    let m = client.metrics(timeout).await.map_err(|message| {
-                        crate::engine::ProbeError {
-                            message,
-                            timed_out: true,
-                        }
-                    })?;
-                    Ok(Some(m.running))
+                    Ok(Some(client.metrics_probe(timeout).await?.running))
                 } else {
                     Ok(None)
                 }

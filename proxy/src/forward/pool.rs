@@ -155,6 +155,11 @@ mod tests {
 
     const DEADLINE: Duration = Duration::from_secs(30);
 
+    /// A pool on this test's runtime.
+    fn pool(authority: &Authority, idle: Duration, threads: usize) -> Arc<EnginePool> {
+        EnginePool::new(authority, idle, threads, &tokio::runtime::Handle::current())
+    }
+
     async fn engine() -> (tokio::net::TcpListener, Authority) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let a = l.local_addr().unwrap().to_string().parse().unwrap();
@@ -164,12 +169,7 @@ mod tests {
     #[tokio::test]
     async fn checkout_drops_an_idle_connection_the_engine_closed() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(
-            &authority,
-            Duration::from_secs(60),
-            1,
-            &tokio::runtime::Handle::current(),
-        );
+        let pool = pool(&authority, Duration::from_secs(60), 1);
         let conn = UpstreamConn::connect(&pool).await.unwrap();
         let (engine_side, _) = listener.accept().await.unwrap();
         conn.release();
@@ -193,12 +193,7 @@ mod tests {
     #[tokio::test]
     async fn idle_connections_are_dropped_after_the_idle_timeout_without_traffic() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(
-            &authority,
-            Duration::from_millis(50),
-            1,
-            &tokio::runtime::Handle::current(),
-        );
+        let pool = pool(&authority, Duration::from_millis(50), 1);
         let conn = UpstreamConn::connect(&pool).await.unwrap();
         let (mut engine_side, _) = listener.accept().await.unwrap();
         conn.release();
@@ -219,12 +214,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_is_reused_only_by_the_serving_thread_that_opened_it() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(
-            &authority,
-            Duration::from_secs(60),
-            2,
-            &tokio::runtime::Handle::current(),
-        );
+        let pool = pool(&authority, Duration::from_secs(60), 2);
         let accept = tokio::spawn(async move {
             let (s, _) = listener.accept().await.unwrap();
             s
@@ -262,12 +252,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_that_is_not_poolable_is_closed_on_release() {
         let (listener, authority) = engine().await;
-        let pool = EnginePool::new(
-            &authority,
-            Duration::from_secs(60),
-            1,
-            &tokio::runtime::Handle::current(),
-        );
+        let pool = pool(&authority, Duration::from_secs(60), 1);
         let mut conn = UpstreamConn::connect(&pool).await.unwrap();
         let (_engine_side, _) = listener.accept().await.unwrap();
         conn.poolable = false;
