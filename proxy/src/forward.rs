@@ -1,10 +1,12 @@
-//! Forwarding to engines over pooled HTTP/1 connections the proxy drives
+//! Forwarding to engines over pooled HTTP/1.1 connections the proxy drives
 //! itself: the request body is already buffered (the model was inside it);
 //! the response streams through.
 //!
 //! Each upstream connection is driven by the task of the request using it
 //! (the client connection's task): while waiting for the response head and,
-//! through [`ProxyBody`], while the body streams. When the body has ended
+//! through [`ProxyBody`], while the body streams. Its HTTP/1.1 is the
+//! proxy's own ([`h1`]): the request head is written from the client's
+//! request in one pass, the response head parsed in place. When the body has ended
 //! and the connection can carry another request it goes back to its
 //! engine's idle pool ([`pool`]); a response the client gave up on drops
 //! its connection. No task per connection, so no cross-task wake per chunk.
@@ -17,6 +19,7 @@
 //! [`RETRY_WINDOW`]) is sent once more on a fresh connection.
 
 mod conn;
+mod h1;
 mod pool;
 
 use std::collections::HashMap;
@@ -25,10 +28,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::Response;
+use http::header::{self, HeaderValue};
 use http::uri::Authority;
-use http::{Request, Response, Uri};
-use http_body_util::Full;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -36,6 +38,8 @@ use crate::body::ProxyBody;
 use crate::metrics::{Metrics, ModelLabels};
 use crate::route_table::Upstream;
 pub use conn::UpstreamConn;
+use h1::RequestHead;
+pub use h1::UpstreamError;
 use pool::EnginePool;
 
 /// Default time an idle upstream connection is kept: below uvicorn's 5 s.
@@ -85,36 +89,6 @@ pub struct Forwarder {
     /// an engine that is gone (restarted on another port, asleep, removed)
     /// takes its pool, its idle connections and its reaper with it.
     engines: Arc<Mutex<HashMap<Authority, Weak<EnginePool>>>>,
-}
-
-static HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-];
-
-/// Removes hop-by-hop headers, including those the Connection header names.
-pub fn strip_hop_by_hop(h: &mut HeaderMap) {
-    if let Some(conn) = h.get(header::CONNECTION) {
-        let named: Vec<HeaderName> = conn
-            .to_str()
-            .unwrap_or("")
-            .split(',')
-            .filter_map(|s| HeaderName::from_bytes(s.trim().as_bytes()).ok())
-            .collect();
-        for n in named {
-            h.remove(n);
-        }
-    }
-    for n in &HOP_BY_HOP {
-        h.remove(n);
-    }
-    h.remove(header::UPGRADE);
 }
 
 /// Tracks one request at an engine: outstanding count, activity, metrics,
@@ -218,32 +192,6 @@ impl Forwarder {
         pool
     }
 
-    /// The request as it goes to the engine: origin-form URI, the engine's
-    /// Host, no hop-by-hop headers, the (maybe rewritten) body's length.
-    fn build(
-        &self,
-        h: &UpstreamHandles,
-        parts: &http::request::Parts,
-        body: Bytes,
-    ) -> Request<Full<Bytes>> {
-        let mut headers = parts.headers.clone();
-        strip_hop_by_hop(&mut headers);
-        if self.strip_authorization {
-            headers.remove(header::AUTHORIZATION);
-        }
-        headers.insert(header::HOST, h.host.clone());
-        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-        let uri = match parts.uri.path_and_query() {
-            Some(pq) => Uri::from(pq.clone()),
-            None => Uri::from_static("/"),
-        };
-        let mut req = Request::new(Full::new(body));
-        *req.method_mut() = parts.method.clone();
-        *req.uri_mut() = uri;
-        *req.headers_mut() = headers;
-        req
-    }
-
     /// Sends the request to `up` and returns its response, body streaming.
     pub async fn forward(
         &self,
@@ -259,7 +207,13 @@ impl Forwarder {
             )));
         }
         let h = self.handles(up);
-        let req = self.build(h, parts, body.clone());
+        let head = RequestHead {
+            method: &parts.method,
+            target: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()),
+            host: h.host.as_bytes(),
+            content_length: body.len(),
+            strip_authorization: self.strip_authorization,
+        };
         let slot = h
             .pool
             .slots
@@ -285,14 +239,14 @@ impl Forwarder {
             },
         };
         let sent = Instant::now();
-        let mut result = conn.send(req).await;
+        let mut result = conn.send(&head, &parts.headers, &body).await;
         let mut first_error = None;
         if let Err(e) = &result
             && conn.reused
             && sent.elapsed() < RETRY_WINDOW
-            && closed_before_answer(e)
+            && e.closed_before_answer()
         {
-            let error = error_chain(e);
+            let error = e.to_string();
             tracing::info!(model = %up.model, url = %up.url, %error,
                 "engine closed a reused connection as the request went out; sending it again on a fresh one");
             conn = match UpstreamConn::connect(&h.pool).await {
@@ -308,99 +262,34 @@ impl Forwarder {
             // Like a one-off client: the retry's connection is not kept.
             conn.poolable = false;
             first_error = Some(error);
-            result = conn.send(self.build(h, parts, body)).await;
+            result = conn.send(&head, &parts.headers, &body).await;
         }
         match result {
             Ok(resp) => {
                 h.ttfb.observe(guard.started.elapsed().as_secs_f64());
-                let (mut head, inner) = resp.into_parts();
-                strip_hop_by_hop(&mut head.headers);
-                let sse = head
+                let sse = resp
                     .headers
                     .get(header::CONTENT_TYPE)
                     .and_then(|v| v.to_str().ok())
                     .is_some_and(|v| v.starts_with("text/event-stream"));
                 Ok(Response::from_parts(
-                    head,
-                    ProxyBody::upstream(inner, conn, guard, sse),
+                    resp,
+                    ProxyBody::upstream(conn, guard, sse),
                 ))
             }
             Err(e) => match first_error {
                 Some(first) => Err(ForwardError::Other(format!(
-                    "{first} (sent again on a fresh connection: {})",
-                    error_chain(&e)
+                    "{first} (sent again on a fresh connection: {e})"
                 ))),
-                None => Err(ForwardError::Other(error_chain(&e))),
+                None => Err(ForwardError::Other(e.to_string())),
             },
         }
     }
 }
 
-/// The connection was closed or reset before any answer came: hyper's
-/// "connection closed before message completed" or a reset/broken pipe.
-fn closed_before_answer(e: &hyper::Error) -> bool {
-    if e.is_incomplete_message() || e.is_canceled() {
-        return true;
-    }
-    let mut src = std::error::Error::source(e);
-    while let Some(c) = src {
-        if let Some(h) = c.downcast_ref::<hyper::Error>()
-            && (h.is_incomplete_message() || h.is_canceled())
-        {
-            return true;
-        }
-        if let Some(io) = c.downcast_ref::<std::io::Error>()
-            && matches!(
-                io.kind(),
-                std::io::ErrorKind::ConnectionReset
-                    | std::io::ErrorKind::ConnectionAborted
-                    | std::io::ErrorKind::BrokenPipe
-                    | std::io::ErrorKind::UnexpectedEof
-            )
-        {
-            return true;
-        }
-        src = c.source();
-    }
-    false
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn strips_hop_by_hop_and_connection_named() {
-        let mut h = HeaderMap::new();
-        h.insert(
-            header::CONNECTION,
-            HeaderValue::from_static("keep-alive, x-secret"),
-        );
-        h.insert("x-secret", HeaderValue::from_static("1"));
-        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
-        h.insert(
-            header::TRANSFER_ENCODING,
-            HeaderValue::from_static("chunked"),
-        );
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1);
-        assert!(h.contains_key(header::CONTENT_TYPE));
-    }
 
     #[tokio::test]
     async fn a_pool_made_on_a_serving_thread_is_reaped_after_that_thread_ends() {

@@ -1,10 +1,10 @@
 //! A waker that keeps wakes a task gives itself inside one poll from
 //! reaching the scheduler.
 //!
-//! A client connection's task is both ends of hyper's internal channels:
-//! hyper's server hands the request body to the handler over one, and the
-//! upstream connection (driven in the same task) hands the response head
-//! and body chunks over others. Each hand-over wakes the task while it runs.
+//! A client connection's task is both ends of hyper's internal channel that
+//! hands the request body to the handler (the upstream connection is read
+//! and written in the same task, with no channel). Each hand-over wakes the
+//! task while it runs.
 //! tokio treats a wake of a running task like a yield: the task goes to the
 //! back of the run queue and an idle worker thread is woken (a futex wake
 //! per hand-over; the woken thread spins looking for work and may take the

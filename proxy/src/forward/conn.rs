@@ -1,39 +1,45 @@
-//! One HTTP/1 connection to an engine, driven by whoever holds it: the
-//! request's own task polls the connection future while it waits for the
-//! response head ([`UpstreamConn::send`]) and, through the response body,
-//! while the body streams ([`UpstreamConn::drive`]). No task per connection,
-//! no cross-task handoff per relayed chunk.
+//! One HTTP/1.1 connection to an engine, driven by whoever holds it: the
+//! request's own task writes the request and reads the response head
+//! ([`UpstreamConn::send`]) and, through the response body, reads the body
+//! ([`UpstreamConn::poll_data`]). The bytes go straight between the socket
+//! and the connection's buffers ([`super::h1`]): no task per connection, no
+//! channel between the request and its connection, no second header map.
 
-use std::future::Future;
+use std::io::IoSlice;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{Request, Response};
-use http_body::{Body, Frame};
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::client::conn::http1::{self, Connection, SendRequest};
-use hyper_util::rt::TokioIo;
+use bytes::{Bytes, BytesMut};
+use http::header::HeaderMap;
+use http::response;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+use super::h1::{self, Decoded, Decoder, RequestHead, UpstreamError};
 use super::pool::EnginePool;
-use crate::self_wake::{ROUNDS, SelfWake};
 
 /// How long connecting to an engine may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// TCP keep-alive probes on upstream connections (a dead engine host is
 /// noticed during a long generation).
 const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
+/// Bodies up to this size are copied behind the head and sent in one write.
+const COPY_BODY: usize = 16 * 1024;
+/// Room made in the read buffer before each read.
+const READ_ROOM: usize = 16 * 1024;
 
-/// One upstream connection: the request sender and the connection future,
-/// kept together so the holder drives both. Boxed wherever it goes (the
-/// connection state is large), so handing it around moves a pointer.
+/// One upstream connection. Boxed wherever it goes (the buffers' headers
+/// and the socket), so handing it around moves a pointer.
 #[derive(Debug)]
 pub struct UpstreamConn {
-    send: SendRequest<Full<Bytes>>,
-    conn: Connection<TokioIo<TcpStream>, Full<Bytes>>,
+    io: TcpStream,
+    /// Bytes read from the engine and not used yet.
+    read: BytesMut,
+    /// The request head being written (kept for the next request).
+    write: Vec<u8>,
+    /// The body of the response in progress (`Done` between exchanges).
+    body: Decoder,
     pool: Arc<EnginePool>,
     /// It carried an exchange before this one (it came from the idle pool).
     pub reused: bool,
@@ -41,9 +47,6 @@ pub struct UpstreamConn {
     pub poolable: bool,
     /// The serving thread that opened it (its runtime drives the socket).
     pub shard: usize,
-    /// The connection future finished: the connection is closed.
-    closed: bool,
-    wake: SelfWake,
 }
 
 impl UpstreamConn {
@@ -51,7 +54,7 @@ impl UpstreamConn {
     /// timeout). The error says which engine and why.
     pub async fn connect(pool: &Arc<EnginePool>) -> Result<Box<UpstreamConn>, String> {
         let addr = pool.addr();
-        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+        let io = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => return Err(format!("connecting to {addr}: {e}")),
             Err(_) => {
@@ -60,117 +63,143 @@ impl UpstreamConn {
                 ));
             }
         };
-        let _ = stream.set_nodelay(true);
-        let sock = socket2::SockRef::from(&stream);
+        let _ = io.set_nodelay(true);
+        let sock = socket2::SockRef::from(&io);
         let _ = sock.set_tcp_keepalive(&socket2::TcpKeepalive::new().with_time(TCP_KEEPALIVE));
-        let (send, conn) = http1::Builder::new()
-            .handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| format!("HTTP/1 handshake with {addr}: {e}"))?;
         Ok(Box::new(UpstreamConn {
-            send,
-            conn,
+            io,
+            read: BytesMut::new(),
+            write: Vec::new(),
+            body: Decoder::Done,
             pool: pool.clone(),
             reused: false,
             poolable: true,
             shard: pool.shard_here(),
-            closed: false,
-            wake: SelfWake::default(),
         }))
     }
 
-    /// Polls the connection future once; true when the connection is
-    /// closed (now or before).
-    pub fn drive(&mut self, cx: &mut Context<'_>) -> bool {
-        if !self.closed
-            && let Poll::Ready(res) = std::pin::Pin::new(&mut self.conn).poll(cx)
-        {
-            self.closed = true;
-            if let Err(error) = res {
-                tracing::debug!(engine = %self.pool.addr(), %error, "upstream connection ended with an error");
+    /// An idle connection that can carry a request now: the engine has
+    /// neither closed it nor sent anything on it since its last response.
+    /// Costs a system call only when the socket became readable meanwhile.
+    pub fn is_usable(&mut self) -> bool {
+        if !self.read.is_empty() || !self.body.is_done() {
+            return false;
+        }
+        let mut cx = Context::from_waker(Waker::noop());
+        match self.io.poll_read_ready(&mut cx) {
+            Poll::Pending => true,
+            Poll::Ready(Err(_)) => false,
+            // Readable: closed, data nobody asked for, or a stale
+            // readiness (a read cleared of it says which).
+            Poll::Ready(Ok(())) => {
+                let mut probe = [0u8; 1];
+                matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
             }
         }
-        self.closed
     }
 
-    /// An idle connection that can carry a request now: still open (the
-    /// engine has not closed it since) and its dispatcher waiting for one.
-    pub fn is_usable(&mut self) -> bool {
-        let mut cx = Context::from_waker(Waker::noop());
-        !self.drive(&mut cx) && self.send.is_ready() && !self.send.is_closed()
-    }
-
-    /// Sends `req` and waits for the response head, driving the connection
-    /// in this task meanwhile. The body is read when the response body
-    /// ([`crate::body::ProxyBody`]) is polled, which drives it further.
+    /// Sends the request (`head` and the client's `headers`, then `body`)
+    /// and reads the response head. The body is read by
+    /// [`UpstreamConn::poll_data`].
     pub async fn send(
         &mut self,
-        req: Request<Full<Bytes>>,
-    ) -> Result<Response<Incoming>, hyper::Error> {
-        let resp = self.send.send_request(req);
-        let mut resp = std::pin::pin!(resp);
-        std::future::poll_fn(|cx| self.poll_both(cx, |own| resp.as_mut().poll(own))).await
-    }
-
-    /// Polls the response body `inner` (arriving on this connection),
-    /// driving the connection as needed.
-    pub fn poll_body(
-        &mut self,
-        inner: &mut Incoming,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        self.poll_both(cx, |own| std::pin::Pin::new(&mut *inner).poll_frame(own))
-    }
-
-    /// Polls `side` (what this task waits for: the response head or body)
-    /// and the connection future in turn until `side` is ready or neither
-    /// can go on, with wakes they give each other kept inside ([`SelfWake`]).
-    fn poll_both<T>(
-        &mut self,
-        cx: &mut Context<'_>,
-        mut side: impl FnMut(&mut Context<'_>) -> Poll<T>,
-    ) -> Poll<T> {
-        for _ in 0..ROUNDS {
-            self.wake.begin(cx);
-            let waker = self.wake.waker().clone();
-            let mut own = Context::from_waker(&waker);
-            if let Poll::Ready(r) = side(&mut own) {
-                self.wake.end();
-                return Poll::Ready(r);
+        head: &RequestHead<'_>,
+        headers: &HeaderMap,
+        body: &Bytes,
+    ) -> Result<response::Parts, UpstreamError> {
+        self.write.clear();
+        h1::encode_request(&mut self.write, head, headers);
+        if body.len() <= COPY_BODY {
+            self.write.extend_from_slice(body);
+            self.io.write_all(&self.write).await?;
+        } else {
+            write_both(&mut self.io, &self.write, body).await?;
+        }
+        loop {
+            if let Some(resp) = h1::parse_response(&mut self.read, head.method)? {
+                self.body = Decoder::new(resp.body);
+                self.poolable &= resp.keep_alive;
+                return Ok(resp.parts);
             }
-            // Writes the request, reads what the engine sent (or notices
-            // the close), then the side looks again.
-            self.drive(&mut own);
-            if let Poll::Ready(r) = side(&mut own) {
-                self.wake.end();
-                return Poll::Ready(r);
-            }
-            if !self.wake.end() {
-                return Poll::Pending;
+            self.read.reserve(READ_ROOM);
+            if self.io.read_buf(&mut self.read).await? == 0 {
+                self.poolable = false;
+                return Err(UpstreamError::ClosedBeforeHead);
             }
         }
-        cx.waker().wake_by_ref();
-        Poll::Pending
+    }
+
+    /// The next piece of the response body (`None` at its end), reading
+    /// from the engine as needed.
+    pub fn poll_data(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Bytes, UpstreamError>>> {
+        loop {
+            match self.body.decode(&mut self.read) {
+                Ok(Decoded::Data(b)) => return Poll::Ready(Some(Ok(b))),
+                Ok(Decoded::Done) => return Poll::Ready(None),
+                Ok(Decoded::NeedMore) => {}
+                Err(e) => {
+                    self.poolable = false;
+                    return Poll::Ready(Some(Err(e)));
+                }
+            }
+            self.read.reserve(READ_ROOM);
+            let res = ready!(tokio_util::io::poll_read_buf(
+                std::pin::Pin::new(&mut self.io),
+                cx,
+                &mut self.read
+            ));
+            match res {
+                Ok(0) => {
+                    self.poolable = false;
+                    if let Err(e) = self.body.eof() {
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.poolable = false;
+                    return Poll::Ready(Some(Err(e.into())));
+                }
+            }
+        }
+    }
+
+    /// The response body has been read to its end.
+    pub fn body_done(&self) -> bool {
+        self.body.is_done()
+    }
+
+    /// Bytes of response body still to come, when known.
+    pub fn body_remaining(&self) -> Option<u64> {
+        self.body.remaining()
     }
 
     /// The response has been read to its end: back to the idle pool if the
     /// connection can carry another request, closed otherwise.
     pub fn release(mut self: Box<Self>) {
-        if !self.poolable {
-            return;
-        }
-        // The dispatcher takes a poll or two after the body's last bytes to
-        // become idle; a noop waker: nobody waits on an idle connection.
-        let mut cx = Context::from_waker(Waker::noop());
-        for _ in 0..3 {
-            if self.send.is_ready() || self.drive(&mut cx) {
-                break;
-            }
-        }
-        if !self.closed && self.send.is_ready() && !self.send.is_closed() {
+        if self.poolable && self.body.is_done() && self.read.is_empty() {
             self.reused = true;
             let pool = self.pool.clone();
             pool.put_back(self);
         }
     }
+}
+
+/// Writes `head` then `body` with as few writes as the socket allows.
+async fn write_both(io: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io::Result<()> {
+    let (mut h, mut b) = (0, 0);
+    while h < head.len() || b < body.len() {
+        let bufs = [IoSlice::new(&head[h..]), IoSlice::new(&body[b..])];
+        let n = io.write_vectored(&bufs).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        let from_head = n.min(head.len() - h);
+        h += from_head;
+        b += n - from_head;
+    }
+    Ok(())
 }

@@ -1,0 +1,395 @@
+//! The HTTP/1.1 client side of the proxy's upstream connections, as bytes
+//! in and bytes out (the I/O is in `conn.rs`): the request head written
+//! straight into the connection's buffer from the client's request, the
+//! response head parsed in place (`httparse`; header values are slices of
+//! the bytes read, not copies), and the body's framing decoded
+//! (`Content-Length`, chunked, or until the engine closes).
+//!
+//! Hop-by-hop headers stop here in both directions (RFC 9110 §7.6.1):
+//! `Connection`, the headers it names, `Keep-Alive`, `Proxy-*`, `TE`,
+//! `Trailer`, `Transfer-Encoding` and `Upgrade`. So do `Host` and
+//! `Content-Length` (the engine's and the body's own are written) and
+//! `Expect` (the body is already whole; the client got its 100 Continue).
+
+use std::io::Write;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode, response};
+
+/// The longest response head (and chunk trailer section) taken from an
+/// engine.
+pub const MAX_HEAD: usize = 64 * 1024;
+/// Headers in one response head.
+const MAX_HEADERS: usize = 100;
+/// The longest chunk-size line (size, extensions).
+const MAX_CHUNK_LINE: usize = 4096;
+
+/// Why an exchange with an engine failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The engine closed the connection before a whole response head.
+    #[error("connection closed before message completed")]
+    ClosedBeforeHead,
+    /// The engine closed the connection before the body's end.
+    #[error("connection closed before the end of the response body")]
+    ClosedInBody,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The engine sent what is not HTTP/1.1 (or beyond its limits).
+    #[error("invalid response from the engine: {0}")]
+    Invalid(String),
+}
+
+impl UpstreamError {
+    /// The connection was closed or reset before any answer came: an engine
+    /// closing an idle connection as the request went out.
+    pub fn closed_before_answer(&self) -> bool {
+        match self {
+            UpstreamError::ClosedBeforeHead => true,
+            UpstreamError::Io(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            ),
+            _ => false,
+        }
+    }
+}
+
+fn invalid(what: impl Into<String>) -> UpstreamError {
+    UpstreamError::Invalid(what.into())
+}
+
+/// Hop-by-hop by name (those the `Connection` header names aside).
+fn hop_by_hop(name: &HeaderName) -> bool {
+    *name == header::CONNECTION
+        || *name == header::TE
+        || *name == header::TRAILER
+        || *name == header::TRANSFER_ENCODING
+        || *name == header::UPGRADE
+        || *name == header::PROXY_AUTHENTICATE
+        || *name == header::PROXY_AUTHORIZATION
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
+}
+
+/// Whether `name` is one of the comma-separated tokens of `connection`.
+fn named_in(connection: &[u8], name: &[u8]) -> bool {
+    connection
+        .split(|b| *b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
+}
+
+/// What the request to the engine carries besides the client's headers.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestHead<'a> {
+    pub method: &'a Method,
+    /// Origin form: path and query.
+    pub target: &'a str,
+    /// The engine's `host[:port]`.
+    pub host: &'a [u8],
+    pub content_length: usize,
+    /// Leave the client's `Authorization` out (it is the proxy's key).
+    pub strip_authorization: bool,
+}
+
+/// Writes the request head for `headers` (the client's) into `out`.
+pub fn encode_request(out: &mut Vec<u8>, head: &RequestHead<'_>, headers: &HeaderMap) {
+    out.extend_from_slice(head.method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(head.target.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(head.host);
+    let connection = headers.get(header::CONNECTION).map(HeaderValue::as_bytes);
+    for (name, value) in headers {
+        if hop_by_hop(name)
+            || *name == header::HOST
+            || *name == header::CONTENT_LENGTH
+            || *name == header::EXPECT
+            || (head.strip_authorization && *name == header::AUTHORIZATION)
+            || connection.is_some_and(|c| named_in(c, name.as_str().as_bytes()))
+        {
+            continue;
+        }
+        out.extend_from_slice(b"\r\n");
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+    }
+    // Writing to a Vec cannot fail.
+    let _ = write!(out, "\r\ncontent-length: {}\r\n\r\n", head.content_length);
+}
+
+/// How the response body is framed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKind {
+    Empty,
+    Length(u64),
+    Chunked,
+    /// Until the engine closes the connection (no length, not chunked).
+    UntilClose,
+}
+
+/// A parsed response head.
+#[derive(Debug)]
+pub struct ResponseHead {
+    /// Status and end-to-end headers (hop-by-hop ones removed).
+    pub parts: response::Parts,
+    pub body: BodyKind,
+    /// The connection may carry another request after this response.
+    pub keep_alive: bool,
+}
+
+/// One header's name and value as offsets into the head's bytes.
+#[derive(Debug, Clone, Copy, Default)]
+struct Span {
+    name: (usize, usize),
+    value: (usize, usize),
+}
+
+/// Parses the response head at the start of `buf` and takes its bytes out
+/// (interim 1xx responses are skipped); `None` until the head is whole.
+/// `method` is the request's (a `HEAD` response has no body).
+pub fn parse_response(
+    buf: &mut BytesMut,
+    method: &Method,
+) -> Result<Option<ResponseHead>, UpstreamError> {
+    loop {
+        let mut raw = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut raw);
+        let n = match resp.parse(buf) {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
+                return Err(invalid(format!(
+                    "response head longer than {MAX_HEAD} bytes"
+                )));
+            }
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(e) => return Err(invalid(format!("response head: {e}"))),
+        };
+        let code = resp.code.unwrap_or_default();
+        let status =
+            StatusCode::from_u16(code).map_err(|_| invalid(format!("status code {code}")))?;
+        if status.is_informational() {
+            if status == StatusCode::SWITCHING_PROTOCOLS {
+                return Err(invalid(
+                    "101 Switching Protocols to a request without Upgrade",
+                ));
+            }
+            buf.advance(n);
+            continue;
+        }
+        let http10 = resp.version == Some(0);
+        let base = buf.as_ptr() as usize;
+        let at = |s: &[u8]| (s.as_ptr() as usize - base, s.len());
+        let mut spans = [Span::default(); MAX_HEADERS];
+        let mut count = 0;
+        let mut connection: Option<(usize, usize)> = None;
+        let mut length: Option<u64> = None;
+        let mut chunked = None;
+        for h in resp.headers.iter() {
+            let name = h.name.as_bytes();
+            if name.eq_ignore_ascii_case(b"content-length") {
+                let v = std::str::from_utf8(h.value)
+                    .ok()
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .ok_or_else(|| invalid("content-length is not a number"))?;
+                if length.is_some_and(|l| l != v) {
+                    return Err(invalid("two different content-lengths"));
+                }
+                length = Some(v);
+            } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+                // The last coding decides: chunked, or read until close.
+                let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();
+                chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+            } else if name.eq_ignore_ascii_case(b"connection") {
+                connection = Some(at(h.value));
+            }
+            spans[count] = Span {
+                name: at(name),
+                value: at(h.value),
+            };
+            count += 1;
+        }
+        let head = buf.split_to(n).freeze();
+        let conn_tokens = connection.map(|(o, l)| &head[o..o + l]);
+        let closes = conn_tokens.is_some_and(|c| named_in(c, b"close"));
+        let keep_alive = if http10 {
+            conn_tokens.is_some_and(|c| named_in(c, b"keep-alive"))
+        } else {
+            !closes
+        };
+        let body = if *method == Method::HEAD
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+        {
+            BodyKind::Empty
+        } else {
+            match (chunked, length) {
+                (Some(true), _) => BodyKind::Chunked,
+                (Some(false), _) | (None, None) => BodyKind::UntilClose,
+                (None, Some(0)) => BodyKind::Empty,
+                (None, Some(l)) => BodyKind::Length(l),
+            }
+        };
+        let mut headers = HeaderMap::with_capacity(count);
+        for s in &spans[..count] {
+            let name = HeaderName::from_bytes(&head[s.name.0..s.name.0 + s.name.1])
+                .map_err(|_| invalid("a header name"))?;
+            if hop_by_hop(&name)
+                || conn_tokens.is_some_and(|c| named_in(c, name.as_str().as_bytes()))
+                // With chunked framing any length is wrong (RFC 9112 §6.3).
+                || (chunked.is_some() && name == header::CONTENT_LENGTH)
+            {
+                continue;
+            }
+            let value =
+                HeaderValue::from_maybe_shared(head.slice(s.value.0..s.value.0 + s.value.1))
+                    .map_err(|_| invalid(format!("the value of {name}")))?;
+            headers.append(name, value);
+        }
+        let mut parts = response::Response::new(()).into_parts().0;
+        parts.status = status;
+        parts.headers = headers;
+        return Ok(Some(ResponseHead {
+            parts,
+            body,
+            keep_alive: keep_alive && body != BodyKind::UntilClose,
+        }));
+    }
+}
+
+/// What the decoder took out of the buffer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Decoded {
+    Data(Bytes),
+    /// More bytes are needed from the engine.
+    NeedMore,
+    /// The body has ended.
+    Done,
+}
+
+/// The body decoder of one response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decoder {
+    Length(u64),
+    ChunkSize,
+    ChunkData(u64),
+    /// The CRLF after a chunk's data.
+    ChunkEnd,
+    /// After the last chunk: trailer lines until an empty one (dropped).
+    Trailers(usize),
+    UntilClose,
+    Done,
+}
+
+impl Decoder {
+    pub fn new(kind: BodyKind) -> Decoder {
+        match kind {
+            BodyKind::Empty | BodyKind::Length(0) => Decoder::Done,
+            BodyKind::Length(n) => Decoder::Length(n),
+            BodyKind::Chunked => Decoder::ChunkSize,
+            BodyKind::UntilClose => Decoder::UntilClose,
+        }
+    }
+
+    pub fn is_done(&self) -> bool {
+        *self == Decoder::Done
+    }
+
+    /// Bytes of body still to come, when known.
+    pub fn remaining(&self) -> Option<u64> {
+        match self {
+            Decoder::Length(n) => Some(*n),
+            Decoder::Done => Some(0),
+            _ => None,
+        }
+    }
+
+    /// Takes the next piece of body data out of `buf` (one chunk's data,
+    /// or what of it has arrived).
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded, UpstreamError> {
+        loop {
+            match *self {
+                Decoder::Done => return Ok(Decoded::Done),
+                Decoder::Length(n) | Decoder::ChunkData(n) => {
+                    if buf.is_empty() {
+                        return Ok(Decoded::NeedMore);
+                    }
+                    let take = (buf.len() as u64).min(n);
+                    let left = n - take;
+                    *self = match (*self, left) {
+                        (Decoder::Length(_), 0) => Decoder::Done,
+                        (Decoder::Length(_), _) => Decoder::Length(left),
+                        (_, 0) => Decoder::ChunkEnd,
+                        _ => Decoder::ChunkData(left),
+                    };
+                    return Ok(Decoded::Data(buf.split_to(take as usize).freeze()));
+                }
+                Decoder::UntilClose => {
+                    if buf.is_empty() {
+                        return Ok(Decoded::NeedMore);
+                    }
+                    return Ok(Decoded::Data(buf.split().freeze()));
+                }
+                Decoder::ChunkSize => match httparse::parse_chunk_size(buf) {
+                    Ok(httparse::Status::Complete((used, 0))) => {
+                        buf.advance(used);
+                        *self = Decoder::Trailers(0);
+                    }
+                    Ok(httparse::Status::Complete((used, size))) => {
+                        buf.advance(used);
+                        *self = Decoder::ChunkData(size);
+                    }
+                    Ok(httparse::Status::Partial) if buf.len() > MAX_CHUNK_LINE => {
+                        return Err(invalid("chunk size line too long"));
+                    }
+                    Ok(httparse::Status::Partial) => return Ok(Decoded::NeedMore),
+                    Err(_) => return Err(invalid("invalid chunk size")),
+                },
+                Decoder::ChunkEnd => {
+                    if buf.len() < 2 {
+                        return Ok(Decoded::NeedMore);
+                    }
+                    if &buf[..2] != b"\r\n" {
+                        return Err(invalid("chunk data longer than its size"));
+                    }
+                    buf.advance(2);
+                    *self = Decoder::ChunkSize;
+                }
+                Decoder::Trailers(seen) => {
+                    let Some(end) = buf.windows(2).position(|w| w == b"\r\n") else {
+                        if seen + buf.len() > MAX_HEAD {
+                            return Err(invalid("trailers too long"));
+                        }
+                        return Ok(Decoded::NeedMore);
+                    };
+                    buf.advance(end + 2);
+                    *self = if end == 0 {
+                        Decoder::Done
+                    } else {
+                        Decoder::Trailers(seen + end + 2)
+                    };
+                }
+            }
+        }
+    }
+
+    /// The engine closed the connection: the end of an until-close body,
+    /// an error for any other unfinished one.
+    pub fn eof(&mut self) -> Result<(), UpstreamError> {
+        match self {
+            Decoder::UntilClose | Decoder::Done => {
+                *self = Decoder::Done;
+                Ok(())
+            }
+            _ => Err(UpstreamError::ClosedInBody),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
