@@ -1,7 +1,8 @@
 //! Scenario 2, streaming: a streamed chat completion of N tokens, direct vs
-//! through siesta-proxy, one keep-alive connection each, requests
-//! alternating between the two so noise hits both alike. Reports time to the
-//! first body byte, total time, body frames and SSE events per response.
+//! through siesta-proxy (and, with `--nginx`, through nginx for reference),
+//! one keep-alive connection each, requests alternating between them so
+//! noise hits all alike. Reports time to the first body byte, total time,
+//! body frames and SSE events per response.
 
 use anyhow::{Context, Result, bail};
 
@@ -16,6 +17,10 @@ pub struct Args {
     /// siesta-proxy's base URL.
     #[arg(long)]
     proxy: String,
+    /// nginx in front of the same engine: its TTFB over direct is measured
+    /// alongside, for reference (no target).
+    #[arg(long)]
+    nginx: Option<String>,
     #[arg(long, default_value = "bench")]
     model: String,
     #[arg(long, default_value_t = 256)]
@@ -46,10 +51,17 @@ pub async fn run(a: Args) -> Result<()> {
     let body = chat_body(&a.model, a.tokens, true);
     let mut direct = Conn::connect(socket_addr(&a.direct)?).await?;
     let mut proxy = Conn::connect(socket_addr(&a.proxy)?).await?;
-    // Warm both paths (pools, caches).
+    let mut nginx = match &a.nginx {
+        Some(url) => Some(Conn::connect(socket_addr(url)?).await?),
+        None => None,
+    };
+    // Warm every path (pools, caches).
     for _ in 0..5 {
         one(&mut direct, &body).await.context("direct")?;
         one(&mut proxy, &body).await.context("proxy")?;
+        if let Some(n) = nginx.as_mut() {
+            one(n, &body).await.context("nginx")?;
+        }
     }
     let s = if a.label.is_empty() {
         "2".to_string()
@@ -70,11 +82,17 @@ pub async fn run(a: Args) -> Result<()> {
         Row::new(&s, "siesta SSE events / response", ""),
         Row::new(&s, "responses with fewer SSE events via siesta", "").target(Target::AtMost(0.0)),
     ];
+    if nginx.is_some() {
+        rows.push(Row::new(&s, "nginx − direct TTFB p50 (reference)", "µs"));
+    }
     for rep in 0..a.repeats {
-        let (mut d, mut p) = (Sample::default(), Sample::default());
+        let (mut d, mut p, mut n) = (Sample::default(), Sample::default(), Sample::default());
         for _ in 0..a.requests {
             record(&mut d, one(&mut direct, &body).await.context("direct")?);
             record(&mut p, one(&mut proxy, &body).await.context("proxy")?);
+            if let Some(c) = nginx.as_mut() {
+                record(&mut n, one(c, &body).await.context("nginx")?);
+            }
         }
         let want = median(&d.events);
         let short = p.events.iter().filter(|&&e| e < want).count() as f64;
@@ -91,6 +109,7 @@ pub async fn run(a: Args) -> Result<()> {
             mean(&d.events),
             mean(&p.events),
             short,
+            median(&n.ttfb_us) - median(&d.ttfb_us),
         ];
         for (row, v) in rows.iter_mut().zip(vals) {
             row.push(v);

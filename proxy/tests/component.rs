@@ -18,6 +18,8 @@ mod hold_test;
 mod threads_test;
 #[path = "component/upstream_conn_test.rs"]
 mod upstream_conn_test;
+#[path = "component/upstream_http_test.rs"]
+mod upstream_http_test;
 #[path = "component/upstream_pool_test.rs"]
 mod upstream_pool_test;
 #[path = "component/watch_test.rs"]

@@ -26,8 +26,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const TCP_KEEPALIVE: Duration = Duration::from_secs(60);
 /// Bodies up to this size are copied behind the head and sent in one write.
 const COPY_BODY: usize = 16 * 1024;
-/// Room made in the read buffer before each read.
+/// Room made in the read buffer when less than [`MIN_ROOM`] is left (the
+/// allocation is reused once the bytes handed on from it are dropped).
 const READ_ROOM: usize = 16 * 1024;
+const MIN_ROOM: usize = 4 * 1024;
 
 /// One upstream connection. Boxed wherever it goes (the buffers' headers
 /// and the socket), so handing it around moves a pointer.
@@ -121,7 +123,7 @@ impl UpstreamConn {
                 self.poolable &= resp.keep_alive;
                 return Ok(resp.parts);
             }
-            self.read.reserve(READ_ROOM);
+            self.make_room();
             if self.io.read_buf(&mut self.read).await? == 0 {
                 self.poolable = false;
                 return Err(UpstreamError::ClosedBeforeHead);
@@ -145,7 +147,7 @@ impl UpstreamConn {
                     return Poll::Ready(Some(Err(e)));
                 }
             }
-            self.read.reserve(READ_ROOM);
+            self.make_room();
             let res = ready!(tokio_util::io::poll_read_buf(
                 std::pin::Pin::new(&mut self.io),
                 cx,
@@ -164,6 +166,12 @@ impl UpstreamConn {
                     return Poll::Ready(Some(Err(e.into())));
                 }
             }
+        }
+    }
+
+    fn make_room(&mut self) {
+        if self.read.capacity() - self.read.len() < MIN_ROOM {
+            self.read.reserve(READ_ROOM);
         }
     }
 

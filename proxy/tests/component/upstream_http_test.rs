@@ -1,0 +1,200 @@
+//! The proxy's own HTTP/1.1 client to engines, end to end against a raw
+//! engine that answers each request with scripted bytes: every framing an
+//! HTTP/1.1 server may use reaches the client whole, hop-by-hop headers
+//! stop at the proxy both ways, a connection the engine closes is not
+//! reused, and a reply that is not HTTP is a 502 that says so.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use siesta_proto::v1::ModelState;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::control::{ScriptedControl, model};
+use crate::support::*;
+
+/// The engine's side: scripted answers (bytes, then close or not), the
+/// request heads it read, the connections it accepted.
+#[derive(Default)]
+struct Script {
+    answers: Mutex<VecDeque<(Vec<u8>, bool)>>,
+    requests: Mutex<Vec<String>>,
+    connections: AtomicUsize,
+}
+
+/// Reads one request (head and content-length body); None: closed.
+async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<String> {
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+            let len = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + len {
+                let req = String::from_utf8_lossy(&buf[..end + 4 + len]).into_owned();
+                buf.drain(..end + 4 + len);
+                return Some(req);
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+async fn engine(answers: Vec<(&str, bool)>) -> (String, Arc<Script>) {
+    let script = Arc::new(Script::default());
+    script
+        .answers
+        .lock()
+        .unwrap()
+        .extend(answers.into_iter().map(|(a, c)| (a.as_bytes().to_vec(), c)));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let s = script.clone();
+    tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            s.connections.fetch_add(1, Ordering::SeqCst);
+            let s = s.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while let Some(req) = read_request(&mut conn, &mut buf).await {
+                    s.requests.lock().unwrap().push(req);
+                    let next = s.answers.lock().unwrap().pop_front();
+                    let Some((answer, close)) = next else { return };
+                    if conn.write_all(&answer).await.is_err() || close {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, script)
+}
+
+async fn proxy_to(url: &str) -> (ScriptedControl, TestProxy) {
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    (c, p)
+}
+
+#[tokio::test]
+async fn every_framing_reaches_the_client_whole_and_hop_by_hop_headers_stop_here() {
+    let (url, script) = engine(vec![
+        // Sized, and the engine closes after it.
+        (
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: 11\r\n\r\n{\"a\":\"one\"}",
+            true,
+        ),
+        // HTTP/1.0, no length: the body ends when the engine closes.
+        (
+            "HTTP/1.0 200 OK\r\ncontent-type: application/json\r\n\r\n{\"b\":\"two\"}",
+            true,
+        ),
+        // An interim 100 first; chunked with an extension and trailers;
+        // hop-by-hop headers, one named by Connection.
+        (
+            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+             transfer-encoding: chunked\r\nconnection: keep-alive, x-internal\r\nx-internal: secret\r\n\
+             keep-alive: timeout=5\r\nx-request-id: r3\r\n\r\n\
+             4;ext=1\r\n{\"c\"\r\n8\r\n:\"three\"\r\n1\r\n}\r\n0\r\nx-checksum: 1\r\n\r\n",
+            false,
+        ),
+        // On the same connection as the one before.
+        (
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+            false,
+        ),
+    ])
+    .await;
+    let (_c, p) = proxy_to(&url).await;
+    let hop = [("connection", "x-hop"), ("x-hop", "1"), ("x-end", "2")];
+    let bodies = [r#"{"a":"one"}"#, r#"{"b":"two"}"#, r#"{"c":"three"}"#, "{}"];
+    for (i, want) in bodies.iter().enumerate() {
+        let r = post_with(&p.url("/v1/chat/completions"), &hop, &chat("m")).await;
+        assert_eq!(r.status, 200, "answer {i}: {:?}", r.body);
+        assert_eq!(r.body, want.as_bytes(), "answer {i}");
+        if i == 2 {
+            assert_eq!(r.headers["x-request-id"], "r3");
+            for h in ["x-internal", "keep-alive", "x-checksum"] {
+                assert!(r.headers.get(h).is_none(), "{h} reached the client");
+            }
+        }
+    }
+    assert_eq!(
+        script.connections.load(Ordering::SeqCst),
+        3,
+        "the two connections the engine closed were not reused; the third carried two"
+    );
+    let engine_host = url.trim_start_matches("http://");
+    for req in script.requests.lock().unwrap().iter() {
+        assert!(req.contains(&format!("host: {engine_host}\r\n")), "{req}");
+        assert!(
+            req.contains("x-end: 2\r\n"),
+            "an end-to-end header was lost: {req}"
+        );
+        assert!(
+            !req.contains("x-hop"),
+            "a header the client's Connection named went on: {req}"
+        );
+        let body = &req[req.find("\r\n\r\n").unwrap() + 4..];
+        assert!(
+            req.contains(&format!("content-length: {}\r\n", body.len())),
+            "{req}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_reply_that_is_not_http_is_a_502_that_says_so() {
+    let (url, _script) = engine(vec![("SSH-2.0-OpenSSH_9.2\r\n\r\n", true)]).await;
+    let (_c, p) = proxy_to(&url).await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 502, "{:?}", r.body);
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(msg.contains("invalid response from the engine"), "{msg}");
+}
+
+#[tokio::test]
+async fn a_sized_body_the_engine_cuts_short_is_not_passed_off_as_whole() {
+    let (url, script) = engine(vec![
+        (
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 50\r\n\r\n{\"cut\":",
+            true,
+        ),
+        (
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+            false,
+        ),
+    ])
+    .await;
+    let (_c, p) = proxy_to(&url).await;
+    // The client sees a failed exchange (the head may or may not have been
+    // flushed before the cut), never a complete 200.
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<http_body_util::Full<bytes::Bytes>>();
+    let req = http::Request::post(p.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(chat("m"))))
+        .unwrap();
+    let whole = match tokio::time::timeout(DEADLINE, client.request(req)).await {
+        Err(_) => panic!("the request hung"),
+        Ok(Err(_)) => false,
+        Ok(Ok(resp)) => {
+            let body = http_body_util::BodyExt::collect(resp.into_body());
+            matches!(tokio::time::timeout(DEADLINE, body).await, Ok(Ok(_)))
+        }
+    };
+    assert!(!whole, "a body cut at 7 of 50 bytes was delivered as whole");
+    // The next request goes on a new connection and is answered.
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body, "{}".as_bytes());
+    assert_eq!(script.connections.load(Ordering::SeqCst), 2);
+}
