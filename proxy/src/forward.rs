@@ -179,6 +179,22 @@ impl Forwarder {
         })
     }
 
+    /// Closes every idle upstream connection now: at the end of a drain
+    /// nothing will use them, and the engines need not wait for the idle
+    /// timeout to see them go.
+    pub fn close_idle(&self) {
+        let pools: Vec<Arc<EnginePool>> = self
+            .engines
+            .lock()
+            .unwrap()
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for pool in pools {
+            pool.close_idle();
+        }
+    }
+
     /// `authority`'s pool: the one upstreams of it hold now, or a new one.
     fn pool_for(&self, authority: &Authority) -> Arc<EnginePool> {
         let mut engines = self.engines.lock().unwrap();

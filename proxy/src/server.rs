@@ -259,6 +259,9 @@ impl Proxy {
                 tracing::warn!(thread = thread.index, "a serving thread ended abnormally");
             }
         }
+        // Every request is answered: the engines see their idle connections
+        // close now, not after the idle timeout.
+        serve.shared.forwarder.close_idle();
         background.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(3), reporter).await;
         tracing::info!("siesta-proxy stopped");

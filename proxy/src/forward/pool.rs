@@ -122,6 +122,14 @@ impl EnginePool {
         self.idle.iter().map(|s| s.lock().unwrap().len()).sum()
     }
 
+    /// Closes every idle connection now.
+    pub fn close_idle(&self) {
+        for shard in &self.idle {
+            let idle = std::mem::take(&mut *shard.lock().unwrap());
+            drop(idle);
+        }
+    }
+
     /// Drops connections idle for the idle timeout or closed by the engine.
     fn prune(&self) {
         for shard in &self.idle {

@@ -1,6 +1,7 @@
 //! The proxy's own pool of upstream connections: connections are reused,
 //! concurrent requests each get their own, one the engine closed while idle
-//! is not used, and one whose client hung up mid-stream is not put back.
+//! is not used, one whose client hung up mid-stream is not put back, and
+//! the idle ones are closed when the proxy stops.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -292,4 +293,21 @@ async fn a_stream_the_client_left_does_not_return_its_connection_to_the_pool() {
     assert_eq!(r.status, 200);
     assert_eq!(e.connections(), 2, "a new connection after the cut one");
     assert_eq!(e.c.requests(), 3);
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed_when_the_proxy_stops_not_at_the_idle_timeout() {
+    let e = PoolEngine::start(None).await;
+    // The proxy keeps idle connections 60 s (longer than the deadline).
+    let (_c, mut p) = proxy_to(&e).await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(e.c.peer_closed(), 0, "pooled, open");
+    p.shutdown.cancel();
+    let stopped = tokio::time::timeout(DEADLINE, &mut p.task).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+    wait_until("the engine saw the idle connection closed", || async {
+        e.c.peer_closed() == 1
+    })
+    .await;
 }
