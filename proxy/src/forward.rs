@@ -259,6 +259,7 @@ impl Forwarder {
         let mut first_error = None;
         if let Err(e) = &result
             && conn.reused
+            && !conn.answered()
             && sent.elapsed() < RETRY_WINDOW
             && e.closed_before_answer()
         {

@@ -7,7 +7,7 @@
 
 use std::io::IoSlice;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker, ready};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -49,6 +49,8 @@ pub struct UpstreamConn {
     pub poolable: bool,
     /// The serving thread that opened it (its runtime drives the socket).
     pub shard: usize,
+    /// Bytes of the current response have arrived.
+    answered: bool,
 }
 
 impl UpstreamConn {
@@ -77,27 +79,27 @@ impl UpstreamConn {
             reused: false,
             poolable: true,
             shard: pool.shard_here(),
+            answered: false,
         }))
     }
 
     /// An idle connection that can carry a request now: the engine has
     /// neither closed it nor sent anything on it since its last response.
-    /// Costs a system call only when the socket became readable meanwhile.
+    /// Costs a system call only when the socket became readable meanwhile
+    /// (`try_read` looks at the readiness tokio has cached first).
     pub fn is_usable(&mut self) -> bool {
         if !self.read.is_empty() || !self.body.is_done() {
             return false;
         }
-        let mut cx = Context::from_waker(Waker::noop());
-        match self.io.poll_read_ready(&mut cx) {
-            Poll::Pending => true,
-            Poll::Ready(Err(_)) => false,
-            // Readable: closed, data nobody asked for, or a stale
-            // readiness (a read cleared of it says which).
-            Poll::Ready(Ok(())) => {
-                let mut probe = [0u8; 1];
-                matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
-            }
-        }
+        let mut probe = [0u8; 1];
+        matches!(self.io.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    }
+
+    /// The engine sent something for the last request (a byte of a head,
+    /// an interim response): a failure after that is not a connection
+    /// closed before any answer, and the request is not sent again.
+    pub fn answered(&self) -> bool {
+        self.answered
     }
 
     /// Sends the request (`head` and the client's `headers`, then `body`)
@@ -109,6 +111,7 @@ impl UpstreamConn {
         headers: &HeaderMap,
         body: &Bytes,
     ) -> Result<response::Parts, UpstreamError> {
+        self.answered = false;
         self.write.clear();
         h1::encode_request(&mut self.write, head, headers);
         if body.len() <= COPY_BODY {
@@ -128,6 +131,7 @@ impl UpstreamConn {
                 self.poolable = false;
                 return Err(UpstreamError::ClosedBeforeHead);
             }
+            self.answered = true;
         }
     }
 

@@ -18,8 +18,8 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, response};
 
 /// The longest response head (and chunk trailer section) taken from an
-/// engine.
-pub const MAX_HEAD: usize = 64 * 1024;
+/// engine: hyper's default buffer limit, as before the proxy had its own.
+pub const MAX_HEAD: usize = 8192 + 4096 * 100;
 /// Headers in one response head.
 const MAX_HEADERS: usize = 100;
 /// The longest chunk-size line (size, extensions).
@@ -103,14 +103,19 @@ pub fn encode_request(out: &mut Vec<u8>, head: &RequestHead<'_>, headers: &Heade
     out.extend_from_slice(head.target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(head.host);
-    let connection = headers.get(header::CONNECTION).map(HeaderValue::as_bytes);
+    let connection = headers.get_all(header::CONNECTION);
+    let named = |name: &HeaderName| {
+        connection
+            .iter()
+            .any(|c| named_in(c.as_bytes(), name.as_str().as_bytes()))
+    };
     for (name, value) in headers {
         if hop_by_hop(name)
             || *name == header::HOST
             || *name == header::CONTENT_LENGTH
             || *name == header::EXPECT
             || (head.strip_authorization && *name == header::AUTHORIZATION)
-            || connection.is_some_and(|c| named_in(c, name.as_str().as_bytes()))
+            || named(name)
         {
             continue;
         }
@@ -148,6 +153,31 @@ pub struct ResponseHead {
 struct Span {
     name: (usize, usize),
     value: (usize, usize),
+    /// A `Connection` header.
+    connection: bool,
+}
+
+impl Span {
+    fn value<'h>(&self, head: &'h [u8]) -> &'h [u8] {
+        &head[self.value.0..self.value.0 + self.value.1]
+    }
+}
+
+/// A `Content-Length` value: digits, or a list of equal ones ("5, 5").
+fn content_length(value: &[u8]) -> Option<u64> {
+    let mut found = None;
+    for part in value.split(|b| *b == b',') {
+        let part = part.trim_ascii();
+        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        let n = std::str::from_utf8(part).ok()?.parse::<u64>().ok()?;
+        if found.is_some_and(|f| f != n) {
+            return None;
+        }
+        found = Some(n);
+    }
+    found
 }
 
 /// Parses the response head at the start of `buf` and takes its bytes out
@@ -187,15 +217,12 @@ pub fn parse_response(
         let at = |s: &[u8]| (s.as_ptr() as usize - base, s.len());
         let mut spans = [Span::default(); MAX_HEADERS];
         let mut count = 0;
-        let mut connection: Option<(usize, usize)> = None;
         let mut length: Option<u64> = None;
         let mut chunked = None;
         for h in resp.headers.iter() {
             let name = h.name.as_bytes();
             if name.eq_ignore_ascii_case(b"content-length") {
-                let v = std::str::from_utf8(h.value)
-                    .ok()
-                    .and_then(|v| v.trim().parse::<u64>().ok())
+                let v = content_length(h.value)
                     .ok_or_else(|| invalid("content-length is not a number"))?;
                 if length.is_some_and(|l| l != v) {
                     return Err(invalid("two different content-lengths"));
@@ -205,22 +232,30 @@ pub fn parse_response(
                 // The last coding decides: chunked, or read until close.
                 let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();
                 chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
-            } else if name.eq_ignore_ascii_case(b"connection") {
-                connection = Some(at(h.value));
             }
             spans[count] = Span {
                 name: at(name),
                 value: at(h.value),
+                connection: name.eq_ignore_ascii_case(b"connection"),
             };
             count += 1;
         }
         let head = buf.split_to(n).freeze();
-        let conn_tokens = connection.map(|(o, l)| &head[o..o + l]);
-        let closes = conn_tokens.is_some_and(|c| named_in(c, b"close"));
+        let spans = &spans[..count];
+        // Every Connection line counts (a list may be split over several).
+        let named = |token: &[u8]| {
+            spans
+                .iter()
+                .any(|s| s.connection && named_in(s.value(&head), token))
+        };
         let keep_alive = if http10 {
-            conn_tokens.is_some_and(|c| named_in(c, b"keep-alive"))
+            // RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding
+            // closes after it.
+            named(b"keep-alive") && chunked.is_none()
         } else {
-            !closes
+            // §6.3: with both Transfer-Encoding and Content-Length, close.
+            let both_framings = chunked.is_some() && length.is_some();
+            !(named(b"close") || both_framings)
         };
         let body = if *method == Method::HEAD
             || status == StatusCode::NO_CONTENT
@@ -236,11 +271,11 @@ pub fn parse_response(
             }
         };
         let mut headers = HeaderMap::with_capacity(count);
-        for s in &spans[..count] {
+        for s in spans {
             let name = HeaderName::from_bytes(&head[s.name.0..s.name.0 + s.name.1])
                 .map_err(|_| invalid("a header name"))?;
             if hop_by_hop(&name)
-                || conn_tokens.is_some_and(|c| named_in(c, name.as_str().as_bytes()))
+                || named(name.as_str().as_bytes())
                 // With chunked framing any length is wrong (RFC 9112 §6.3).
                 || (chunked.is_some() && name == header::CONTENT_LENGTH)
             {
@@ -334,6 +369,10 @@ impl Decoder {
                         return Ok(Decoded::NeedMore);
                     }
                     return Ok(Decoded::Data(buf.split().freeze()));
+                }
+                // httparse takes a line without digits for a size of 0.
+                Decoder::ChunkSize if buf.first().is_some_and(|b| !b.is_ascii_hexdigit()) => {
+                    return Err(invalid("invalid chunk size"));
                 }
                 Decoder::ChunkSize => match httparse::parse_chunk_size(buf) {
                     Ok(httparse::Status::Complete((used, 0))) => {

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use siesta_proto::v1::ModelState;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
 
 use crate::control::{ScriptedControl, model};
 use crate::support::*;
@@ -21,33 +21,6 @@ struct RawEngine {
     url: String,
     connections: Arc<AtomicUsize>,
     requests: Arc<AtomicUsize>,
-}
-
-async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
-            let len = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .unwrap_or(0);
-            while buf.len() < end + 4 + len {
-                let mut chunk = [0u8; 4096];
-                match s.read(&mut chunk).await {
-                    Ok(0) | Err(_) => return false,
-                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                }
-            }
-            buf.drain(..end + 4 + len);
-            return true;
-        }
-        let mut chunk = [0u8; 4096];
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return false,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
 }
 
 impl RawEngine {
@@ -78,7 +51,7 @@ impl RawEngine {
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut n = 0;
-                    while read_request(&mut s, &mut buf).await {
+                    while read_request(&mut s, &mut buf).await.is_some() {
                         reqs.fetch_add(1, Ordering::SeqCst);
                         if n == answered {
                             if dies {

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use siesta_proto::v1::ModelState;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
 
 use crate::control::{ScriptedControl, model};
 use crate::support::*;
@@ -22,30 +22,6 @@ struct Script {
     answers: Mutex<VecDeque<(Vec<u8>, bool)>>,
     requests: Mutex<Vec<String>>,
     connections: AtomicUsize,
-}
-
-/// Reads one request (head and content-length body); None: closed.
-async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<String> {
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
-            let len = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .unwrap_or(0);
-            if buf.len() >= end + 4 + len {
-                let req = String::from_utf8_lossy(&buf[..end + 4 + len]).into_owned();
-                buf.drain(..end + 4 + len);
-                return Some(req);
-            }
-        }
-        let mut chunk = [0u8; 4096];
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
 }
 
 async fn engine(answers: Vec<(&str, bool)>) -> (String, Arc<Script>) {
@@ -197,4 +173,36 @@ async fn a_sized_body_the_engine_cuts_short_is_not_passed_off_as_whole() {
     assert_eq!(r.status, 200);
     assert_eq!(r.body, "{}".as_bytes());
     assert_eq!(script.connections.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn a_request_the_engine_began_to_answer_is_not_sent_again() {
+    let (url, script) = engine(vec![
+        (
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+            false,
+        ),
+        // On the reused connection: part of a head, then the close.
+        ("HTTP/1.1 200 OK\r\ncontent-ty", true),
+        // What a second attempt would get.
+        (
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+            false,
+        ),
+    ])
+    .await;
+    let (_c, p) = proxy_to(&url).await;
+    assert_eq!(
+        post(&p.url("/v1/chat/completions"), &chat("m"))
+            .await
+            .status,
+        200
+    );
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 502, "{:?}", r.body);
+    assert_eq!(
+        script.requests.lock().unwrap().len(),
+        2,
+        "a request with part of its answer received was sent again"
+    );
 }

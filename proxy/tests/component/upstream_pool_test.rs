@@ -54,30 +54,6 @@ impl Counters {
     }
 }
 
-/// Reads one request (head and content-length body); None: closed.
-async fn read_request(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<String> {
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
-            let len = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .unwrap_or(0);
-            if buf.len() >= end + 4 + len {
-                let req = String::from_utf8_lossy(&buf[..end + 4 + len]).into_owned();
-                buf.drain(..end + 4 + len);
-                return Some(req);
-            }
-        }
-        let mut chunk = [0u8; 4096];
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-}
-
 /// Waits for the gate; true when the proxy closed the connection first.
 async fn closed_before_gate(gate: &mut watch::Receiver<bool>, s: &mut TcpStream) -> bool {
     let mut b = [0u8; 1];

@@ -29,6 +29,9 @@ fn the_request_head_keeps_end_to_end_headers_and_drops_hop_by_hop_ones() {
         header::CONNECTION,
         HeaderValue::from_static("keep-alive, X-Secret"),
     );
+    // A second Connection line names one more.
+    h.append(header::CONNECTION, HeaderValue::from_static("x-other"));
+    h.insert("x-other", HeaderValue::from_static("2"));
     h.insert("x-secret", HeaderValue::from_static("1"));
     h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
     h.insert(
@@ -88,7 +91,7 @@ fn a_response_head_is_parsed_once_whole_and_its_bytes_taken_out() {
 
 #[test]
 fn framing_and_keep_alive_follow_the_head() {
-    let cases: [(&[u8], BodyKind, bool); 8] = [
+    let cases: [(&[u8], BodyKind, bool); 11] = [
         (
             b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n",
             BodyKind::Length(12),
@@ -116,10 +119,27 @@ fn framing_and_keep_alive_follow_the_head() {
             BodyKind::Length(3),
             true,
         ),
+        // Both framings: chunked wins, the connection closes after it.
         (
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\ncontent-length: 9\r\n\r\n",
             BodyKind::Chunked,
+            false,
+        ),
+        // A Connection list split over two lines.
+        (
+            b"HTTP/1.1 200 OK\r\nconnection: close\r\nconnection: x-a\r\nx-a: 1\r\ncontent-length: 3\r\n\r\n",
+            BodyKind::Length(3),
+            false,
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 3, 3\r\n\r\n",
+            BodyKind::Length(3),
             true,
+        ),
+        (
+            b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n",
+            BodyKind::Chunked,
+            false,
         ),
     ];
     for (bytes, body, keep_alive) in cases {
@@ -127,6 +147,7 @@ fn framing_and_keep_alive_follow_the_head() {
         let text = String::from_utf8_lossy(bytes);
         assert_eq!(h.body, body, "{text}");
         assert_eq!(h.keep_alive, keep_alive, "{text}");
+        assert!(h.parts.headers.get("x-a").is_none(), "{text}");
         if body == BodyKind::Chunked {
             assert!(
                 h.parts.headers.get(header::CONTENT_LENGTH).is_none(),
@@ -150,13 +171,21 @@ fn interim_responses_are_skipped() {
 
 #[test]
 fn a_bad_head_is_an_error_naming_what_is_wrong() {
-    let bad: [(&[u8], &str); 4] = [
+    let bad: [(&[u8], &str); 6] = [
         (
             b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
             "two different content-lengths",
         ),
         (
             b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n",
+            "not a number",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: +5\r\n\r\n",
+            "not a number",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5, 6\r\n\r\n",
             "not a number",
         ),
         (b"SSH-2.0-OpenSSH\r\n\r\n", "response head"),
@@ -238,7 +267,8 @@ fn a_sized_body_ends_at_its_length_and_leaves_what_follows() {
 
 #[test]
 fn bad_chunks_and_early_closes_are_errors() {
-    for wire in [&b"zz\r\n"[..], b"3\r\nabcX\r\n"] {
+    // Not hex; a size line without digits; data longer than its size.
+    for wire in [&b"zz\r\n"[..], b"\r\n", b"3\r\nabcX\r\n"] {
         let mut d = Decoder::new(BodyKind::Chunked);
         let mut buf = BytesMut::from(wire);
         let mut err = None;
