@@ -167,9 +167,26 @@ impl SimGpu {
         Ok(want)
     }
 
+    /// An exclusive lock on the simulated GPUs (`flock` on `DIR/.lock`, released on drop):
+    /// one engine's look at the free memory and its taking it are one step for every
+    /// engine sharing them, as the CUDA allocator's are.
+    fn lock(&self) -> Result<nix::fcntl::Flock<std::fs::File>, SimGpuError> {
+        std::fs::create_dir_all(&self.dir).map_err(|e| Self::io(&self.dir, e))?;
+        let path = self.dir.join(".lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| Self::io(&path, e))?;
+        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, errno)| Self::io(&path, errno.into()))
+    }
+
     /// Grows this engine's use from `from` to `to` bytes per GPU: out of memory when another
-    /// engine took the room meanwhile.
+    /// engine took the room meanwhile (two engines growing at once are taken in turn).
     pub fn grow(&self, holder: u32, from: u64, to: u64) -> Result<(), SimGpuError> {
+        let _taking = self.lock()?;
         if to > from {
             for gpu in &self.gpus {
                 let free = self
