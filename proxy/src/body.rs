@@ -49,9 +49,7 @@ impl ProxyBody {
     /// An engine's body arriving on `conn`. An empty body ends here.
     pub fn upstream(conn: Box<UpstreamConn>, guard: InFlightGuard, sse: bool) -> Self {
         let mut body = ProxyBody::Upstream { conn, guard, sse };
-        if let ProxyBody::Upstream { conn, .. } = &body
-            && conn.body_done()
-        {
+        if body.is_end_stream() {
             // hyper will not poll a body that is already over.
             body.end(true);
         }
