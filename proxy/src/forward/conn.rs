@@ -117,8 +117,8 @@ impl UpstreamConn {
         if body.len() <= COPY_BODY {
             self.write.extend_from_slice(body);
             self.io.write_all(&self.write).await?;
-        } else {
-            write_both(&mut self.io, &self.write, body).await?;
+        } else if let Some(early) = self.write_reading(head.method, body).await? {
+            return Ok(early);
         }
         loop {
             if let Some(resp) = h1::parse_response(&mut self.read, head.method)? {
@@ -126,12 +126,62 @@ impl UpstreamConn {
                 self.poolable &= resp.keep_alive;
                 return Ok(resp.parts);
             }
-            self.make_room();
+            make_room(&mut self.read);
             if self.io.read_buf(&mut self.read).await? == 0 {
                 self.poolable = false;
                 return Err(UpstreamError::ClosedBeforeHead);
             }
             self.answered = true;
+        }
+    }
+
+    /// Writes the head and a large body while reading what the engine
+    /// sends meanwhile: an engine may answer before it has read the whole
+    /// body (a 413, a 401 from a check in front of the handler) and then
+    /// close, or stop reading. That answer is returned (`Some`) and goes to
+    /// the client, where writing on alone would fail (the close) or never
+    /// end (the engine no longer reads); the connection, with part of a
+    /// request on it, is not reused. `None`: the whole request went out.
+    async fn write_reading(
+        &mut self,
+        method: &http::Method,
+        body: &Bytes,
+    ) -> Result<Option<response::Parts>, UpstreamError> {
+        let (mut rd, mut wr) = self.io.split();
+        let write = write_both(&mut wr, &self.write, body);
+        tokio::pin!(write);
+        // A failed write (the engine closed) may still have an answer
+        // behind it, already in the socket.
+        let mut write_failed = None;
+        loop {
+            tokio::select! {
+                biased;
+                r = &mut write, if write_failed.is_none() => match r {
+                    Ok(()) => return Ok(None),
+                    Err(e) => write_failed = Some(e),
+                },
+                r = rd.read_buf(&mut self.read) => {
+                    let closed = match r {
+                        Ok(0) => None,
+                        Ok(_) => {
+                            self.answered = true;
+                            if let Some(resp) = h1::parse_response(&mut self.read, method)? {
+                                self.body = Decoder::new(resp.body);
+                                self.poolable = false;
+                                return Ok(Some(resp.parts));
+                            }
+                            make_room(&mut self.read);
+                            continue;
+                        }
+                        Err(e) => Some(e),
+                    };
+                    self.poolable = false;
+                    return Err(match (write_failed, closed) {
+                        (Some(e), _) | (None, Some(e)) => e.into(),
+                        (None, None) => UpstreamError::ClosedBeforeHead,
+                    });
+                }
+            }
         }
     }
 
@@ -151,7 +201,7 @@ impl UpstreamConn {
                     return Poll::Ready(Some(Err(e)));
                 }
             }
-            self.make_room();
+            make_room(&mut self.read);
             let res = ready!(tokio_util::io::poll_read_buf(
                 std::pin::Pin::new(&mut self.io),
                 cx,
@@ -170,12 +220,6 @@ impl UpstreamConn {
                     return Poll::Ready(Some(Err(e.into())));
                 }
             }
-        }
-    }
-
-    fn make_room(&mut self) {
-        if self.read.capacity() - self.read.len() < MIN_ROOM {
-            self.read.reserve(READ_ROOM);
         }
     }
 
@@ -200,8 +244,19 @@ impl UpstreamConn {
     }
 }
 
+/// Makes room in a read buffer with less than [`MIN_ROOM`] left.
+fn make_room(read: &mut BytesMut) {
+    if read.capacity() - read.len() < MIN_ROOM {
+        read.reserve(READ_ROOM);
+    }
+}
+
 /// Writes `head` then `body` with as few writes as the socket allows.
-async fn write_both(io: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io::Result<()> {
+async fn write_both(
+    io: &mut (impl tokio::io::AsyncWrite + Unpin),
+    head: &[u8],
+    body: &[u8],
+) -> std::io::Result<()> {
     let (mut h, mut b) = (0, 0);
     while h < head.len() || b < body.len() {
         let bufs = [IoSlice::new(&head[h..]), IoSlice::new(&body[b..])];

@@ -206,3 +206,68 @@ async fn a_request_the_engine_began_to_answer_is_not_sent_again() {
         "a request with part of its answer received was sent again"
     );
 }
+
+/// An engine that answers as soon as it has a request's head, without
+/// reading its body, then closes the connection or keeps it open without
+/// reading more; the heads it read.
+async fn early_answering_engine(answer: &'static str, close: bool) -> (String, Arc<Script>) {
+    let script = Arc::new(Script::default());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let s = script.clone();
+    tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((mut conn, _)) = listener.accept().await {
+            s.connections.fetch_add(1, Ordering::SeqCst);
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                let mut byte = [0u8; 1];
+                match tokio::io::AsyncReadExt::read(&mut conn, &mut byte).await {
+                    Ok(1) => head.push(byte[0]),
+                    _ => break,
+                }
+            }
+            s.requests
+                .lock()
+                .unwrap()
+                .push(String::from_utf8_lossy(&head).into_owned());
+            let _ = conn.write_all(answer.as_bytes()).await;
+            if !close {
+                open.push(conn);
+            }
+        }
+    });
+    (url, script)
+}
+
+#[tokio::test]
+async fn an_engine_that_answers_before_reading_a_large_body_is_heard() {
+    // Far more than the socket buffers hold: the proxy cannot finish
+    // writing it to an engine that stops reading.
+    let big = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(24 * 1024 * 1024)
+    );
+    let answer = "HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n\
+                  content-length: 21\r\n\r\n{\"error\":\"too large\"}";
+    for close in [true, false] {
+        let (url, script) = early_answering_engine(answer, close).await;
+        let (_c, p) = proxy_to(&url).await;
+        for round in 0..2 {
+            let r = tokio::time::timeout(DEADLINE, post(&p.url("/v1/chat/completions"), &big))
+                .await
+                .unwrap_or_else(|_| panic!("hung (engine closes: {close}, round {round})"));
+            assert_eq!(
+                r.status, 413,
+                "engine closes: {close}, round {round}: {:?}",
+                r.body
+            );
+            assert_eq!(r.body, br#"{"error":"too large"}"#.as_slice());
+        }
+        assert_eq!(
+            script.connections.load(Ordering::SeqCst),
+            2,
+            "a connection with part of a request on it was reused (engine closes: {close})"
+        );
+    }
+}
