@@ -4,12 +4,12 @@
 //! the transitions' own durations with and without the subscribers.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use siesta_proto::v1::WatchRequest;
 use siesta_proto::v1::watch_event::Kind;
+use siesta_proto::v1::{ListModelsRequest, WatchRequest};
 use tokio::task::JoinHandle;
 
 use crate::control::{self, Client};
@@ -49,6 +49,12 @@ pub struct Args {
 /// snapshot, and how many snapshots (resyncs included) arrived.
 type Seen = (Vec<(u64, i64, f64)>, usize);
 
+/// Open subscribers: their tasks and the last revision each has seen.
+struct Subs {
+    tasks: Vec<JoinHandle<Result<Seen>>>,
+    last: Arc<Vec<AtomicU64>>,
+}
+
 pub async fn run(a: Args) -> Result<()> {
     let mut ctl = control::connect(&a.control).await?;
     let mut chans = Vec::new();
@@ -67,20 +73,18 @@ pub async fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
-/// Opens `n` subscribers over `chans`; returns their tasks and the time
-/// until every one had its snapshot.
-async fn open(
-    n: usize,
-    chans: &[Client],
-    stop: &Arc<tokio::sync::Notify>,
-) -> Result<(Vec<JoinHandle<Result<Seen>>>, f64)> {
+/// Opens `n` subscribers over `chans`; returns them and the time until
+/// every one had its snapshot.
+async fn open(n: usize, chans: &[Client], stop: &Arc<tokio::sync::Notify>) -> Result<(Subs, f64)> {
     let ready = Arc::new(AtomicUsize::new(0));
+    let last: Arc<Vec<AtomicU64>> = Arc::new((0..n).map(|_| AtomicU64::new(0)).collect());
     let t_open = Instant::now();
-    let mut subs = Vec::with_capacity(n);
+    let mut tasks = Vec::with_capacity(n);
     for i in 0..n {
-        subs.push(tokio::spawn(subscriber(
+        tasks.push(tokio::spawn(subscriber(
             chans[i % chans.len()].clone(),
             ready.clone(),
+            last.clone(),
             stop.clone(),
             i,
         )));
@@ -94,21 +98,34 @@ async fn open(
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    Ok((subs, t_open.elapsed().as_secs_f64() * 1e3))
+    Ok((Subs { tasks, last }, t_open.elapsed().as_secs_f64() * 1e3))
 }
 
-/// Ends the subscribers and collects what each saw.
+/// Ends the subscribers once every one has seen the daemon's current
+/// revision (or 10 s passed: those that have not count as missing it), and
+/// collects what each saw. Returns that revision with them: an event
+/// published after it (a status change while the subscribers were being
+/// stopped) is not expected of every subscriber.
 async fn close(
+    ctl: &mut Client,
     stop: &tokio::sync::Notify,
-    subs: Vec<JoinHandle<Result<Seen>>>,
-) -> Result<Vec<Seen>> {
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    subs: Subs,
+) -> Result<(Vec<Seen>, u64)> {
+    let upto = ctl
+        .list_models(ListModelsRequest {})
+        .await?
+        .into_inner()
+        .revision;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while subs.last.iter().any(|r| r.load(Ordering::Relaxed) < upto) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     stop.notify_waiters();
-    let mut seen = Vec::with_capacity(subs.len());
-    for h in subs {
+    let mut seen = Vec::with_capacity(subs.tasks.len());
+    for h in subs.tasks {
         seen.push(h.await.context("join")??);
     }
-    Ok(seen)
+    Ok((seen, upto))
 }
 
 /// 10,000 subscribers (or `--held`) held by one daemon: its RSS, and one
@@ -151,8 +168,8 @@ async fn held(a: &Args, ctl: &mut Client) -> Result<()> {
     control::sleep_and_wait(ctl, m).await?;
     control::wake_wait(ctl, m).await?;
     let cycle_ms = t.elapsed().as_secs_f64() * 1e3;
-    let seen = close(&stop, subs).await?;
-    let v = analyse(&seen);
+    let (seen, upto) = close(ctl, &stop, subs).await?;
+    let v = analyse(&seen, upto);
     let vals = [
         snap_ms,
         before / 1e6,
@@ -163,8 +180,8 @@ async fn held(a: &Args, ctl: &mut Client) -> Result<()> {
         cycle_ms,
     ];
     eprintln!(
-        "watch held={}: snapshots in {snap_ms:.0} ms, RSS {:.1} → {:.1} MB, every-p99 {:.1} ms, missed {}",
-        a.held, vals[1], vals[2], v.every_p99, v.missed
+        "watch held={}: snapshots in {snap_ms:.0} ms, RSS {:.1} → {:.1} MB, every-p99 {:.1} ms, missed {} (resyncs {})",
+        a.held, vals[1], vals[2], v.every_p99, v.missed, v.resyncs
     );
     for (row, x) in rows.iter_mut().zip(vals) {
         row.push(x);
@@ -200,8 +217,8 @@ async fn fan_out(a: &Args, ctl: &mut Client, chans: &[Client]) -> Result<()> {
         let stop = Arc::new(tokio::sync::Notify::new());
         let (subs, snap_ms) = open(a.subscribers, chans, &stop).await?;
         let (sleep1, wake1) = cycle(ctl, a).await?;
-        let seen = close(&stop, subs).await?;
-        let v = analyse(&seen);
+        let (seen, upto) = close(ctl, &stop, subs).await?;
+        let v = analyse(&seen, upto);
         let ratio = (median(&sleep1) + median(&wake1)) / (median(&sleep0) + median(&wake0));
         let vals = [
             v.p50,
@@ -218,12 +235,13 @@ async fn fan_out(a: &Args, ctl: &mut Client, chans: &[Client]) -> Result<()> {
             ratio,
         ];
         eprintln!(
-            "watch rep={rep}: {} events/subscriber, delay p50 {:.2} p99 {:.2} every-p99 {:.2} ms, missed {}, snapshots {:.0} ms, sleep {:.1}/{:.1} wake {:.1}/{:.1} ms",
+            "watch rep={rep}: {} events/subscriber, delay p50 {:.2} p99 {:.2} every-p99 {:.2} ms, missed {} (resyncs {}), snapshots {:.0} ms, sleep {:.1}/{:.1} wake {:.1}/{:.1} ms",
             v.events,
             vals[0],
             vals[1],
             vals[2],
             v.missed,
+            v.resyncs,
             snap_ms,
             vals[7],
             vals[8],
@@ -264,6 +282,7 @@ async fn cycle(ctl: &mut Client, a: &Args) -> Result<(Vec<f64>, Vec<f64>)> {
 async fn subscriber(
     mut c: Client,
     ready: Arc<AtomicUsize>,
+    last: Arc<Vec<AtomicU64>>,
     stop: Arc<tokio::sync::Notify>,
     i: usize,
 ) -> Result<Seen> {
@@ -284,6 +303,7 @@ async fn subscriber(
             msg = stream.message() => {
                 let Some(ev) = msg? else { break };
                 let now = unix_us();
+                last[i].store(ev.revision, Ordering::Relaxed);
                 match ev.kind {
                     Some(Kind::Snapshot(_)) => {
                         snapshots += 1;
@@ -308,16 +328,19 @@ struct Analysis {
     max: f64,
     spread_p99: f64,
     missed: f64,
+    /// Snapshots after a subscriber's first: it fell behind and was resynced.
+    resyncs: usize,
     events: usize,
 }
 
-fn analyse(seen: &[Seen]) -> Analysis {
+/// Delays and losses over the revisions up to `upto`.
+fn analyse(seen: &[Seen], upto: u64) -> Analysis {
     use std::collections::BTreeMap;
     let mut all = Vec::new();
     // revision → (at_ms, first arrival µs, last arrival µs, subscribers)
     let mut by_rev: BTreeMap<u64, (i64, f64, f64, usize)> = BTreeMap::new();
     for (events, _) in seen {
-        for &(rev, at, now) in events {
+        for &(rev, at, now) in events.iter().filter(|e| e.0 <= upto) {
             all.push(now / 1e3 - at as f64);
             let e = by_rev.entry(rev).or_insert((at, now, now, 0));
             e.1 = e.1.min(now);
@@ -341,6 +364,7 @@ fn analyse(seen: &[Seen]) -> Analysis {
         max: percentile(&all, 100.0),
         spread_p99: percentile(&spread, 99.0),
         missed: missed as f64,
+        resyncs: seen.iter().map(|(_, n)| n.saturating_sub(1)).sum(),
         events: by_rev.len(),
     }
 }
