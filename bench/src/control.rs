@@ -98,6 +98,23 @@ pub async fn wait_proxy_not_awake(proxy: &mut Conn, name: &str) -> Result<()> {
     }
 }
 
+/// User + system CPU time of a process (all its threads) in µs, from
+/// /proc (10 ms resolution).
+pub fn cpu_us(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("read /proc/{pid}/stat"))?;
+    // After the command's closing parenthesis: state(3) ... utime(14) stime(15).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let t = |i: usize| -> Result<u64> {
+        f.get(i)
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("/proc/{pid}/stat field {}", i + 3))
+    };
+    // USER_HZ is 100 on Linux.
+    Ok((t(11)? + t(12)?) as f64 * 1e4)
+}
+
 /// Resident set size of a process in bytes (VmRSS).
 pub fn rss_bytes(pid: u32) -> Result<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status"))

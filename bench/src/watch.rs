@@ -211,15 +211,28 @@ async fn fan_out(a: &Args, ctl: &mut Client, chans: &[Client]) -> Result<()> {
         Row::new(s, "wake transition p50, no subscribers", "ms"),
         Row::new(s, "wake transition p50, with subscribers", "ms"),
         Row::new(s, "transition p50 with/without subscribers", "").target(Target::AtMost(1.25)),
+        Row::new(s, "daemon CPU per delivery (event × subscriber)", "µs"),
     ];
+    let cpu = || {
+        a.pid
+            .and_then(|p| control::cpu_us(p).ok())
+            .unwrap_or(f64::NAN)
+    };
     for rep in 0..a.repeats {
+        let c0 = cpu();
         let (sleep0, wake0) = cycle(ctl, a).await?;
+        let c1 = cpu();
         let stop = Arc::new(tokio::sync::Notify::new());
         let (subs, snap_ms) = open(a.subscribers, chans, &stop).await?;
+        let c2 = cpu();
         let (sleep1, wake1) = cycle(ctl, a).await?;
+        let c3 = cpu();
         let (seen, upto) = close(ctl, &stop, subs).await?;
         let v = analyse(&seen, upto);
         let ratio = (median(&sleep1) + median(&wake1)) / (median(&sleep0) + median(&wake0));
+        // The daemon's CPU for the cycles with subscribers, less the same
+        // cycles' without, over what it delivered.
+        let per_delivery = ((c3 - c2) - (c1 - c0)) / v.deliveries.max(1) as f64;
         let vals = [
             v.p50,
             v.p99,
@@ -233,9 +246,10 @@ async fn fan_out(a: &Args, ctl: &mut Client, chans: &[Client]) -> Result<()> {
             median(&wake0),
             median(&wake1),
             ratio,
+            per_delivery,
         ];
         eprintln!(
-            "watch rep={rep}: {} events/subscriber, delay p50 {:.2} p99 {:.2} every-p99 {:.2} ms, missed {} (resyncs {}), snapshots {:.0} ms, sleep {:.1}/{:.1} wake {:.1}/{:.1} ms",
+            "watch rep={rep}: {} events/subscriber, delay p50 {:.2} p99 {:.2} every-p99 {:.2} ms, missed {} (resyncs {}), snapshots {:.0} ms, sleep {:.1}/{:.1} wake {:.1}/{:.1} ms, daemon {:.2} µs/delivery",
             v.events,
             vals[0],
             vals[1],
@@ -246,7 +260,8 @@ async fn fan_out(a: &Args, ctl: &mut Client, chans: &[Client]) -> Result<()> {
             vals[7],
             vals[8],
             vals[9],
-            vals[10]
+            vals[10],
+            vals[12]
         );
         for (row, x) in rows.iter_mut().zip(vals) {
             row.push(x);
@@ -331,6 +346,8 @@ struct Analysis {
     /// Snapshots after a subscriber's first: it fell behind and was resynced.
     resyncs: usize,
     events: usize,
+    /// (event, subscriber) pairs received.
+    deliveries: usize,
 }
 
 /// Delays and losses over the revisions up to `upto`.
@@ -366,5 +383,6 @@ fn analyse(seen: &[Seen], upto: u64) -> Analysis {
         missed: missed as f64,
         resyncs: seen.iter().map(|(_, n)| n.saturating_sub(1)).sum(),
         events: by_rev.len(),
+        deliveries: all.len(),
     }
 }

@@ -114,6 +114,8 @@ struct Inner {
     /// The last revision handed to the subscribers (see fan_out.rs).
     fanned: u64,
     closed: bool,
+    /// Subscriptions ended (shutdown) while publishing goes on.
+    unsubscribed: bool,
 }
 
 /// A subscriber's channel and the first revision it still needs.
@@ -177,6 +179,7 @@ impl Hub {
                 subscribers: Vec::new(),
                 fanned: 0,
                 closed: false,
+                unsubscribed: false,
             }),
             history_cap: history_cap.max(1),
             channel_cap: channel_cap.max(1),
@@ -301,6 +304,15 @@ impl Hub {
         self.inner.lock().unwrap().revision
     }
 
+    /// Ends every subscription and refuses new ones; publishing goes on
+    /// (at shutdown the streams end first, the models' last states are
+    /// still recorded). Streams need no wait of their own for shutdown.
+    pub fn end_subscriptions(&self) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.unsubscribed = true;
+        inner.subscribers.clear();
+    }
+
     /// Ends every subscription.
     pub fn close(&self) {
         let mut inner = self.inner.lock().unwrap();
@@ -319,7 +331,7 @@ impl Hub {
 
     fn subscribe_inner(self: &Arc<Self>, since: Option<u64>, resync: bool) -> Option<Subscription> {
         let mut inner = self.inner.lock().unwrap();
-        if inner.closed {
+        if inner.closed || inner.unsubscribed {
             return None;
         }
         let oldest = inner

@@ -115,13 +115,26 @@ type ByteStream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + S
 /// The stream of one subscriber: the hub's shared bytes of each item.
 #[derive(Debug, Clone)]
 pub struct WatchSvc {
-    pub hub: Arc<Hub>,
-    pub control_id: String,
-    /// Ends streams at shutdown.
-    pub cancel: CancellationToken,
+    hub: Arc<Hub>,
+    control_id: Arc<str>,
 }
 
 impl WatchSvc {
+    /// Serves `hub`'s items; when `cancel` fires (shutdown) the hub ends
+    /// every subscription, so each stream ends after what it already has,
+    /// with no wait for cancellation of its own to poll on every event.
+    pub fn new(hub: Arc<Hub>, control_id: &str, cancel: CancellationToken) -> WatchSvc {
+        let ends = hub.clone();
+        tokio::spawn(async move {
+            cancel.cancelled().await;
+            ends.end_subscriptions();
+        });
+        WatchSvc {
+            hub,
+            control_id: control_id.into(),
+        }
+    }
+
     /// Subscribes as the `Watch` RPC asks; the items in their wire form.
     pub fn open(&self, r: &pb::WatchRequest) -> Result<ByteStream, Status> {
         let sub = self
@@ -129,26 +142,15 @@ impl WatchSvc {
             .subscribe(r.since_revision)
             .ok_or(OpError::ShuttingDown)?;
         tracing::debug!(client = %r.client_id, since = r.since_revision, "watch");
-        let hub = self.hub.clone();
-        let control_id = self.control_id.clone();
-        // One wait for cancellation per stream, kept across items: a new
-        // `cancelled()` per item would register with the token's shared
-        // waiter list (one lock for every stream) on every event.
-        let cancelled = Box::pin(self.cancel.clone().cancelled_owned());
-        let stream = futures::stream::unfold((sub, cancelled), move |(mut sub, mut cancelled)| {
-            let hub = hub.clone();
-            let control_id = control_id.clone();
-            async move {
-                let item = tokio::select! {
-                    biased;
-                    _ = &mut cancelled => None,
-                    item = sub.next() => item,
-                }?;
-                let bytes = hub
-                    .wire(&item)
-                    .unwrap_or_else(|| encode(&item, &control_id));
-                Some((Ok(bytes), (sub, cancelled)))
-            }
+        // The state moves from item to item: nothing is cloned per event
+        // but the item's shared bytes.
+        let state = (sub, self.hub.clone(), self.control_id.clone());
+        let stream = futures::stream::unfold(state, |(mut sub, hub, control_id)| async move {
+            let item = sub.next().await?;
+            let bytes = hub
+                .wire(&item)
+                .unwrap_or_else(|| encode(&item, &control_id));
+            Some((Ok(bytes), (sub, hub, control_id)))
         });
         Ok(Box::pin(stream))
     }

@@ -85,8 +85,11 @@ impl Hub {
         }
         // Those who subscribed during the round come after, as they would
         // have without it (their `next` skips what they already have).
-        subs.append(&mut inner.subscribers);
-        inner.subscribers = subs;
+        // Subscriptions ended during the round stay ended.
+        if !inner.unsubscribed {
+            subs.append(&mut inner.subscribers);
+            inner.subscribers = subs;
+        }
         true
     }
 }

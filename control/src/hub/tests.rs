@@ -302,3 +302,23 @@ async fn fan_out_task_ends_with_the_hub() {
     assert!(sub.next().await.is_none());
     assert!(hub.subscribe(0).is_none());
 }
+
+#[tokio::test]
+async fn ended_subscriptions_stay_ended_while_publishing_goes_on() {
+    let hub = deferred(10, 4);
+    let mut sub = hub.subscribe(0).unwrap();
+    sub.next().await.unwrap();
+    hub.publish_model(status("a", 1));
+    assert_eq!(sub.next().await.unwrap().revision, 1);
+    hub.end_subscriptions();
+    // A round of the fan-out after the end does not bring it back.
+    hub.publish_model(status("a", 2));
+    assert!(sub.next().await.is_none(), "the stream ends");
+    assert!(hub.subscribe(0).is_none(), "no new subscription");
+    assert!(hub.subscribe(1).is_none(), "no resumed one either");
+    // The models' states are still recorded.
+    hub.publish_model(status("a", 3));
+    let (models, revision) = hub.models();
+    assert_eq!(revision, 3);
+    assert_eq!(models[0].restarts, 3);
+}

@@ -43,11 +43,7 @@ async fn serve(history: usize) -> (Arc<Hub>, String, CancellationToken) {
     let hub = Hub::new(Clock::new(), history, 1024);
     install_encoder(&hub, "ctl".into());
     let cancel = CancellationToken::new();
-    let watch = WatchSvc {
-        hub: hub.clone(),
-        control_id: "ctl".into(),
-        cancel: cancel.clone(),
-    };
+    let watch = WatchSvc::new(hub.clone(), "ctl", cancel.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
