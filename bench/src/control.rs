@@ -98,21 +98,20 @@ pub async fn wait_proxy_not_awake(proxy: &mut Conn, name: &str) -> Result<()> {
     }
 }
 
-/// User + system CPU time of a process (all its threads) in µs, from
-/// /proc (10 ms resolution).
+/// A process's group and its user + system CPU ticks (all its threads;
+/// USER_HZ, 100 per second on Linux), from /proc/PID/stat.
+pub fn cpu_ticks(pid: u32) -> Option<(i32, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command's closing parenthesis: state(3) ppid pgrp(5) ... utime(14) stime(15).
+    let f: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+    Some((f.get(2)?.parse().ok()?, n(11)? + n(12)?))
+}
+
+/// User + system CPU time of a process (all its threads) in µs.
 pub fn cpu_us(pid: u32) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .with_context(|| format!("read /proc/{pid}/stat"))?;
-    // After the command's closing parenthesis: state(3) ... utime(14) stime(15).
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let t = |i: usize| -> Result<u64> {
-        f.get(i)
-            .and_then(|v| v.parse().ok())
-            .with_context(|| format!("/proc/{pid}/stat field {}", i + 3))
-    };
-    // USER_HZ is 100 on Linux.
-    Ok((t(11)? + t(12)?) as f64 * 1e4)
+    let (_, ticks) = cpu_ticks(pid).with_context(|| format!("read /proc/{pid}/stat"))?;
+    Ok(ticks as f64 * 1e4)
 }
 
 /// Resident set size of a process in bytes (VmRSS).

@@ -285,29 +285,12 @@ fn group_cpu_ticks(pgid: i32) -> u64 {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return 0;
     };
-    let mut sum = 0;
-    for e in dir.flatten() {
-        let name = e.file_name();
-        let Some(pid) = name
-            .to_str()
-            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
-        else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // After the command's closing parenthesis: state ppid pgrp ... utime(14) stime(15).
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-            continue;
-        };
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        if f.get(2).and_then(|g| g.parse::<i32>().ok()) == Some(pgid) {
-            let t = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-            sum += t(11) + t(12);
-        }
-    }
-    sum
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(crate::control::cpu_ticks)
+        .filter(|&(group, _)| group == pgid)
+        .map(|(_, ticks)| ticks)
+        .sum()
 }
 
 /// Clock ticks per second of /proc's CPU times (USER_HZ: 100 on Linux).

@@ -114,7 +114,8 @@ struct Inner {
     /// The last revision handed to the subscribers (see fan_out.rs).
     fanned: u64,
     closed: bool,
-    /// Subscriptions ended (shutdown) while publishing goes on.
+    /// Subscriptions ended: by [`Hub::end_subscriptions`] (publishing goes
+    /// on) or by [`Hub::close`].
     unsubscribed: bool,
 }
 
@@ -313,10 +314,11 @@ impl Hub {
         inner.subscribers.clear();
     }
 
-    /// Ends every subscription.
+    /// Ends every subscription, and publishing.
     pub fn close(&self) {
         let mut inner = self.inner.lock().unwrap();
         inner.closed = true;
+        inner.unsubscribed = true;
         inner.subscribers.clear();
         if let Some(wake) = self.fan_out.get() {
             wake.notify_one();
@@ -331,7 +333,7 @@ impl Hub {
 
     fn subscribe_inner(self: &Arc<Self>, since: Option<u64>, resync: bool) -> Option<Subscription> {
         let mut inner = self.inner.lock().unwrap();
-        if inner.closed || inner.unsubscribed {
+        if inner.unsubscribed {
             return None;
         }
         let oldest = inner
