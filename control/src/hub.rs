@@ -15,6 +15,7 @@ use crate::status::{Clock, ModelStatus};
 use bytes::Bytes;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll, ready};
 use tokio::sync::mpsc;
 
 /// What changed.
@@ -54,8 +55,9 @@ pub struct WatchItem {
     pub revision: u64,
     pub at_unix_ms: i64,
     pub body: Body,
-    /// The encoded wire form, made once (at publish, or by the first
-    /// subscriber for a snapshot) and shared by every subscriber.
+    /// The encoded wire form (as a `Watch` stream sends it), made once (at
+    /// publish, or by the first subscriber for a snapshot) and shared by
+    /// every subscriber.
     wire: OnceLock<Bytes>,
 }
 
@@ -81,7 +83,8 @@ impl WatchItem {
 
 /// The wire form of the hub's values (the daemon's gRPC encoding).
 pub trait Wire: Send + Sync {
-    /// A whole message. `part` is the body already encoded by [`Wire::model`],
+    /// A whole message, as a `Watch` stream sends it (the daemon's: one
+    /// gRPC message frame). `part` is the body already encoded by [`Wire::model`],
     /// [`Wire::gpus`] or [`Wire::placement`] for such an event; a snapshot
     /// carries its parts in [`Snapshot::wire`].
     fn item(&self, item: &WatchItem, part: Option<&Bytes>) -> Bytes;
@@ -150,16 +153,24 @@ pub struct Subscription {
 impl Subscription {
     /// The next item; `None` once the hub is closed.
     pub async fn next(&mut self) -> Option<Arc<WatchItem>> {
+        std::future::poll_fn(|cx| self.poll_next(cx)).await
+    }
+
+    /// [`Subscription::next`] as a poll (for a response body that is
+    /// polled, not awaited).
+    pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Arc<WatchItem>>> {
         if let Some(item) = self.pending.pop_front() {
-            return Some(item);
+            return Poll::Ready(Some(item));
         }
-        match self.rx.recv().await {
-            Some(item) => Some(item),
+        match ready!(self.rx.poll_recv(cx)) {
+            Some(item) => Poll::Ready(Some(item)),
             None => {
                 // Cut off (fell behind) or closed.
-                let fresh = self.hub.subscribe_inner(None, true)?;
+                let Some(fresh) = self.hub.subscribe_inner(None, true) else {
+                    return Poll::Ready(None);
+                };
                 *self = fresh;
-                self.pending.pop_front()
+                Poll::Ready(self.pending.pop_front())
             }
         }
     }

@@ -1,8 +1,9 @@
 //! `Watch` served from the hub's shared encoded events: each event is
-//! prost-encoded once, when it is published ([`Hub::set_encoder`]), and
-//! every subscriber's stream sends those same bytes through a pass-through
-//! codec. Clients see the same `siesta.v1.WatchEvent` messages as before;
-//! only the server skips the per-subscriber conversion and encoding.
+//! prost-encoded once, in its gRPC message frame, when it is published
+//! ([`Hub::set_encoder`]), and every subscriber's stream sends those same
+//! bytes (`body.rs`). Clients see the same `siesta.v1.WatchEvent` messages
+//! as before; only the server skips the per-subscriber conversion,
+//! encoding and copy.
 //!
 //! [`WatchRoute`] wraps the generated `ControlServer` and answers two paths
 //! itself: `/siesta.v1.Control/Watch`, and `/siesta.v1.Control/ListModels`
@@ -16,7 +17,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, BufMut, Bytes};
-use futures::Stream;
+use futures::FutureExt;
 use prost::Message;
 use siesta_proto::v1 as pb;
 use tokio_util::sync::CancellationToken;
@@ -28,16 +29,17 @@ use tonic::{Request, Response, Status};
 use super::convert;
 use super::wire::DaemonWire;
 use crate::OpError;
-use crate::hub::{Hub, WatchItem};
+use crate::hub::{Hub, Subscription, WatchItem};
 
 /// The method's path.
 pub const WATCH_PATH: &str = "/siesta.v1.Control/Watch";
 /// `ListModels`, answered from the hub's encoded statuses.
 pub const LIST_MODELS_PATH: &str = "/siesta.v1.Control/ListModels";
 
-/// Encodes a hub item as the `WatchEvent` clients receive.
+/// Encodes a hub item as the `WatchEvent` clients receive, in its gRPC
+/// message frame (when the hub has no encoder).
 pub fn encode(item: &WatchItem, control_id: &str) -> Bytes {
-    Bytes::from(convert::watch_event(item, control_id).encode_to_vec())
+    super::wire::grpc_frame(&convert::watch_event(item, control_id).encode_to_vec())
 }
 
 /// Sets the hub's encoder to the daemon's wire form.
@@ -110,9 +112,8 @@ impl<R: Message + Default + Send + 'static> Codec for WireCodec<R> {
     }
 }
 
-type ByteStream = std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, Status>> + Send>>;
-
-/// The stream of one subscriber: the hub's shared bytes of each item.
+/// The stream of one subscriber: the hub's shared bytes of each item
+/// (see `body.rs`).
 #[derive(Debug, Clone)]
 pub struct WatchSvc {
     hub: Arc<Hub>,
@@ -135,34 +136,14 @@ impl WatchSvc {
         }
     }
 
-    /// Subscribes as the `Watch` RPC asks; the items in their wire form.
-    pub fn open(&self, r: &pb::WatchRequest) -> Result<ByteStream, Status> {
+    /// Subscribes as the `Watch` RPC asks.
+    fn subscribe(&self, r: &pb::WatchRequest) -> Result<Subscription, Status> {
         let sub = self
             .hub
             .subscribe(r.since_revision)
             .ok_or(OpError::ShuttingDown)?;
         tracing::debug!(client = %r.client_id, since = r.since_revision, "watch");
-        // The state moves from item to item: nothing is cloned per event
-        // but the item's shared bytes.
-        let state = (sub, self.hub.clone(), self.control_id.clone());
-        let stream = futures::stream::unfold(state, |(mut sub, hub, control_id)| async move {
-            let item = sub.next().await?;
-            let bytes = hub
-                .wire(&item)
-                .unwrap_or_else(|| encode(&item, &control_id));
-            Some((Ok(bytes), (sub, hub, control_id)))
-        });
-        Ok(Box::pin(stream))
-    }
-}
-
-impl tonic::server::ServerStreamingService<pb::WatchRequest> for WatchSvc {
-    type Response = Bytes;
-    type ResponseStream = ByteStream;
-    type Future = std::future::Ready<Result<Response<ByteStream>, Status>>;
-
-    fn call(&mut self, req: Request<pb::WatchRequest>) -> Self::Future {
-        std::future::ready(self.open(req.get_ref()).map(Response::new))
+        Ok(sub)
     }
 }
 
@@ -235,14 +216,7 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         match req.uri().path() {
-            WATCH_PATH => {
-                let svc = self.watch.clone();
-                Box::pin(async move {
-                    let mut grpc =
-                        tonic::server::Grpc::new(WireCodec::<pb::WatchRequest>::default());
-                    Ok(grpc.server_streaming(svc, req).await)
-                })
-            }
+            WATCH_PATH => Box::pin(body::respond(self.watch.clone(), req).map(Ok)),
             LIST_MODELS_PATH => {
                 let svc = ListModelsSvc {
                     hub: self.watch.hub.clone(),
@@ -257,6 +231,8 @@ where
         }
     }
 }
+
+mod body;
 
 #[cfg(test)]
 mod tests;

@@ -102,14 +102,32 @@ impl DaemonWire {
     }
 }
 
+/// gRPC's message prefix: a compressed flag (0) and the length (u32, big
+/// endian).
+pub const GRPC_PREFIX: usize = 5;
+
+/// `msg` as one uncompressed gRPC message frame.
+pub fn grpc_frame(msg: &[u8]) -> Bytes {
+    let mut buf = BytesMut::with_capacity(GRPC_PREFIX + msg.len());
+    buf.put_u8(0);
+    buf.put_u32(msg.len() as u32);
+    buf.put_slice(msg);
+    buf.freeze()
+}
+
+/// A `WatchEvent` as a `Watch` stream sends it: one gRPC message frame, so
+/// that every subscriber's stream sends these same bytes as they are.
 impl Wire for DaemonWire {
     fn item(&self, item: &WatchItem, part: Option<&Bytes>) -> Bytes {
         let Some((field, body)) = self.kind(item, part) else {
             // A snapshot without its parts: converted and encoded whole.
-            return Bytes::from(convert::watch_event(item, &self.control_id).encode_to_vec());
+            return grpc_frame(&convert::watch_event(item, &self.control_id).encode_to_vec());
         };
-        let mut buf =
-            BytesMut::with_capacity(field_len(body.len()) + field_len(self.control_id.len()) + 22);
+        let mut buf = BytesMut::with_capacity(
+            GRPC_PREFIX + field_len(body.len()) + field_len(self.control_id.len()) + 22,
+        );
+        // The prefix, its length filled in below.
+        buf.put_bytes(0, GRPC_PREFIX);
         put_varint_field(&mut buf, EV_REVISION, item.revision);
         // int64 on the wire: the two's complement as a varint (as prost).
         put_varint_field(&mut buf, EV_AT_UNIX_MS, item.at_unix_ms as u64);
@@ -118,6 +136,8 @@ impl Wire for DaemonWire {
         }
         // A oneof member is written even when empty.
         put_bytes_field(&mut buf, field, &body);
+        let len = (buf.len() - GRPC_PREFIX) as u32;
+        buf[1..GRPC_PREFIX].copy_from_slice(&len.to_be_bytes());
         buf.freeze()
     }
 

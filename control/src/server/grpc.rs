@@ -37,6 +37,9 @@ use tonic::codegen::http;
 use tonic::service::Routes;
 
 use crate::api::watch::{LIST_MODELS_PATH, WATCH_PATH};
+use copied_writes::CopiedWrites;
+
+mod copied_writes;
 
 thread_local! {
     /// Set by [`Place::call`] for a `Watch` request, taken by the
@@ -171,11 +174,7 @@ where
 /// `shutdown`; then stops accepting, asks every connection to finish
 /// (GOAWAY) and waits until they have.
 pub async fn serve(listener: TcpListener, routes: Routes, exec: Exec, shutdown: CancellationToken) {
-    let mut builder = hyper::server::conn::http2::Builder::new(exec);
-    builder
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(None)
-        .max_local_error_reset_streams(None);
+    let builder = http2(exec);
     let conns = TaskTracker::new();
     loop {
         let accepted = tokio::select! {
@@ -196,7 +195,7 @@ pub async fn serve(listener: TcpListener, routes: Routes, exec: Exec, shutdown: 
             tracing::debug!(%peer, error = %e, "TCP_NODELAY");
         }
         let svc = Place(TowerToHyperService::new(routes.clone()));
-        let conn = builder.serve_connection(TokioIo::new(tcp), svc);
+        let conn = builder.serve_connection(conn_io(tcp), svc);
         let stop = shutdown.clone();
         conns.spawn(async move {
             let mut conn = std::pin::pin!(conn);
@@ -219,6 +218,22 @@ pub async fn serve(listener: TcpListener, routes: Routes, exec: Exec, shutdown: 
     drop(listener);
     conns.close();
     conns.wait().await;
+}
+
+/// The HTTP/2 server settings.
+fn http2(exec: Exec) -> hyper::server::conn::http2::Builder<Exec> {
+    let mut builder = hyper::server::conn::http2::Builder::new(exec);
+    builder
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(None)
+        .max_local_error_reset_streams(None);
+    builder
+}
+
+/// A connection's socket as HTTP/2 writes to it: small frames copied into
+/// one buffer (see `copied_writes.rs`).
+fn conn_io<T>(io: T) -> TokioIo<CopiedWrites<T>> {
+    TokioIo::new(CopiedWrites(io))
 }
 
 #[cfg(test)]

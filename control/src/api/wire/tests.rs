@@ -49,10 +49,15 @@ fn hub() -> Arc<Hub> {
     hub
 }
 
-/// The wire bytes are prost's bytes of the converted event, and decode to it.
+/// The wire bytes are one gRPC message frame of prost's bytes of the
+/// converted event, and decode to it.
 fn assert_same(hub: &Hub, item: &WatchItem) {
     let want = convert::watch_event(item, "ctl");
-    let got = hub.wire(item).unwrap();
+    let framed = hub.wire(item).unwrap();
+    assert_eq!(framed[0], 0, "not compressed");
+    let len = u32::from_be_bytes(framed[1..GRPC_PREFIX].try_into().unwrap()) as usize;
+    assert_eq!(len, framed.len() - GRPC_PREFIX, "the length prefix");
+    let got = framed.slice(GRPC_PREFIX..);
     assert_eq!(
         pb::WatchEvent::decode(got.clone()).unwrap(),
         want,

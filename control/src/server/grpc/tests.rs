@@ -1,6 +1,7 @@
 use super::*;
 use std::convert::Infallible;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 
 use http_body_util::{BodyExt, Empty};
@@ -119,4 +120,151 @@ async fn shutdown_ends_serving_with_a_connection_open() {
         .expect("the client connection ends")
         .unwrap()
         .ok();
+}
+
+/// Answers every request with one 400-byte DATA frame (a Watch event's
+/// size), sent once `go` turns true.
+#[derive(Debug, Clone)]
+struct Burst(tokio::sync::watch::Receiver<bool>);
+
+impl NamedService for Burst {
+    const NAME: &'static str = "siesta.v1.Control";
+}
+
+impl<B: Send + 'static> tonic::codegen::Service<http::Request<B>> for Burst {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Infallible>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<B>) -> Self::Future {
+        let mut go = self.0.clone();
+        Box::pin(async move {
+            let frame = futures::stream::once(async move {
+                let _ = go.wait_for(|g| *g).await;
+                Ok::<_, tonic::Status>(hyper::body::Frame::data(bytes::Bytes::from(vec![7u8; 400])))
+            });
+            let body = http_body_util::StreamBody::new(frame);
+            Ok(http::Response::new(tonic::body::Body::new(body)))
+        })
+    }
+}
+
+/// A socket that counts the writes made to it.
+#[derive(Debug)]
+struct Counting<T>(T, Arc<AtomicU64>);
+
+impl<T: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Counting<T> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Counting<T> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.0).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(_))) {
+            self.1.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = std::pin::Pin::new(&mut self.0).poll_write_vectored(cx, bufs);
+        if matches!(r, Poll::Ready(Ok(_))) {
+            self.1.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.0.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+#[tokio::test]
+async fn small_frames_of_many_streams_leave_in_a_few_writes() {
+    const STREAMS: usize = 100;
+    let (go, rx) = tokio::sync::watch::channel(false);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let writes = Arc::new(AtomicU64::new(0));
+    // One server connection, set up as `serve` sets up each, over a
+    // socket that counts writes.
+    let counted = writes.clone();
+    tokio::spawn(async move {
+        let (tcp, _) = listener.accept().await.unwrap();
+        let svc = Place(TowerToHyperService::new(Routes::new(Burst(rx))));
+        let _ = http2(Exec::new(None))
+            .serve_connection(conn_io(Counting(tcp, counted)), svc)
+            .await;
+    });
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
+        TokioExecutor::new(),
+        TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    // Every stream open, its head received, its body waiting.
+    let mut bodies = Vec::new();
+    for _ in 0..STREAMS {
+        let mut send = send.clone();
+        let req = http::Request::post(format!("http://{addr}{WATCH_PATH}"))
+            .header("content-type", "application/grpc")
+            .body(Empty::<bytes::Bytes>::new())
+            .unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(30), send.send_request(req))
+            .await
+            .expect("response head")
+            .unwrap();
+        bodies.push(resp.into_body());
+    }
+    let before = writes.load(Ordering::Relaxed);
+    go.send(true).unwrap();
+    for body in bodies {
+        let got = tokio::time::timeout(Duration::from_secs(30), body.collect())
+            .await
+            .expect("body")
+            .unwrap()
+            .to_bytes();
+        assert_eq!(got.len(), 400);
+    }
+    let writes = writes.load(Ordering::Relaxed) - before;
+    // 100 frames of 409 bytes and 100 stream ends: a few 16 KiB writes,
+    // not one write per frame.
+    assert!(
+        writes <= (STREAMS / 5) as u64,
+        "{writes} writes for {STREAMS} small frames"
+    );
 }
