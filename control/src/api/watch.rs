@@ -58,9 +58,9 @@ impl<R> Default for WireCodec<R> {
     }
 }
 
-/// A Watch stream holds a small buffer: events are a few hundred bytes and
-/// it grows for a large snapshot (the default 8 KB, times 10,000
-/// subscribers, is 80 MB).
+/// `ListModels` (the one method answered through this codec; `Watch` has a
+/// body of its own) copies its answer into a buffer that starts small and
+/// grows to the answer's size.
 const BUFFER_SIZE: usize = 512;
 const YIELD_THRESHOLD: usize = 32 * 1024;
 

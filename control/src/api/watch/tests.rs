@@ -1,6 +1,7 @@
-//! `Watch` through the pass-through codec, over real gRPC: every subscriber
-//! gets exactly the messages the per-subscriber encoding gave (snapshot,
-//! then every event in order), and resume / resync are unchanged.
+//! `Watch` through its own response body (`body.rs`), over real gRPC:
+//! every subscriber gets exactly the messages the per-subscriber encoding
+//! gave (snapshot, then every event in order), and resume / resync are
+//! unchanged.
 
 use super::*;
 use crate::status::{Clock, ModelStatus};
@@ -191,5 +192,54 @@ async fn list_models_is_answered_from_the_kept_bytes_over_grpc() {
             .collect::<Vec<_>>(),
         ["a", "b"]
     );
+    cancel.cancel();
+}
+
+/// Sends `body` as the request of a `Watch` call over plain HTTP/2; returns
+/// the `grpc-status` the server answered (from the head or the trailers).
+async fn raw_watch(url: &str, body: Vec<u8>) -> String {
+    use http_body_util::{BodyExt, Full};
+    let addr = url.trim_start_matches("http://");
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(format!("{url}{WATCH_PATH}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let resp = tokio::time::timeout(LONG, send.send_request(req))
+        .await
+        .expect("an answer in time")
+        .unwrap();
+    if let Some(s) = resp.headers().get("grpc-status") {
+        return s.to_str().unwrap().to_string();
+    }
+    let all = tokio::time::timeout(LONG, resp.into_body().collect())
+        .await
+        .expect("the body ends in time")
+        .unwrap();
+    let trailers = all.trailers().expect("trailers");
+    trailers["grpc-status"].to_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn a_bad_watch_request_is_answered_with_a_grpc_status_not_a_stream() {
+    let (_hub, url, cancel) = serve(16).await;
+    // No message at all: Internal (as tonic answered).
+    assert_eq!(raw_watch(&url, vec![]).await, "13");
+    // A compressed message: this server takes no grpc-encoding.
+    let msg = pb::WatchRequest::default().encode_to_vec();
+    let mut gz = vec![1u8];
+    gz.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    gz.extend_from_slice(&msg);
+    assert_eq!(raw_watch(&url, gz).await, "12");
+    // A frame longer than what came.
+    assert_eq!(raw_watch(&url, vec![0, 0, 0, 0, 9, 8]).await, "13");
     cancel.cancel();
 }
