@@ -85,6 +85,12 @@ impl Encoder for WireEncoder {
 #[derive(Debug, Clone, Copy)]
 pub struct RequestDecoder<R>(PhantomData<fn() -> R>);
 
+impl<R> Default for RequestDecoder<R> {
+    fn default() -> Self {
+        RequestDecoder(PhantomData)
+    }
+}
+
 impl<R: Message + Default> Decoder for RequestDecoder<R> {
     type Item = R;
     type Error = Status;

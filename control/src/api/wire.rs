@@ -104,7 +104,7 @@ impl DaemonWire {
 
 /// gRPC's message prefix: a compressed flag (0) and the length (u32, big
 /// endian).
-pub const GRPC_PREFIX: usize = 5;
+const GRPC_PREFIX: usize = 5;
 
 /// `msg` as one uncompressed gRPC message frame.
 pub fn grpc_frame(msg: &[u8]) -> Bytes {

@@ -37,12 +37,6 @@ impl Serve {
             .timer(TokioTimer::new())
             .header_read_timeout(cfg.header_timeout)
             .max_buf_size(cfg.max_header_bytes.max(8192))
-            // Each chunk of a response is copied into one write buffer,
-            // written when the engine's side runs dry (or the buffer holds
-            // `max_buf_size`), rather than queued as buffers of a `writev`
-            // flushed every 16 chunks: a streamed burst leaves in a few
-            // writes (BENCHMARKS.md, run J).
-            .writev(false)
             .keep_alive(true);
         builder
             .http2()

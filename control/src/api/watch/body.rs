@@ -6,22 +6,19 @@
 //! Why: with tonic's `EncodeBody` every delivery to every subscriber
 //! copied the event into a fresh buffer (an allocation and a free per
 //! event per subscriber) behind a stream adapter; here a delivery is a
-//! reference count on the shared bytes. The request (a `WatchRequest` in
-//! one gRPC frame) is read here too; errors are answered as gRPC statuses.
+//! reference count on the shared bytes. The request is read with tonic's
+//! decoder; a bad one is answered with a gRPC status.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use bytes::{Buf, Bytes};
-use http_body_util::BodyExt;
-use prost::Message;
+use bytes::Bytes;
 use siesta_proto::v1 as pb;
 use tonic::Status;
 use tonic::codegen::{Body as HttpBody, StdError, http};
 
-use super::{WatchSvc, encode};
-use crate::api::wire::GRPC_PREFIX;
+use super::{RequestDecoder, WatchSvc, encode};
 use crate::hub::{Hub, Subscription};
 
 /// A request larger than this is refused (a `WatchRequest` is a revision
@@ -58,40 +55,23 @@ where
     }
 }
 
-/// The `WatchRequest` in the request's body.
+/// The `WatchRequest` in the request's body, read by tonic's own decoder
+/// (its framing, size limit and errors, as every other method has them).
 async fn read_request<B>(req: http::Request<B>) -> Result<pb::WatchRequest, Status>
 where
     B: HttpBody<Data = Bytes> + Send + 'static,
     B::Error: Into<StdError> + Send + 'static,
 {
-    let body = http_body_util::Limited::new(req.into_body(), MAX_REQUEST)
-        .collect()
-        .await
-        .map_err(|e| Status::invalid_argument(format!("reading the WatchRequest: {e}")))?
-        .to_bytes();
-    decode_request(body)
-}
-
-/// One uncompressed gRPC message frame holding a `WatchRequest`.
-fn decode_request(mut body: Bytes) -> Result<pb::WatchRequest, Status> {
-    if body.len() < GRPC_PREFIX {
-        return Err(Status::internal("Missing request message."));
-    }
-    let compressed = body.get_u8();
-    let len = body.get_u32() as usize;
-    if compressed != 0 {
-        return Err(Status::unimplemented(
-            "a compressed WatchRequest: this server accepts no grpc-encoding",
-        ));
-    }
-    if body.len() != len {
-        return Err(Status::internal(format!(
-            "WatchRequest frame says {len} bytes, {} came",
-            body.len()
-        )));
-    }
-    pb::WatchRequest::decode(body)
-        .map_err(|e| Status::internal(format!("siesta.v1.WatchRequest: {e}")))
+    let mut messages = tonic::codec::Streaming::new_request(
+        RequestDecoder::<pb::WatchRequest>::default(),
+        req.into_body(),
+        None,
+        Some(MAX_REQUEST),
+    );
+    messages
+        .message()
+        .await?
+        .ok_or_else(|| Status::internal("Missing request message."))
 }
 
 /// One subscriber's stream of frames.
@@ -130,37 +110,5 @@ impl HttpBody for WatchBody {
                 Poll::Ready(Some(Ok(hyper::body::Frame::trailers(trailers))))
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn frame(flag: u8, msg: &[u8]) -> Bytes {
-        let mut b = vec![flag];
-        b.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-        b.extend_from_slice(msg);
-        b.into()
-    }
-
-    #[test]
-    fn a_request_frame_is_decoded_and_bad_ones_are_refused_with_a_status() {
-        let r = pb::WatchRequest {
-            since_revision: 7,
-            client_id: "p".into(),
-        };
-        let ok = decode_request(frame(0, &r.encode_to_vec())).unwrap();
-        assert_eq!(ok, r);
-        let empty = decode_request(Bytes::new()).unwrap_err();
-        assert_eq!(empty.code(), tonic::Code::Internal);
-        let gz = decode_request(frame(1, &r.encode_to_vec())).unwrap_err();
-        assert_eq!(gz.code(), tonic::Code::Unimplemented, "{gz:?}");
-        let mut short = frame(0, &r.encode_to_vec()).to_vec();
-        short.pop();
-        let short = decode_request(short.into()).unwrap_err();
-        assert!(short.message().contains("frame says"), "{short:?}");
-        let junk = decode_request(frame(0, &[0xff, 0xff, 0xff])).unwrap_err();
-        assert!(junk.message().contains("WatchRequest"), "{junk:?}");
     }
 }

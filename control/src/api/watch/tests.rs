@@ -238,7 +238,7 @@ async fn a_bad_watch_request_is_answered_with_a_grpc_status_not_a_stream() {
     let mut gz = vec![1u8];
     gz.extend_from_slice(&(msg.len() as u32).to_be_bytes());
     gz.extend_from_slice(&msg);
-    assert_eq!(raw_watch(&url, gz).await, "12");
+    assert_eq!(raw_watch(&url, gz).await, "13");
     // A frame longer than what came.
     assert_eq!(raw_watch(&url, vec![0, 0, 0, 0, 9, 8]).await, "13");
     cancel.cancel();

@@ -122,37 +122,6 @@ async fn shutdown_ends_serving_with_a_connection_open() {
         .ok();
 }
 
-/// Answers every request with one 400-byte DATA frame (a Watch event's
-/// size), sent once `go` turns true.
-#[derive(Debug, Clone)]
-struct Burst(tokio::sync::watch::Receiver<bool>);
-
-impl NamedService for Burst {
-    const NAME: &'static str = "siesta.v1.Control";
-}
-
-impl<B: Send + 'static> tonic::codegen::Service<http::Request<B>> for Burst {
-    type Response = http::Response<tonic::body::Body>;
-    type Error = Infallible;
-    type Future = BoxFuture<Self::Response, Infallible>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: http::Request<B>) -> Self::Future {
-        let mut go = self.0.clone();
-        Box::pin(async move {
-            let frame = futures::stream::once(async move {
-                let _ = go.wait_for(|g| *g).await;
-                Ok::<_, tonic::Status>(hyper::body::Frame::data(bytes::Bytes::from(vec![7u8; 400])))
-            });
-            let body = http_body_util::StreamBody::new(frame);
-            Ok(http::Response::new(tonic::body::Body::new(body)))
-        })
-    }
-}
-
 /// A socket that counts the writes made to it.
 #[derive(Debug)]
 struct Counting<T>(T, Arc<AtomicU64>);
@@ -223,7 +192,17 @@ async fn small_frames_of_many_streams_leave_in_a_few_writes() {
     let counted = writes.clone();
     tokio::spawn(async move {
         let (tcp, _) = listener.accept().await.unwrap();
-        let svc = Place(TowerToHyperService::new(Routes::new(Burst(rx))));
+        // Every request: one 400-byte DATA frame (a Watch event's size),
+        // sent once `go` turns true.
+        let svc = hyper::service::service_fn(move |_req| {
+            let mut go = rx.clone();
+            let frame = futures::stream::once(async move {
+                let _ = go.wait_for(|g| *g).await;
+                Ok::<_, Infallible>(hyper::body::Frame::data(bytes::Bytes::from(vec![7u8; 400])))
+            });
+            let body = http_body_util::StreamBody::new(frame);
+            async move { Ok::<_, Infallible>(http::Response::new(body)) }
+        });
         let _ = http2(Exec::new(None))
             .serve_connection(conn_io(Counting(tcp, counted)), svc)
             .await;
