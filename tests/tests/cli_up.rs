@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use serde_json::{Value, json};
-use siesta_tests::{Child, DEADLINE, any_alive, bin_path, descendants, wait_addr_file, wait_until};
+use siesta_tests::ctl::kill_tagged;
+use siesta_tests::{
+    Child, DEADLINE, any_alive, bin_path, descendants, pids_with_env, wait_addr_file, wait_until,
+};
 
 /// `siesta --control URL status -o json`, parsed.
 fn status(grpc: std::net::SocketAddr) -> Value {
@@ -36,10 +39,41 @@ fn model<'a>(status: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("{name} in {status}"))
 }
 
+/// A running `siesta up` and the engines it started. Dropping it (a failed
+/// or panicking test too) SIGKILLs `siesta up`, then every process carrying
+/// its `SIESTA_TEST_TAG`: the engines inherit it, but run in process groups
+/// of their own and outlive a killed `siesta up` (as they outlive a killed
+/// siesta-control, to be adopted), so the [`Child`]'s group kill misses them.
+struct Up {
+    child: Child,
+    tag: String,
+}
+
+impl std::ops::Deref for Up {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.child
+    }
+}
+
+impl std::ops::DerefMut for Up {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.child
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        // `siesta up` first, so it cannot restart what is killed next.
+        self.child.kill9();
+        kill_tagged(&self.tag);
+    }
+}
+
 /// `siesta up` with the built-in demo on port-0 listeners, its addresses
 /// written to `addr_file`; the demo keeps its state under `TMPDIR`, made this
-/// test's own.
-fn spawn_up(tmp: &std::path::Path, addr_file: &std::path::Path) -> Child {
+/// test's own, and its processes are tagged with it (see [`Up`]).
+fn spawn_up(tmp: &std::path::Path, addr_file: &std::path::Path) -> Up {
     let mut cmd = Command::new(bin_path("siesta"));
     cmd.args([
         "up",
@@ -53,8 +87,12 @@ fn spawn_up(tmp: &std::path::Path, addr_file: &std::path::Path) -> Child {
     .arg("--addr-file")
     .arg(addr_file)
     .env("TMPDIR", tmp)
+    .env("SIESTA_TEST_TAG", tmp)
     .env_remove("SIESTA_TOKEN");
-    Child::spawn("siesta-up", cmd)
+    Up {
+        child: Child::spawn("siesta-up", cmd),
+        tag: format!("SIESTA_TEST_TAG={}", tmp.display()),
+    }
 }
 
 #[tokio::test]
@@ -138,4 +176,12 @@ async fn up_fails_clearly_when_the_address_file_cannot_be_written() {
         text.contains("cannot write the address file") && text.contains("no-such-dir"),
         "{text}"
     );
+    // Nothing it started outlives it: every engine (and engine core) that
+    // carries this test's tag is gone.
+    let tag = dir.path().to_string_lossy().into_owned();
+    wait_until("no engine of the failed `up` left", DEADLINE, || {
+        let left = pids_with_env("SIESTA_TEST_TAG", &tag);
+        async move { left.is_empty() }
+    })
+    .await;
 }
