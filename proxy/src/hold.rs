@@ -404,6 +404,17 @@ impl Holds {
                     let n = q.release_all(|| Release::Go);
                     tracing::debug!(model = %q.model, released = n, "model awake; releasing held requests");
                 }
+                Some(r) if r.stopped_by_operator() => {
+                    // Demand will not wake it: answer now, not at max_hold.
+                    let msg = format!(
+                        "model `{}` will not be woken: it was stopped by an operator; Start or Wake it first",
+                        r.name
+                    );
+                    let n = q.release_all(|| {
+                        Release::Fail(shed(ShedReason::Refused, None, msg.clone()))
+                    });
+                    tracing::info!(model = %q.model, answered = n, "stopped by an operator; held requests answered");
+                }
                 Some(r) if r.state == ModelState::Failed && r.status.retry_at_unix_ms > now_ms => {
                     let wait = (r.status.retry_at_unix_ms - now_ms) as u64;
                     let msg = format!(

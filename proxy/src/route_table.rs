@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 
 use http::uri::{Authority, Scheme};
-use siesta_proto::v1::{HoldPolicy, ModelState, ModelStatus, WatchEvent, watch_event};
+use siesta_proto::v1::{
+    DesiredState, HoldPolicy, IntentReason, ModelState, ModelStatus, WatchEvent, watch_event,
+};
 use tokio::sync::watch;
 
 use crate::activity::{Activity, ActivityCounters};
@@ -87,6 +89,15 @@ pub struct ModelRoute {
 impl ModelRoute {
     pub fn is_awake(&self) -> bool {
         self.state == ModelState::Awake && !self.endpoints.is_empty()
+    }
+
+    /// An operator stopped it (and its control plane refuses demand until
+    /// an operator starts or wakes it again). `status` is the best-placed
+    /// control plane's: true only when none has the model in a better state.
+    pub fn stopped_by_operator(&self) -> bool {
+        self.status.intent.as_ref().is_some_and(|i| {
+            i.desired() == DesiredState::Stopped && i.reason() == IntentReason::Operator
+        })
     }
 
     /// The endpoint with the fewest outstanding requests, skipping suspects;

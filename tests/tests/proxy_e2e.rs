@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use siesta_proto::v1::ListModelsRequest;
+use siesta_proto::v1::{ListModelsRequest, ModelRequest};
 use siesta_tests::{ControlProc, DEADLINE, ProxyProc, spawn_control_with, spawn_proxy, wait_until};
 
 /// One model entry for the config; `args` are fake-vllm flags.
@@ -330,6 +330,58 @@ async fn queue_overflow_and_max_hold_shed_with_retry_after() {
     for t in held {
         t.abort();
     }
+    s.stop().await;
+}
+
+/// Requests held for a waking model that an operator then stops are
+/// answered at once (503 `model_unavailable`, naming the stop, no
+/// Retry-After: retrying will not help until an operator acts), not left
+/// waiting until `max_hold`; a request that comes after is refused alike.
+#[tokio::test]
+async fn held_requests_answered_when_an_operator_stops_the_model() {
+    let models = [model_toml(
+        "slow",
+        "asleep",
+        "",
+        &["--startup-time", "100ms", "--wake-time", "60s"],
+    )];
+    let mut s = Stack::start(&models, &[]).await;
+    s.wait_state("slow", "asleep").await;
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { post(&url, &chat("slow")).await })
+        })
+        .collect();
+    wait_until("3 held", DEADLINE, || async { s.held("slow").await == 3.0 }).await;
+    s.wait_state("slow", "waking").await;
+    let t0 = Instant::now();
+    s.control
+        .client()
+        .await
+        .stop(ModelRequest {
+            name: "slow".into(),
+        })
+        .await
+        .expect("Stop");
+    for h in held {
+        let r = h.await.unwrap();
+        assert_eq!(r.status, 503, "{}", r.body);
+        assert_eq!(r.json()["error"]["code"], "model_unavailable", "{}", r.body);
+        assert!(r.body.contains("stopped by an operator"), "{}", r.body);
+        assert_eq!(r.retry_after, None);
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(45),
+        "answered at the stop, not at max_hold (60 s): {:?}",
+        t0.elapsed()
+    );
+    let r = post(&url, &chat("slow")).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "model_unavailable", "{}", r.body);
+    assert_eq!(s.held("slow").await, 0.0);
     s.stop().await;
 }
 
