@@ -42,6 +42,10 @@ pub struct ProxyConfig {
     pub resolve_interval: Duration,
     /// How long in-flight requests may take to finish on shutdown.
     pub drain_timeout: Duration,
+    /// On shutdown, answer held requests at once (503 `proxy_shutting_down`)
+    /// instead of near the end of the drain: for a proxy whose control plane
+    /// stops with it (`siesta up`), where no wake will come for them.
+    pub shed_held_on_shutdown: bool,
     /// Identity sent to control planes ("proxy@host:port"); derived if `None`.
     pub proxy_id: Option<String>,
     /// How long an idle connection to an engine is kept; below the engines'
@@ -65,6 +69,7 @@ impl Default for ProxyConfig {
             body_timeout: Duration::from_secs(60),
             resolve_interval: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(30),
+            shed_held_on_shutdown: false,
             proxy_id: None,
             upstream_idle_timeout: crate::forward::DEFAULT_UPSTREAM_IDLE_TIMEOUT,
         }
@@ -88,6 +93,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("body_timeout", &self.body_timeout)
             .field("resolve_interval", &self.resolve_interval)
             .field("drain_timeout", &self.drain_timeout)
+            .field("shed_held_on_shutdown", &self.shed_held_on_shutdown)
             .field("proxy_id", &self.proxy_id)
             .field("upstream_idle_timeout", &self.upstream_idle_timeout)
             .finish()

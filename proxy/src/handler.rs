@@ -261,7 +261,7 @@ async fn route_loop(
                     reason: ShedReason::ShuttingDown,
                     retry_after_s: Some(1),
                     message: format!(
-                        "this proxy is shutting down before `{model}` woke; retry (another replica will hold it)"
+                        "this proxy is shutting down before `{model}` woke; retry (another replica, or this one restarted, will hold it)"
                     ),
                 });
             }

@@ -241,14 +241,18 @@ impl Proxy {
             listen = %self.local_addr, admin = %self.admin_addr, %proxy_id,
             threads = cfg.threads.max(1), "siesta-proxy serving"
         );
-        // Requests still held near the end of the drain get a 503 with
-        // Retry-After rather than a cut connection.
+        // Requests still held near the end of the drain (or at once, if
+        // configured so) get a 503 with Retry-After rather than a cut
+        // connection.
         let shed_held = async {
             shutdown.cancelled().await;
             let margin = (cfg.drain_timeout / 10).min(Duration::from_secs(1));
-            holds.shed_held_at(
-                tokio::time::Instant::now() + cfg.drain_timeout.saturating_sub(margin),
-            );
+            let hold_on = if cfg.shed_held_on_shutdown {
+                Duration::ZERO
+            } else {
+                cfg.drain_timeout.saturating_sub(margin)
+            };
+            holds.shed_held_at(tokio::time::Instant::now() + hold_on);
         };
         tokio::join!(
             serve.clone().accept_loop(0, listener, Some(admin)),

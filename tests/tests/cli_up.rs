@@ -74,6 +74,11 @@ impl Drop for Up {
 /// written to `addr_file`; the demo keeps its state under `TMPDIR`, made this
 /// test's own, and its processes are tagged with it (see [`Up`]).
 fn spawn_up(tmp: &std::path::Path, addr_file: &std::path::Path) -> Up {
+    spawn_up_with(tmp, addr_file, &[])
+}
+
+/// [`spawn_up`] with more arguments (a `--config`).
+fn spawn_up_with(tmp: &std::path::Path, addr_file: &std::path::Path, args: &[&str]) -> Up {
     let mut cmd = Command::new(bin_path("siesta"));
     cmd.args([
         "up",
@@ -84,6 +89,7 @@ fn spawn_up(tmp: &std::path::Path, addr_file: &std::path::Path) -> Up {
         "--admin-listen",
         "127.0.0.1:0",
     ])
+    .args(args)
     .arg("--addr-file")
     .arg(addr_file)
     .env("TMPDIR", tmp)
@@ -155,6 +161,98 @@ async fn up_with_the_demo_answers_a_sleeping_model() {
         "siesta up exited with {status}: {}",
         up.output().text()
     );
+    wait_until("engines gone", DEADLINE, || {
+        let left = any_alive(&engines);
+        async move { left.is_empty() }
+    })
+    .await;
+}
+
+/// Ctrl-C while one request streams from an awake model and another is held
+/// for a model still starting: the stream finishes (the proxy drains before
+/// the control plane stops the engines); no wake will come for the held one,
+/// so it is answered at once (503 `proxy_shutting_down`, Retry-After), not at
+/// the end of the drain; `up` exits 0 and every engine is stopped.
+#[tokio::test]
+async fn ctrl_c_finishes_streams_and_answers_held_requests_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("slow.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[control]\nstate_dir = {:?}\n\n[[model]]\nname = \"slow\"\nmodel = \"org/slow\"\n\
+             executable = {fake:?}\nargs = [\"--startup-time\", \"300s\"]\n\n\
+             [[model]]\nname = \"steady\"\nmodel = \"org/steady\"\npreload = \"awake\"\n\
+             executable = {fake:?}\nargs = [\"--startup-time\", \"0s\", \"--tokens-per-second\", \"10\"]\n",
+            dir.path().join("state"),
+            fake = bin_path("fake-vllm"),
+        ),
+    )
+    .unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let mut up = spawn_up_with(
+        dir.path(),
+        &addr_file,
+        &["--config", config.to_str().unwrap()],
+    );
+    let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
+    let (http, admin) = (addrs[0], addrs[1]);
+    let grpc = addrs[2];
+    wait_until("steady awake", DEADLINE, || async {
+        model(&status(grpc), "steady")["state"] == "awake"
+    })
+    .await;
+    // 20 tokens at 10 a second: streaming for about 2 s after the signal.
+    let mut stream = reqwest::Client::new()
+        .post(format!("http://{http}/v1/chat/completions"))
+        .json(&json!({"model": "steady", "max_tokens": 20, "stream": true,
+            "messages": [{"role": "user", "content": "hi"}]}))
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .expect("stream started");
+    assert_eq!(stream.status(), 200);
+    let first = stream.chunk().await.unwrap().expect("a first event");
+    let held = tokio::spawn(async move {
+        reqwest::Client::new()
+            .post(format!("http://{http}/v1/chat/completions"))
+            .json(&json!({"model": "slow", "messages": [{"role": "user", "content": "hi"}]}))
+            .timeout(Duration::from_secs(120))
+            .send()
+            .await
+            .expect("an answer, not a cut connection")
+    });
+    wait_until("the request held", DEADLINE, || async move {
+        let Ok(r) = reqwest::get(format!("http://{admin}/metrics")).await else {
+            return false;
+        };
+        r.text()
+            .await
+            .unwrap_or_default()
+            .lines()
+            .any(|l| l == "siesta_proxy_held_requests{model=\"slow\"} 1")
+    })
+    .await;
+    let engines = descendants(up.pid() as i32);
+    let t0 = std::time::Instant::now();
+    up.signal(Signal::SIGINT);
+    let r = held.await.unwrap();
+    let waited = t0.elapsed();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "proxy_shutting_down", "{body}");
+    // Held until near the end of the drain it would be answered after 9 s
+    // (the drain of `up`'s proxy is 10 s): this is at the signal.
+    assert!(waited < Duration::from_secs(8), "answered after {waited:?}");
+    let mut streamed = first.to_vec();
+    while let Some(c) = stream.chunk().await.expect("the stream is not cut") {
+        streamed.extend_from_slice(&c);
+    }
+    let streamed = String::from_utf8_lossy(&streamed);
+    assert!(streamed.trim_end().ends_with("data: [DONE]"), "{streamed}");
+    let status = up.wait_exit(Duration::from_secs(60)).await;
+    assert!(status.success(), "{status}: {}", up.output().text());
     wait_until("engines gone", DEADLINE, || {
         let left = any_alive(&engines);
         async move { left.is_empty() }

@@ -9,6 +9,7 @@ use siesta_control::config::Config;
 use siesta_control::{ServeOptions, Server};
 use siesta_proto::v1 as pb;
 use siesta_proxy::{Proxy, ProxyConfig};
+use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
@@ -18,8 +19,13 @@ use crate::client::Conn;
 use crate::failure::Failure;
 use crate::render;
 
-/// How long both halves get to finish after Ctrl-C (engines stop meanwhile).
+/// How long each half gets to finish after Ctrl-C: first the proxy (held
+/// requests answered at once, those in flight finish on running engines),
+/// then the control plane (engines stop).
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// How long requests in flight may take to finish after Ctrl-C.
+const PROXY_DRAIN: Duration = Duration::from_secs(10);
 
 pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     // Ctrl-C or SIGTERM from the very start, not only once everything runs.
@@ -60,24 +66,28 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         listen: args.listen,
         admin_listen: args.admin_listen,
         token: token.map(str::to_owned),
+        // No wake will come for requests held at Ctrl-C: the control plane
+        // stops right after the proxy.
+        drain_timeout: PROXY_DRAIN,
+        shed_held_on_shutdown: true,
         ..Default::default()
     })
     .map_err(|e| Failure::Failed(format!("siesta-proxy: {e}")))?;
     let (http, admin) = (proxy.local_addr(), proxy.admin_addr());
 
-    let mut control_task = tokio::spawn(server.run(shutdown.child_token()));
-    let mut proxy_task = tokio::spawn(proxy.run(shutdown.child_token()));
+    let halves = Halves {
+        stop_proxy: CancellationToken::new(),
+        stop_control: CancellationToken::new(),
+    };
+    let mut control_task = tokio::spawn(server.run(halves.stop_control.clone()));
+    let mut proxy_task = tokio::spawn(proxy.run(halves.stop_proxy.clone()));
 
     if let Some(path) = &args.addr_file
         && let Err(e) = write_addr_file(path, http, admin, grpc)
     {
         // Both halves are running: stop them (and the engines) before failing.
         shutdown.cancel();
-        let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
-            let _ = proxy_task.await;
-            let _ = control_task.await;
-        })
-        .await;
+        halves.stop(&mut proxy_task, &mut control_task).await;
         return Err(e);
     }
     let models = tokio::select! {
@@ -117,21 +127,39 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         }
     );
     shutdown.cancel();
-    let both = async {
-        if !proxy_task.is_finished() {
-            let _ = (&mut proxy_task).await;
-        }
-        if !control_task.is_finished() {
-            let _ = (&mut control_task).await;
-        }
-    };
-    if tokio::time::timeout(SHUTDOWN_GRACE, both).await.is_err() {
+    halves.stop(&mut proxy_task, &mut control_task).await;
+    outcome
+}
+
+/// Stops the two halves in order: the proxy first, so that requests in
+/// flight finish on engines still running and held ones are answered; then
+/// the control plane, which stops the engines.
+struct Halves {
+    stop_proxy: CancellationToken,
+    stop_control: CancellationToken,
+}
+
+impl Halves {
+    async fn stop<P, C>(&self, proxy: &mut JoinHandle<P>, control: &mut JoinHandle<C>) {
+        self.stop_proxy.cancel();
+        finish("siesta-proxy", proxy).await;
+        self.stop_control.cancel();
+        finish("siesta-control", control).await;
+    }
+}
+
+/// Waits (within [`SHUTDOWN_GRACE`]) for a half that was told to stop.
+async fn finish<T>(what: &str, task: &mut JoinHandle<T>) {
+    // A half that ended early was already awaited: never poll it again.
+    if task.is_finished() {
+        return;
+    }
+    if tokio::time::timeout(SHUTDOWN_GRACE, task).await.is_err() {
         eprintln!(
-            "siesta: shutdown took longer than {}; exiting",
+            "siesta: {what} took longer than {} to stop; going on",
             render::duration(SHUTDOWN_GRACE.as_millis() as u64)
         );
     }
-    outcome
 }
 
 /// The models, for the banner (none if the control plane is slow to answer).
