@@ -139,7 +139,7 @@ impl Fences {
                 return Err(format!(
                     "not every proxy stopped forwarding to {model} within {} s: {} \
                      (a proxy older than this control plane never confirms: upgrade it; \
-                     a stuck one: restart it; the tier tries again after another idle period)",
+                     a stuck one: restart it)",
                     timeout.as_secs(),
                     who.join("; ")
                 ));

@@ -136,6 +136,13 @@ pub enum Phase {
         deadline: Instant,
         admitted: bool,
     },
+    /// An operator's stop or restart of an awake engine, before SIGTERM:
+    /// published as stopping, so proxies forward nothing more to it; the
+    /// SIGTERM waits until every live proxy has confirmed it has nothing in
+    /// flight to it (`Drained`), or `deadline` (one stop grace).
+    Draining {
+        deadline: Instant,
+    },
     /// `killed`: SIGKILL already sent.
     Stopping {
         deadline: Instant,
@@ -154,6 +161,7 @@ impl Phase {
             | Phase::Waking { deadline, .. }
             | Phase::Suspending { deadline, .. }
             | Phase::Resuming { deadline, .. }
+            | Phase::Draining { deadline }
             | Phase::Stopping { deadline, .. } => Some(deadline),
             _ => None,
         }
@@ -306,6 +314,12 @@ pub enum Event {
     SuspendCalledOff {
         epoch: u64,
     },
+    /// Every live proxy confirmed it has nothing in flight to the draining
+    /// engine, or the wait for that ended (`error` says why).
+    Drained {
+        epoch: u64,
+        error: Option<String>,
+    },
     /// Every CUDA process of the engine is restored and unlocked.
     ResumeDone {
         epoch: u64,
@@ -362,6 +376,12 @@ pub enum Effect {
     /// `SuspendDone` or `SuspendFailed`. Sent only when nothing is in
     /// flight, after [`Effect::RecordSuspended`].
     Suspend {
+        epoch: u64,
+    },
+    /// Wait (up to the stop grace) until every live proxy has applied the
+    /// draining state and has nothing in flight to the engine; answer
+    /// `Drained`.
+    Drain {
         epoch: u64,
     },
     /// Wait for room on the GPUs (answer `Admitted`), then run the

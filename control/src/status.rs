@@ -208,7 +208,7 @@ pub fn model_status(
         Phase::Sleeping { level, .. } => (State::Sleeping, level),
         Phase::Asleep { level } => (State::Asleep, level),
         Phase::Waking { .. } => (State::Waking, 0),
-        Phase::Stopping { .. } => (State::Stopping, 0),
+        Phase::Draining { .. } | Phase::Stopping { .. } => (State::Stopping, 0),
         Phase::Failed { .. } => (State::Failed, 0),
         Phase::Suspending { under, .. } => (State::Suspending, under),
         Phase::Suspended { under } => (State::Suspended, under),

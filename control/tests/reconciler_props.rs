@@ -126,6 +126,10 @@ enum Action {
         sel: usize,
         ok: bool,
     },
+    Drained {
+        sel: usize,
+        ok: bool,
+    },
     Tick,
 }
 
@@ -159,6 +163,7 @@ fn action() -> impl Strategy<Value = Action> {
         1 => sel.prop_map(Action::Admitted),
         2 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Suspend { sel, ok }),
         2 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Resume { sel, ok }),
+        2 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Drained { sel, ok }),
         3 => Just(Action::Tick),
     ]
 }
@@ -203,6 +208,7 @@ struct World {
     wakes: Vec<(u64, usize)>,
     suspends: Vec<u64>,
     resumes: Vec<u64>,
+    drains: Vec<u64>,
     strict: Strict,
     /// Phases entered (for the generator's own test).
     seen: BTreeSet<&'static str>,
@@ -233,6 +239,7 @@ impl World {
             wakes: vec![],
             suspends: vec![],
             resumes: vec![],
+            drains: vec![],
             strict,
             seen: BTreeSet::new(),
         };
@@ -352,6 +359,11 @@ impl World {
                         error: "CUDA_ERROR_OPERATING_SYSTEM".into(),
                     }
                 }
+            }
+            Action::Drained { sel, ok } => {
+                let epoch = take(&mut self.drains, sel)?;
+                let error = (!ok).then(|| "proxy p has 1 request(s) in flight".to_string());
+                Event::Drained { epoch, error }
             }
             Action::Admitted(sel) => {
                 let steps0: Vec<u64> = self
@@ -482,6 +494,15 @@ impl World {
                     );
                     self.resumes.push(epoch);
                 }
+                Effect::Drain { epoch } => {
+                    prop_assert!(!m.settings.attach, "drain of an attached engine\n{}", ctx());
+                    prop_assert!(
+                        matches!(m.phase, Phase::Draining { .. }),
+                        "drain outside Draining\n{}",
+                        ctx()
+                    );
+                    self.drains.push(epoch);
+                }
                 Effect::Timer(t) => self.timer = t,
                 Effect::RecordSuspended { .. } => {}
                 Effect::ReleaseStartLock
@@ -604,6 +625,7 @@ fn phase_name(p: &Phase) -> &'static str {
         Phase::Asleep { .. } => "Asleep(2)",
         Phase::Waking { step: 0, .. } => "Waking(0)",
         Phase::Waking { .. } => "Waking(n)",
+        Phase::Draining { .. } => "Draining",
         Phase::Stopping { killed: false, .. } => "Stopping",
         Phase::Stopping { killed: true, .. } => "Stopping(killed)",
         Phase::Failed { .. } => "Failed",
@@ -640,6 +662,7 @@ fn the_generator_reaches_every_phase() {
         "Asleep(2)",
         "Waking(0)",
         "Waking(n)",
+        "Draining",
         "Stopping",
         "Stopping(killed)",
         "Failed",

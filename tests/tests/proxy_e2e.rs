@@ -385,6 +385,103 @@ async fn held_requests_answered_when_an_operator_stops_the_model() {
     s.stop().await;
 }
 
+/// Starts a streamed completion of `tokens` tokens and reads its first
+/// event; the caller reads the rest.
+async fn stream_started(url: &str, model: &str, tokens: u32) -> reqwest::Response {
+    let mut body = chat_stream(model);
+    body["max_tokens"] = json!(tokens);
+    let r = http().post(url).json(&body).send().await.expect("stream");
+    assert_eq!(r.status(), 200);
+    r
+}
+
+/// The rest of a stream: it must end with `data: [DONE]`, not be cut.
+async fn finish_stream(mut r: reqwest::Response, what: &str) {
+    let mut text = Vec::new();
+    while let Some(c) = r
+        .chunk()
+        .await
+        .unwrap_or_else(|e| panic!("{what}: cut: {e}"))
+    {
+        text.extend_from_slice(&c);
+    }
+    let text = String::from_utf8_lossy(&text);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{what}: {text}");
+}
+
+/// An operator's stop or restart of a model answering a stream: the
+/// stream finishes (the engine gets SIGTERM only once the proxy has
+/// nothing in flight to it), meanwhile the model is `stopping` and new
+/// requests are refused (stop) or held and served after (restart).
+#[tokio::test]
+async fn operator_stop_and_restart_let_streams_finish() {
+    // 20 tokens at 10 a second: about 2 s of stream after the command.
+    let steady = ["--startup-time", "100ms", "--tokens-per-second", "10"];
+    let models = [
+        model_toml("halt", "awake", "", &steady),
+        model_toml("again", "awake", "", &steady),
+    ];
+    let mut s = Stack::start(&models, &[]).await;
+    s.wait_state("halt", "awake").await;
+    s.wait_state("again", "awake").await;
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+    let mut c = s.control.client().await;
+    let lister = c.clone();
+    let pid_of = |m: &str| {
+        let (mut c, m) = (lister.clone(), m.to_string());
+        async move {
+            let r = c
+                .list_models(ListModelsRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            r.models.into_iter().find(|x| x.name == m).unwrap().pid
+        }
+    };
+
+    // Stop.
+    let mut stream = stream_started(&url, "halt", 20).await;
+    let first = stream.chunk().await.unwrap().expect("first event");
+    assert!(!first.is_empty());
+    c.stop(ModelRequest {
+        name: "halt".into(),
+    })
+    .await
+    .expect("Stop");
+    s.wait_state("halt", "stopping").await;
+    let r = post(&url, &chat("halt")).await;
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "model_unavailable", "{}", r.body);
+    finish_stream(stream, "stream during a stop").await;
+    s.wait_state("halt", "stopped").await;
+
+    // Restart.
+    let before = pid_of("again").await;
+    let mut stream = stream_started(&url, "again", 20).await;
+    stream.chunk().await.unwrap().expect("first event");
+    c.restart(ModelRequest {
+        name: "again".into(),
+    })
+    .await
+    .expect("Restart");
+    s.wait_state("again", "stopping").await;
+    let held = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, &chat("again")).await })
+    };
+    finish_stream(stream, "stream during a restart").await;
+    let r = held.await.unwrap();
+    assert_eq!(r.status, 200, "held through the restart: {}", r.body);
+    s.track_engines().await;
+    let after = pid_of("again").await;
+    assert!(
+        after != 0 && after != before,
+        "restarted: pid {before} → {after}"
+    );
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn client_disconnect_while_held_frees_its_slot() {
     let models = [model_toml(

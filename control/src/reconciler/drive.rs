@@ -29,6 +29,28 @@ pub(super) fn terminate(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
     );
 }
 
+/// An operator's stop (or restart) of an awake engine: answers under way
+/// finish first (see [`Phase::Draining`]), then [`terminate`].
+pub(super) fn drain(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
+    if m.pid.is_none() || m.settings.attach {
+        terminate(m, now, fx);
+        return;
+    }
+    let grace = m.settings.timeouts.stop_grace;
+    set_phase(
+        m,
+        Phase::Draining {
+            deadline: now + grace,
+        },
+        now,
+    );
+    fx.push(Effect::Log(format!(
+        "stopping: requests in flight finish first (up to {} s), then SIGTERM",
+        grace.as_secs()
+    )));
+    fx.push(Effect::Drain { epoch: m.epoch });
+}
+
 pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     let Some(deadline) = m.phase.deadline() else {
         return;
@@ -88,6 +110,12 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             set_phase(m, Phase::Suspended { under }, now);
         }
         Phase::Resuming { .. } => fail(m, "resume timed out".into(), now, fx),
+        Phase::Draining { .. } => {
+            fx.push(Effect::Log(
+                "drain time over with requests still in flight: stopping anyway".into(),
+            ));
+            terminate(m, now, fx);
+        }
         Phase::Stopping { killed: false, .. } => {
             fx.push(Effect::Signal(Signal::Kill));
             fx.push(Effect::Log(
@@ -255,6 +283,9 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
                     begin_sleep(m, level, now, fx);
                 }
             }
+            // An operator's stop lets answers under way finish; a tier's
+            // or an eviction's fires only when nothing is in flight.
+            Desired::Stopped if m.intent.reason == Reason::Operator => drain(m, now, fx),
             Desired::Stopped => terminate(m, now, fx),
         },
         Phase::Asleep { level } => match desired {
@@ -287,6 +318,7 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         | Phase::Waking { .. }
         | Phase::Suspending { .. }
         | Phase::Resuming { .. }
+        | Phase::Draining { .. }
         | Phase::Stopping { .. } => {}
     }
 }

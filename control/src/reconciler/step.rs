@@ -1,6 +1,6 @@
 //! The transition function.
 
-use super::drive::{deadlines, next_wakeup, reconcile, terminate};
+use super::drive::{deadlines, drain, next_wakeup, reconcile, terminate};
 use super::*;
 use crate::config::IdleAction;
 
@@ -218,7 +218,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             m.pid = None;
             m.engine_running = 0;
             match m.phase {
-                Phase::Stopping { .. } => {
+                Phase::Stopping { .. } | Phase::Draining { .. } => {
                     fx.push(Effect::Log(format!("engine stopped ({status})")));
                     set_phase(m, Phase::Stopped, now);
                 }
@@ -368,6 +368,14 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 set_phase(m, Phase::Suspended { under }, now);
             }
         }
+        Event::Drained { epoch: e, error } if e == epoch => {
+            if let Phase::Draining { .. } = m.phase {
+                if let Some(error) = error {
+                    fx.push(Effect::Log(format!("stopping anyway: {error}")));
+                }
+                terminate(m, now, fx);
+            }
+        }
         Event::SuspendCalledOff { epoch: e } if e == epoch => {
             if let Phase::Suspending { under, .. } = m.phase {
                 fx.push(Effect::Log(
@@ -444,6 +452,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         }
         Event::Tick => deadlines(m, now, fx),
         Event::SuspendDone { .. }
+        | Event::Drained { .. }
         | Event::SuspendCalledOff { .. }
         | Event::SuspendFailed { .. }
         | Event::ResumeDone { .. }
@@ -536,7 +545,6 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             let running = matches!(
                 m.phase,
                 Phase::Starting { .. }
-                    | Phase::Awake
                     | Phase::Sleeping { .. }
                     | Phase::Asleep { .. }
                     | Phase::Waking { .. }
@@ -544,7 +552,10 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
                     | Phase::Suspended { .. }
                     | Phase::Resuming { .. }
             );
-            if running && !m.settings.attach {
+            if m.phase == Phase::Awake && !m.settings.attach {
+                // Answers under way finish first.
+                drain(m, now, fx);
+            } else if running && !m.settings.attach {
                 terminate(m, now, fx);
             }
         }

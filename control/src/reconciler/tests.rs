@@ -236,10 +236,13 @@ fn every_transition_has_a_deadline() {
     s.boot();
     s.advance(secs(5));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
-    // Stop: TERM, grace, KILL.
+    // Stop: drain (one grace at most), TERM, grace, KILL.
     let mut s = Sim::new(Preload::Awake);
     s.boot();
     s.ev(Event::Command(Command::Stop));
+    assert!(matches!(s.m.phase, Phase::Draining { .. }));
+    assert_eq!(s.timer(), Some(s.now + secs(3)));
+    s.advance(secs(3));
     assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
     s.advance(secs(3));
     assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
@@ -248,6 +251,61 @@ fn every_transition_has_a_deadline() {
         status: "killed".into(),
     });
     assert_eq!(s.m.phase, Phase::Stopped);
+}
+
+#[test]
+fn operator_stop_and_restart_let_requests_in_flight_finish() {
+    // Stop: published as stopping; SIGTERM once the proxies have drained.
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Command(Command::Stop));
+    assert!(matches!(s.m.phase, Phase::Draining { .. }));
+    assert!(s.has(|f| matches!(f, Effect::Drain { epoch } if *epoch == s.m.epoch)));
+    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+    let epoch = s.m.epoch;
+    s.ev(Event::Drained {
+        epoch: epoch - 1,
+        error: None,
+    });
+    assert!(matches!(s.m.phase, Phase::Draining { .. }), "stale answer");
+    s.now += secs(1);
+    s.ev(Event::Drained { epoch, error: None });
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    assert!(matches!(s.m.phase, Phase::Stopping { killed: false, .. }));
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit 0".into(),
+    });
+    assert_eq!(s.m.phase, Phase::Stopped);
+    // Restart: the same drain (a proxy that did not confirm in time is
+    // named in the log), then a fresh start.
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    let proc_gen = s.m.proc_gen;
+    s.ev(Event::Command(Command::Restart));
+    assert!(matches!(s.m.phase, Phase::Draining { .. }));
+    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: Some("proxy p has 1 request(s) in flight".into()),
+    });
+    assert!(s.has(|f| matches!(f, Effect::Log(l) if l.contains("stopping anyway: proxy p"))));
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    s.ev(Event::ChildExited {
+        proc_gen,
+        status: "exit 0".into(),
+    });
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
+    // The engine exiting on its own while draining: stopped, not failed.
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Command(Command::Stop));
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit 0".into(),
+    });
+    assert_eq!(s.m.phase, Phase::Stopped);
+    assert_eq!(s.m.last_error, None);
 }
 
 #[test]

@@ -192,6 +192,7 @@ impl Runner {
             Effect::ReleaseStartLock => {
                 self.lock_release.take();
             }
+            Effect::Drain { epoch } => self.drain(epoch),
             Effect::Suspend { epoch } => self.suspend(epoch),
             Effect::Resume { epoch } => self.resume(epoch),
             Effect::RecordSuspended { under } => {

@@ -1,7 +1,8 @@
-//! The suspend tier's effects: the CUDA checkpoint helper run on the
+//! The effects that wait on proxy fences (`fence.rs`): the drain before an
+//! operator's stop, and the suspend tier's CUDA checkpoint helper run on the
 //! engine's CUDA processes once no probe is on its way to it and every
-//! proxy has confirmed it forwards nothing more to it (`fence.rs`), and the
-//! restore after admission finds room on its GPUs.
+//! proxy has confirmed it forwards nothing more to it; and the restore
+//! after admission finds room on its GPUs.
 
 use super::{Msg, Runner};
 use crate::checkpoint::{self, Op};
@@ -15,6 +16,20 @@ impl Runner {
     /// The engine's process group (its leader's pid).
     fn pgid(&self) -> Option<u32> {
         self.proc.as_ref().map(|p| p.pid).or(self.state.pid)
+    }
+
+    /// Before an operator's stop or restart: waits until every live proxy
+    /// has applied the draining state (it forwards nothing more) and has
+    /// nothing in flight to the engine, for at most one stop grace.
+    pub(super) fn drain(&mut self, epoch: u64) {
+        let send = self.event_sender();
+        let (fences, name) = (self.shared.fences.clone(), self.cfg.name.clone());
+        let since_ms = self.shared.clock.unix_ms(self.state.since);
+        let grace = self.cfg.timeouts.stop_grace;
+        self.op(async move {
+            let error = fences.wait_fenced(&name, since_ms, grace).await.err();
+            send(Event::Drained { epoch, error });
+        });
     }
 
     pub(super) fn suspend(&mut self, epoch: u64) {
@@ -59,6 +74,7 @@ impl Runner {
                 return;
             }
             if let Err(error) = fenced {
+                let error = format!("{error}; the tier tries again after another idle period");
                 send(Event::SuspendFailed { epoch, error });
                 return;
             }
