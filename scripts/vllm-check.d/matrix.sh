@@ -22,7 +22,8 @@ if [ "$LOCAL" = 1 ]; then
     T_L1=3 T_L2=8 T_STOP=25 T_FIRST=11 BACKOFF=3
     START_DEADLINE=60 REQ_TIMEOUT=60 WAKE_REQ_TIMEOUT=30 STOP_DEADLINE=30
     # fake-vllm's timings: a start long enough to kill siesta-control during it.
-    FAKE_ENV='env = { FAKE_VLLM_STARTUP_TIME = "3s", FAKE_VLLM_WAKE_TIME = "200ms", FAKE_VLLM_RELOAD_TIME = "200ms" }'
+    # 300 tokens a second: check 9's stream of 600 lasts 2 s, the stop comes during it.
+    FAKE_ENV='env = { FAKE_VLLM_STARTUP_TIME = "3s", FAKE_VLLM_WAKE_TIME = "200ms", FAKE_VLLM_RELOAD_TIME = "200ms", FAKE_VLLM_TOKENS_PER_SECOND = "300" }'
 else
     NG=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
     T_L1=5 T_L2=12 T_STOP=40 T_FIRST=20 BACKOFF=10
@@ -34,7 +35,9 @@ else
     FAKE_ENV=
 fi
 SWAP_GPU=$((NG >= 2 ? 1 : 0))
-export NG T_L1 T_L2 T_STOP T_FIRST BACKOFF START_DEADLINE REQ_TIMEOUT WAKE_REQ_TIMEOUT STOP_DEADLINE SWAP_GPU
+# Check 9's stream, under way when `siesta stop` comes (the tiny model's context is 2048).
+STREAM_TOKENS=600
+export STREAM_TOKENS NG T_L1 T_L2 T_STOP T_FIRST BACKOFF START_DEADLINE REQ_TIMEOUT WAKE_REQ_TIMEOUT STOP_DEADLINE SWAP_GPU
 log "LOCAL=$LOCAL NG=$NG EXE=$EXE MODEL=$MODEL B=$B"
 logcmd uname -a
 have_nvml && logcmd nvidia-smi --query-gpu=index,name,memory.used,memory.total,driver_version --format=csv

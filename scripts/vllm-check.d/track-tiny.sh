@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The `tiny` engine's track (GPU 0): checks 1, 2, 4, 7, 8, 3 + overhead, 9-stop, in that
+# The `tiny` engine's track (GPU 0): checks 1, 2, 4, 7, 8, 3 + overhead, 9-stop (a stream
+# under way finishes, then nothing is left), in that
 # order, all on one engine (a cold start at preload, one after the stop tier, one after the
 # engine-core crash). Run by matrix.sh with its environment.
 set -uo pipefail
@@ -240,12 +241,28 @@ ok=1
 [ "$NEG_S" = 200 ] && [ "$NEG" != "$REF" ] || ok=0
 result "$(verdict $ok)" 3-no-reload-differs status=$NEG_S without_reload=$NEG reference=$REF
 
-# --- 9 (stop): `siesta stop` leaves no process of the engine's group and no GPU memory
+# --- 9 (stop): `siesta stop` comes while a stream is under way; the stream finishes whole
+# (vLLM aborts requests on SIGTERM: siesta sends it only once the proxy has nothing in flight
+# to the engine), and the stop leaves no process of the engine's group and no GPU memory
+preq $M "$WAKE_REQ_TIMEOUT"
+MARK=$RUN/stream-started
+rm -f "$MARK"
+python3 "$PY" stream "$P/v1/completions" $M "$STREAM_TOKENS" "$MARK" "$REQ_TIMEOUT" >"$RUN/stream-during-stop.txt" &
+SPID=$!
+end=$((SECONDS + 60))
+while [ ! -e "$MARK" ] && [ $SECONDS -lt $end ]; do sleep 0.05; done
 PID=$(mget $M pid)
 GP=$(group_pids "$PID")
 mem_before=$(nvml_mib $GP)
 S stop $M >/dev/null 2>&1
 stop_rc=$?
+state_during=$(mstate $M)
+wait $SPID
+read -r sline <"$RUN/stream-during-stop.txt"
+log "stream during the stop: $sline"
+ok=1
+[ -e "$MARK" ] && [[ "$sline" == *" done=yes "* ]] && [[ "$sline" == *" events=$STREAM_TOKENS "* ]] || ok=0
+result "$(verdict $ok)" 9-stop-drains $sline state_after_stop_cmd=$state_during
 waitst $M "$STOP_DEADLINE" stopped
 stopped=$?
 end=$((SECONDS + 30))

@@ -9,6 +9,10 @@
 #       N completions at once, spread over the comma-separated MODELS in turn; one line:
 #       ok=K total=N max_ms=.. p50_ms=.. per_model=a:5/5,b:5/5 statuses=200:20 distinct_texts=D
 #       text=FIRST_OK_TEXT_JSON
+#   stream URL MODEL TOKENS MARK [TIMEOUT_S]
+#       one streamed completion of TOKENS tokens (ignore_eos); touches the file MARK when
+#       the first event arrives; one line: status=.. events=N done=yes|no ms=.. error=..
+#       (`done`: the stream ended with `data: [DONE]`, no in-stream error)
 #   get JSON_PATH...         reads JSON on stdin, prints the values at a.b.0.c (empty if absent),
 #                            separated by spaces
 #   wait SIESTA MODEL DEADLINE_S TARGET...
@@ -132,6 +136,40 @@ def show(v):
     return str(v)
 
 
+def cmd_stream(args):
+    url, model, tokens, mark = args[0], args[1], int(args[2]), args[3]
+    timeout = float(args[4]) if len(args) > 4 else 120.0
+    body = json.dumps({"model": model, "prompt": "hello world the model is", "stream": True,
+                       "max_tokens": tokens, "ignore_eos": True, "temperature": 0}).encode()
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t = time.monotonic()
+    status, events, done, error = 0, 0, False, ""
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status = r.status
+            for raw in r:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                if events == 0:
+                    open(mark, "w").close()
+                if '"error"' in data:
+                    error = data[:200]
+                events += 1
+    except urllib.error.HTTPError as e:
+        status, error = e.code, e.read().decode(errors="replace")[:200]
+    except Exception as e:  # connection reset, timeout
+        error = f"{type(e).__name__}: {e}"
+    ok = done and not error
+    print(f"status={status} events={events} done={'yes' if ok else 'no'} "
+          f"ms={(time.monotonic() - t) * 1000:.0f} error={json.dumps(error)}", flush=True)
+
+
 def cmd_get(args):
     try:
         d = json.load(sys.stdin)
@@ -253,7 +291,7 @@ def cmd_residual(args):
 
 
 if __name__ == "__main__":
-    cmds = {"req": cmd_req, "many": cmd_many, "get": cmd_get, "wait": cmd_wait,
+    cmds = {"req": cmd_req, "many": cmd_many, "stream": cmd_stream, "get": cmd_get, "wait": cmd_wait,
             "engines": cmd_engines, "environ": cmd_environ, "residual": cmd_residual, "p2p": cmd_p2p}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         sys.exit(f"usage: vcheck.py {{{'|'.join(cmds)}}} ARGS... (see the header)")
