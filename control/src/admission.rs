@@ -32,7 +32,7 @@ use queue::{Ask, Core};
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
 /// Puts one model to sleep to make room (sends it `Event::Evict`).
@@ -89,6 +89,8 @@ pub struct Admission {
     tx: Option<mpsc::UnboundedSender<Msg>>,
     registry: Registry,
     metrics: Arc<AdmissionMetrics>,
+    /// Asks are answered only once this is true (see [`Self::start_planning`]).
+    planning: Arc<watch::Sender<bool>>,
 }
 
 impl std::fmt::Debug for Msg {
@@ -130,13 +132,24 @@ impl Admission {
         let metrics = Arc::new(AdmissionMetrics::default());
         let core =
             Core::new(gpus.clone(), registry.clone(), clock, policy).with_metrics(metrics.clone());
-        tokio::spawn(run(core, hub, rx, cancel));
+        let planning = Arc::new(watch::Sender::new(false));
+        tokio::spawn(run(core, hub, rx, planning.subscribe(), cancel));
         Self {
             gpus: Some(gpus),
             tx: Some(tx),
             registry,
             metrics,
+            planning,
         }
+    }
+
+    /// Every model of the configuration has published its first state
+    /// (an engine adopted after a restart as it was found: awake ones hold
+    /// their GPUs): asks queued so far, and all later ones, are planned from
+    /// now on. Until then nothing is admitted, so a model that asks first
+    /// cannot be given room that an adopted engine not yet published holds.
+    pub fn start_planning(&self) {
+        self.planning.send_replace(true);
     }
 
     /// Lets everything through (tests).
@@ -147,6 +160,7 @@ impl Admission {
             tx: None,
             registry: Registry::default(),
             metrics: Arc::default(),
+            planning: Arc::new(watch::Sender::new(true)),
         }
     }
 
@@ -243,14 +257,20 @@ async fn run(
     mut core: Core,
     hub: Arc<Hub>,
     mut rx: mpsc::UnboundedReceiver<Msg>,
+    mut planning: watch::Receiver<bool>,
     cancel: CancellationToken,
 ) {
     let mut changes = hub.subscribe(0);
     let mut tick = tokio::time::interval(RECHECK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut open = *planning.borrow();
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
+            r = planning.changed(), if !open => {
+                // A dropped handle cannot open it any more: plan anyway.
+                open = r.is_err() || *planning.borrow();
+            }
             msg = rx.recv() => match msg {
                 None => return,
                 Some(Msg::Ask(ask)) => core.push(ask),
@@ -275,7 +295,7 @@ async fn run(
                 Msg::Cancel(id) => core.cancel(id),
             }
         }
-        if !core.is_empty() {
+        if open && !core.is_empty() {
             core.plan(&hub.models().0);
         }
     }

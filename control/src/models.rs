@@ -77,6 +77,9 @@ impl Models {
             let found = adopted.remove(&m.name);
             models.add(m.clone(), placements.get(&m.name).cloned(), found)?;
         }
+        // Every model's first state (adopted engines as found) is in the
+        // hub: admission may plan over it now, not before.
+        models.shared.admission.start_planning();
         Ok(models)
     }
 

@@ -414,3 +414,61 @@ fn admissions_and_evictions_are_counted() {
         );
     }
 }
+
+/// The overcommit of a chaos run (control killed with two models awake and
+/// a third's wake wanted, then restarted): the third's task asked for room
+/// before the adopted engines' states were published, saw a free GPU and
+/// was admitted: three awake on a GPU that holds two. Nothing is admitted
+/// before every model's first state is known (`start_planning`); then the
+/// ask finds the GPU full and asks the idle awake models to make room.
+#[tokio::test(start_paused = true)]
+async fn nothing_is_admitted_before_every_adopted_engine_is_known() {
+    let w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)])).unwrap();
+    let hub = crate::hub::Hub::new(w.clock, 16, 16);
+    let admission = Admission::start(
+        w.view.clone(),
+        hub.clone(),
+        w.clock,
+        AdmissionPolicy {
+            min_awake: Duration::ZERO,
+        },
+        CancellationToken::new(),
+    );
+    let evicted = Arc::new(Mutex::new(Vec::<String>::new()));
+    for n in &w.names {
+        let (ev, n2) = (evicted.clone(), n.clone());
+        admission
+            .registry()
+            .insert(n, Arc::new(move || ev.lock().unwrap().push(n2.clone())));
+    }
+    let status = |i: usize, state: State| {
+        let mut s = w.base.clone();
+        s.name = w.names[i].clone();
+        s.state = state;
+        s.state_since_unix_ms = w.clock.now_ms() - 600_000;
+        s
+    };
+    // m0 is adopted asleep with a wake wanted, and asks at once.
+    hub.publish_model(status(0, State::Asleep));
+    let a = admission.clone();
+    let mut ask = tokio::spawn(async move { a.admit("m0", Box::new(|_| {})).await });
+    let early = tokio::time::timeout(Duration::from_secs(5), &mut ask).await;
+    assert!(
+        early.is_err(),
+        "admitted before the other engines were known"
+    );
+    // m1 and m2 are adopted awake (idle): the GPU is full.
+    hub.publish_model(status(1, State::Awake));
+    hub.publish_model(status(2, State::Awake));
+    admission.start_planning();
+    let later = tokio::time::timeout(Duration::from_secs(5), &mut ask).await;
+    assert!(later.is_err(), "admitted onto a full GPU");
+    let asked = evicted.lock().unwrap().clone();
+    assert!(!asked.is_empty(), "no idle model asked to make room");
+    // One of them asleep: room for m0.
+    hub.publish_model(status(1, State::Asleep));
+    tokio::time::timeout(Duration::from_secs(5), &mut ask)
+        .await
+        .expect("admitted once there is room")
+        .unwrap();
+}
