@@ -210,6 +210,7 @@ pub fn spawn_model_adopting(
         initial_fx,
         lock_release: None,
         spawn_cancel: CancellationToken::new(),
+        spawning: Vec::new(),
         ops: Vec::new(),
         timer: None,
         polling: false,
@@ -244,6 +245,9 @@ struct Runner {
     initial_fx: Vec<Effect>,
     lock_release: Option<oneshot::Sender<()>>,
     spawn_cancel: CancellationToken,
+    /// Spawn tasks (admission, start lock, launch) not known to be done:
+    /// the model task's end waits for them (see [`Runner::end`]).
+    spawning: Vec<tokio::task::JoinHandle<()>>,
     /// Effect tasks of the current epoch (aborted when it changes).
     ops: Vec<AbortHandle>,
     timer: Option<Instant>,
@@ -279,26 +283,13 @@ impl Runner {
             tokio::select! {
                 _ = cancel.cancelled() => {
                     let stop = self.shared.stop_engines_on_exit;
-                    // A spawn that landed while the cancel won the race
-                    // is still queued: its engine is ours to stop too.
-                    rx.close();
-                    while let Ok(msg) = rx.try_recv() {
-                        if let Msg::Spawned(handle) = msg {
-                            if stop {
-                                tracing::info!(model = %self.cfg.name, pid = handle.pid, "stopping an engine spawned during shutdown");
-                                handle.kill_and_wait().await;
-                            } else {
-                                self.proc.get_or_insert(handle);
-                            }
-                        }
-                    }
-                    self.finish(stop).await;
+                    self.end(&mut rx, stop).await;
                     return;
                 }
                 msg = rx.recv() => match msg {
                     None => return,
                     Some(Msg::Shutdown { stop_engine, done }) => {
-                        self.finish(stop_engine).await;
+                        self.end(&mut rx, stop_engine).await;
                         let _ = done.send(());
                         return;
                     }
@@ -431,6 +422,36 @@ impl Runner {
     }
 
     /// Stops the engine if asked (SIGTERM, grace, SIGKILL), then ends.
+    /// Ends the model task so that no engine it launched outlives it
+    /// unowned: nothing more is received; a spawn on its way either gives
+    /// up before it launches or launches, finds nobody to take the engine
+    /// and kills it (its task is waited for: the process may exit right
+    /// after this, and an engine launched by a task still running then
+    /// would be left behind); one that landed before is stopped, or kept
+    /// running for the next start to adopt. Then [`Runner::finish`].
+    async fn end(&mut self, rx: &mut mpsc::UnboundedReceiver<Msg>, stop: bool) {
+        rx.close();
+        self.spawn_cancel.cancel();
+        // A spawn holding the start lock waits for this to end.
+        self.lock_release.take();
+        for task in std::mem::take(&mut self.spawning) {
+            if tokio::time::timeout(SPAWN_END_WAIT, task).await.is_err() {
+                tracing::warn!(model = %self.cfg.name, "a spawn task did not end in time");
+            }
+        }
+        while let Ok(msg) = rx.try_recv() {
+            if let Msg::Spawned(handle) = msg {
+                if stop {
+                    tracing::info!(model = %self.cfg.name, pid = handle.pid, "stopping an engine spawned during shutdown");
+                    handle.kill_and_wait().await;
+                } else {
+                    self.proc.get_or_insert(handle);
+                }
+            }
+        }
+        self.finish(stop).await;
+    }
+
     async fn finish(&mut self, stop_engine: bool) {
         for op in self.ops.drain(..) {
             op.abort();
@@ -457,6 +478,10 @@ impl Runner {
         }
     }
 }
+
+/// How long the end of a model task waits for a spawn task: one killing a
+/// previous engine waits up to 10 s for it to be reaped.
+const SPAWN_END_WAIT: Duration = Duration::from_secs(15);
 
 #[cfg(test)]
 mod tests;

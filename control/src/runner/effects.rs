@@ -270,7 +270,8 @@ impl Runner {
         let gpus = self.placed.gpus.clone();
         let logs = self.logs.clone();
         let tx = self.tx.clone();
-        tokio::spawn(async move {
+        self.spawning.retain(|t| !t.is_finished());
+        self.spawning.push(tokio::spawn(async move {
             if let Some(old) = old {
                 old.kill_and_wait().await;
             }
@@ -344,7 +345,7 @@ impl Runner {
             // Hold the GPUs' start lock until start-up is over.
             let _ = release_rx.await;
             drop(guards);
-        });
+        }));
     }
 
     /// Periodic probe of an awake or asleep engine: `/health`, and while
