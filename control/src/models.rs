@@ -118,7 +118,26 @@ impl Models {
         Ok(())
     }
 
-    async fn remove(&self, name: &str) {
+    /// Stops `name` for good (answers under way finish first, as for an
+    /// operator's stop) and forgets it. `readded`: a changed model whose new
+    /// engine is added next under the same name, so proxies see its new
+    /// state, not a removal (their held requests stay held for it).
+    /// Returns how many requests the proxies held for it at the end.
+    async fn remove(&self, name: &str, readded: bool) -> u32 {
+        let mut held = 0;
+        if let Ok(h) = self.resolve(name)
+            && !h.cfg.is_attach()
+            && self.send(&h, Event::Retire).await.is_ok()
+        {
+            let limit = h.cfg.timeouts.stop_grace * 2 + Duration::from_secs(10);
+            let mut rx = h.status.clone();
+            let _ = tokio::time::timeout(
+                limit,
+                rx.wait_for(|s| matches!(s.state, State::Stopped | State::Failed)),
+            )
+            .await;
+            held = h.status.borrow().held;
+        }
         let handle = {
             let mut reg = self.registry.write().unwrap();
             reg.names.retain(|_, n| n != name);
@@ -129,8 +148,11 @@ impl Models {
         if let Some(h) = handle {
             h.shutdown(true).await;
         }
-        self.shared.hub.remove_model(name);
+        if !readded {
+            self.shared.hub.remove_model(name);
+        }
         self.shared.store.remove(name);
+        held
     }
 
     /// The admission task every model asks for GPU room.
@@ -434,9 +456,16 @@ impl Models {
             };
             list.push(m.name.clone());
         }
-        // The old engines leave their GPUs before the new placement counts.
-        for name in s.removed.iter().chain(&s.changed) {
-            self.remove(name).await;
+        // The old engines leave their GPUs before the new placement counts;
+        // answers under way on them finish first.
+        let mut wanted = Vec::new();
+        for name in &s.removed {
+            self.remove(name, false).await;
+        }
+        for name in &s.changed {
+            if self.remove(name, true).await > 0 {
+                wanted.push(name.clone());
+            }
         }
         if let (Some(v), Some(p)) = (&view, planned) {
             v.apply(config, p);
@@ -453,6 +482,11 @@ impl Models {
             } else if s.reconfigured.contains(&m.name) {
                 self.reconfigure(m);
             }
+        }
+        // Requests held for a changed model while its old engine drained
+        // are the new engine's demand.
+        for name in &wanted {
+            let _ = self.demand(name).await;
         }
         if let Some(v) = &view {
             self.shared.hub.set_placement(v.placement(&self.list()));

@@ -229,6 +229,10 @@ pub enum Event {
     Command(Command),
     /// A proxy holds requests for the model.
     Demand,
+    /// A reload removes or changes the model: stop it for good, letting
+    /// answers under way finish (as an operator's stop); demand is ignored
+    /// from now on (a changed model's new engine takes it).
+    Retire,
     /// Sleep (level 1) to make room for another model, if idle and unpinned.
     Evict,
     /// Keep awake until (None: until Unpin).
@@ -489,6 +493,9 @@ pub struct ModelState {
     /// When the transition under way started (for calibration).
     pub transition_start: Instant,
     pub calibration: Calibration,
+    /// Removed or changed by a reload: stopping for good (answers under
+    /// way finish first); demand no longer wakes it.
+    pub retiring: bool,
 }
 
 impl ModelState {
@@ -525,6 +532,7 @@ impl ModelState {
             restarts: 0,
             transition_start: now,
             calibration: Calibration::default(),
+            retiring: false,
         }
     }
 

@@ -482,6 +482,75 @@ async fn operator_stop_and_restart_let_streams_finish() {
     s.stop().await;
 }
 
+/// A reload (SIGHUP) that changes one model's engine and removes another
+/// while each answers a stream: both streams finish (the old engines drain
+/// like an operator's stop); a request made while the changed model's old
+/// engine drains is held and answered by the new one; the removed model is
+/// unknown afterwards.
+#[tokio::test]
+async fn reload_lets_streams_finish_and_hands_held_requests_to_the_new_engine() {
+    let steady = ["--startup-time", "100ms", "--tokens-per-second", "10"];
+    let (changed, removed) = (
+        model_toml("changed", "awake", "", &steady),
+        model_toml("removed", "awake", "", &steady),
+    );
+    let mut s = Stack::start(&[changed.clone(), removed], &[]).await;
+    s.wait_state("changed", "awake").await;
+    s.wait_state("removed", "awake").await;
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+    let mut c = s.control.client().await;
+    let pid = |r: &siesta_proto::v1::ListModelsResponse, m: &str| {
+        r.models.iter().find(|x| x.name == m).map(|x| x.pid)
+    };
+    let before = c
+        .list_models(ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let mut streams = Vec::new();
+    for m in ["changed", "removed"] {
+        let mut r = stream_started(&url, m, 20).await;
+        r.chunk().await.unwrap().expect("first event");
+        streams.push((m, r));
+    }
+    let new = config(&[model_toml(
+        "changed",
+        "awake",
+        "",
+        &["--startup-time", "100ms", "--max-model-len", "4096"],
+    )]);
+    let new = new
+        .replace("@DIR@", &s.control.dir.path().to_string_lossy())
+        .replace("@FAKE_VLLM@", &siesta_tests::fake_vllm_command());
+    std::fs::write(&s.control.config_path, new).unwrap();
+    s.control.child.signal(nix::sys::signal::Signal::SIGHUP);
+    s.wait_state("changed", "stopping").await;
+    let held = {
+        let url = url.clone();
+        tokio::spawn(async move { post(&url, &chat("changed")).await })
+    };
+    for (m, r) in streams {
+        finish_stream(r, &format!("{m} during the reload")).await;
+    }
+    let r = held.await.unwrap();
+    assert_eq!(r.status, 200, "held across the change: {}", r.body);
+    let after = c
+        .list_models(ListModelsRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    s.track_engines().await;
+    assert!(
+        pid(&after, "changed").is_some_and(|p| p != 0 && Some(p) != pid(&before, "changed")),
+        "a new engine: {before:?} → {after:?}"
+    );
+    assert_eq!(pid(&after, "removed"), None, "removed: {after:?}");
+    let r = post(&url, &chat("removed")).await;
+    assert_eq!(r.status, 404, "{}", r.body);
+    s.stop().await;
+}
+
 #[tokio::test]
 async fn client_disconnect_while_held_frees_its_slot() {
     let models = [model_toml(

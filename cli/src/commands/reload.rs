@@ -16,9 +16,16 @@ struct ReloadView {
     unchanged: Vec<String>,
 }
 
+/// A reload waits for removed and changed models' engines to drain (up to
+/// their `stop_grace`) and stop (up to another): longer than one RPC's
+/// usual deadline.
+const RELOAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
+
 pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
     let r = conn
-        .call(|mut c| async move { c.reload(pb::ReloadRequest {}).await })
+        .call_within(RELOAD_TIMEOUT, |mut c| async move {
+            c.reload(pb::ReloadRequest {}).await
+        })
         .await?;
     match format {
         Format::Json => print_json(&ReloadView {

@@ -285,7 +285,9 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             }
             // An operator's stop lets answers under way finish; a tier's
             // or an eviction's fires only when nothing is in flight.
-            Desired::Stopped if m.intent.reason == Reason::Operator => drain(m, now, fx),
+            Desired::Stopped if m.intent.reason == Reason::Operator || m.retiring => {
+                drain(m, now, fx)
+            }
             Desired::Stopped => terminate(m, now, fx),
         },
         Phase::Asleep { level } => match desired {

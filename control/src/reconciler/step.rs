@@ -97,11 +97,29 @@ pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec
 fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) {
     let epoch = m.epoch;
     match event {
+        // Leaving with a reload: commands no longer apply to it.
+        Event::Command(_) if m.retiring => {}
         Event::Command(cmd) => command(m, cmd, now, fx),
+        Event::Retire => {
+            m.retiring = true;
+            m.pin = Pin::None;
+            m.demand_since = None;
+            set_intent(m, Desired::Stopped, Reason::Config, now);
+            let busy = matches!(
+                m.phase,
+                Phase::Starting { .. }
+                    | Phase::Sleeping { .. }
+                    | Phase::Waking { .. }
+                    | Phase::Resuming { .. }
+            );
+            if busy && !m.settings.attach {
+                terminate(m, now, fx);
+            }
+        }
         Event::Demand => {
             let operator_stop =
                 m.intent.desired == Desired::Stopped && m.intent.reason == Reason::Operator;
-            if !operator_stop {
+            if !operator_stop && !m.retiring {
                 // A demand wins over idle tiers: the idle clock restarts
                 // here, and no tier fires until the model is awake.
                 if m.intent.desired != Desired::Awake {

@@ -309,6 +309,38 @@ fn operator_stop_and_restart_let_requests_in_flight_finish() {
 }
 
 #[test]
+fn a_model_retired_by_a_reload_drains_and_stays_stopped() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Retire);
+    assert!(matches!(s.m.phase, Phase::Draining { .. }));
+    assert!(s.has(|f| matches!(f, Effect::Drain { .. })));
+    // Neither demand nor an operator brings it back while it leaves.
+    s.ev(Event::Demand);
+    s.ev(Event::Command(Command::Wake));
+    assert!(matches!(s.m.phase, Phase::Draining { .. }));
+    assert_eq!(s.m.intent.desired, Desired::Stopped);
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: None,
+    });
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit 0".into(),
+    });
+    s.ev(Event::Demand);
+    assert_eq!(s.m.phase, Phase::Stopped);
+    assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })));
+    // Asleep: stopped at once (nothing can be in flight).
+    let mut s = Sim::new(Preload::Asleep);
+    s.boot();
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.ev(Event::Retire);
+    assert!(matches!(s.m.phase, Phase::Stopping { .. }));
+}
+
+#[test]
 fn backoff_doubles_and_is_capped() {
     let mut s = Sim::new(Preload::Awake);
     let mut delays = vec![];
