@@ -11,8 +11,10 @@
 #       text=FIRST_OK_TEXT_JSON
 #   stream URL MODEL TOKENS MARK [TIMEOUT_S]
 #       one streamed completion of TOKENS tokens (ignore_eos); touches the file MARK when
-#       the first event arrives; one line: status=.. events=N done=yes|no ms=.. error=..
-#       (`done`: the stream ended with `data: [DONE]`, no in-stream error)
+#       the first event arrives; one line: status=.. events=N done=yes|no finish=REASON ms=..
+#       error=.. (`done`: the stream ended with `data: [DONE]`, no in-stream error; `finish`:
+#       the last finish_reason, `length` once all TOKENS were generated; vLLM may carry more
+#       than one token in an event, so N can be below TOKENS)
 #   get JSON_PATH...         reads JSON on stdin, prints the values at a.b.0.c (empty if absent),
 #                            separated by spaces
 #   wait SIESTA MODEL DEADLINE_S TARGET...
@@ -144,7 +146,7 @@ def cmd_stream(args):
     req = urllib.request.Request(url, data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
     t = time.monotonic()
-    status, events, done, error = 0, 0, False, ""
+    status, events, done, error, finish = 0, 0, False, "", "-"
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status = r.status
@@ -160,13 +162,17 @@ def cmd_stream(args):
                     open(mark, "w").close()
                 if '"error"' in data:
                     error = data[:200]
+                try:
+                    finish = json.loads(data)["choices"][0].get("finish_reason") or finish
+                except (ValueError, KeyError, IndexError, TypeError):
+                    pass
                 events += 1
     except urllib.error.HTTPError as e:
         status, error = e.code, e.read().decode(errors="replace")[:200]
     except Exception as e:  # connection reset, timeout
         error = f"{type(e).__name__}: {e}"
     ok = done and not error
-    print(f"status={status} events={events} done={'yes' if ok else 'no'} "
+    print(f"status={status} events={events} done={'yes' if ok else 'no'} finish={finish} "
           f"ms={(time.monotonic() - t) * 1000:.0f} error={json.dumps(error)}", flush=True)
 
 
