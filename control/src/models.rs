@@ -457,16 +457,23 @@ impl Models {
             list.push(m.name.clone());
         }
         // The old engines leave their GPUs before the new placement counts;
-        // answers under way on them finish first.
-        let mut wanted = Vec::new();
-        for name in &s.removed {
-            self.remove(name, false).await;
-        }
-        for name in &s.changed {
-            if self.remove(name, true).await > 0 {
-                wanted.push(name.clone());
-            }
-        }
+        // answers under way on them finish first (all drain at once: a
+        // reload takes one stop grace, not one per model).
+        let leaving = s
+            .removed
+            .iter()
+            .map(|n| (n, false))
+            .chain(s.changed.iter().map(|n| (n, true)));
+        let held = futures::future::join_all(leaving.map(|(n, readded)| async move {
+            let held = self.remove(n, readded).await;
+            (n.clone(), readded && held > 0)
+        }))
+        .await;
+        let wanted: Vec<String> = held
+            .into_iter()
+            .filter(|(_, w)| *w)
+            .map(|(n, _)| n)
+            .collect();
         if let (Some(v), Some(p)) = (&view, planned) {
             v.apply(config, p);
         }

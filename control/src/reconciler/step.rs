@@ -94,6 +94,25 @@ pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec
     set_phase(m, Phase::Failed { retry_at }, now);
 }
 
+/// An operator's stop, or a reload's retirement: wanted stopped (no pin, no
+/// demand pending); a transition under way is interrupted at once, an awake
+/// engine drains first (`drive::reconcile`).
+fn stop_for_good(m: &mut ModelState, reason: Reason, now: Instant, fx: &mut Vec<Effect>) {
+    m.pin = Pin::None;
+    m.demand_since = None;
+    set_intent(m, Desired::Stopped, reason, now);
+    let busy = matches!(
+        m.phase,
+        Phase::Starting { .. }
+            | Phase::Sleeping { .. }
+            | Phase::Waking { .. }
+            | Phase::Resuming { .. }
+    );
+    if busy && !m.settings.attach {
+        terminate(m, now, fx);
+    }
+}
+
 fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) {
     let epoch = m.epoch;
     match event {
@@ -102,19 +121,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         Event::Command(cmd) => command(m, cmd, now, fx),
         Event::Retire => {
             m.retiring = true;
-            m.pin = Pin::None;
-            m.demand_since = None;
-            set_intent(m, Desired::Stopped, Reason::Config, now);
-            let busy = matches!(
-                m.phase,
-                Phase::Starting { .. }
-                    | Phase::Sleeping { .. }
-                    | Phase::Waking { .. }
-                    | Phase::Resuming { .. }
-            );
-            if busy && !m.settings.attach {
-                terminate(m, now, fx);
-            }
+            stop_for_good(m, Reason::Config, now, fx);
         }
         Event::Demand => {
             let operator_stop =
@@ -540,22 +547,7 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             m.idle_floor = now;
             retry_now(m, now);
         }
-        Command::Stop => {
-            m.pin = Pin::None;
-            m.demand_since = None;
-            set_intent(m, Desired::Stopped, Reason::Operator, now);
-            // An operator stop interrupts a transition under way.
-            let busy = matches!(
-                m.phase,
-                Phase::Starting { .. }
-                    | Phase::Sleeping { .. }
-                    | Phase::Waking { .. }
-                    | Phase::Resuming { .. }
-            );
-            if busy && !m.settings.attach {
-                terminate(m, now, fx);
-            }
-        }
+        Command::Stop => stop_for_good(m, Reason::Operator, now, fx),
         Command::Restart => {
             set_intent(m, Desired::Awake, Reason::Operator, now);
             m.idle_floor = now;
