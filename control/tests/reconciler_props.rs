@@ -16,6 +16,9 @@
 //!   a `Tick` past a deadline leaves that deadline behind;
 //! - a failed model that should run has a retry time, and the retry backoff
 //!   never exceeds `backoff_max`;
+//! - requests held for a model at rest (asleep, stopped, suspended) are a
+//!   demand: unless an operator stopped it, it is wanted awake, and no idle
+//!   tier fires while any are held;
 //! - (strict, its own test) a stop only waits for a process that exists.
 
 use proptest::prelude::*;
@@ -23,8 +26,8 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 use siesta_control::config::{Backoff, EngineKind, IdleAction, IdleTier, Preload, Timeouts};
 use siesta_control::reconciler::{
-    Command, Desired, Effect, Event, ModelState, Phase, ROOM_WAIT, SUSPEND_TIMEOUT, Settings,
-    Signal, step, wake_calls,
+    Command, Desired, Effect, Event, ModelState, Phase, ROOM_WAIT, Reason, SUSPEND_TIMEOUT,
+    Settings, Signal, step, wake_calls,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use tokio::time::{Duration, Instant};
@@ -97,6 +100,7 @@ enum Action {
     Activity {
         proxy: u8,
         in_flight: u32,
+        held: u32,
         active: bool,
     },
     EngineMetrics(u32),
@@ -149,8 +153,13 @@ fn action() -> impl Strategy<Value = Action> {
         1 => Just(Action::Evict),
         1 => proptest::option::of(0u64..120).prop_map(Action::Pin),
         1 => Just(Action::Unpin),
-        3 => (0u8..3, 0u32..3, any::<bool>())
-            .prop_map(|(proxy, in_flight, active)| Action::Activity { proxy, in_flight, active }),
+        3 => (0u8..3, 0u32..3, prop_oneof![3 => Just(0u32), 1 => 1u32..3], any::<bool>())
+            .prop_map(|(proxy, in_flight, held, active)| Action::Activity {
+                proxy,
+                in_flight,
+                held,
+                active,
+            }),
         1 => (0u32..3).prop_map(Action::EngineMetrics),
         3 => sel.prop_map(Action::SpawnOk),
         1 => sel.prop_map(Action::SpawnFailed),
@@ -259,11 +268,12 @@ impl World {
             Action::Activity {
                 proxy,
                 in_flight,
+                held,
                 active,
             } => Event::Activity {
                 proxy: format!("proxy-{proxy}"),
                 in_flight,
-                held: 0,
+                held,
                 active,
                 last_finished: active.then_some(self.now),
             },
@@ -582,6 +592,27 @@ impl World {
             }
         }
         prop_assert!(m.backoff() <= m.settings.backoff.max);
+        let at_rest = matches!(
+            m.phase,
+            Phase::Asleep { .. } | Phase::Stopped | Phase::Suspended { .. }
+        );
+        let operator_stop =
+            m.intent.desired == Desired::Stopped && m.intent.reason == Reason::Operator;
+        if m.held() > 0 && at_rest && !operator_stop {
+            prop_assert_eq!(
+                m.intent.desired,
+                Desired::Awake,
+                "requests held for a model at rest that is not wanted awake\n{}",
+                ctx()
+            );
+        }
+        if m.held() > 0 {
+            prop_assert!(
+                m.intent.reason != Reason::IdleTier || prev.intent.reason == Reason::IdleTier,
+                "an idle tier fired with requests held\n{}",
+                ctx()
+            );
+        }
         if self.strict.stop_needs_process {
             let entered_stopping = matches!(m.phase, Phase::Stopping { .. })
                 && !matches!(prev.phase, Phase::Stopping { .. });

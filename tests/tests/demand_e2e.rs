@@ -195,3 +195,43 @@ async fn a_slow_preload_counts_its_tiers_from_its_end() {
     );
     drop(s.ctl);
 }
+
+/// An operator's sleep while requests are held (here during the start
+/// they asked for) is carried out, then the held requests wake the model
+/// again. Before, the proxy's one `Demand` was forgotten: the stop tier
+/// fired with the requests still held and they waited out `max_hold`
+/// (found by scripts/chaos).
+#[tokio::test]
+async fn requests_held_through_an_operators_sleep_are_answered_after_it() {
+    let t = tiers(r#"{ after = "2s", action = "stop" }"#);
+    let mut s = stack(&fake_model("tiny", "asleep", SLOW, &t)).await;
+    wait_state(&mut s.c, "tiny", pb::ModelState::Stopped, LONG).await;
+    let url = s.proxy.url();
+    let ask = tokio::spawn(async move { try_chat(&url, "tiny", 4, ANSWER_WITHIN).await });
+    wait_state(&mut s.c, "tiny", pb::ModelState::Starting, LONG).await;
+    s.c.sleep(pb::SleepRequest {
+        name: "tiny".into(),
+        level: 1,
+    })
+    .await
+    .expect("Sleep");
+    // The sleep lasts 3 s; its end wakes the model at once (no `asleep` is
+    // published between).
+    wait_status(
+        &mut s.c,
+        "tiny",
+        "put to sleep by the operator",
+        LONG,
+        |st| {
+            state(st) == pb::ModelState::Sleeping
+                && st.intent.as_ref().map(|i| i.reason) == Some(pb::IntentReason::Operator as i32)
+        },
+    )
+    .await;
+    if let Err(e) = ask.await.unwrap() {
+        panic!("held through the sleep: {e}");
+    }
+    let st = s.status("tiny").await;
+    assert_eq!(state(&st), pb::ModelState::Awake, "{st:#?}");
+    assert_eq!(st.restarts, 2, "woken, not stopped and started: {st:#?}");
+}

@@ -1,7 +1,7 @@
 //! Driving towards the intent: starting transitions from stable phases,
 //! deadlines, and when to look again.
 
-use super::step::{fail, set_intent, set_phase};
+use super::step::{demand, fail, set_intent, set_phase};
 use super::tiers::{due_tier, next_tier, tier_desired};
 use super::*;
 
@@ -235,6 +235,23 @@ fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Eff
 
 /// Takes one step towards the intent from a stable phase.
 pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
+    // Requests the proxies hold are a demand still waiting. A proxy sends
+    // one `Demand` per wait; an operator's sleep or suspend since then (or
+    // a failed transition) put the model at rest with them still held, and
+    // nothing else would wake it before their `max_hold`.
+    if m.held() > 0
+        && m.intent.desired != Desired::Awake
+        && matches!(
+            m.phase,
+            Phase::Asleep { .. } | Phase::Stopped | Phase::Suspended { .. }
+        )
+        && demand(m, now)
+    {
+        fx.push(Effect::Log(format!(
+            "{} request(s) held: waking for them",
+            m.held()
+        )));
+    }
     if let Some(tier) = due_tier(m, now)
         && let Some(desired) = tier_desired(&tier, &m.settings)
     {

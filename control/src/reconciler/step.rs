@@ -94,6 +94,24 @@ pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec
     set_phase(m, Phase::Failed { retry_at }, now);
 }
 
+/// A demand wins over idle tiers, an eviction and an operator's sleep: the
+/// idle clock restarts here, and no tier fires until the model is awake.
+/// Only an operator's stop (the proxies answer its requests) and a reload's
+/// retirement (its held requests go to the new engine) refuse it.
+/// Returns whether the demand was taken.
+pub(super) fn demand(m: &mut ModelState, now: Instant) -> bool {
+    let operator_stop = m.intent.desired == Desired::Stopped && m.intent.reason == Reason::Operator;
+    if operator_stop || m.retiring {
+        return false;
+    }
+    if m.intent.desired != Desired::Awake {
+        set_intent(m, Desired::Awake, Reason::Demand, now);
+    }
+    m.idle_floor = now;
+    m.demand_since.get_or_insert(now);
+    true
+}
+
 /// An operator's stop, or a reload's retirement: wanted stopped (no pin, no
 /// demand pending); a transition under way is interrupted at once, an awake
 /// engine drains first (`drive::reconcile`).
@@ -124,17 +142,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             stop_for_good(m, Reason::Config, now, fx);
         }
         Event::Demand => {
-            let operator_stop =
-                m.intent.desired == Desired::Stopped && m.intent.reason == Reason::Operator;
-            if !operator_stop && !m.retiring {
-                // A demand wins over idle tiers: the idle clock restarts
-                // here, and no tier fires until the model is awake.
-                if m.intent.desired != Desired::Awake {
-                    set_intent(m, Desired::Awake, Reason::Demand, now);
-                }
-                m.idle_floor = now;
-                m.demand_since.get_or_insert(now);
-            }
+            demand(m, now);
         }
         Event::Evict => {
             if m.phase == Phase::Awake

@@ -25,13 +25,14 @@ fn tier_depth(tier: &IdleTier, s: &Settings) -> u8 {
 }
 
 /// Whether tiers may fire at all now: a stable serving state, not pinned,
-/// nothing in flight, no demand waiting to be served.
+/// nothing in flight or held, no demand waiting to be served.
 fn idle_eligible(m: &ModelState, now: Instant) -> bool {
     matches!(
         m.phase,
         Phase::Awake | Phase::Asleep { .. } | Phase::Suspended { .. }
     ) && !m.pinned(now)
         && m.in_flight() == 0
+        && m.held() == 0
         && m.demand_since.is_none()
 }
 

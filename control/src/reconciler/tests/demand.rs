@@ -224,3 +224,78 @@ fn an_operators_suspend_is_not_replaced_at_once_by_an_overdue_stop_tier() {
     s.ev(Event::Tick);
     assert_eq!(s.m.intent.desired, Desired::Stopped);
 }
+
+fn held(s: &mut Sim, n: u32) {
+    s.ev(Event::Activity {
+        proxy: "p".into(),
+        in_flight: 0,
+        held: n,
+        active: false,
+        last_finished: None,
+    });
+}
+
+/// Requests held when an operator puts the model to sleep (here during the
+/// start they asked for) wake it again once the sleep is done. Before,
+/// the proxy's one `Demand` was forgotten: they waited out `max_hold`
+/// while the tiers stopped the engine (scripts/chaos: 64 requests held for
+/// a model stopped by its tier, nothing starting it).
+#[test]
+fn requests_held_through_an_operators_sleep_wake_the_model_after_it() {
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Demand);
+    held(&mut s, 3);
+    s.ev(Event::Command(Command::Sleep(1)));
+    assert_eq!(s.m.demand_since, None);
+    s.boot();
+    assert!(
+        matches!(s.m.phase, Phase::Sleeping { level: 1, .. }),
+        "the operator's sleep is carried out: {:?}",
+        s.m.phase
+    );
+    s.now += secs(1);
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert!(s.has(is_wake), "{:?} {:?}", s.m.phase, s.fx);
+    assert_eq!(s.m.intent.desired, Desired::Awake);
+    assert_eq!(s.m.intent.reason, Reason::Demand);
+    s.wake_all();
+    assert_eq!(s.m.phase, Phase::Awake);
+}
+
+/// Held requests start a model stopped by a tier or never started, but
+/// not one an operator stopped (its proxies answer them instead).
+#[test]
+fn held_requests_start_a_stopped_model_unless_an_operator_stopped_it() {
+    let mut s = Sim::new(Preload::None);
+    assert_eq!(s.m.phase, Phase::Stopped);
+    held(&mut s, 2);
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })), "{:?}", s.fx);
+    assert_eq!(s.m.intent.reason, Reason::Demand);
+
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Command(Command::Stop));
+    held(&mut s, 2);
+    s.advance(secs(5));
+    assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })), "{:?}", s.fx);
+    assert_eq!(s.m.phase, Phase::Stopped);
+    assert_eq!(s.m.intent.reason, Reason::Operator);
+}
+
+/// A model with requests held is not idle: no tier fires (a proxy's count
+/// can trail the release of its requests by a report).
+#[test]
+fn no_tier_fires_while_requests_are_held() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    held(&mut s, 2);
+    s.advance(secs(15));
+    assert_eq!(s.m.phase, Phase::Awake, "L1 is due after 10 s idle");
+    assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })));
+    // Released: the overdue tier fires at the report.
+    held(&mut s, 0);
+    assert!(
+        matches!(s.m.phase, Phase::Sleeping { level: 1, .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
