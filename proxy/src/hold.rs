@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use siesta_proto::v1::{DemandRequest, ModelState};
+use siesta_proto::v1::{DemandRequest, DemandResponse, DesiredState, ModelState};
 use tokio::sync::{oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -20,6 +20,9 @@ use crate::watch_client::{Controls, backoff};
 
 mod estimate;
 pub use estimate::{estimate, retry_after_s};
+
+/// How often requests shed as `wait_too_long` may ask for a model's wake.
+const SHED_DEMAND_EVERY: Duration = Duration::from_secs(1);
 
 /// What ends a hold.
 #[derive(Debug)]
@@ -53,6 +56,8 @@ struct QueueInner {
     /// The wait episode under way (its Demand was or is being sent), if any.
     episode: Option<u64>,
     episodes: u64,
+    /// When a request shed as `wait_too_long` last asked for the wake.
+    shed_demand_at: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -252,6 +257,24 @@ impl Holds {
         let mut q = queue.inner.lock().unwrap();
         let depth = q.waiters.len();
         if est.calibrated && est.ms > hold_left {
+            // Shed, but still ask for the wake: a model whose start outlasts
+            // `max_hold` would otherwise never start, and every retry would
+            // be shed the same way. At most one Demand a second per model,
+            // and none while one is wanted awake already.
+            let wanted = route
+                .status
+                .intent
+                .as_ref()
+                .is_some_and(|i| i.desired() == DesiredState::Awake);
+            let now = Instant::now();
+            if !wanted
+                && q.episode.is_none()
+                && q.shed_demand_at
+                    .is_none_or(|at| now.duration_since(at) >= SHED_DEMAND_EVERY)
+            {
+                q.shed_demand_at = Some(now);
+                tokio::spawn(self.clone().demand_for_shed(queue.model.clone()));
+            }
             return Err(shed(
                 ShedReason::WaitTooLong,
                 Some(retry_after_s(est.ms, depth)),
@@ -304,6 +327,51 @@ impl Holds {
         })
     }
 
+    /// One Demand RPC for `model` (None: the model is gone). A later
+    /// `attempt` goes to another control plane that has the model, for
+    /// when the best one cannot be reached.
+    async fn send_demand(
+        &self,
+        model: &str,
+        attempt: u32,
+        queued: u32,
+    ) -> Option<Result<DemandResponse, tonic::Status>> {
+        let view = self.table.view();
+        let route = view.by_name.get(model)?;
+        let source = &route.sources[attempt as usize % route.sources.len()];
+        Some(match self.controls.client(source) {
+            Some(mut client) => {
+                let req = DemandRequest {
+                    model: route.name.to_string(),
+                    proxy_id: self.proxy_id.clone(),
+                    queued,
+                };
+                match tokio::time::timeout(Duration::from_secs(5), client.demand(req)).await {
+                    Ok(r) => r.map(|r| r.into_inner()),
+                    Err(_) => Err(tonic::Status::deadline_exceeded("Demand timed out")),
+                }
+            }
+            None => Err(tonic::Status::unavailable("no client for control plane")),
+        })
+    }
+
+    /// The Demand of a request shed as `wait_too_long`: one attempt (the
+    /// next such request tries again).
+    async fn demand_for_shed(self: Arc<Self>, model: Arc<str>) {
+        match self.send_demand(&model, 0, 0).await {
+            Some(Ok(resp)) if resp.accepted => {
+                tracing::info!(model = %model, "request shed (the wait outlasts max_hold); wake asked for");
+            }
+            Some(Ok(resp)) => {
+                tracing::info!(model = %model, message = %resp.message, "demand refused");
+            }
+            Some(Err(status)) => {
+                tracing::debug!(model = %model, error = %status, "demand failed");
+            }
+            None => {}
+        }
+    }
+
     /// Sends one Demand for a wait episode, retrying only while the control
     /// plane cannot be reached and requests are still waiting.
     async fn demand_episode(self: Arc<Self>, queue: Arc<HoldQueue>, episode: u64) {
@@ -316,26 +384,8 @@ impl Holds {
                 }
                 q.waiters.len() as u32
             };
-            let view = self.table.view();
-            let Some(route) = view.by_name.get(&*queue.model) else {
+            let Some(res) = self.send_demand(&queue.model, attempt, queued).await else {
                 return;
-            };
-            // Another control plane that has the model when the best one
-            // cannot be reached.
-            let source = &route.sources[attempt as usize % route.sources.len()];
-            let res = match self.controls.client(source) {
-                Some(mut client) => {
-                    let req = DemandRequest {
-                        model: route.name.to_string(),
-                        proxy_id: self.proxy_id.clone(),
-                        queued,
-                    };
-                    match tokio::time::timeout(Duration::from_secs(5), client.demand(req)).await {
-                        Ok(r) => r.map(|r| r.into_inner()),
-                        Err(_) => Err(tonic::Status::deadline_exceeded("Demand timed out")),
-                    }
-                }
-                None => Err(tonic::Status::unavailable("no client for control plane")),
             };
             match res {
                 Ok(resp) if resp.accepted => {

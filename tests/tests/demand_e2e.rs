@@ -235,3 +235,53 @@ async fn requests_held_through_an_operators_sleep_are_answered_after_it() {
     assert_eq!(state(&st), pb::ModelState::Awake, "{st:#?}");
     assert_eq!(st.restarts, 2, "woken, not stopped and started: {st:#?}");
 }
+
+/// A model whose start outlasts its `max_hold`: a request for it is shed
+/// at once (503 `wait_too_long` with Retry-After), but it still starts the
+/// model, so the retry is answered. Before, the shed request asked for
+/// nothing: the model stayed stopped and every retry was shed the same way.
+#[tokio::test]
+async fn a_start_longer_than_max_hold_still_happens_and_the_retry_is_answered() {
+    let extra = format!(
+        "max_hold = \"2s\"\n{}",
+        tiers(r#"{ after = "8s", action = "stop" }"#)
+    );
+    let slow_start = &["--startup-time", "4s"];
+    let mut s = stack(&fake_model("tiny", "awake", slow_start, &extra)).await;
+    // The preload's start (4 s, longer than max_hold) is measured, then the
+    // stop tier stops the engine.
+    wait_state(&mut s.c, "tiny", pb::ModelState::Stopped, LONG).await;
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.proxy.url()))
+        .json(&serde_json::json!({
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4,
+        }))
+        .timeout(ANSWER_WITHIN)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(r.status(), 503);
+    let retry_after: u64 = r
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok()?.parse().ok())
+        .expect("Retry-After");
+    assert!(r.text().await.unwrap().contains("wait_too_long"));
+    assert!((4..=10).contains(&retry_after), "{retry_after}");
+    let st = wait_status(
+        &mut s.c,
+        "tiny",
+        "started by the shed request",
+        LONG,
+        |st| state(st) == pb::ModelState::Awake,
+    )
+    .await;
+    assert_eq!(st.restarts, 2, "{st:#?}");
+    assert_eq!(
+        st.intent.map(|i| i.reason),
+        Some(pb::IntentReason::Demand as i32)
+    );
+    s.ask("tiny").await;
+}
