@@ -93,6 +93,9 @@ fn settings() -> impl Strategy<Value = Settings> {
 #[derive(Debug, Clone)]
 enum Action {
     Cmd(Command),
+    /// A reload removes or changes the model (only 0 of 0..8: once
+    /// retired a model stays so, and most histories should not be).
+    Retire(u8),
     Demand,
     Evict,
     Pin(Option<u64>),
@@ -149,11 +152,12 @@ fn action() -> impl Strategy<Value = Action> {
     let sel = any::<usize>();
     prop_oneof![
         2 => cmd.prop_map(Action::Cmd),
+        1 => (0u8..8).prop_map(Action::Retire),
         2 => Just(Action::Demand),
         1 => Just(Action::Evict),
         1 => proptest::option::of(0u64..120).prop_map(Action::Pin),
         1 => Just(Action::Unpin),
-        3 => (0u8..3, 0u32..3, prop_oneof![3 => Just(0u32), 1 => 1u32..3], any::<bool>())
+        3 => (0u8..3, 0u32..3, prop_oneof![6 => Just(0u32), 1 => 1u32..3], any::<bool>())
             .prop_map(|(proxy, in_flight, held, active)| Action::Activity {
                 proxy,
                 in_flight,
@@ -261,6 +265,8 @@ impl World {
         let epoch = self.m.epoch;
         Some(match a {
             Action::Cmd(c) => Event::Command(c),
+            Action::Retire(0) => Event::Retire,
+            Action::Retire(_) => return None,
             Action::Demand => Event::Demand,
             Action::Evict => Event::Evict,
             Action::Pin(s) => Event::Pin(s.map(|s| self.now + secs(s))),
@@ -598,7 +604,7 @@ impl World {
         );
         let operator_stop =
             m.intent.desired == Desired::Stopped && m.intent.reason == Reason::Operator;
-        if m.held() > 0 && at_rest && !operator_stop {
+        if m.held() > 0 && at_rest && !operator_stop && !m.retiring {
             prop_assert_eq!(
                 m.intent.desired,
                 Desired::Awake,

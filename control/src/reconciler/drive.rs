@@ -234,24 +234,28 @@ fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Eff
 }
 
 /// Takes one step towards the intent from a stable phase.
-pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
-    // Requests the proxies hold are a demand still waiting. A proxy sends
-    // one `Demand` per wait; an operator's sleep or suspend since then (or
-    // a failed transition) put the model at rest with them still held, and
-    // nothing else would wake it before their `max_hold`.
-    if m.held() > 0
-        && m.intent.desired != Desired::Awake
-        && matches!(
-            m.phase,
-            Phase::Asleep { .. } | Phase::Stopped | Phase::Suspended { .. }
-        )
-        && demand(m, now)
-    {
-        fx.push(Effect::Log(format!(
-            "{} request(s) held: waking for them",
-            m.held()
-        )));
+/// Requests the proxies hold are a demand still waiting. A proxy sends one
+/// `Demand` per wait; an operator's sleep or suspend since then (or a
+/// failed transition) put the model at rest with them still held, and
+/// nothing else would wake it before their `max_hold`. True when it now
+/// wants the model awake for them.
+fn held_is_demand(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) -> bool {
+    let at_rest = matches!(
+        m.phase,
+        Phase::Asleep { .. } | Phase::Stopped | Phase::Suspended { .. }
+    );
+    if m.held() == 0 || m.intent.desired == Desired::Awake || !at_rest || !demand(m, now) {
+        return false;
     }
+    fx.push(Effect::Log(format!(
+        "{} request(s) held: waking for them",
+        m.held()
+    )));
+    true
+}
+
+pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
+    held_is_demand(m, now, fx);
     if let Some(tier) = due_tier(m, now)
         && let Some(desired) = tier_desired(&tier, &m.settings)
     {
@@ -273,6 +277,9 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         Phase::Failed { retry_at } => {
             if desired == Desired::Stopped && !m.settings.attach {
                 set_phase(m, Phase::Stopped, now);
+                if held_is_demand(m, now, fx) {
+                    start(m, now, fx);
+                }
             } else if desired != Desired::Stopped && retry_at.is_some_and(|t| t <= now) {
                 start(m, now, fx);
             } else if desired != Desired::Stopped && retry_at.is_none() {

@@ -134,8 +134,8 @@ fn stop_for_good(m: &mut ModelState, reason: Reason, now: Instant, fx: &mut Vec<
 fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) {
     let epoch = m.epoch;
     match event {
-        // Leaving with a reload: commands no longer apply to it.
-        Event::Command(_) if m.retiring => {}
+        // Leaving with a reload: commands and pins no longer apply to it.
+        Event::Command(_) | Event::Pin(_) | Event::Unpin if m.retiring => {}
         Event::Command(cmd) => command(m, cmd, now, fx),
         Event::Retire => {
             m.retiring = true;

@@ -49,10 +49,18 @@ impl World {
     fn demand_is_served(&mut self) -> Result<(), TestCaseError> {
         let operator_stop = self.m.intent.desired == Desired::Stopped
             && self.m.intent.reason == siesta_control::reconciler::Reason::Operator;
+        let intent_before = self.m.intent;
         self.apply(Event::Demand)?;
         if operator_stop {
             // Only an operator's stop overrides a demand.
             prop_assert_eq!(self.m.intent.desired, Desired::Stopped);
+            return Ok(());
+        }
+        if self.m.retiring {
+            // A model a reload retires stops for good (an attached engine
+            // sleeps, or is left as it is); its held requests go to the new
+            // one, and a demand changes nothing.
+            prop_assert_eq!(self.m.intent, intent_before);
             return Ok(());
         }
         let start = self.now;
