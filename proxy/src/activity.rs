@@ -23,6 +23,9 @@ use tokio_util::sync::CancellationToken;
 use crate::route_table::SourceId;
 use crate::watch_client::Controls;
 
+mod outbox;
+use outbox::Outboxes;
+
 /// How often batches are sent.
 pub const TICK: Duration = Duration::from_millis(100);
 /// A control plane hears from the proxy at least this often.
@@ -198,6 +201,7 @@ impl Activity {
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut ticks: u32 = 0;
+        let mut outboxes = Outboxes::default();
         loop {
             let last = tokio::select! {
                 _ = tick.tick() => false,
@@ -211,28 +215,11 @@ impl Activity {
                 }
             }
             for (src, mut req) in batches {
-                let Some(mut client) = controls.client(&src) else {
-                    continue;
-                };
                 req.proxy_id = proxy_id.clone();
-                let send = async move {
-                    match tokio::time::timeout(Duration::from_secs(2), client.report_activity(req))
-                        .await
-                    {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(status)) => {
-                            tracing::debug!(control = %src, error = %status, "activity report failed")
-                        }
-                        Err(_) => tracing::debug!(control = %src, "activity report timed out"),
-                    }
-                };
-                if last {
-                    send.await;
-                } else {
-                    tokio::spawn(send);
-                }
+                outboxes.post(&controls, src, req);
             }
             if last {
+                outboxes.close().await;
                 return;
             }
         }

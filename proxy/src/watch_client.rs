@@ -66,7 +66,7 @@ impl Controls {
         self.clients.lock().unwrap().keys().cloned().collect()
     }
 
-    fn connect(&self, source: &SourceId) -> Result<Client, Error> {
+    pub(crate) fn connect(&self, source: &SourceId) -> Result<Client, Error> {
         let ep = Endpoint::from_shared(source.to_string())
             .map_err(|e| Error::ControlUrl {
                 url: source.to_string(),
