@@ -283,6 +283,14 @@ pub enum Event {
     ProbeOk {
         epoch: u64,
     },
+    /// A periodic probe of an engine taken as awake found it asleep at
+    /// `level` (its `vllm:engine_sleep_state`): a sleep siesta did not see
+    /// finish (a control restart while it ran) or one sent to the engine
+    /// directly. Requests reaching it would wait in its queue until a wake.
+    FoundAsleep {
+        epoch: u64,
+        level: u8,
+    },
     SleepDone {
         epoch: u64,
     },

@@ -55,7 +55,8 @@ pub(crate) enum Msg {
     Residual(crate::status::Residual),
     Poll {
         epoch: u64,
-        result: Result<Option<u32>, crate::engine::ProbeError>,
+        /// The awake engine's metrics (None: asleep, or not polled).
+        result: Result<Option<crate::engine::EngineMetrics>, crate::engine::ProbeError>,
     },
     /// A reload changed only settings that need no new engine (idle
     /// tiers, hold policy, aliases): take them, keep the engine.
@@ -339,12 +340,18 @@ impl Runner {
                     return;
                 }
                 match result {
-                    Ok(running) => {
+                    Ok(metrics) => {
                         if self.state.health_strikes > 0 || self.state.busy_timeouts_since.is_some()
                         {
                             self.apply(Event::ProbeOk { epoch });
                         }
-                        if let Some(running) = running
+                        if let Some(level) = metrics.and_then(|m| m.sleep_level).filter(|l| *l > 0)
+                        {
+                            tracing::warn!(model = %self.cfg.name, level, "engine found asleep while taken as awake");
+                            self.apply(Event::FoundAsleep { epoch, level });
+                            return;
+                        }
+                        if let Some(running) = metrics.map(|m| m.running)
                             && (running > 0 || running != self.state.engine_running)
                         {
                             self.apply(Event::EngineMetrics { running });

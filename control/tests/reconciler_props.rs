@@ -98,6 +98,8 @@ enum Action {
     Retire(u8),
     Demand,
     Evict,
+    /// A probe finds the engine asleep at this level (the current epoch).
+    FoundAsleep(u8),
     Pin(Option<u64>),
     Unpin,
     Activity {
@@ -155,6 +157,7 @@ fn action() -> impl Strategy<Value = Action> {
         1 => (0u8..8).prop_map(Action::Retire),
         2 => Just(Action::Demand),
         1 => Just(Action::Evict),
+        1 => (1u8..=2).prop_map(Action::FoundAsleep),
         1 => proptest::option::of(0u64..120).prop_map(Action::Pin),
         1 => Just(Action::Unpin),
         3 => (0u8..3, 0u32..3, prop_oneof![6 => Just(0u32), 1 => 1u32..3], any::<bool>())
@@ -269,6 +272,7 @@ impl World {
             Action::Retire(_) => return None,
             Action::Demand => Event::Demand,
             Action::Evict => Event::Evict,
+            Action::FoundAsleep(level) => Event::FoundAsleep { epoch, level },
             Action::Pin(s) => Event::Pin(s.map(|s| self.now + secs(s))),
             Action::Unpin => Event::Unpin,
             Action::Activity {

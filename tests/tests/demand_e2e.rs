@@ -285,3 +285,40 @@ async fn a_start_longer_than_max_hold_still_happens_and_the_retry_is_answered() 
     );
     s.ask("tiny").await;
 }
+
+/// An engine put to sleep behind siesta's back (here `POST /sleep` sent
+/// to it directly; after a control restart during a sleep the same
+/// happens) queues what reaches it until a wake. siesta's probe reads its
+/// `vllm:engine_sleep_state`, takes it as asleep and wakes it: the request
+/// is answered. Before, it was forwarded to the sleeping engine and hung.
+#[tokio::test]
+async fn an_engine_put_to_sleep_behind_siestas_back_is_woken_for_the_next_request() {
+    let mut s = stack(&fake_model("tiny", "awake", &[], "")).await;
+    let st = wait_state(&mut s.c, "tiny", pb::ModelState::Awake, LONG).await;
+    let r = reqwest::Client::new()
+        .post(format!("{}/sleep?level=1", endpoint(&st)))
+        .timeout(LONG)
+        .send()
+        .await
+        .expect("POST /sleep to the engine");
+    assert!(r.status().is_success(), "{}", r.status());
+    let found = wait_status(
+        &mut s.c,
+        "tiny",
+        "taken as asleep, then woken",
+        LONG,
+        |st| state(st) != pb::ModelState::Awake,
+    )
+    .await;
+    assert!(
+        matches!(
+            state(&found),
+            pb::ModelState::Asleep | pb::ModelState::Waking
+        ),
+        "{found:#?}"
+    );
+    s.ask("tiny").await;
+    let st = s.status("tiny").await;
+    assert_eq!(state(&st), pb::ModelState::Awake, "{st:#?}");
+    assert_eq!(st.restarts, 1, "woken, not restarted: {st:#?}");
+}

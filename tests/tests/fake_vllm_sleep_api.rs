@@ -195,3 +195,41 @@ async fn disable_log_stats_removes_every_vllm_metric() {
     assert!(!text.contains("vllm:"), "{text}");
     assert!(text.contains("process_start_time_seconds"), "{text}");
 }
+
+/// Like vLLM's server (uvicorn runs a handler to its end), a `/sleep`
+/// whose client goes away still finishes: here a `mode=wait` sleep waiting
+/// for a running request, its client gone after 200 ms (siesta-control
+/// killed mid-sleep). Before, hyper dropped the sleep half done: the
+/// engine stayed paused with `/is_sleeping` false, and every request
+/// reaching it waited for ever.
+#[tokio::test]
+async fn a_sleep_whose_client_went_away_still_finishes() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--tokens-per-second", "8"]).await;
+    let url = fv.at("/v1/completions");
+    let running = tokio::spawn(async move {
+        let r = reqwest::Client::new()
+            .post(url)
+            .json(&json!({"prompt": "hi", "max_tokens": 8}))
+            .send()
+            .await
+            .unwrap();
+        r.status().as_u16()
+    });
+    wait_until("the request to run", DEADLINE, || async {
+        fv.stats().await["running"].as_u64().unwrap() > 0
+    })
+    .await;
+    let gone = reqwest::Client::new()
+        .post(fv.at("/sleep?level=1&mode=wait"))
+        .timeout(Duration::from_millis(200))
+        .send()
+        .await;
+    assert!(gone.is_err(), "the sleep waits for the running request");
+    assert_eq!(running.await.unwrap(), 200);
+    wait_until("the engine asleep", DEADLINE, || async {
+        let v: Value = fv.get("/is_sleeping").await.json().await.unwrap();
+        v["is_sleeping"] == true
+    })
+    .await;
+    assert_eq!(fv.stats().await["sleeps"], 1);
+}

@@ -317,6 +317,13 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 }
             }
         }
+        Event::FoundAsleep { epoch: e, level } if e == epoch && m.phase == Phase::Awake => {
+            fx.push(Effect::Log(format!(
+                "the engine is asleep at level {level} while taken as awake (a sleep siesta did \
+                 not see finish, or one sent to the engine directly): taken as asleep"
+            )));
+            set_phase(m, Phase::Asleep { level }, now);
+        }
         Event::ProbeOk { epoch: e } if e == epoch => {
             m.health_strikes = 0;
             m.busy_timeouts_since = None;
@@ -493,6 +500,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         Event::HealthOk { .. }
         | Event::HealthFailed { .. }
         | Event::ProbeOk { .. }
+        | Event::FoundAsleep { .. }
         | Event::SleepDone { .. }
         | Event::SleepFailed { .. }
         | Event::WakeStepDone { .. }

@@ -383,7 +383,7 @@ impl Runner {
                 // generation reaching released memory kills the engine.
                 client.probe(timeout).await?;
                 if awake && has_metric {
-                    Ok(Some(client.metrics_probe(timeout).await?.running))
+                    Ok(Some(client.metrics_probe(timeout).await?))
                 } else {
                     Ok(None)
                 }

@@ -23,13 +23,15 @@ pub fn dev_mode_from_env() -> bool {
 pub async fn route(app: Arc<App>, method: &Method, uri: &Uri, body: Incoming) -> Option<Resp> {
     let q = query_pairs(uri.query());
     let resp = match (method, uri.path()) {
-        (&Method::POST, "/sleep") => sleep(&app, &q).await,
-        (&Method::POST, "/wake_up") => wake_up(&app, &q).await,
+        (&Method::POST, "/sleep") => to_the_end(async move { sleep(&app, &q).await }).await,
+        (&Method::POST, "/wake_up") => to_the_end(async move { wake_up(&app, &q).await }).await,
         (&Method::GET, "/is_sleeping") => json(
             StatusCode::OK,
             &json!({"is_sleeping": app.engine.is_sleeping().await}),
         ),
-        (&Method::POST, "/collective_rpc") => collective_rpc(&app, body).await,
+        (&Method::POST, "/collective_rpc") => {
+            to_the_end(async move { collective_rpc(&app, body).await }).await
+        }
         (&Method::POST, "/reset_prefix_cache") => empty(StatusCode::OK),
         (_, "/sleep" | "/wake_up" | "/is_sleeping" | "/collective_rpc" | "/reset_prefix_cache") => {
             detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
@@ -37,6 +39,22 @@ pub async fn route(app: Arc<App>, method: &Method, uri: &Uri, body: Incoming) ->
         _ => return None,
     };
     Some(resp)
+}
+
+/// Runs a sleep, wake or RPC to its end even when its client goes away, as
+/// vLLM's server does (uvicorn does not cancel a handler whose client
+/// disconnected; hyper would drop it). A siesta-control killed during a
+/// `/sleep?mode=wait` then finds the engine asleep, not paused for ever
+/// with `/is_sleeping` saying false.
+async fn to_the_end(op: impl Future<Output = Resp> + Send + 'static) -> Resp {
+    tokio::spawn(op).await.unwrap_or_else(|e| {
+        error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            &format!("operation failed: {e}"),
+            None,
+        )
+    })
 }
 
 async fn collective_rpc(app: &App, body: Incoming) -> Resp {

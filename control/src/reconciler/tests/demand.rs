@@ -299,3 +299,31 @@ fn no_tier_fires_while_requests_are_held() {
         s.m.phase
     );
 }
+
+/// An engine a probe finds asleep while it is taken as awake (a sleep a
+/// restarted control plane did not see finish, or one sent to the engine
+/// directly) is taken as asleep, and woken when it is wanted awake;
+/// a stale probe's finding is ignored.
+#[test]
+fn an_engine_found_asleep_while_taken_as_awake_is_woken() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    assert_eq!(s.m.phase, Phase::Awake);
+    let stale = s.m.epoch - 1;
+    s.ev(Event::FoundAsleep {
+        epoch: stale,
+        level: 1,
+    });
+    assert_eq!(s.m.phase, Phase::Awake);
+    s.ev(Event::FoundAsleep {
+        epoch: s.m.epoch,
+        level: 2,
+    });
+    assert!(
+        matches!(s.m.phase, Phase::Waking { from_level: 2, .. }),
+        "{:?}",
+        s.m.phase
+    );
+    s.wake_all();
+    assert_eq!(s.m.phase, Phase::Awake);
+}
