@@ -388,14 +388,17 @@ impl Models {
             let Ok(h) = self.resolve(&r.model) else {
                 continue;
             };
-            h.notify(Event::Activity {
-                proxy: proxy.to_string(),
-                in_flight: r.in_flight,
-                held: r.held,
-                active: r.started > 0 || r.finished > 0,
-                last_finished: (r.last_finished_unix_ms > 0)
-                    .then(|| self.shared.clock.instant(r.last_finished_unix_ms)),
-            });
+            h.notify_activity(
+                Event::Activity {
+                    proxy: proxy.to_string(),
+                    in_flight: r.in_flight,
+                    held: r.held,
+                    active: r.started > 0 || r.finished > 0,
+                    last_finished: (r.last_finished_unix_ms > 0)
+                        .then(|| self.shared.clock.instant(r.last_finished_unix_ms)),
+                },
+                r.fenced_since_unix_ms,
+            );
         }
     }
 

@@ -48,6 +48,9 @@ pub use crate::placement::Placed;
 
 pub(crate) enum Msg {
     Event(Event, Option<oneshot::Sender<ModelStatus>>),
+    /// A proxy's `Event::Activity`, with the `state_since` of the
+    /// non-serving state it had applied (its fence; 0: it forwarded).
+    Activity(Event, i64),
     Spawned(ProcHandle),
     /// What a start or wake waits for (None: nothing).
     WaitingFor(Option<String>),
@@ -82,6 +85,7 @@ impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Msg::Event(e, _) => write!(f, "Event({e:?})"),
+            Msg::Activity(e, fence) => write!(f, "Activity({e:?}, fenced since {fence})"),
             Msg::Spawned(h) => write!(f, "Spawned({})", h.pid),
             Msg::WaitingFor(w) => write!(f, "WaitingFor({w:?})"),
             Msg::Residual(r) => write!(f, "Residual({r:?})"),
@@ -103,6 +107,11 @@ impl ModelHandle {
     /// Sends an event without waiting.
     pub fn notify(&self, event: Event) {
         let _ = self.tx.send(Msg::Event(event, None));
+    }
+
+    /// Sends a proxy's [`Event::Activity`] with the fence it reported.
+    pub fn notify_activity(&self, event: Event, fenced_since_unix_ms: i64) {
+        let _ = self.tx.send(Msg::Activity(event, fenced_since_unix_ms));
     }
 
     /// Waits for the task to end (after cancellation or shutdown).
@@ -215,6 +224,7 @@ pub fn spawn_model_adopting(
         ops: Vec::new(),
         timer: None,
         polling: false,
+        awake_since_unix_ms: 0,
         probe_gate: Arc::default(),
         frozen: Arc::default(),
         suspend_cancel: CancellationToken::new(),
@@ -253,6 +263,8 @@ struct Runner {
     ops: Vec<AbortHandle>,
     timer: Option<Instant>,
     polling: bool,
+    /// `state_since` of the model's last published `awake`.
+    awake_since_unix_ms: i64,
     /// Held by a periodic probe while it talks to the engine; a suspend
     /// takes it first, so no probe is on its way when the helper runs.
     probe_gate: Arc<tokio::sync::Mutex<()>>,
@@ -307,6 +319,18 @@ impl Runner {
 
     fn on_msg(&mut self, msg: Msg) {
         match msg {
+            Msg::Activity(mut event, fenced_since_unix_ms) => {
+                // Requests a proxy held under a fence from before the model
+                // was last awake were released then: its report was taken
+                // before it saw the awake (its next one says 0). Counted,
+                // they would wake a model just put to sleep.
+                if let Event::Activity { held, .. } = &mut event
+                    && fenced_since_unix_ms <= self.awake_since_unix_ms
+                {
+                    *held = 0;
+                }
+                self.apply(event);
+            }
             Msg::Event(event, reply) => {
                 self.apply(event);
                 if let Some(reply) = reply {
@@ -408,6 +432,9 @@ impl Runner {
     fn publish(&mut self, now: Instant) {
         let status = model_status(&self.cfg, &self.facts, &self.state, &self.shared.clock, now);
         if *self.status_tx.borrow() != status {
+            if status.state == crate::status::State::Awake {
+                self.awake_since_unix_ms = status.state_since_unix_ms;
+            }
             self.status_tx.send_replace(status.clone());
             self.shared.hub.publish_model(status);
         }

@@ -170,3 +170,58 @@ async fn an_attach_engine_that_does_not_say_its_level_is_not_taken_for_level_one
         None
     );
 }
+
+/// Requests a proxy reports held under a fence from before the model was
+/// last awake were released then (the report was taken before the proxy
+/// saw the awake): they count for nothing. Held under a later fence, they
+/// count. Counted stale, they woke a model just put to sleep (swap_e2e).
+#[tokio::test]
+async fn held_requests_fenced_before_the_last_awake_count_for_nothing() {
+    use crate::engine::test_server::{Act, engine};
+    let e = engine(|_, _, line| {
+        if line.contains("/is_sleeping") {
+            Act::Ok(r#"{"is_sleeping":false}"#)
+        } else {
+            Act::Ok("")
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[[model]]\nname = \"ext\"\nlaunch = \"attach\"\nurl = \"{}\"\ngpus = 0\n",
+        e.url
+    );
+    let cfg = Config::parse(&text, "t.toml").unwrap().models.remove(0);
+    let cancel = CancellationToken::new();
+    let h = spawn_model(cfg, Placed::default(), shared(dir.path()), cancel.clone()).unwrap();
+    let mut rx = h.status.clone();
+    let awake = rx
+        .wait_for(|s| s.state == State::Awake)
+        .await
+        .unwrap()
+        .state_since_unix_ms;
+    let report = |held, fence| {
+        h.notify_activity(
+            Event::Activity {
+                proxy: "p".into(),
+                in_flight: 0,
+                held,
+                active: false,
+                last_finished: None,
+            },
+            fence,
+        )
+    };
+    // Taken while the model was waking, before the awake.
+    report(10, awake - 1);
+    // Held by a proxy that already forwards: stale too.
+    report(4, 0);
+    let s = h.send(Event::Tick).await.unwrap();
+    assert_eq!(s.held, 0, "{s:?}");
+    // Held under a non-serving state that began after the awake.
+    report(3, awake + 5);
+    let s = h.send(Event::Tick).await.unwrap();
+    assert_eq!(s.held, 3, "{s:?}");
+    cancel.cancel();
+    h.join().await;
+}
