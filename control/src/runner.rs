@@ -225,6 +225,7 @@ pub fn spawn_model_adopting(
         timer: None,
         polling: false,
         awake_since_unix_ms: 0,
+        found_asleep: None,
         probe_gate: Arc::default(),
         frozen: Arc::default(),
         suspend_cancel: CancellationToken::new(),
@@ -265,6 +266,8 @@ struct Runner {
     polling: bool,
     /// `state_since` of the model's last published `awake`.
     awake_since_unix_ms: i64,
+    /// The epoch whose last poll found the engine asleep while awake.
+    found_asleep: Option<u64>,
     /// Held by a periodic probe while it talks to the engine; a suspend
     /// takes it first, so no probe is on its way when the helper runs.
     probe_gate: Arc<tokio::sync::Mutex<()>>,
@@ -369,10 +372,17 @@ impl Runner {
                         {
                             self.apply(Event::ProbeOk { epoch });
                         }
-                        if let Some(level) = metrics.and_then(|m| m.sleep_level).filter(|l| *l > 0)
-                        {
-                            tracing::warn!(model = %self.cfg.name, level, "engine found asleep while taken as awake");
-                            self.apply(Event::FoundAsleep { epoch, level });
+                        // Asleep in two polls in a row (a second apart), not
+                        // in one: a wake seen half done, or a direct sleep
+                        // and wake of a pinned engine, is left alone.
+                        let asleep = metrics.and_then(|m| m.sleep_level).filter(|l| *l > 0);
+                        let before =
+                            std::mem::replace(&mut self.found_asleep, asleep.map(|_| epoch));
+                        if let Some(level) = asleep {
+                            if before == Some(epoch) {
+                                tracing::warn!(model = %self.cfg.name, level, "engine found asleep while taken as awake");
+                                self.apply(Event::FoundAsleep { epoch, level });
+                            }
                             return;
                         }
                         if let Some(running) = metrics.map(|m| m.running)
