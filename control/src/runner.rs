@@ -465,7 +465,6 @@ impl Runner {
         });
     }
 
-    /// Stops the engine if asked (SIGTERM, grace, SIGKILL), then ends.
     /// Ends the model task so that no engine it launched outlives it
     /// unowned: nothing more is received; a spawn on its way either gives
     /// up before it launches or launches, finds nobody to take the engine
@@ -496,6 +495,7 @@ impl Runner {
         self.finish(stop).await;
     }
 
+    /// Stops the engine if asked (SIGTERM, grace, SIGKILL), then ends.
     async fn finish(&mut self, stop_engine: bool) {
         for op in self.ops.drain(..) {
             op.abort();

@@ -170,6 +170,20 @@ impl Drop for Ticket {
     }
 }
 
+/// A model an operator stopped: demand will not wake it, and retrying
+/// cannot help until someone starts it (no Retry-After).
+fn operator_stopped(route: &ModelRoute) -> ApiError {
+    shed(
+        ShedReason::Refused,
+        None,
+        format!(
+            "model `{}` will not be woken: it was stopped by an operator; \
+             `siesta start {}` or `siesta wake {}` first",
+            route.name, route.name, route.name
+        ),
+    )
+}
+
 fn shed(reason: ShedReason, retry_after_s: Option<u64>, message: String) -> ApiError {
     ApiError::Shed {
         reason,
@@ -233,6 +247,9 @@ impl Holds {
         route: &ModelRoute,
         held_since: Instant,
     ) -> Result<Ticket, ApiError> {
+        if route.stopped_by_operator() {
+            return Err(operator_stopped(route));
+        }
         let now_ms = now_unix_ms();
         let status = &route.status;
         if route.state == ModelState::Failed && status.retry_at_unix_ms > now_ms {
@@ -279,10 +296,12 @@ impl Holds {
                 ShedReason::WaitTooLong,
                 Some(retry_after_s(est.ms, depth)),
                 format!(
-                    "model `{}` is {}; it needs about {} ms, longer than the hold limit",
+                    "model `{}` is {}; it needs about {} ms, longer than its hold limit \
+                     (max_hold {} ms); it is being woken: retry after Retry-After",
                     route.name,
                     state_name(route.state),
-                    est.ms
+                    est.ms,
+                    route.max_hold_ms
                 ),
             ));
         }
@@ -456,13 +475,7 @@ impl Holds {
                 }
                 Some(r) if r.stopped_by_operator() => {
                     // Demand will not wake it: answer now, not at max_hold.
-                    let msg = format!(
-                        "model `{}` will not be woken: it was stopped by an operator; Start or Wake it first",
-                        r.name
-                    );
-                    let n = q.release_all(|| {
-                        Release::Fail(shed(ShedReason::Refused, None, msg.clone()))
-                    });
+                    let n = q.release_all(|| Release::Fail(operator_stopped(r)));
                     tracing::info!(model = %q.model, answered = n, "stopped by an operator; held requests answered");
                 }
                 Some(r) if r.state == ModelState::Failed && r.status.retry_at_unix_ms > now_ms => {

@@ -233,7 +233,6 @@ fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Eff
     });
 }
 
-/// Takes one step towards the intent from a stable phase.
 /// Requests the proxies hold are a demand still waiting. A proxy sends one
 /// `Demand` per wait; an operator's sleep or suspend since then (or a
 /// failed transition) put the model at rest with them still held, and
@@ -254,6 +253,7 @@ fn held_is_demand(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) -> boo
     true
 }
 
+/// Takes one step towards the intent from a stable phase.
 pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     held_is_demand(m, now, fx);
     if let Some(tier) = due_tier(m, now)

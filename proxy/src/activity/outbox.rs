@@ -204,7 +204,13 @@ mod tests {
         controls.connect(&url).unwrap();
         let mut out = Outboxes::default();
         out.post(&controls, url.clone(), report(10));
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Once the first call is under way (answered in 150 ms), the next
+        // three are posted without a yield between them: they wait, merged.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while seen.held.lock().unwrap().is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "no call arrived");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         for held in [7, 3, 0] {
             out.post(&controls, url.clone(), report(held));
         }
