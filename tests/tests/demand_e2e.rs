@@ -270,7 +270,10 @@ async fn a_start_longer_than_max_hold_still_happens_and_the_retry_is_answered() 
         .expect("Retry-After");
     let body = r.text().await.unwrap();
     assert!(body.contains("wait_too_long"), "{body}");
-    assert!(body.contains("retry after Retry-After"), "says what to do: {body}");
+    assert!(
+        body.contains("retry after Retry-After"),
+        "says what to do: {body}"
+    );
     assert!((4..=10).contains(&retry_after), "{retry_after}");
     let st = wait_status(
         &mut s.c,

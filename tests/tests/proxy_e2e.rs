@@ -381,7 +381,11 @@ async fn held_requests_answered_when_an_operator_stops_the_model() {
     let r = post(&url, &chat("slow")).await;
     assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.json()["error"]["code"], "model_unavailable", "{}", r.body);
-    assert!(r.body.contains("`siesta start slow`"), "says what to do: {}", r.body);
+    assert!(
+        r.body.contains("`siesta start slow`"),
+        "says what to do: {}",
+        r.body
+    );
     assert_eq!(s.held("slow").await, 0.0);
     s.stop().await;
 }
