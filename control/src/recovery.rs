@@ -29,7 +29,8 @@ use crate::placement::default_placement;
 use crate::reconciler::Observed;
 use crate::store::{EngineRecord, Store};
 use crate::supervisor::{
-    TAG_ENV, command_hash, kill_group_leftovers, procfs, signal_group, spawn_spec,
+    SWEEP_DEADLINE, TAG_ENV, command_hash, kill_group_leftovers, procfs, signal_group, spawn_spec,
+    sweep_group, wait_gone,
 };
 use nix::sys::signal::Signal;
 use std::collections::BTreeMap;
@@ -99,6 +100,18 @@ fn sweep(rec: &EngineRecord, tagged: &[u32]) {
         tracing::warn!(pgid = g, tag = %rec.tag, "killing leftover processes of a dead engine (found by its tag)");
         signal_group(g, Signal::SIGKILL);
     }
+}
+
+/// Live processes of a dead engine: those with its tag, and the members of
+/// its recorded group unless that id now leads another process's group.
+fn leftovers(rec: &EngineRecord) -> Vec<u32> {
+    let mut left = procfs::pids_with_env(TAG_ENV, &rec.tag);
+    if rec.pgid > 1 && !procfs::alive(rec.pgid, None) {
+        left.extend(procfs::group_members(rec.pgid));
+    }
+    left.sort_unstable();
+    left.dedup();
+    left
 }
 
 /// Why a running engine is not adopted (None: it is).
@@ -230,7 +243,7 @@ async fn stop(
         signal_group(pid, Signal::SIGKILL);
         gone(Duration::from_secs(10)).await;
     }
-    signal_group(pid, Signal::SIGKILL);
+    sweep_group(&name, pid, Some(start)).await;
     store.remove_engine(&name, Some(rec.proc_gen));
     tracing::info!(model = %name, pid, "stopped an engine no longer wanted");
 }
@@ -249,6 +262,12 @@ pub async fn recover(
     let mut probes = Vec::new();
     for (name, rec) in store.engines() {
         let Some((pid, start_time)) = locate(&rec) else {
+            // Its killed leftovers may still hold GPU memory a new engine
+            // of the model is about to ask for.
+            let left = wait_gone(|| leftovers(&rec), SWEEP_DEADLINE).await;
+            if !left.is_empty() {
+                tracing::warn!(model = %name, pids = ?left, "a dead engine's processes still there after SIGKILL: they may hold GPU memory");
+            }
             tracing::info!(model = %name, pid = rec.pid, "recorded engine is gone");
             store.remove_engine(&name, Some(rec.proc_gen));
             continue;
@@ -400,8 +419,8 @@ mod tests {
         done()
     }
 
-    #[test]
-    fn a_dead_engines_leftovers_are_killed_by_their_group() {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_engines_leftovers_are_killed_by_their_group() {
         let tag = format!("recovery-orphans-{}", std::process::id());
         // An engine leader with two children that ignore its death, as
         // vLLM's engine core and TP workers do, here without the tag in
@@ -431,12 +450,16 @@ mod tests {
             2,
             "children died with the leader"
         );
-        assert_eq!(locate(&record(pid, start, &tag)), None);
-        assert!(
-            eventually(|| procfs::group_members(pid).is_empty()),
-            "left in the group: {:?}",
-            procfs::group_members(pid)
-        );
+        // Recovery kills them and returns only once they are gone: a new
+        // engine of the model may start right after, and a killed process
+        // keeps its GPU memory until it has exited.
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        assert!(store.set_engine("x", &record(pid, start, &tag)));
+        let config = Config::demo(vec!["x".into()]);
+        assert!(recover(&config, &BTreeMap::new(), &store).await.is_empty());
+        assert_eq!(procfs::group_members(pid), Vec::<u32>::new());
+        assert!(store.engines().is_empty());
     }
 
     #[test]

@@ -61,7 +61,8 @@ keep_text() { printf '%s\t%s\n' "$1" "$2" >>"$RUN/texts-${3:-$TRACK}.tsv"; }
 engines() { python3 "$PY" engines "$RUN/state/"; }
 # API servers (group leaders) serving MODEL.
 engine_count() { engines | awk -v m="$1" '$1 == $2 && $5 == m' | wc -l; }
-group_pids() { ps -eo pid=,pgid= | awk -v g="$1" '$2 == g {print $1}' | tr '\n' ' '; }
+# Live (not zombie: a zombie holds no memory) members of process group $1.
+group_pids() { ps -eo pid=,pgid=,stat= | awk -v g="$1" '$2 == g && $3 !~ /^Z/ {print $1}' | tr '\n' ' '; }
 # EngineCore child of an API server.
 engine_core() { ps -eo pid=,ppid=,comm= | awk -v p="$1" '$2 == p && $3 ~ /^VLLM::EngineCor/ {print $1}' | head -1; }
 

@@ -2,7 +2,7 @@
 //! child, so its end is noticed by polling `/proc` (pid and start time),
 //! and its output files are tailed from where they are.
 
-use super::{LogRing, ProcHandle, kill_group_leftovers, log_paths, procfs, tail};
+use super::{LogRing, ProcHandle, log_paths, procfs, sweep_group, tail};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +15,8 @@ const BACKLOG: u64 = 16 * 1024;
 
 /// Supervises the running process `pid` (started at `start_time`, leading
 /// its own process group) as [`spawn`](super::spawn) does its children:
-/// `on_exit` runs once it is gone and the rest of its group was killed.
+/// `on_exit` runs once it is gone and the rest of its group was killed
+/// and is gone too.
 pub fn adopt(
     name: &str,
     pid: u32,
@@ -26,12 +27,13 @@ pub fn adopt(
     on_exit: impl FnOnce(String) + Send + 'static,
 ) -> ProcHandle {
     let (exited_tx, exited) = watch::channel(false);
+    let model = name.to_string();
     tokio::spawn(async move {
         while procfs::alive(pid, Some(start_time)) {
             tokio::time::sleep(POLL).await;
         }
         // The leader is gone; nothing of its group may stay behind.
-        kill_group_leftovers(pid, Some(start_time));
+        sweep_group(&model, pid, Some(start_time)).await;
         on_exit("exited (adopted engine: exit status unknown)".into());
         let _ = exited_tx.send(true);
     });
