@@ -38,6 +38,9 @@ pub struct ProxyConfig {
     pub header_timeout: Duration,
     /// Time allowed to receive a request's body.
     pub body_timeout: Duration,
+    /// How long a request waits for the first snapshot from a control plane
+    /// (a proxy just started knows no model yet); then 503 `proxy_not_ready`.
+    pub first_snapshot_wait: Duration,
     /// How often control plane host names are re-resolved.
     pub resolve_interval: Duration,
     /// How long in-flight requests may take to finish on shutdown.
@@ -67,6 +70,7 @@ impl Default for ProxyConfig {
             max_header_bytes: 64 * 1024,
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(60),
+            first_snapshot_wait: Duration::from_secs(10),
             resolve_interval: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(30),
             shed_held_on_shutdown: false,
@@ -91,6 +95,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("max_header_bytes", &self.max_header_bytes)
             .field("header_timeout", &self.header_timeout)
             .field("body_timeout", &self.body_timeout)
+            .field("first_snapshot_wait", &self.first_snapshot_wait)
             .field("resolve_interval", &self.resolve_interval)
             .field("drain_timeout", &self.drain_timeout)
             .field("shed_held_on_shutdown", &self.shed_held_on_shutdown)

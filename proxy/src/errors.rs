@@ -20,6 +20,8 @@ pub enum ShedReason {
     Refused,
     /// The proxy is shutting down.
     ShuttingDown,
+    /// The proxy has not heard from any control plane yet.
+    NotReady,
 }
 
 impl ShedReason {
@@ -31,6 +33,7 @@ impl ShedReason {
             ShedReason::Failed => "model_failed",
             ShedReason::Refused => "model_unavailable",
             ShedReason::ShuttingDown => "proxy_shutting_down",
+            ShedReason::NotReady => "proxy_not_ready",
         }
     }
 }

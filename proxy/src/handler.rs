@@ -16,7 +16,7 @@ use crate::forward::{ForwardError, Forwarder};
 use crate::hold::{self, Holds, Release, Ticket, Wait};
 use crate::metrics::{Metrics, ModelLabels, ShedLabels, no_model};
 use crate::model_field::{find_model, rewrite_model};
-use crate::route_table::{ModelRoute, RouteTable};
+use crate::route_table::{ModelRoute, RouteTable, View};
 
 pub(crate) mod checks;
 mod models;
@@ -39,6 +39,10 @@ pub struct Shared {
     pub api_keys: Vec<Vec<u8>>,
     pub max_body_bytes: usize,
     pub body_timeout: Duration,
+    /// How long a request waits for the first snapshot: a replica just
+    /// started (`--reuse-port` gives it connections at once) knows no model
+    /// until a control plane has sent one, and must not answer 404 meanwhile.
+    pub first_snapshot_wait: Duration,
     /// Places for requests leaving the waiting room at once.
     pub leaving: Arc<tokio::sync::Semaphore>,
 }
@@ -99,6 +103,8 @@ pub async fn handle_main(
         }
         if !authorized(&shared, &req) {
             (no_model(), ApiError::Unauthorized.into_response())
+        } else if let Err(e) = ready_view(&shared).await {
+            (no_model(), e.into_response())
         } else if path == "/v1/models" || path == "/v1/models/" {
             (no_model(), models::list(&shared))
         } else if let Some(id) = path.strip_prefix("/v1/models/") {
@@ -141,7 +147,10 @@ async fn model_request(
         Ok(f) => f,
         Err(e) => return (no_model(), e.into_response()),
     };
-    let view = shared.table.view();
+    let view = match ready_view(shared).await {
+        Ok(v) => v,
+        Err(e) => return (no_model(), e.into_response()),
+    };
     let Some(route) = view.by_name.get(&*field.name) else {
         return (
             no_model(),
@@ -174,6 +183,29 @@ async fn model_request(
         e.into_response()
     });
     (model, resp)
+}
+
+/// The route table once this proxy knows the models: at once after its
+/// first snapshot, else when it comes (up to `first_snapshot_wait`; then
+/// 503 with Retry-After, not a 404 for a model it cannot know yet).
+async fn ready_view(shared: &Shared) -> Result<Arc<View>, ApiError> {
+    let view = shared.table.view();
+    if view.ready {
+        return Ok(view);
+    }
+    let mut rx = shared.table.subscribe();
+    let first = async { rx.wait_for(|v| v.ready).await.map(|v| v.clone()) };
+    match tokio::time::timeout(shared.first_snapshot_wait, first).await {
+        Ok(Ok(view)) => Ok(view),
+        _ => Err(ApiError::Shed {
+            reason: ShedReason::NotReady,
+            retry_after_s: Some(1),
+            message: format!(
+                "this proxy has not heard from any control plane yet (waited {} ms); retry",
+                shared.first_snapshot_wait.as_millis()
+            ),
+        }),
+    }
 }
 
 /// Forward when an endpoint is up, hold otherwise, until answered or shed.

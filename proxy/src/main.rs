@@ -77,6 +77,11 @@ struct Args {
     /// Time allowed to receive a request's body.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     body_timeout: std::time::Duration,
+    /// How long a request waits for the first snapshot from a control plane (a proxy just
+    /// started knows no model yet) before it is answered 503 `proxy_not_ready` with
+    /// Retry-After, never 404.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    first_snapshot_wait: std::time::Duration,
     /// Identity sent to control planes (default `proxy@HOST:PORT`, with `/PID` added under
     /// --reuse-port).
     #[arg(long)]
@@ -150,6 +155,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         max_header_bytes: args.max_header_bytes,
         header_timeout: args.header_timeout,
         body_timeout: args.body_timeout,
+        first_snapshot_wait: args.first_snapshot_wait,
         drain_timeout: args.drain_timeout,
         proxy_id: args.proxy_id,
         upstream_idle_timeout: args.upstream_idle_timeout,

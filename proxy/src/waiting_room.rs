@@ -51,6 +51,11 @@ pub struct Entry {
 /// order, as earlier ones are answered, instead of all at once.
 pub const LEAVING_AT_ONCE: usize = 256;
 
+/// How long a new connection may take to send its first request once the
+/// proxy is draining; it is then served (and closed), or closed if it sent
+/// nothing.
+pub const FIRST_REQUEST_GRACE: Duration = Duration::from_secs(1);
+
 /// Headers parsed at most (more: hyper takes the request).
 const MAX_HEADERS: usize = 64;
 
@@ -66,12 +71,21 @@ pub async fn enter(
 ) -> Entry {
     let mut buf = Vec::new();
     // `buf` keeps what was read if the read is cut short.
-    let read = tokio::select! {
-        r = tokio::time::timeout(
+    let read = {
+        let reading = tokio::time::timeout(
             header_timeout,
             read_request(shared, stream, &mut buf, max_header_bytes),
-        ) => r.ok().flatten(),
-        _ = stopping.cancelled() => None,
+        );
+        tokio::pin!(reading);
+        tokio::select! {
+            r = &mut reading => r.ok().flatten(),
+            // Draining: a connection accepted a moment ago is about to send
+            // its first request; closing it unread would answer nothing.
+            () = stopping.cancelled() => tokio::time::timeout(FIRST_REQUEST_GRACE, &mut reading)
+                .await
+                .ok()
+                .and_then(|r| r.ok().flatten()),
+        }
     };
     let Some(model) = read else {
         return Entry {

@@ -8,6 +8,8 @@ mod engine;
 #[path = "component/support.rs"]
 mod support;
 
+#[path = "component/drain_test.rs"]
+mod drain_test;
 #[path = "component/errors_test.rs"]
 mod errors_test;
 #[path = "component/forward_test.rs"]

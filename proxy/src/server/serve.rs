@@ -86,33 +86,27 @@ impl Serve {
                     continue;
                 }
             };
-            let _ = stream.set_nodelay(true);
             if !admin_conn {
                 accepted.inc();
             }
-            let watcher = graceful.watcher();
-            let serve = self.clone();
-            // Absorbing: the hand-overs inside the connection's task (request
-            // body to handler, upstream response to client) do not go
-            // through the scheduler.
-            conns.spawn(Absorbing::new(async move {
-                let res = if admin_conn {
-                    let shared = serve.shared.clone();
-                    let svc = service_fn(move |req| {
-                        let s = shared.clone();
-                        async move { Ok::<_, Infallible>(handler::handle_admin(s, req).await) }
-                    });
-                    let io = TokioIo::new(stream);
-                    Box::pin(watcher.watch(serve.builder.serve_connection(io, svc))).await
-                } else {
-                    serve.client_connection(stream, watcher).await
-                };
-                if let Err(e) = res {
-                    tracing::debug!(error = %e, "connection ended with error");
-                }
-            }));
+            self.start_connection(&mut conns, &graceful, stream, admin_conn);
         }
-        drop(listener);
+        // What the kernel already queued on this listener would be reset
+        // when it closes (unless `net.ipv4.tcp_migrate_req = 1` moves it to
+        // another `--reuse-port` replica): those clients are served too.
+        // Asked of the socket itself: the runtime may not have seen them yet.
+        if let Ok(listener) = listener.into_std() {
+            while let Ok((stream, _)) = listener.accept() {
+                let Ok(stream) = stream
+                    .set_nonblocking(true)
+                    .and_then(|()| tokio::net::TcpStream::from_std(stream))
+                else {
+                    continue;
+                };
+                accepted.inc();
+                self.start_connection(&mut conns, &graceful, stream, false);
+            }
+        }
         drop(admin);
         tracing::info!(thread, connections = graceful.count(), "draining");
         if tokio::time::timeout(self.drain_timeout, graceful.shutdown())
@@ -125,6 +119,39 @@ impl Serve {
             );
         }
         conns.abort_all();
+    }
+
+    /// Serves one accepted connection in a task of `conns`, watched by
+    /// `graceful`.
+    fn start_connection(
+        self: &Arc<Self>,
+        conns: &mut tokio::task::JoinSet<()>,
+        graceful: &GracefulShutdown,
+        stream: tokio::net::TcpStream,
+        admin_conn: bool,
+    ) {
+        let _ = stream.set_nodelay(true);
+        let watcher = graceful.watcher();
+        let serve = self.clone();
+        // Absorbing: the hand-overs inside the connection's task (request
+        // body to handler, upstream response to client) do not go through
+        // the scheduler.
+        conns.spawn(Absorbing::new(async move {
+            let res = if admin_conn {
+                let shared = serve.shared.clone();
+                let svc = service_fn(move |req| {
+                    let s = shared.clone();
+                    async move { Ok::<_, Infallible>(handler::handle_admin(s, req).await) }
+                });
+                let io = TokioIo::new(stream);
+                Box::pin(watcher.watch(serve.builder.serve_connection(io, svc))).await
+            } else {
+                serve.client_connection(stream, watcher).await
+            };
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "connection ended with error");
+            }
+        }));
     }
 
     /// One client connection: the waiting room first (a request for a
@@ -158,11 +185,17 @@ impl Serve {
                 Ok::<_, Infallible>(resp)
             }
         });
+        let draining = self.shutdown.is_cancelled();
+        if draining && entry.prefix.is_empty() {
+            // Nothing sent within the grace: nothing to answer.
+            return Ok(());
+        }
         let io = TokioIo::new(Rewind::new(entry.prefix, stream));
-        if entry.held_since.is_some() && self.shutdown.is_cancelled() {
-            // Draining: the watcher would close this connection before hyper
-            // read the request that waited. Serve that one request, then
-            // close; holding the watcher keeps the drain waiting for it.
+        if draining {
+            // The watcher would close this connection before hyper read its
+            // first request (one that waited, or one that came as the drain
+            // began). Serve that request, then close; holding the watcher
+            // keeps the drain waiting for it.
             let _drain_waits = watcher;
             let mut once = hyper::server::conn::http1::Builder::new();
             once.timer(TokioTimer::new()).keep_alive(false);

@@ -176,6 +176,16 @@ pub async fn wait_state(p: &TestProxy, model: &str, state: &str) {
     .await;
 }
 
+/// Client connections the proxy has accepted, over its serving threads.
+pub async fn accepted(p: &TestProxy) -> f64 {
+    p.metrics()
+        .await
+        .lines()
+        .filter(|l| l.starts_with("siesta_proxy_connections_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The value of a metric line that starts with `prefix` (labels included).
 pub fn metric(text: &str, prefix: &str) -> Option<f64> {
     text.lines()

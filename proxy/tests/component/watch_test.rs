@@ -168,3 +168,45 @@ async fn shutdown_drains_in_flight_requests() {
     let stopped = tokio::time::timeout(DEADLINE, &mut p.task).await;
     assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
 }
+
+/// A proxy started before its control plane (a replica just started, or
+/// restarted, that `--reuse-port` already gives connections) knows no model
+/// yet: a request waits for the first snapshot and is served, and without
+/// one it gets 503 + Retry-After, never 404 "does not exist".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn before_the_first_snapshot_requests_wait_for_it_instead_of_404() {
+    let e = Engine::start("e").await;
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    };
+
+    // A request that reaches the proxy before its control plane is up is
+    // answered once the snapshot arrives.
+    let addr = free();
+    let p = start_proxy(vec![format!("http://{addr}")], |_| {}).await;
+    let url = p.url("/v1/chat/completions");
+    let waiting = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("the request's connection accepted", || async {
+        accepted(&p).await >= 1.0
+    })
+    .await;
+    let _c = ScriptedControl::start_on(addr, vec![model("m", ModelState::Awake, &[&e.url])]);
+    let r = waiting.await.unwrap();
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(e.count(), 1);
+
+    // No control plane at all: after the wait, a retryable 503.
+    let p = start_proxy(vec![format!("http://{}", free())], |cfg| {
+        cfg.first_snapshot_wait = Duration::from_millis(500);
+    })
+    .await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 503, "{:?}", r.body);
+    assert_eq!(r.json()["error"]["code"], "proxy_not_ready");
+    assert_eq!(r.retry_after(), Some(1));
+    let r = get(&p.url("/v1/models")).await;
+    assert_eq!(r.status, 503, "an empty list would say no model exists");
+}
