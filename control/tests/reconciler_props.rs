@@ -459,6 +459,7 @@ impl World {
                 Effect::ProbeHealth { epoch, .. } => self.probes.push(epoch),
                 Effect::Sleep { epoch, level } => {
                     prop_assert_eq!(m.in_flight(), 0, "sleep with requests in flight\n{}", ctx());
+                    prop_assert_eq!(m.held(), 0, "sleep with requests held\n{}", ctx());
                     prop_assert!((1..=2).contains(&level));
                     // Only what the engine kind can do is ever planned.
                     prop_assert!(

@@ -193,10 +193,14 @@ impl Proxy {
                 .clone()
                 .run(table.subscribe(), background.child_token()),
         );
+        // Stopped before the rest: its last report (nothing in flight,
+        // nothing held) needs the control planes' clients, which the Watch
+        // tasks drop when they stop.
+        let reporting = background.child_token();
         let reporter = tokio::spawn(activity.clone().run(
             controls.clone(),
             proxy_id.clone(),
-            background.child_token(),
+            reporting.clone(),
         ));
 
         // Every duplicate of the listening socket, and thread 0's
@@ -267,8 +271,9 @@ impl Proxy {
         // Every request is answered: the engines see their idle connections
         // close now, not after the idle timeout.
         serve.shared.forwarder.close_idle();
-        background.cancel();
+        reporting.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(3), reporter).await;
+        background.cancel();
         tracing::info!("siesta-proxy stopped");
         Ok(())
     }

@@ -295,14 +295,20 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
                     begin_suspend(m, 0, now, fx);
                 }
             }
+            // Requests held for the model are served first: the proxies
+            // release them on the `awake` this wake published. Sleeping at
+            // once (an operator's sleep that came during the wake) held
+            // them again, and an operator sleeping every few seconds kept
+            // them from being served at all.
             Desired::Asleep(level) => {
-                if m.in_flight() == 0 {
+                if m.in_flight() == 0 && m.held() == 0 {
                     begin_sleep(m, level, now, fx);
                 }
             }
             Desired::Stopped if m.settings.attach => {
                 if let Some(level) = deepest
                     && m.in_flight() == 0
+                    && m.held() == 0
                 {
                     begin_sleep(m, level, now, fx);
                 }

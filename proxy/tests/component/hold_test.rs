@@ -266,3 +266,61 @@ async fn held_requests_are_shed_not_cut_when_the_drain_ends() {
     let stopped = tokio::time::timeout(DEADLINE, &mut p.task).await;
     assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
 }
+
+/// A wake that comes while the proxy drains releases what it holds: the
+/// drain is for answering, and a replica replaced in a rolling restart
+/// still has its Watch.
+#[tokio::test]
+async fn a_wake_during_the_drain_releases_held_requests() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![held("m", 8, 600_000)]);
+    let mut p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.drain_timeout = Duration::from_secs(20);
+    })
+    .await;
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("held", || async { held_now(&p, "m").await == 1.0 }).await;
+    p.shutdown.cancel();
+    c.set(model("m", ModelState::Awake, &[&e.url]));
+    let r = tokio::time::timeout(Duration::from_secs(10), t)
+        .await
+        .expect("released by the wake, long before the drain ends")
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let stopped = tokio::time::timeout(DEADLINE, &mut p.task).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+}
+
+/// The last activity report of a proxy that stops says nothing is held
+/// or in flight any more. It was dropped (the Watch tasks, stopped first,
+/// took the control plane's client with them): control kept the old
+/// counts for 30 s, so a model looked busy (no eviction for others) and
+/// wanted (woken for requests no one held) after every rolling restart.
+#[tokio::test]
+async fn the_last_report_of_a_stopping_proxy_clears_what_it_held() {
+    let c = ScriptedControl::start(vec![held("m", 8, 600_000)]);
+    let mut p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.drain_timeout = Duration::from_secs(1);
+    })
+    .await;
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("m")).await });
+    let reported_held = |c: &ScriptedControl| {
+        c.reports()
+            .iter()
+            .flat_map(|r| r.models.iter())
+            .filter(|m| m.model == "m")
+            .next_back()
+            .map(|m| (m.held, m.in_flight))
+    };
+    wait_until("held reported", || async {
+        reported_held(&c) == Some((1, 0))
+    })
+    .await;
+    p.shutdown.cancel();
+    assert_eq!(t.await.unwrap().status, 503);
+    let stopped = tokio::time::timeout(DEADLINE, &mut p.task).await;
+    assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
+    assert_eq!(reported_held(&c), Some((0, 0)), "{:#?}", c.reports());
+}

@@ -236,15 +236,46 @@ fn held(s: &mut Sim, n: u32) {
 }
 
 /// Requests held when an operator puts the model to sleep (here during the
-/// start they asked for) wake it again once the sleep is done. Before,
-/// the proxy's one `Demand` was forgotten: they waited out `max_hold`
-/// while the tiers stopped the engine (scripts/chaos: 64 requests held for
-/// a model stopped by its tier, nothing starting it).
+/// start they asked for) are served first: the sleep waits until the
+/// proxies hold none. Before, it began the moment the start ended, the
+/// requests stayed held, and an operator's sleep every few seconds kept
+/// them from ever being served (scripts/chaos with a 2 s sleep: answers
+/// after 40 s).
+#[test]
+fn requests_held_when_an_operators_sleep_comes_are_served_before_it() {
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Demand);
+    held(&mut s, 3);
+    s.ev(Event::Command(Command::Sleep(1)));
+    s.boot();
+    assert_eq!(s.m.phase, Phase::Awake, "the held requests come first");
+    s.advance(secs(2));
+    assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })), "{:?}", s.fx);
+    // Released and answered: now the operator's sleep.
+    s.ev(Event::Activity {
+        proxy: "p".into(),
+        in_flight: 3,
+        held: 0,
+        active: true,
+        last_finished: None,
+    });
+    assert_eq!(s.m.phase, Phase::Awake);
+    held(&mut s, 0);
+    assert!(
+        matches!(s.m.phase, Phase::Sleeping { level: 1, .. }),
+        "the operator's sleep is carried out: {:?}",
+        s.m.phase
+    );
+}
+
+/// Requests held when an operator's sleep has begun wake the model again
+/// once it is done. Before, the proxy's one `Demand` was forgotten: they
+/// waited out `max_hold` while the tiers stopped the engine (scripts/chaos:
+/// 64 requests held for a model stopped by its tier, nothing starting it).
 #[test]
 fn requests_held_through_an_operators_sleep_wake_the_model_after_it() {
     let mut s = Sim::new(Preload::None);
     s.ev(Event::Demand);
-    held(&mut s, 3);
     s.ev(Event::Command(Command::Sleep(1)));
     assert_eq!(s.m.demand_since, None);
     s.boot();
@@ -253,6 +284,7 @@ fn requests_held_through_an_operators_sleep_wake_the_model_after_it() {
         "the operator's sleep is carried out: {:?}",
         s.m.phase
     );
+    held(&mut s, 3);
     s.now += secs(1);
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     assert!(s.has(is_wake), "{:?} {:?}", s.m.phase, s.fx);
