@@ -237,11 +237,14 @@ async fn requests_held_when_an_operator_sleeps_the_model_are_answered_before_the
             if st == pb::ModelState::Sleeping && began.is_none() {
                 began = Some(m.state_since_unix_ms);
             }
-            if began.is_some() && states.last() != Some(&st) {
+            let Some(began) = began else {
+                continue;
+            };
+            if states.last() != Some(&st) {
                 states.push(st);
             }
-            if began.is_some() && st == pb::ModelState::Stopped {
-                return (began.unwrap(), states);
+            if st == pb::ModelState::Stopped {
+                return (began, states);
             }
         }
     });

@@ -310,8 +310,7 @@ async fn the_last_report_of_a_stopping_proxy_clears_what_it_held() {
         c.reports()
             .iter()
             .flat_map(|r| r.models.iter())
-            .filter(|m| m.model == "m")
-            .next_back()
+            .rfind(|m| m.model == "m")
             .map(|m| (m.held, m.in_flight))
     };
     wait_until("held reported", || async {
