@@ -16,15 +16,24 @@ async fn restarts_and_last_activity_survive_adoption() {
     })
     .await
     .expect("Restart");
-    wait_status(&mut c, "chat", "restarted and awake", LONG, |s| {
+    let restarted = wait_status(&mut c, "chat", "restarted and awake", LONG, |s| {
         state(s) == pb::ModelState::Awake && s.restarts == 2
     })
     .await;
-    // A request served through a proxy, as the proxy reports it.
-    let finished = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64;
+    // A request served through a proxy, as the proxy reports it, finished
+    // well after the restart's own activity (so the two cannot be taken
+    // for each other below).
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+    };
+    let apart = restarted.last_activity_unix_ms + 500 - now_ms();
+    if apart > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(apart as u64)).await;
+    }
+    let finished = now_ms();
     c.report_activity(pb::ReportActivityRequest {
         proxy_id: "test-proxy".into(),
         models: vec![pb::ModelActivity {
@@ -40,8 +49,12 @@ async fn restarts_and_last_activity_survive_adoption() {
     })
     .await
     .expect("ReportActivity");
+    // Within 100 ms of `finished`, not `>=`: the daemon maps Unix times
+    // onto its monotonic clock from one pair of readings taken at its
+    // start and clamps a time past its own now to now; on a loaded box the
+    // two readings can be a few ms apart (CI saw it never reach `finished`).
     let before = wait_status(&mut c, "chat", "the activity recorded", LONG, |s| {
-        s.last_activity_unix_ms >= finished
+        s.last_activity_unix_ms + 100 >= finished
     })
     .await;
     let pid = before.pid;
