@@ -228,20 +228,17 @@ async fn stop(
     grace: Duration,
 ) {
     signal_group(pid, Signal::SIGTERM);
-    let gone = |d: Duration| async move {
-        let end = tokio::time::Instant::now() + d;
-        while procfs::alive(pid, Some(start)) {
-            if tokio::time::Instant::now() >= end {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    let leader = || {
+        if procfs::alive(pid, Some(start)) {
+            vec![pid]
+        } else {
+            Vec::new()
         }
-        true
     };
-    if !gone(grace).await {
+    if !wait_gone(leader, grace).await.is_empty() {
         tracing::warn!(model = %name, pid, "stop grace over: SIGKILL to the process group");
         signal_group(pid, Signal::SIGKILL);
-        gone(Duration::from_secs(10)).await;
+        wait_gone(leader, SWEEP_DEADLINE).await;
     }
     sweep_group(&name, pid, Some(start)).await;
     store.remove_engine(&name, Some(rec.proc_gen));

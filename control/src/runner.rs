@@ -524,8 +524,10 @@ impl Runner {
 }
 
 /// How long the end of a model task waits for a spawn task: one killing a
-/// previous engine waits up to 10 s for it to be reaped.
-const SPAWN_END_WAIT: Duration = Duration::from_secs(15);
+/// previous engine waits up to 10 s for it to be reaped, and up to
+/// `SWEEP_DEADLINE` more for the rest of its group to be gone.
+const SPAWN_END_WAIT: Duration =
+    Duration::from_secs(15).saturating_add(crate::supervisor::SWEEP_DEADLINE);
 
 #[cfg(test)]
 mod tests;

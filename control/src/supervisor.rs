@@ -117,12 +117,14 @@ impl ProcHandle {
         *self.exited.borrow()
     }
 
-    /// SIGKILL to the group, then wait until the leader is reaped.
+    /// SIGKILL to the group, then wait until the leader is reaped and the
+    /// rest of the group is gone ([`sweep_group`]).
     pub async fn kill_and_wait(&self) {
         if !self.has_exited() {
             self.signal(NixSignal::SIGKILL);
             let mut rx = self.exited.clone();
-            let _ = tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|e| *e)).await;
+            let reaped_and_swept = Duration::from_secs(10) + SWEEP_DEADLINE;
+            let _ = tokio::time::timeout(reaped_and_swept, rx.wait_for(|e| *e)).await;
         }
     }
 }

@@ -103,7 +103,9 @@ pub async fn handle_main(
         }
         if !authorized(&shared, &req) {
             (no_model(), ApiError::Unauthorized.into_response())
-        } else if let Err(e) = ready_view(&shared).await {
+        } else if path.starts_with("/v1/models")
+            && let Err(e) = ready_view(&shared).await
+        {
             (no_model(), e.into_response())
         } else if path == "/v1/models" || path == "/v1/models/" {
             (no_model(), models::list(&shared))
@@ -201,7 +203,9 @@ async fn ready_view(shared: &Shared) -> Result<Arc<View>, ApiError> {
             reason: ShedReason::NotReady,
             retry_after_s: Some(1),
             message: format!(
-                "this proxy has not heard from any control plane yet (waited {} ms); retry",
+                "this proxy has not heard from any control plane yet (waited {} ms), so it \
+                 knows no model; retry, and if this lasts check that siesta-control runs and \
+                 is reachable at this proxy's --control address (until then the admin /readyz is 503)",
                 shared.first_snapshot_wait.as_millis()
             ),
         }),

@@ -203,9 +203,16 @@ async fn before_the_first_snapshot_requests_wait_for_it_instead_of_404() {
         cfg.first_snapshot_wait = Duration::from_millis(500);
     })
     .await;
+    let r = get(&p.url("/v1/no-such-path")).await;
+    assert_eq!(
+        r.status, 404,
+        "a path no snapshot can make valid is answered at once"
+    );
     let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
     assert_eq!(r.status, 503, "{:?}", r.body);
     assert_eq!(r.json()["error"]["code"], "proxy_not_ready");
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(msg.contains("--control"), "{msg}");
     assert_eq!(r.retry_after(), Some(1));
     let r = get(&p.url("/v1/models")).await;
     assert_eq!(r.status, 503, "an empty list would say no model exists");
