@@ -35,8 +35,18 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-/// Puts one model to sleep to make room (sends it `Event::Evict`).
-pub type Evictor = Arc<dyn Fn() + Send + Sync>;
+/// How a model is asked to make room.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Eviction {
+    /// It is idle: sleep (`Event::Evict`).
+    Idle,
+    /// It is busy and its turn is over: `to` has waited `yield_after` for
+    /// its GPUs (`Event::Yield`).
+    Yield { to: String },
+}
+
+/// Asks one model to make room (sends it `Event::Evict` or `Event::Yield`).
+pub type Evictor = Arc<dyn Fn(Eviction) + Send + Sync>;
 
 /// Tells a waiting model what it waits for (None: admitted).
 pub type Waiting = Box<dyn Fn(Option<String>) + Send + Sync>;
@@ -61,10 +71,10 @@ impl Registry {
         self.0.write().unwrap().remove(model);
     }
 
-    fn evict(&self, model: &str) {
+    fn evict(&self, model: &str, how: Eviction) {
         let f = self.0.read().unwrap().get(model).cloned();
         if let Some(f) = f {
-            f();
+            f(how);
         }
     }
 }
@@ -75,6 +85,10 @@ pub struct AdmissionPolicy {
     /// A woken model stays awake at least this long before it may be put
     /// to sleep for another (against thrashing when two models alternate).
     pub min_awake: Duration,
+    /// A busy model keeps GPUs another model waits for at most this long
+    /// (its turn), and only once the other has waited as long (None: until
+    /// it is idle).
+    pub yield_after: Option<Duration>,
 }
 
 enum Msg {

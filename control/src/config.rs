@@ -47,6 +47,13 @@ pub struct ControlConfig {
     /// A woken model stays awake at least this long before admission may
     /// put it to sleep for another (`min_awake`, default 2s).
     pub min_awake: Duration,
+    /// A model busy with requests keeps GPUs another model waits for at
+    /// most this long (`yield_after`, default 10s; `"off"`: until it is
+    /// idle). Past it, once that model has waited as long and the busy one
+    /// has been awake as long, the busy one yields: new requests for it are
+    /// held, those in flight finish, it sleeps, and its held requests are
+    /// served on its next turn.
+    pub yield_after: Option<Duration>,
     /// How long a connection to an engine may idle in control's pool
     /// (`engine_idle_timeout`, default 4s: below uvicorn's 5 s keep-alive).
     pub engine_idle_timeout: Duration,
@@ -64,6 +71,9 @@ pub const DEFAULT_ENGINE_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Default `[control] min_awake`.
 pub const DEFAULT_MIN_AWAKE: Duration = Duration::from_secs(2);
+
+/// Default `[control] yield_after`.
+pub const DEFAULT_YIELD_AFTER: Duration = Duration::from_secs(10);
 
 /// When and how the GPU peer-to-peer probe runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

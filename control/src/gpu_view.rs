@@ -441,14 +441,16 @@ impl GpuView {
     /// Whether `target` fits awake now (models without a placement or GPUs
     /// always do).
     pub fn plan_wake(&self, target: &str, models: &[ModelStatus]) -> WakePlan {
-        self.plan_wake_in(target, &runtime(models))
+        self.plan_wake_in(target, &runtime(models), false)
     }
 
-    /// [`Self::plan_wake`] given each model's run time as admission sees it.
+    /// [`Self::plan_wake`] given each model's run time as admission sees
+    /// it; `yield_busy`: busy models whose turn is over may be victims.
     pub(crate) fn plan_wake_in(
         &self,
         target: &str,
         runtime: &BTreeMap<String, ModelRuntime>,
+        yield_busy: bool,
     ) -> WakePlan {
         let st = self.state.lock().unwrap();
         if !st
@@ -465,6 +467,7 @@ impl GpuView {
             &st.placements,
             runtime,
             &self.run_policy(),
+            yield_busy,
         )
     }
 

@@ -2,6 +2,7 @@
 //! the gRPC layer calls. Answers in domain types; refusals are [`OpError`].
 
 use crate::OpError;
+use crate::admission::Eviction;
 use crate::config::{Config, IdleAction, ModelConfig};
 use crate::fence::FenceReport;
 use crate::placement::{Placed, Planned, default_placement};
@@ -102,9 +103,12 @@ impl Models {
         self.shared.admission.metrics().known(&cfg.name);
         self.shared.admission.registry().insert(
             &cfg.name,
-            Arc::new(move || {
+            Arc::new(move |how| {
                 if let Some(h) = weak.upgrade() {
-                    h.notify(Event::Evict);
+                    h.notify(match how {
+                        Eviction::Idle => Event::Evict,
+                        Eviction::Yield { to } => Event::Yield { to },
+                    });
                 }
             }),
         );

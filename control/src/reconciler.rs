@@ -143,6 +143,17 @@ pub enum Phase {
     Draining {
         deadline: Instant,
     },
+    /// A busy engine yields its GPUs to a model that waited for them
+    /// (`[control] yield_after`): published as sleeping, so proxies hold
+    /// new requests; once every live proxy has confirmed it has nothing in
+    /// flight to it (`drained`) and nothing else is (the engine's gauge),
+    /// it sleeps at `level`. Not drained by `deadline` (one stop grace):
+    /// it serves again, nothing cut.
+    Yielding {
+        level: u8,
+        deadline: Instant,
+        drained: bool,
+    },
     /// `killed`: SIGKILL already sent.
     Stopping {
         deadline: Instant,
@@ -162,6 +173,7 @@ impl Phase {
             | Phase::Suspending { deadline, .. }
             | Phase::Resuming { deadline, .. }
             | Phase::Draining { deadline }
+            | Phase::Yielding { deadline, .. }
             | Phase::Stopping { deadline, .. } => Some(deadline),
             _ => None,
         }
@@ -235,6 +247,11 @@ pub enum Event {
     Retire,
     /// Sleep (level 1) to make room for another model, if idle and unpinned.
     Evict,
+    /// Busy past its turn: finish what is in flight, hold new requests,
+    /// then sleep, to make room for `to` (if awake and unpinned).
+    Yield {
+        to: String,
+    },
     /// Keep awake until (None: until Unpin).
     Pin(Option<Instant>),
     Unpin,
@@ -390,9 +407,9 @@ pub enum Effect {
     Suspend {
         epoch: u64,
     },
-    /// Wait (up to the stop grace) until every live proxy has applied the
-    /// draining state and has nothing in flight to the engine; answer
-    /// `Drained`.
+    /// Wait (until the phase's deadline: one stop grace) until every live
+    /// proxy has applied the draining or yielding state and has nothing in
+    /// flight to the engine; answer `Drained`.
     Drain {
         epoch: u64,
     },

@@ -168,6 +168,7 @@ impl Server {
                 clock,
                 AdmissionPolicy {
                     min_awake: config.control.min_awake,
+                    yield_after: config.control.yield_after,
                 },
                 shutdown.child_token(),
             ),

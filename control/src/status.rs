@@ -205,7 +205,7 @@ pub fn model_status(
         Phase::Stopped => (State::Stopped, 0),
         Phase::Starting { .. } => (State::Starting, 0),
         Phase::Awake => (State::Awake, 0),
-        Phase::Sleeping { level, .. } => (State::Sleeping, level),
+        Phase::Sleeping { level, .. } | Phase::Yielding { level, .. } => (State::Sleeping, level),
         Phase::Asleep { level } => (State::Asleep, level),
         Phase::Waking { .. } => (State::Waking, 0),
         Phase::Draining { .. } | Phase::Stopping { .. } => (State::Stopping, 0),
@@ -230,6 +230,11 @@ pub fn model_status(
         Phase::Awake if m.intent.desired != Desired::Awake && m.in_flight() > 0 => {
             Some(format!("{} request(s) in flight to finish", m.in_flight()))
         }
+        Phase::Yielding { .. } => Some(format!(
+            "yielding its GPUs: {} request(s) in flight to finish before it sleeps (new ones are \
+             held for its next turn)",
+            m.in_flight()
+        )),
         _ => None,
     };
     ModelStatus {

@@ -9,7 +9,9 @@
 //! - one engine process per model: no `Spawn` while a process of the model
 //!   may still run un-killed (and, its own test, while an earlier spawn may
 //!   still land);
-//! - no `Sleep` or `Suspend` effect while requests are in flight, and no
+//! - no `Sleep` or `Suspend` effect while requests are in flight, no
+//!   `Sleep` while requests are held except a yield's (a busy model making
+//!   room for another: its held requests wait for its next turn), and no
 //!   probe, sleep or wake call while the engine is suspending, suspended or
 //!   resuming (a request reaching a checkpointed engine kills it);
 //! - every transitional phase has a deadline, and the timer fires by then;
@@ -98,6 +100,8 @@ enum Action {
     Retire(u8),
     Demand,
     Evict,
+    /// Admission asks a busy model to yield its GPUs.
+    Yield,
     /// A probe finds the engine asleep at this level (the current epoch).
     FoundAsleep(u8),
     Pin(Option<u64>),
@@ -157,6 +161,7 @@ fn action() -> impl Strategy<Value = Action> {
         1 => (0u8..8).prop_map(Action::Retire),
         2 => Just(Action::Demand),
         1 => Just(Action::Evict),
+        1 => Just(Action::Yield),
         1 => (1u8..=2).prop_map(Action::FoundAsleep),
         1 => proptest::option::of(0u64..120).prop_map(Action::Pin),
         1 => Just(Action::Unpin),
@@ -272,6 +277,7 @@ impl World {
             Action::Retire(_) => return None,
             Action::Demand => Event::Demand,
             Action::Evict => Event::Evict,
+            Action::Yield => Event::Yield { to: "other".into() },
             Action::FoundAsleep(level) => Event::FoundAsleep { epoch, level },
             Action::Pin(s) => Event::Pin(s.map(|s| self.now + secs(s))),
             Action::Unpin => Event::Unpin,
@@ -459,7 +465,11 @@ impl World {
                 Effect::ProbeHealth { epoch, .. } => self.probes.push(epoch),
                 Effect::Sleep { epoch, level } => {
                     prop_assert_eq!(m.in_flight(), 0, "sleep with requests in flight\n{}", ctx());
-                    prop_assert_eq!(m.held(), 0, "sleep with requests held\n{}", ctx());
+                    // Only a yield sleeps with requests held: they wait for
+                    // its next turn, the model asks for its GPUs again.
+                    if !matches!(prev.phase, Phase::Yielding { drained: true, .. }) {
+                        prop_assert_eq!(m.held(), 0, "sleep with requests held\n{}", ctx());
+                    }
                     prop_assert!((1..=2).contains(&level));
                     // Only what the engine kind can do is ever planned.
                     prop_assert!(
@@ -516,10 +526,16 @@ impl World {
                     self.resumes.push(epoch);
                 }
                 Effect::Drain { epoch } => {
-                    prop_assert!(!m.settings.attach, "drain of an attached engine\n{}", ctx());
+                    // An attached engine is never stopped, but it may yield.
+                    let yielding = matches!(m.phase, Phase::Yielding { drained: false, .. });
                     prop_assert!(
-                        matches!(m.phase, Phase::Draining { .. }),
-                        "drain outside Draining\n{}",
+                        !m.settings.attach || yielding,
+                        "drain of an attached engine\n{}",
+                        ctx()
+                    );
+                    prop_assert!(
+                        matches!(m.phase, Phase::Draining { .. }) || yielding,
+                        "drain outside Draining or Yielding\n{}",
                         ctx()
                     );
                     self.drains.push(epoch);
@@ -668,6 +684,8 @@ fn phase_name(p: &Phase) -> &'static str {
         Phase::Waking { step: 0, .. } => "Waking(0)",
         Phase::Waking { .. } => "Waking(n)",
         Phase::Draining { .. } => "Draining",
+        Phase::Yielding { drained: false, .. } => "Yielding",
+        Phase::Yielding { drained: true, .. } => "Yielding(drained)",
         Phase::Stopping { killed: false, .. } => "Stopping",
         Phase::Stopping { killed: true, .. } => "Stopping(killed)",
         Phase::Failed { .. } => "Failed",
@@ -688,7 +706,7 @@ fn the_generator_reaches_every_phase() {
         proptest::collection::vec((advance(), action()), 1..80),
     );
     let mut seen = BTreeSet::new();
-    for _ in 0..300 {
+    for _ in 0..600 {
         let (settings, preload, steps) = case.new_tree(&mut runner).unwrap().current();
         let mut w = World::new(settings, preload, Strict::default());
         w.run(steps).unwrap();
@@ -705,6 +723,8 @@ fn the_generator_reaches_every_phase() {
         "Waking(0)",
         "Waking(n)",
         "Draining",
+        "Yielding",
+        "Yielding(drained)",
         "Stopping",
         "Stopping(killed)",
         "Failed",

@@ -2,7 +2,8 @@
 //! requests at once (the deadlock of the first side-by-side run): from
 //! every starting point, 20 concurrent requests split between them are all
 //! answered, the two are never awake together, and no engine is killed or
-//! replaced.
+//! replaced. A model kept busy without a pause yields the GPU to one that
+//! waits, and gets it back.
 
 use siesta_proto::v1 as pb;
 use siesta_tests::ctl::*;
@@ -230,6 +231,166 @@ async fn three_models_on_two_gpus_with_a_tp2_model_all_woken_at_once() {
         }
     }
     for m in ["tp", "a", "b"] {
+        let s = status(&mut c, m).await;
+        assert_eq!(s.pid, pids[m], "{m}'s engine was replaced: {s:#?}");
+        assert_eq!(s.restarts, 1, "{m} restarted: {s:#?}");
+    }
+}
+
+/// A request's outcome and when it ended.
+type Answered = (Result<String, String>, std::time::Instant);
+
+/// One chat completion that takes `tokens` / 20 s on a model paced at 20
+/// tokens/s (`ignore_eos`: every token is generated); returns its
+/// `finish_reason`.
+async fn paced_chat(proxy: &str, model: &str, tokens: u32) -> Result<String, String> {
+    let body = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": tokens,
+        "ignore_eos": true,
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{proxy}/v1/chat/completions"))
+        .json(&body)
+        .timeout(ANSWER_WITHIN)
+        .send()
+        .await
+        .map_err(|e| format!("{model}: no answer within {ANSWER_WITHIN:?}: {e}"))?;
+    let status = resp.status();
+    let text = resp.text().await.unwrap_or_default();
+    if status != 200 {
+        return Err(format!("{model}: HTTP {status}: {text}"));
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{model}: bad JSON {e}: {text}"))?;
+    let finish = v["choices"][0]["finish_reason"]
+        .as_str()
+        .unwrap_or_default();
+    let done = v["usage"]["completion_tokens"].as_u64() == Some(u64::from(tokens));
+    if finish != "length" || !done {
+        return Err(format!("{model}: cut short: {text}"));
+    }
+    Ok(finish.to_string())
+}
+
+/// A model kept busy without a pause does not keep the GPU from a model
+/// that waits for it (`[control] yield_after`, 2 s here): past its turn it
+/// holds new requests, lets those in flight finish, and sleeps; the waiting
+/// model is served; then the busy one gets the GPU back and what it held
+/// is answered. No request is cut or refused, the two are never awake
+/// together, and no engine is replaced. (Before, the waiting model's
+/// requests waited until the busy one was idle: here, never.)
+#[tokio::test]
+async fn a_busy_model_yields_the_gpu_to_a_waiting_one_and_gets_it_back() {
+    let cfg = swap_config(1, &[("a", 1, 0.85), ("b", 1, 0.85)])
+        .replace(
+            "p2p_probe = \"off\"",
+            "p2p_probe = \"off\"\nyield_after = \"2s\"",
+        )
+        .replace(
+            "name = \"a\"\n",
+            "name = \"a\"\nargs = [\"--tokens-per-second\", \"20\"]\n",
+        );
+    let ctl = start(&cfg).await;
+    let mut c = ctl.client().await;
+    if !gpus_from_config(&mut c).await {
+        return;
+    }
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    proxy_ready(&proxy).await;
+    let mut pids = BTreeMap::new();
+    for m in ["a", "b"] {
+        let s = wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
+        pids.insert(m, s.pid);
+    }
+    wake_awake(&mut c, "a").await;
+    let broken = watch_never_awake_together(ctl.client().await, vec![vec!["a", "b"]]);
+
+    // Six clients keep a busy: 1 s requests, back to back, staggered.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let answered: Arc<Mutex<Vec<Answered>>> = Arc::default();
+    let mut clients = Vec::new();
+    for i in 0..6u64 {
+        let (url, stop, answered) = (proxy.url(), stop.clone(), answered.clone());
+        clients.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(170 * i)).await;
+            let deadline = std::time::Instant::now() + Duration::from_secs(150);
+            while !stop.load(std::sync::atomic::Ordering::SeqCst)
+                && std::time::Instant::now() < deadline
+            {
+                let r = paced_chat(&url, "a", 20).await;
+                answered
+                    .lock()
+                    .unwrap()
+                    .push((r, std::time::Instant::now()));
+            }
+        }));
+    }
+    wait_status(&mut c, "a", "a busy", LONG, |s| s.in_flight >= 4).await;
+
+    // b waits for the GPU a holds: a yields once b waited 2 s.
+    let asked = std::time::Instant::now();
+    let b = try_chat(&proxy.url(), "b", 4, ANSWER_WITHIN).await;
+    let b_took = asked.elapsed();
+    let b_done = std::time::Instant::now();
+    assert!(b.is_ok(), "b was not served while a was busy: {b:?}");
+    // a gets the GPU back: its held and new requests are answered.
+    siesta_tests::wait_until("a answering again after b", LONG, || async {
+        answered
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(r, at)| r.is_ok() && *at > b_done)
+            .count()
+            >= 6
+    })
+    .await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    for t in clients {
+        t.await.unwrap();
+    }
+    let answered = std::mem::take(&mut *answered.lock().unwrap());
+    let errors: Vec<&String> = answered
+        .iter()
+        .filter_map(|(r, _)| r.as_ref().err())
+        .collect();
+    assert!(errors.is_empty(), "a's requests failed: {errors:#?}");
+    eprintln!(
+        "b answered after {b_took:?} with a busy; a answered {} requests, none cut",
+        answered.len()
+    );
+    if let Some(b) = broken.lock().unwrap().clone() {
+        panic!("{b}");
+    }
+    // It was a yield (a never idle), said in a's log; none was given up.
+    let mut lines = c
+        .logs(pb::LogsRequest {
+            name: "a".into(),
+            tail: 0,
+            follow: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut log = Vec::new();
+    while let Some(l) = lines.message().await.unwrap() {
+        if l.stream == "siesta" {
+            log.push(l.line);
+        }
+    }
+    assert!(
+        log.iter()
+            .any(|l| l.contains("yielding its GPUs to \"b\", which waited for them")),
+        "{log:#?}"
+    );
+    assert!(
+        !log.iter().any(|l| l.contains("yield given up")),
+        "{log:#?}"
+    );
+    let a = status(&mut c, "a").await;
+    assert!(a.last_error.is_empty(), "{a:#?}");
+    for m in ["a", "b"] {
         let s = status(&mut c, m).await;
         assert_eq!(s.pid, pids[m], "{m}'s engine was replaced: {s:#?}");
         assert_eq!(s.restarts, 1, "{m} restarted: {s:#?}");

@@ -1,5 +1,6 @@
 //! What admission does, for Prometheus: asks admitted and how long each
-//! waited for room, models put to sleep for another, waits given up.
+//! waited for room, models put to sleep for another, busy models asked to
+//! yield, waits given up.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -25,6 +26,7 @@ pub struct AdmissionMetrics {
     admitted: Family<ModelLabel, Counter>,
     wait: Family<ModelLabel, Histogram, fn() -> Histogram>,
     evictions: Family<ModelLabel, Counter>,
+    yields: Family<ModelLabel, Counter>,
 }
 
 impl Default for AdmissionMetrics {
@@ -50,11 +52,19 @@ impl Default for AdmissionMetrics {
             "Times a model was asked to sleep to make room for another, by the model put to sleep",
             evictions.clone(),
         );
+        let yields = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "yields",
+            "Times a busy model was asked to yield its GPUs (finish what is in flight, hold new \
+             requests, sleep) to a model that waited yield_after, by the model asked",
+            yields.clone(),
+        );
         Self {
             registry,
             admitted,
             wait,
             evictions,
+            yields,
         }
     }
 }
@@ -76,10 +86,19 @@ impl AdmissionMetrics {
         };
         let _ = self.admitted.get_or_create(&l).get();
         let _ = self.evictions.get_or_create(&l).get();
+        let _ = self.yields.get_or_create(&l).get();
     }
 
     pub(crate) fn evicted(&self, model: &str) {
         self.evictions
+            .get_or_create(&ModelLabel {
+                model: model.to_string(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn yielded(&self, model: &str) {
+        self.yields
             .get_or_create(&ModelLabel {
                 model: model.to_string(),
             })

@@ -1,7 +1,7 @@
 //! The admission queue and its planning step: pure over the models'
 //! states, the placement and the clock, so tests drive it directly.
 
-use super::{AdmissionMetrics, AdmissionPolicy, Registry, Waiting};
+use super::{AdmissionMetrics, AdmissionPolicy, Eviction, Registry, Waiting};
 use crate::gpu_view::{GpuView, runtime};
 use crate::placement::{RunState, WakePlan};
 use crate::status::{Clock, ModelStatus, State};
@@ -14,6 +14,11 @@ use tokio::sync::oneshot;
 /// published state has not moved since the answer. The model publishes
 /// within milliseconds; this bounds what a model that never does costs.
 const GRANT_UNSEEN_MAX: Duration = Duration::from_secs(30);
+
+/// What is left of `d` after `elapsed_ms`, in ms.
+fn ms_left(d: Duration, elapsed_ms: i64) -> u64 {
+    (d.as_millis() as i64 - elapsed_ms).max(0) as u64
+}
 
 /// An answered ask, as the hub showed its model when it was answered.
 struct Grant {
@@ -137,9 +142,15 @@ impl Core {
                 }
             }
             if m.state == State::Awake {
-                let min = self.policy.min_awake.as_millis() as i64;
                 let awake_for = now_ms - m.state_since_unix_ms;
-                r.min_awake_left_ms = (min - awake_for).max(0) as u64;
+                r.min_awake_left_ms = ms_left(self.policy.min_awake, awake_for);
+                // A busy model's turn: it may yield once it has been awake
+                // `yield_after` (one that cannot sleep never yields).
+                r.yield_in_ms = self
+                    .policy
+                    .yield_after
+                    .filter(|_| m.engine.deepest_sleep().is_some())
+                    .map(|turn| ms_left(turn, awake_for));
             }
         }
         let mut blocked: BTreeSet<u32> = BTreeSet::new();
@@ -162,7 +173,12 @@ impl Core {
                 i += 1;
                 continue;
             }
-            match self.gpus.plan_wake_in(&model, &rt) {
+            // Waited its share: a busy model whose turn is over yields.
+            let yield_busy = self
+                .policy
+                .yield_after
+                .is_some_and(|y| self.queue[i].asked_at.elapsed() >= y);
+            match self.gpus.plan_wake_in(&model, &rt, yield_busy) {
                 WakePlan::Ready => {
                     let ask = self.queue.remove(i).expect("index in range");
                     tracing::info!(model = %ask.model, "admitted");
@@ -185,11 +201,21 @@ impl Core {
                     }
                 }
                 WakePlan::Evict(victims) => {
+                    let mut busy = Vec::new();
                     for v in &victims {
+                        let how = if rt.get(v).is_some_and(|r| r.in_flight > 0) {
+                            busy.push(v.clone());
+                            Eviction::Yield { to: model.clone() }
+                        } else {
+                            Eviction::Idle
+                        };
                         if self.queue[i].evicted.insert(v.clone()) {
-                            self.metrics.evicted(v);
+                            match how {
+                                Eviction::Idle => self.metrics.evicted(v),
+                                Eviction::Yield { .. } => self.metrics.yielded(v),
+                            }
                         }
-                        self.registry.evict(v);
+                        self.registry.evict(v, how);
                         // Going to sleep: still full until it is asleep,
                         // and no later ask counts on it again.
                         if let Some(r) = rt.get_mut(v) {
@@ -204,8 +230,20 @@ impl Core {
                             .collect::<Vec<_>>()
                             .join(", ")
                     );
+                    let what = if busy.is_empty() {
+                        what
+                    } else {
+                        format!(
+                            "{what} (its turn is over: requests in flight finish first, new \
+                             ones are held for its next turn)"
+                        )
+                    };
                     if self.queue[i].told.as_deref() != Some(&what) {
-                        tracing::info!(model = %model, ?victims, "evicting idle models to make room");
+                        if busy.is_empty() {
+                            tracing::info!(model = %model, ?victims, "evicting idle models to make room");
+                        } else {
+                            tracing::info!(model = %model, ?victims, ?busy, "busy models yield their GPUs: their turn is over");
+                        }
                     }
                     self.queue[i].tell(what);
                     blocked.extend(&gpus);

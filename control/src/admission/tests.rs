@@ -33,6 +33,9 @@ enum Run {
     /// Asked for room; `true` once answered.
     Waking(bool),
     Awake,
+    /// Asked to yield while busy: takes no new request, sleeps once those
+    /// in flight are done.
+    Yielding,
     Sleeping,
 }
 
@@ -49,7 +52,12 @@ struct World {
     publishes: i64,
     in_flight: Vec<u32>,
     answers: Vec<Option<oneshot::Receiver<()>>>,
-    evicted: Arc<Mutex<Vec<String>>>,
+    /// Who was asked to make room, and how.
+    evicted: Arc<Mutex<Vec<(String, Eviction)>>>,
+    /// Requests held for a yielding model (its next turn's demand).
+    held: Vec<bool>,
+    /// Busy models may be asked to yield (`yield_after` = 0).
+    yielding: bool,
     base: ModelStatus,
 }
 
@@ -64,11 +72,15 @@ impl World {
         let names: Vec<String> = cfg.models.iter().map(|m| m.name.clone()).collect();
         for n in &names {
             let (ev, n2) = (evicted.clone(), n.clone());
-            registry.insert(n, Arc::new(move || ev.lock().unwrap().push(n2.clone())));
+            registry.insert(
+                n,
+                Arc::new(move |how| ev.lock().unwrap().push((n2.clone(), how))),
+            );
         }
         let clock = Clock::new();
         let policy = AdmissionPolicy {
             min_awake: Duration::ZERO,
+            yield_after: None,
         };
         let m = &cfg.models[0];
         let facts = EngineFacts {
@@ -98,8 +110,33 @@ impl World {
             in_flight: vec![0; n],
             answers: (0..n).map(|_| None).collect(),
             evicted,
+            held: vec![false; n],
+            yielding: false,
             base,
         })
+    }
+
+    /// Busy models yield at once to a waiting model (`yield_after` = 0).
+    fn with_yield(mut self) -> Self {
+        let policy = AdmissionPolicy {
+            min_awake: Duration::ZERO,
+            yield_after: Some(Duration::ZERO),
+        };
+        self.core = Core::new(self.view.clone(), self.core_registry(), self.clock, policy);
+        self.yielding = true;
+        self
+    }
+
+    fn core_registry(&self) -> Registry {
+        let registry = Registry::default();
+        for n in &self.names {
+            let (ev, n2) = (self.evicted.clone(), n.clone());
+            registry.insert(
+                n,
+                Arc::new(move |how| ev.lock().unwrap().push((n2.clone(), how))),
+            );
+        }
+        registry
     }
 
     fn statuses(&self) -> Vec<ModelStatus> {
@@ -112,7 +149,8 @@ impl World {
                     Run::Asleep => State::Asleep,
                     Run::Waking(_) => State::Waking,
                     Run::Awake => State::Awake,
-                    Run::Sleeping => State::Sleeping,
+                    // A yielding model is published as going to sleep.
+                    Run::Sleeping | Run::Yielding => State::Sleeping,
                 };
                 s.in_flight = self.in_flight[i];
                 s.state_since_unix_ms = since;
@@ -135,7 +173,11 @@ impl World {
     fn demand(&mut self, i: usize) {
         if self.run[i] == Run::Awake {
             self.in_flight[i] += 1;
+        } else if matches!(self.run[i], Run::Yielding | Run::Sleeping) {
+            // Held by the proxies; the model asks again once asleep.
+            self.held[i] = true;
         } else if self.run[i] == Run::Asleep {
+            self.held[i] = false;
             let (reply, rx) = oneshot::channel();
             self.core.push(Ask {
                 id: i as u64,
@@ -166,8 +208,8 @@ impl World {
                 self.run[i] = Run::Waking(true);
             }
         }
-        let evicted: Vec<String> = self.evicted.lock().unwrap().drain(..).collect();
-        for v in evicted {
+        let evicted: Vec<(String, Eviction)> = self.evicted.lock().unwrap().drain(..).collect();
+        for (v, how) in evicted {
             let i = self.names.iter().position(|n| *n == v).unwrap();
             prop_assert_eq!(
                 self.published[i].0,
@@ -176,16 +218,41 @@ impl World {
                 v,
                 self.published[i].0
             );
-            prop_assert_eq!(
-                self.in_flight[i],
-                0,
-                "evicted {} with requests in flight",
-                v
-            );
-            // The model's own reconciler sleeps it if it is awake and
-            // idle (the hub may show it awake a moment after it was not).
-            if self.run[i] == Run::Awake {
-                self.run[i] = Run::Sleeping;
+            match how {
+                Eviction::Idle => {
+                    prop_assert_eq!(
+                        self.in_flight[i],
+                        0,
+                        "evicted {} with requests in flight",
+                        v
+                    );
+                    // The model's own reconciler sleeps it if it is awake
+                    // and idle (the hub may show it awake a moment after
+                    // it was not).
+                    if self.run[i] == Run::Awake {
+                        self.run[i] = Run::Sleeping;
+                    }
+                }
+                Eviction::Yield { to } => {
+                    prop_assert!(
+                        self.yielding,
+                        "{} asked to yield to {} with yield off",
+                        v,
+                        to
+                    );
+                    prop_assert!(
+                        self.in_flight[i] > 0,
+                        "{} asked to yield though idle (an idle model is evicted)",
+                        v
+                    );
+                    if self.run[i] == Run::Awake {
+                        self.run[i] = if self.in_flight[i] > 0 {
+                            Run::Yielding
+                        } else {
+                            Run::Sleeping
+                        };
+                    }
+                }
             }
         }
         self.check_memory()
@@ -200,7 +267,7 @@ impl World {
             for p in placements.iter().filter(|p| p.gpus.contains(&g)) {
                 let i = self.names.iter().position(|n| *n == p.model).unwrap();
                 used += match self.run[i] {
-                    Run::Waking(true) | Run::Awake | Run::Sleeping => p.awake_on(g),
+                    Run::Waking(true) | Run::Awake | Run::Yielding | Run::Sleeping => p.awake_on(g),
                     _ => p.awake_on(g).min(crate::placement::DEFAULT_RESIDUAL_BYTES),
                 };
             }
@@ -209,14 +276,19 @@ impl World {
         Ok(())
     }
 
-    /// Engines finish what they were doing.
+    /// Engines finish what they were doing; a yielding one sleeps once
+    /// nothing is in flight; an asleep one with requests held asks again.
     fn engines_step(&mut self) {
-        for r in &mut self.run {
-            *r = match *r {
+        for i in 0..self.run.len() {
+            self.run[i] = match self.run[i] {
                 Run::Waking(true) => Run::Awake,
                 Run::Sleeping => Run::Asleep,
+                Run::Yielding if self.in_flight[i] == 0 => Run::Sleeping,
                 other => other,
             };
+            if self.run[i] == Run::Asleep && self.held[i] {
+                self.demand(i);
+            }
         }
     }
 }
@@ -290,6 +362,104 @@ proptest! {
             .collect();
         prop_assert!(waiting.is_empty(), "still waiting: {:?} ({:?})", waiting, w.run);
     }
+
+    /// With `yield_after`, traffic that never stops does not starve a
+    /// model: every model waiting for room is admitted while the awake
+    /// ones stay busy (each gets a new request every round; only a
+    /// yielding one's requests finish), and still no GPU is over-committed
+    /// and no idle model is asked to yield.
+    #[test]
+    fn with_yield_after_busy_models_take_turns_and_none_starves(
+        (gpus, models) in setup(),
+        actions in proptest::collection::vec(action(), 1..60),
+    ) {
+        let Some(w) = World::new(&config(gpus, &models)) else {
+            return Ok(());
+        };
+        let mut w = w.with_yield();
+        let n = w.names.len();
+        for a in actions {
+            match a {
+                Action::Demand(i) => w.demand(i % n),
+                Action::Finish(i) => {
+                    let i = i % n;
+                    w.in_flight[i] = w.in_flight[i].saturating_sub(1);
+                }
+                Action::Step => w.engines_step(),
+                Action::Plan => w.plan()?,
+                Action::Publish(i) => w.publish(i % n),
+            }
+        }
+        let waiting: Vec<usize> = (0..n).filter(|&i| w.run[i] == Run::Waking(false)).collect();
+        let mut admitted = vec![false; n];
+        for _ in 0..(6 * n + 6) {
+            for i in 0..n {
+                match w.run[i] {
+                    Run::Awake => w.in_flight[i] += 1,
+                    Run::Yielding => w.in_flight[i] = 0,
+                    _ => {}
+                }
+            }
+            (0..n).for_each(|i| w.publish(i));
+            w.plan()?;
+            for (run, admitted) in w.run.iter().zip(admitted.iter_mut()) {
+                *admitted |= *run == Run::Waking(true);
+            }
+            w.engines_step();
+        }
+        let starved: Vec<&String> = waiting.iter().filter(|&&i| !admitted[i]).map(|&i| &w.names[i]).collect();
+        prop_assert!(starved.is_empty(), "never admitted under busy traffic: {:?} ({:?})", starved, w.run);
+    }
+}
+
+/// A model busy without pause keeps the GPU only for its turn: the other
+/// one, waiting, gets it once the busy one has yielded (what was in flight
+/// finished first); then the first one waits its turn in the same way.
+/// With `yield_after` off the busy model keeps the GPU.
+#[test]
+fn a_busy_model_yields_to_a_waiting_one_and_gets_its_turn_back() {
+    let mut w = World::new(&config(1, &[(1, 0.85), (1, 0.85)])).unwrap();
+    w.run[0] = Run::Awake;
+    w.in_flight[0] = 3;
+    w.demand(1);
+    for _ in 0..3 {
+        w.plan().unwrap();
+        w.engines_step();
+    }
+    assert_eq!(
+        w.run,
+        [Run::Awake, Run::Waking(false)],
+        "yield off: m0 keeps it"
+    );
+
+    let mut w = World::new(&config(1, &[(1, 0.85), (1, 0.85)]))
+        .unwrap()
+        .with_yield();
+    w.run[0] = Run::Awake;
+    w.in_flight[0] = 3;
+    w.demand(1);
+    w.plan().unwrap();
+    assert_eq!(w.run, [Run::Yielding, Run::Waking(false)]);
+    // New requests for m0 are held; those in flight finish; m0 sleeps.
+    w.demand(0);
+    assert_eq!(w.in_flight[0], 3);
+    w.engines_step();
+    w.plan().unwrap();
+    assert_eq!(
+        w.run,
+        [Run::Yielding, Run::Waking(false)],
+        "in flight first"
+    );
+    w.in_flight[0] = 0;
+    w.engines_step();
+    w.engines_step();
+    w.plan().unwrap();
+    // m1 is admitted; m0, asleep with requests held, asks again.
+    assert_eq!(w.run, [Run::Waking(false), Run::Waking(true)]);
+    w.engines_step();
+    w.in_flight[1] = 5; // m1 busy too
+    w.plan().unwrap();
+    assert_eq!(w.run, [Run::Waking(false), Run::Yielding], "m1 yields back");
 }
 
 /// The deadlock of the first real run: two models of 0.85 on one GPU
@@ -356,6 +526,7 @@ fn a_model_woken_recently_is_not_evicted() {
         w.clock,
         AdmissionPolicy {
             min_awake: Duration::from_secs(3600),
+            yield_after: Some(Duration::ZERO),
         },
     );
     w.run[0] = Run::Awake;
@@ -373,7 +544,10 @@ fn admissions_and_evictions_are_counted() {
     let evicted = w.evicted.clone();
     for n in &w.names {
         let (ev, n2) = (evicted.clone(), n.clone());
-        registry.insert(n, Arc::new(move || ev.lock().unwrap().push(n2.clone())));
+        registry.insert(
+            n,
+            Arc::new(move |how| ev.lock().unwrap().push((n2.clone(), how))),
+        );
     }
     w.core = Core::new(
         w.view.clone(),
@@ -381,6 +555,7 @@ fn admissions_and_evictions_are_counted() {
         w.clock,
         AdmissionPolicy {
             min_awake: Duration::ZERO,
+            yield_after: None,
         },
     )
     .with_metrics(metrics.clone());
@@ -431,6 +606,7 @@ async fn nothing_is_admitted_before_every_adopted_engine_is_known() {
         w.clock,
         AdmissionPolicy {
             min_awake: Duration::ZERO,
+            yield_after: None,
         },
         CancellationToken::new(),
     );
@@ -439,7 +615,7 @@ async fn nothing_is_admitted_before_every_adopted_engine_is_known() {
         let (ev, n2) = (evicted.clone(), n.clone());
         admission
             .registry()
-            .insert(n, Arc::new(move || ev.lock().unwrap().push(n2.clone())));
+            .insert(n, Arc::new(move |_| ev.lock().unwrap().push(n2.clone())));
     }
     let status = |i: usize, state: State| {
         let mut s = w.base.clone();

@@ -132,6 +132,7 @@ pub(super) fn demo(command_prefix: Vec<String>) -> Config {
             p2p_probe: P2pProbeConfig::default(),
             asleep_residual: None,
             min_awake: super::DEFAULT_MIN_AWAKE,
+            yield_after: Some(super::DEFAULT_YIELD_AFTER),
             engine_idle_timeout: super::DEFAULT_ENGINE_IDLE_TIMEOUT,
             web_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             cuda_checkpoint: None,

@@ -206,6 +206,27 @@ fn engine_idle_timeout_is_configurable() {
 }
 
 #[test]
+fn yield_after_is_a_duration_or_off() {
+    let c = Config::parse("", "empty.toml").unwrap();
+    assert_eq!(c.control.yield_after, Some(Duration::from_secs(10)));
+    let c = Config::parse("[control]\nyield_after = \"2.5s\"\n", "y.toml").unwrap();
+    assert_eq!(c.control.yield_after, Some(Duration::from_millis(2500)));
+    let c = Config::parse("[control]\nyield_after = \"off\"\n", "y.toml").unwrap();
+    assert_eq!(c.control.yield_after, None);
+    for (bad, says) in [
+        ("\"0s\"", "must be more than 0"),
+        ("\"soon\"", "is not a duration"),
+        ("10", "expected a duration string"),
+    ] {
+        let err = Config::parse(&format!("[control]\nyield_after = {bad}\n"), "y.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("y.toml: control.yield_after: "), "{err}");
+        assert!(err.contains(says), "{bad}: {err}");
+    }
+}
+
+#[test]
 fn web_listen_is_off_by_default_and_checked() {
     let c = Config::parse("", "empty.toml").unwrap();
     assert_eq!(c.control.web_listen, None);

@@ -139,6 +139,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
     let min_awake = r
         .duration(p, "min_awake")
         .unwrap_or(super::DEFAULT_MIN_AWAKE);
+    let yield_after = read_yield_after(p, &mut r);
     let engine_idle_timeout = match r.duration(p, "engine_idle_timeout") {
         Some(d) if d.is_zero() => {
             p.push(r.key("engine_idle_timeout"), "must be more than 0");
@@ -155,9 +156,29 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         p2p_probe,
         asleep_residual,
         min_awake,
+        yield_after,
         engine_idle_timeout: engine_idle_timeout.unwrap_or(super::DEFAULT_ENGINE_IDLE_TIMEOUT),
         web_listen,
         cuda_checkpoint,
+    }
+}
+
+/// `yield_after`: a duration above 0, or `"off"`.
+fn read_yield_after(p: &mut Problems, r: &mut Reader<'_>) -> Option<Duration> {
+    let key = r.key("yield_after");
+    match r.raw("yield_after") {
+        None => Some(super::DEFAULT_YIELD_AFTER),
+        Some(toml::Value::String(s)) if s == "off" => None,
+        Some(v) => match super::read::duration_value(p, &key, v) {
+            Some(d) if d.is_zero() => {
+                p.push(
+                    key,
+                    "must be more than 0 (\"off\" lets a busy model keep its GPUs until it is idle)",
+                );
+                Some(super::DEFAULT_YIELD_AFTER)
+            }
+            d => d.or(Some(super::DEFAULT_YIELD_AFTER)),
+        },
     }
 }
 

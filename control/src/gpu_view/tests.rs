@@ -208,6 +208,7 @@ async fn admission_hands_the_current_p2p_switch_to_the_next_start() {
         crate::status::Clock::new(),
         AdmissionPolicy {
             min_awake: std::time::Duration::ZERO,
+            yield_after: None,
         },
         tokio_util::sync::CancellationToken::new(),
     );

@@ -56,6 +56,11 @@ pub struct ModelRuntime {
     /// What putting it to sleep costs when it is wanted again: its
     /// calibrated level-1 sleep and wake, ms.
     pub switch_cost_ms: u64,
+    /// Busy (requests in flight), it may be asked to yield its GPUs to a
+    /// model that has waited `[control] yield_after` once this is 0: ms
+    /// left of its turn. None: it never yields (it cannot sleep, or
+    /// `yield_after` is off).
+    pub yield_in_ms: Option<u64>,
 }
 
 impl ModelRuntime {
@@ -67,6 +72,7 @@ impl ModelRuntime {
             pinned_awake: false,
             min_awake_left_ms: 0,
             switch_cost_ms: 0,
+            yield_in_ms: None,
         }
     }
 }
@@ -155,12 +161,16 @@ pub fn budgets(
 ///
 /// Victims: awake, no requests in flight, not pinned, sharing a GPU with
 /// the target; least recently active first, and only as many as needed.
+/// `yield_busy` (the target has waited `[control] yield_after`): a busy
+/// model whose turn is over may be a victim too, after every idle one
+/// (it yields: it finishes what is in flight, then sleeps).
 pub fn plan_wake(
     target: &str,
     machine: &Machine,
     placements: &[Placement],
     runtime: &BTreeMap<String, ModelRuntime>,
     policy: &Policy,
+    yield_busy: bool,
 ) -> WakePlan {
     let Some(me) = placements.iter().find(|p| p.model == target) else {
         return WakePlan::Wait(format!("\"{target}\" has no placement"));
@@ -197,17 +207,20 @@ pub fn plan_wake(
         .map(|p| (p, state_of(runtime, &p.model)))
         .filter(|(_, s)| {
             s.state == RunState::Awake
-                && s.in_flight == 0
+                && (s.in_flight == 0 || (yield_busy && s.yield_in_ms == Some(0)))
                 && !s.pinned_awake
                 && s.min_awake_left_ms == 0
         })
         .collect();
-    // Least recently used first, with what each costs to bring back added
-    // to its last activity: of two models idle about as long, the one that
-    // is cheaper to switch goes; one idle far longer goes whatever its cost.
+    // Idle ones before busy ones; then least recently used first, with what
+    // each costs to bring back added to its last activity: of two models
+    // idle about as long, the one that is cheaper to switch goes; one idle
+    // far longer goes whatever its cost.
     let key = |r: &ModelRuntime| {
-        r.last_activity_ms
-            .saturating_add(i64::try_from(r.switch_cost_ms).unwrap_or(i64::MAX))
+        let used = r
+            .last_activity_ms
+            .saturating_add(i64::try_from(r.switch_cost_ms).unwrap_or(i64::MAX));
+        (r.in_flight > 0, used)
     };
     candidates.sort_by(|a, b| key(&a.1).cmp(&key(&b.1)).then(a.0.model.cmp(&b.0.model)));
 
@@ -252,9 +265,14 @@ pub fn plan_wake(
             let s = state_of(runtime, &p.model);
             let why = match s.state {
                 RunState::Awake if s.pinned_awake => "pinned awake".to_string(),
-                RunState::Awake if s.in_flight > 0 => {
-                    format!("{} request(s) in flight", s.in_flight)
-                }
+                RunState::Awake if s.in_flight > 0 => match s.yield_in_ms {
+                    Some(ms) if ms > 0 => format!(
+                        "{} request(s) in flight; its turn ends in {:.1} s",
+                        s.in_flight,
+                        ms as f64 / 1e3
+                    ),
+                    _ => format!("{} request(s) in flight", s.in_flight),
+                },
                 RunState::Awake if s.min_awake_left_ms > 0 => format!(
                     "woken recently, stays awake {} ms more",
                     s.min_awake_left_ms

@@ -29,6 +29,7 @@ fn rt(state: RunState, last: i64) -> ModelRuntime {
         pinned_awake: false,
         min_awake_left_ms: 0,
         switch_cost_ms: 0,
+        yield_in_ms: None,
     }
 }
 
@@ -53,12 +54,17 @@ impl World {
         self
     }
     fn plan(&self, target: &str) -> WakePlan {
+        self.plan_yielding(target, false)
+    }
+    /// `yield_busy`: the target has waited `yield_after`.
+    fn plan_yielding(&self, target: &str, yield_busy: bool) -> WakePlan {
         plan_wake(
             target,
             &self.machine,
             &self.placements,
             &self.runtime,
             &Policy::default(),
+            yield_busy,
         )
     }
 }
@@ -134,6 +140,74 @@ fn a_model_with_requests_in_flight_is_never_evicted() {
         },
     );
     assert_eq!(w.plan("c"), WakePlan::Evict(vec!["b".into()]));
+}
+
+fn busy(in_flight: u32, yield_in_ms: Option<u64>, last: i64) -> ModelRuntime {
+    ModelRuntime {
+        in_flight,
+        yield_in_ms,
+        ..rt(RunState::Awake, last)
+    }
+}
+
+/// A model that waited `yield_after` may take a busy model's GPUs once
+/// that model's turn is over, never before, never one that cannot yield,
+/// and an idle model always goes first.
+#[test]
+fn a_busy_model_yields_only_to_a_model_that_waited_and_after_its_turn() {
+    let mut w = three_on_one();
+    w.set("a", busy(3, Some(0), 100))
+        .set("b", busy(1, Some(0), 50));
+    // The target has not waited yield_after: busy models are not victims.
+    let WakePlan::Wait(reason) = w.plan("c") else {
+        panic!("{:?}", w.plan("c"))
+    };
+    assert!(
+        reason.contains("\"a\" (3 request(s) in flight)"),
+        "{reason}"
+    );
+    // It has: the least recently used busy model yields (one is enough).
+    assert_eq!(
+        w.plan_yielding("c", true),
+        WakePlan::Evict(vec!["b".into()])
+    );
+    // b's turn is not over (nor can a yield): wait, saying when b's ends.
+    w.set("b", busy(1, Some(2_500), 50))
+        .set("a", busy(3, None, 100));
+    let WakePlan::Wait(reason) = w.plan_yielding("c", true) else {
+        panic!()
+    };
+    assert!(
+        reason.contains("\"b\" (1 request(s) in flight; its turn ends in 2.5 s)"),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("\"a\" (3 request(s) in flight)"),
+        "{reason}"
+    );
+    // An idle model goes before any busy one, however recently used.
+    w.set("b", busy(1, Some(0), 50))
+        .set("a", rt(RunState::Awake, 9_999));
+    assert_eq!(
+        w.plan_yielding("c", true),
+        WakePlan::Evict(vec!["a".into()])
+    );
+    // Pinned and min_awake still protect a busy model.
+    w.set(
+        "a",
+        ModelRuntime {
+            pinned_awake: true,
+            ..busy(1, Some(0), 100)
+        },
+    )
+    .set(
+        "b",
+        ModelRuntime {
+            min_awake_left_ms: 300,
+            ..busy(1, Some(0), 50)
+        },
+    );
+    assert!(matches!(w.plan_yielding("c", true), WakePlan::Wait(_)));
 }
 
 #[test]

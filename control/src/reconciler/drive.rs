@@ -51,6 +51,48 @@ pub(super) fn drain(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     fx.push(Effect::Drain { epoch: m.epoch });
 }
 
+/// Busy past its turn while `to` waits for its GPUs: stop taking requests
+/// (published as sleeping, so proxies hold new ones), let those in flight
+/// finish, then sleep at `level` (see [`Phase::Yielding`]). Requests held
+/// meanwhile are a demand: once asleep it asks for its GPUs again, behind
+/// `to`.
+pub(super) fn begin_yield(
+    m: &mut ModelState,
+    level: u8,
+    to: &str,
+    now: Instant,
+    fx: &mut Vec<Effect>,
+) {
+    let grace = m.settings.timeouts.stop_grace;
+    set_intent(m, Desired::Asleep(level), Reason::Eviction, now);
+    set_phase(
+        m,
+        Phase::Yielding {
+            level,
+            deadline: now + grace,
+            drained: false,
+        },
+        now,
+    );
+    fx.push(Effect::Log(format!(
+        "yielding its GPUs to \"{to}\", which waited for them: new requests are held, the {} in \
+         flight finish (up to {} s), then it sleeps at level {level}",
+        m.in_flight(),
+        grace.as_secs()
+    )));
+    fx.push(Effect::Drain { epoch: m.epoch });
+}
+
+/// A yield whose requests in flight did not finish within its stop grace:
+/// it serves again (nothing is cut); admission may ask again after another
+/// turn.
+pub(super) fn give_up_yield(m: &mut ModelState, why: &str, now: Instant, fx: &mut Vec<Effect>) {
+    fx.push(Effect::Log(format!(
+        "yield given up, serving again (nothing cut): {why}"
+    )));
+    super::step::become_awake(m, now);
+}
+
 pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     let Some(deadline) = m.phase.deadline() else {
         return;
@@ -115,6 +157,14 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
                 "drain time over with requests still in flight: stopping anyway".into(),
             ));
             terminate(m, now, fx);
+        }
+        Phase::Yielding { .. } => {
+            let why = format!(
+                "{} request(s) still in flight after {} s",
+                m.in_flight(),
+                m.settings.timeouts.stop_grace.as_secs()
+            );
+            give_up_yield(m, &why, now, fx);
         }
         Phase::Stopping { killed: false, .. } => {
             fx.push(Effect::Signal(Signal::Kill));
@@ -345,12 +395,19 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             Desired::Stopped if !m.settings.attach => terminate(m, now, fx),
             _ => begin_resume(m, under, now, fx),
         },
+        // Every proxy confirmed; the engine's own gauge too.
+        Phase::Yielding {
+            level,
+            drained: true,
+            ..
+        } if m.in_flight() == 0 => begin_sleep(m, level, now, fx),
         Phase::Starting { .. }
         | Phase::Sleeping { .. }
         | Phase::Waking { .. }
         | Phase::Suspending { .. }
         | Phase::Resuming { .. }
         | Phase::Draining { .. }
+        | Phase::Yielding { .. }
         | Phase::Stopping { .. } => {}
     }
 }

@@ -1,6 +1,8 @@
 //! The transition function.
 
-use super::drive::{deadlines, drain, next_wakeup, reconcile, terminate};
+use super::drive::{
+    begin_yield, deadlines, drain, give_up_yield, next_wakeup, reconcile, terminate,
+};
 use super::*;
 use crate::config::IdleAction;
 
@@ -128,6 +130,9 @@ fn stop_for_good(m: &mut ModelState, reason: Reason, now: Instant, fx: &mut Vec<
     );
     if busy && !m.settings.attach {
         terminate(m, now, fx);
+    } else if matches!(m.phase, Phase::Yielding { .. }) && !m.settings.attach {
+        // Still serving what was in flight: those answers finish first.
+        drain(m, now, fx);
     }
 }
 
@@ -171,12 +176,30 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 }
             }
         }
+        Event::Yield { to } => {
+            let level = m.settings.kind.capabilities().sleep_levels.first().copied();
+            if m.phase == Phase::Awake
+                && !m.retiring
+                && m.intent.desired != Desired::Stopped
+                && !m.pinned(now)
+                && let Some(level) = level
+            {
+                begin_yield(m, level, &to, now, fx);
+            }
+        }
         Event::Pin(until) => {
             m.pin = until.map_or(Pin::Forever, Pin::Until);
             set_intent(m, Desired::Awake, Reason::Pin, now);
             m.intent.until = until;
             m.intent.since = now;
             retry_now(m, now);
+            if let Phase::Yielding { .. } = m.phase {
+                // Pinned awake: a pinned model never makes room.
+                fx.push(Effect::Log(
+                    "pinned: yield called off, serving again".into(),
+                ));
+                become_awake(m, now);
+            }
         }
         Event::Unpin => {
             m.pin = Pin::None;
@@ -286,7 +309,10 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             error,
             timed_out,
         } if e == epoch => {
-            if matches!(m.phase, Phase::Awake | Phase::Asleep { .. }) {
+            if matches!(
+                m.phase,
+                Phase::Awake | Phase::Asleep { .. } | Phase::Yielding { .. }
+            ) {
                 // A slow answer while requests are in flight is load, not a
                 // fault: killing a working engine would lose them all.
                 if timed_out && m.in_flight() > 0 {
@@ -317,7 +343,9 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 }
             }
         }
-        Event::FoundAsleep { epoch: e, level } if e == epoch && m.phase == Phase::Awake => {
+        Event::FoundAsleep { epoch: e, level }
+            if e == epoch && matches!(m.phase, Phase::Awake | Phase::Yielding { .. }) =>
+        {
             fx.push(Effect::Log(format!(
                 "the engine is asleep at level {level} while taken as awake (a sleep siesta did \
                  not see finish, or one sent to the engine directly): taken as asleep"
@@ -408,14 +436,28 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 set_phase(m, Phase::Suspended { under }, now);
             }
         }
-        Event::Drained { epoch: e, error } if e == epoch => {
-            if let Phase::Draining { .. } = m.phase {
+        Event::Drained { epoch: e, error } if e == epoch => match m.phase {
+            Phase::Draining { .. } => {
                 if let Some(error) = error {
                     fx.push(Effect::Log(format!("stopping anyway: {error}")));
                 }
                 terminate(m, now, fx);
             }
-        }
+            Phase::Yielding {
+                level, deadline, ..
+            } => match error {
+                // `reconcile` sleeps it once nothing else is in flight.
+                None => {
+                    m.phase = Phase::Yielding {
+                        level,
+                        deadline,
+                        drained: true,
+                    }
+                }
+                Some(error) => give_up_yield(m, &error, now, fx),
+            },
+            _ => {}
+        },
         Event::SuspendCalledOff { epoch: e } if e == epoch => {
             if let Phase::Suspending { under, .. } = m.phase {
                 fx.push(Effect::Log(
@@ -578,7 +620,7 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
                     | Phase::Suspended { .. }
                     | Phase::Resuming { .. }
             );
-            if m.phase == Phase::Awake && !m.settings.attach {
+            if matches!(m.phase, Phase::Awake | Phase::Yielding { .. }) && !m.settings.attach {
                 // Answers under way finish first.
                 drain(m, now, fx);
             } else if running && !m.settings.attach {

@@ -618,3 +618,4 @@ mod decisions;
 mod demand;
 mod kinds;
 mod suspend;
+mod yields;

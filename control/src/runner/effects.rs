@@ -352,7 +352,9 @@ impl Runner {
     /// awake `/metrics` for its running requests.
     pub(super) fn poll(&mut self) {
         let awake = match self.state.phase {
-            Phase::Awake => true,
+            // Yielding: still serving what is in flight (the engine's own
+            // gauge says when that is done too).
+            Phase::Awake | Phase::Yielding { .. } => true,
             Phase::Asleep { .. } => false,
             _ => return,
         };

@@ -18,14 +18,21 @@ impl Runner {
         self.proc.as_ref().map(|p| p.pid).or(self.state.pid)
     }
 
-    /// Before an operator's stop or restart: waits until every live proxy
-    /// has applied the draining state (it forwards nothing more) and has
-    /// nothing in flight to the engine, for at most one stop grace.
+    /// Before an operator's stop or restart, or a yield's sleep: waits
+    /// until every live proxy has applied the draining (or yielding) state
+    /// (it forwards nothing more) and has nothing in flight to the engine,
+    /// until the phase's deadline (one stop grace).
     pub(super) fn drain(&mut self, epoch: u64) {
         let send = self.event_sender();
         let (fences, name) = (self.shared.fences.clone(), self.cfg.name.clone());
         let since_ms = self.shared.clock.unix_ms(self.state.since);
-        let grace = self.cfg.timeouts.stop_grace;
+        let grace = self
+            .state
+            .phase
+            .deadline()
+            .map_or(self.cfg.timeouts.stop_grace, |d| {
+                d.saturating_duration_since(tokio::time::Instant::now())
+            });
         self.op(async move {
             let error = fences.wait_fenced(&name, since_ms, grace).await.err();
             send(Event::Drained { epoch, error });

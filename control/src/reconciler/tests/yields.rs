@@ -1,0 +1,199 @@
+//! A busy model yields its GPUs to one that waited (`[control]
+//! yield_after`): published as sleeping so proxies hold new requests, it
+//! sleeps only once nothing is in flight, its held requests wake it again
+//! (admission puts that wake behind the waiting model), and nothing is cut.
+
+use super::*;
+
+fn busy(s: &mut Sim, in_flight: u32, held: u32) {
+    s.ev(Event::Activity {
+        proxy: "p".into(),
+        in_flight,
+        held,
+        active: true,
+        last_finished: None,
+    });
+}
+
+fn yield_to_b(s: &mut Sim) {
+    s.ev(Event::Yield { to: "b".into() });
+}
+
+/// Awake and serving 2 requests.
+fn serving() -> Sim {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    busy(&mut s, 2, 0);
+    assert_eq!(s.m.phase, Phase::Awake);
+    s
+}
+
+fn status(s: &Sim) -> crate::status::ModelStatus {
+    let cfg = crate::config::Config::parse(
+        "[[model]]\nname = \"a\"\nmodel = \"x\"\nexecutable = \"vllm\"\n",
+        "t.toml",
+    )
+    .unwrap()
+    .models[0]
+        .clone();
+    let facts = crate::status::EngineFacts {
+        endpoint: crate::status::Endpoint {
+            url: "http://x".into(),
+            served_model_name: "x".into(),
+        },
+        gpus: vec![0],
+        p2p_disabled: false,
+        control_id: "t".into(),
+        waiting_for: String::new(),
+        asleep_residual: Default::default(),
+    };
+    crate::status::model_status(&cfg, &facts, &s.m, &crate::status::Clock::new(), s.now)
+}
+
+#[test]
+fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
+    let mut s = serving();
+    yield_to_b(&mut s);
+    assert!(
+        matches!(
+            s.m.phase,
+            Phase::Yielding {
+                level: 1,
+                drained: false,
+                ..
+            }
+        ),
+        "{:?}",
+        s.m.phase
+    );
+    assert!(s.has(|f| matches!(f, Effect::Drain { .. })), "{:?}", s.fx);
+    assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })));
+    assert_eq!(s.m.intent.desired, Desired::Asleep(1));
+    assert_eq!(s.m.intent.reason, Reason::Eviction);
+    // Published as going to sleep: proxies hold what comes, and say why.
+    let st = status(&s);
+    assert_eq!(st.state, crate::status::State::Sleeping);
+    assert!(
+        st.waiting_for
+            .as_deref()
+            .is_some_and(|w| w.contains("2 request(s) in flight")),
+        "{:?}",
+        st.waiting_for
+    );
+    // A new request is held; its demand does not call the yield off.
+    s.ev(Event::Demand);
+    busy(&mut s, 2, 1);
+    assert!(matches!(s.m.phase, Phase::Yielding { .. }));
+    // Every proxy confirmed, but the engine's own gauge still counts one.
+    s.ev(Event::EngineMetrics { running: 1 });
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: None,
+    });
+    assert!(matches!(s.m.phase, Phase::Yielding { drained: true, .. }));
+    busy(&mut s, 0, 3);
+    assert!(
+        !s.has(|f| matches!(f, Effect::Sleep { .. })),
+        "slept with one in flight"
+    );
+    s.ev(Event::EngineMetrics { running: 0 });
+    assert!(
+        s.has(|f| matches!(f, Effect::Sleep { level: 1, .. })),
+        "{:?}",
+        s.fx
+    );
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    // Asleep with 3 held: it asks for its GPUs again at once (admission
+    // puts that behind the model it yielded to).
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert!(
+        matches!(
+            s.m.phase,
+            Phase::Waking {
+                admitted: false,
+                ..
+            }
+        ),
+        "{:?}",
+        s.m.phase
+    );
+    assert_eq!(s.m.intent.desired, Desired::Awake);
+}
+
+#[test]
+fn a_yield_whose_requests_do_not_finish_in_time_serves_again() {
+    let mut s = serving();
+    yield_to_b(&mut s);
+    let epoch = s.m.epoch;
+    // stop_grace is 3 s in these settings.
+    s.advance(secs(3));
+    assert_eq!(s.m.phase, Phase::Awake, "{:?}", s.fx);
+    assert!(!s.has(|f| matches!(f, Effect::Sleep { .. } | Effect::Signal(_))));
+    assert!(s.has(|f| matches!(f, Effect::Log(l) if l.contains("yield given up"))));
+    // The drain's late answer is stale.
+    s.ev(Event::Drained { epoch, error: None });
+    assert_eq!(s.m.phase, Phase::Awake);
+    // A proxy that never confirmed gives it up too.
+    yield_to_b(&mut s);
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: Some("proxy p has 2 request(s) in flight".into()),
+    });
+    assert_eq!(s.m.phase, Phase::Awake);
+    // Once idle it sleeps for the waiting model (the eviction intent stays).
+    busy(&mut s, 0, 0);
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+}
+
+#[test]
+fn a_pinned_retiring_or_not_awake_model_does_not_yield() {
+    let mut s = serving();
+    s.ev(Event::Pin(None));
+    yield_to_b(&mut s);
+    assert_eq!(s.m.phase, Phase::Awake, "pinned");
+    s.ev(Event::Unpin);
+    // Pinned while yielding: the yield is called off.
+    yield_to_b(&mut s);
+    assert!(matches!(s.m.phase, Phase::Yielding { .. }));
+    s.ev(Event::Pin(None));
+    assert_eq!(s.m.phase, Phase::Awake);
+
+    let mut s = Sim::new(Preload::Asleep);
+    s.boot();
+    yield_to_b(&mut s);
+    assert!(
+        matches!(s.m.phase, Phase::Sleeping { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
+
+#[test]
+fn a_stop_or_restart_while_yielding_lets_the_answers_finish() {
+    for cmd in [Command::Stop, Command::Restart] {
+        let mut s = serving();
+        yield_to_b(&mut s);
+        s.ev(Event::Command(cmd));
+        assert!(
+            matches!(s.m.phase, Phase::Draining { .. }),
+            "{cmd:?}: {:?}",
+            s.m.phase
+        );
+        assert!(s.has(|f| matches!(f, Effect::Drain { .. })));
+        assert!(
+            !s.has(|f| matches!(f, Effect::Signal(_))),
+            "{cmd:?} cut answers"
+        );
+    }
+}
+
+#[test]
+fn an_engine_that_dies_while_yielding_fails_as_it_would_awake() {
+    let mut s = serving();
+    yield_to_b(&mut s);
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "signal: 9".into(),
+    });
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+}
