@@ -11,6 +11,7 @@ mod tiers;
 
 pub use adopt::{Observed, adopt};
 pub use calibration::{Average, Calibration};
+pub use drive::turn_factor;
 pub use step::step;
 pub use tiers::{due_tier, next_tier};
 
@@ -521,6 +522,10 @@ pub struct ModelState {
     /// Removed or changed by a reload: stopping for good (answers under
     /// way finish first); demand no longer wakes it.
     pub retiring: bool,
+    /// Yields given up in a row (its requests in flight outlasted the stop
+    /// grace): admission gives it a turn twice as long for each, so a
+    /// model whose answers are long is not held up again every turn.
+    pub yields_given_up: u32,
 }
 
 impl ModelState {
@@ -558,6 +563,7 @@ impl ModelState {
             transition_start: now,
             calibration: Calibration::default(),
             retiring: false,
+            yields_given_up: 0,
         }
     }
 

@@ -151,6 +151,8 @@ pub struct ModelStatus {
     pub p2p_disabled: bool,
     pub control_id: String,
     pub asleep_residual: Residual,
+    /// Yields given up in a row (see `ModelState::yields_given_up`).
+    pub yields_given_up: u32,
 }
 
 /// GPU memory placement counts per GPU for a model while it is asleep.
@@ -277,6 +279,7 @@ pub fn model_status(
         p2p_disabled: facts.p2p_disabled,
         control_id: facts.control_id.clone(),
         asleep_residual: facts.asleep_residual,
+        yields_given_up: m.yields_given_up,
     }
 }
 

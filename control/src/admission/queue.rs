@@ -4,6 +4,7 @@
 use super::{AdmissionMetrics, AdmissionPolicy, Eviction, Registry, Waiting};
 use crate::gpu_view::{GpuView, runtime};
 use crate::placement::{RunState, WakePlan};
+use crate::reconciler::turn_factor;
 use crate::status::{Clock, ModelStatus, State};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -94,6 +95,14 @@ impl Core {
         self.queue.push_back(ask);
     }
 
+    /// Makes every queued ask older by `by` (tests of `yield_after`).
+    #[cfg(test)]
+    pub fn age_asks(&mut self, by: Duration) {
+        for a in &mut self.queue {
+            a.asked_at -= by;
+        }
+    }
+
     pub fn cancel(&mut self, id: u64) {
         self.queue.retain(|a| a.id != id);
     }
@@ -145,12 +154,13 @@ impl Core {
                 let awake_for = now_ms - m.state_since_unix_ms;
                 r.min_awake_left_ms = ms_left(self.policy.min_awake, awake_for);
                 // A busy model's turn: it may yield once it has been awake
-                // `yield_after` (one that cannot sleep never yields).
+                // `yield_after` (one that cannot sleep never yields), longer
+                // after yields it gave up (its answers outlasted the grace).
                 r.yield_in_ms = self
                     .policy
                     .yield_after
                     .filter(|_| m.engine.deepest_sleep().is_some())
-                    .map(|turn| ms_left(turn, awake_for));
+                    .map(|turn| ms_left(turn * turn_factor(m.yields_given_up), awake_for));
             }
         }
         let mut blocked: BTreeSet<u32> = BTreeSet::new();

@@ -412,6 +412,42 @@ proptest! {
     }
 }
 
+/// A model whose last yields were given up (its answers outlasted the
+/// grace) gets longer turns: 2× after one, 4× after two.
+#[test]
+fn yields_given_up_lengthen_the_turn() {
+    let mut w = World::new(&config(1, &[(1, 0.85), (1, 0.85)])).unwrap();
+    let turn = Duration::from_secs(10);
+    w.core = Core::new(
+        w.view.clone(),
+        w.core_registry(),
+        w.clock,
+        AdmissionPolicy {
+            min_awake: Duration::ZERO,
+            yield_after: Some(turn),
+        },
+    );
+    w.run[0] = Run::Awake;
+    w.in_flight[0] = 1;
+    w.demand(1);
+    // The ask has waited its turn; m0 has been awake 25 s.
+    w.core.age_asks(turn);
+    let since = w.clock.now_ms() - 25_000;
+    let statuses = |given_up: u32| {
+        let mut s = w.statuses();
+        s[0].state = State::Awake;
+        s[0].state_since_unix_ms = since;
+        s[0].yields_given_up = given_up;
+        s
+    };
+    let cases = [(2, false, statuses(2)), (1, true, statuses(1))];
+    for (given_up, yields, st) in cases {
+        w.core.plan(&st);
+        let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
+        assert_eq!(!asked.is_empty(), yields, "{given_up} given up: {asked:?}");
+    }
+}
+
 /// A model busy without pause keeps the GPU only for its turn: the other
 /// one, waiting, gets it once the busy one has yielded (what was in flight
 /// finished first); then the first one waits its turn in the same way.

@@ -87,10 +87,20 @@ pub(super) fn begin_yield(
 /// it serves again (nothing is cut); admission may ask again after another
 /// turn.
 pub(super) fn give_up_yield(m: &mut ModelState, why: &str, now: Instant, fx: &mut Vec<Effect>) {
+    m.yields_given_up = m.yields_given_up.saturating_add(1);
     fx.push(Effect::Log(format!(
-        "yield given up, serving again (nothing cut): {why}"
+        "yield given up ({} in a row), serving again (nothing cut): {why}; its next turn is \
+         {}× as long",
+        m.yields_given_up,
+        turn_factor(m.yields_given_up)
     )));
     super::step::become_awake(m, now);
+}
+
+/// How many `yield_after` a model's turn lasts after `given_up` yields
+/// given up in a row: 1, 2, 4 … 32.
+pub fn turn_factor(given_up: u32) -> u32 {
+    1 << given_up.min(5)
 }
 
 pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
@@ -224,6 +234,8 @@ fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
 
 fn begin_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>) {
     m.transition_start = now;
+    // Nothing in flight: whatever outlasted earlier yields is done.
+    m.yields_given_up = 0;
     let deadline = now + m.settings.timeouts.sleep;
     set_phase(m, Phase::Sleeping { level, deadline }, now);
     fx.push(Effect::Log(format!("sleeping at level {level}")));

@@ -113,3 +113,27 @@ async fn a_transition_has_a_deadline() {
         Some("the engine process to be spawned")
     );
 }
+
+/// A yielding model is published as going to sleep (proxies hold its new
+/// requests), says why, and carries the yields it gave up (admission
+/// lengthens its turn by them).
+#[tokio::test]
+async fn a_yielding_model_is_published_as_sleeping_with_why() {
+    let (s, _) = status_of(|m, now| {
+        m.phase = Phase::Yielding {
+            level: 1,
+            deadline: now + Duration::from_secs(30),
+            drained: false,
+        };
+        m.engine_running = 2;
+        m.yields_given_up = 3;
+    });
+    assert_eq!((s.state, s.sleep_level), (State::Sleeping, 1));
+    assert!(s.deadline_unix_ms.is_some());
+    let why = s.waiting_for.unwrap_or_default();
+    assert!(
+        why.contains("yielding its GPUs: 2 request(s) in flight to finish"),
+        "{why}"
+    );
+    assert_eq!(s.yields_given_up, 3);
+}

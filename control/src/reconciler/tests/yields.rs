@@ -28,28 +28,6 @@ fn serving() -> Sim {
     s
 }
 
-fn status(s: &Sim) -> crate::status::ModelStatus {
-    let cfg = crate::config::Config::parse(
-        "[[model]]\nname = \"a\"\nmodel = \"x\"\nexecutable = \"vllm\"\n",
-        "t.toml",
-    )
-    .unwrap()
-    .models[0]
-        .clone();
-    let facts = crate::status::EngineFacts {
-        endpoint: crate::status::Endpoint {
-            url: "http://x".into(),
-            served_model_name: "x".into(),
-        },
-        gpus: vec![0],
-        p2p_disabled: false,
-        control_id: "t".into(),
-        waiting_for: String::new(),
-        asleep_residual: Default::default(),
-    };
-    crate::status::model_status(&cfg, &facts, &s.m, &crate::status::Clock::new(), s.now)
-}
-
 #[test]
 fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
     let mut s = serving();
@@ -70,16 +48,7 @@ fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
     assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })));
     assert_eq!(s.m.intent.desired, Desired::Asleep(1));
     assert_eq!(s.m.intent.reason, Reason::Eviction);
-    // Published as going to sleep: proxies hold what comes, and say why.
-    let st = status(&s);
-    assert_eq!(st.state, crate::status::State::Sleeping);
-    assert!(
-        st.waiting_for
-            .as_deref()
-            .is_some_and(|w| w.contains("2 request(s) in flight")),
-        "{:?}",
-        st.waiting_for
-    );
+    // Published as going to sleep (status/tests.rs): proxies hold what comes.
     // A new request is held; its demand does not call the yield off.
     s.ev(Event::Demand);
     busy(&mut s, 2, 1);
@@ -129,7 +98,8 @@ fn a_yield_whose_requests_do_not_finish_in_time_serves_again() {
     s.advance(secs(3));
     assert_eq!(s.m.phase, Phase::Awake, "{:?}", s.fx);
     assert!(!s.has(|f| matches!(f, Effect::Sleep { .. } | Effect::Signal(_))));
-    assert!(s.has(|f| matches!(f, Effect::Log(l) if l.contains("yield given up"))));
+    assert!(s.has(|f| matches!(f, Effect::Log(l) if l.contains("yield given up (1 in a row)"))));
+    assert_eq!(s.m.yields_given_up, 1);
     // The drain's late answer is stale.
     s.ev(Event::Drained { epoch, error: None });
     assert_eq!(s.m.phase, Phase::Awake);
@@ -140,13 +110,21 @@ fn a_yield_whose_requests_do_not_finish_in_time_serves_again() {
         error: Some("proxy p has 2 request(s) in flight".into()),
     });
     assert_eq!(s.m.phase, Phase::Awake);
-    // Once idle it sleeps for the waiting model (the eviction intent stays).
+    assert_eq!(s.m.yields_given_up, 2);
+    // Once idle it sleeps for the waiting model (the eviction intent stays),
+    // and its turns are back to one `yield_after`.
     busy(&mut s, 0, 0);
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    assert_eq!(s.m.yields_given_up, 0);
+    assert_eq!(
+        [0, 1, 2, 5, 9].map(turn_factor),
+        [1, 2, 4, 32, 32],
+        "turns double, up to 32"
+    );
 }
 
 #[test]
-fn a_pinned_retiring_or_not_awake_model_does_not_yield() {
+fn a_pinned_or_asleep_model_does_not_yield() {
     let mut s = serving();
     s.ev(Event::Pin(None));
     yield_to_b(&mut s);
