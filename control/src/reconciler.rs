@@ -19,9 +19,12 @@ use crate::config::{Backoff, EngineKind, IdleTier, ModelConfig, Preload, Timeout
 use std::collections::BTreeMap;
 use tokio::time::{Duration, Instant};
 
-/// A proxy that holds requests re-reports them about every second; one
-/// silent this long is gone and its in-flight count no longer counts.
-pub const PROXY_STALE: Duration = Duration::from_secs(30);
+/// A proxy with requests in flight or held re-reports them every second;
+/// one silent this long is gone (killed) and its counts no longer count.
+/// Ten missed reports: a loaded control plane is not mistaken for a gone
+/// proxy, and a killed one keeps a model from sleeping (or wanted awake)
+/// 10 s at most (it was 30 s).
+pub const PROXY_STALE: Duration = Duration::from_secs(10);
 
 /// What one proxy last reported of a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

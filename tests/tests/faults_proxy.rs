@@ -1,5 +1,5 @@
-//! Faults around the proxy: the proxy killed with requests held, and an
-//! engine that dies in the middle of a streamed response.
+//! Faults around the proxy: the proxy killed with requests held or in
+//! flight, and an engine that dies in the middle of a streamed response.
 
 use futures::StreamExt;
 use serde_json::{Value, json};
@@ -77,6 +77,53 @@ async fn proxy_killed_with_requests_held_then_restarted_serves_and_engines_are_u
     assert_eq!(state(&s), pb::ModelState::Awake);
     assert_eq!(s.pid, pid, "engine was replaced");
     assert_eq!(s.failures, 0);
+}
+
+/// A proxy killed (-9) with a request in flight cannot say it is gone:
+/// control drops its counts once it has been silent 10 s (it re-reports
+/// every second while it has any), so an operator's sleep waiting for that
+/// request goes ahead then, not 30 s later as before.
+#[tokio::test]
+async fn a_proxy_killed_with_a_request_in_flight_stops_counting_within_seconds() {
+    let model = fake_model("busy", "awake", &["--tokens-per-second", "10"], "");
+    let ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    wait_state(&mut c, "busy", pb::ModelState::Awake, LONG).await;
+    let mut proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    ready(&proxy).await;
+    let url = format!("{}/v1/chat/completions", proxy.url());
+    let resp = http()
+        .post(&url)
+        .json(&chat_body("busy", true, 1000))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.bytes_stream();
+    assert!(
+        stream.next().await.is_some_and(|c| c.is_ok()),
+        "first chunk"
+    );
+    wait_status(&mut c, "busy", "the proxy's request counted", LONG, |s| {
+        s.in_flight > 0
+    })
+    .await;
+    c.sleep(pb::SleepRequest {
+        name: "busy".into(),
+        level: 1,
+    })
+    .await
+    .unwrap();
+    proxy.kill9();
+    let killed = std::time::Instant::now();
+    drop(stream);
+    wait_state(&mut c, "busy", pb::ModelState::Asleep, LONG).await;
+    let took = killed.elapsed();
+    eprintln!("asleep {took:?} after the proxy was killed");
+    assert!(
+        took < Duration::from_secs(22),
+        "the killed proxy's request counted for {took:?}"
+    );
 }
 
 #[tokio::test]

@@ -319,8 +319,11 @@ fn held_requests_start_a_stopped_model_unless_an_operator_stopped_it() {
 fn no_tier_fires_while_requests_are_held() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
-    held(&mut s, 2);
-    s.advance(secs(15));
+    // The proxy re-reports them every second.
+    for _ in 0..15 {
+        held(&mut s, 2);
+        s.advance(secs(1));
+    }
     assert_eq!(s.m.phase, Phase::Awake, "L1 is due after 10 s idle");
     assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })));
     // Released: the overdue tier fires at the report.

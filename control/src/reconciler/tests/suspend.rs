@@ -51,15 +51,18 @@ fn suspended(s: &mut Sim) {
 #[test]
 fn the_suspend_tier_fires_only_when_idle_and_records_first() {
     let mut s = sim_suspend_tier(false);
-    // A request in flight holds it awake past the tier.
-    s.ev(Event::Activity {
-        proxy: "p".into(),
-        in_flight: 1,
-        held: 0,
-        active: true,
-        last_finished: None,
-    });
-    s.advance(secs(20));
+    // A request in flight (re-reported every second) holds it awake past
+    // the tier.
+    for _ in 0..20 {
+        s.ev(Event::Activity {
+            proxy: "p".into(),
+            in_flight: 1,
+            held: 0,
+            active: true,
+            last_finished: None,
+        });
+        s.advance(secs(1));
+    }
     assert_eq!(s.m.phase, Phase::Awake);
     assert!(!suspends(&s.fx));
     // The engine's own gauge counts too.
