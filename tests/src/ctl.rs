@@ -201,9 +201,24 @@ pub async fn try_chat(
         "messages": [{"role": "user", "content": "hello"}],
         "max_tokens": max_tokens,
     });
+    let v = try_chat_json(base_url, &body, within).await?;
+    Ok(v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string())
+}
+
+/// POSTs `body` to `/v1/chat/completions`; the answer's JSON if it is a
+/// 200 within `within`, else what went wrong (naming the body's model).
+pub async fn try_chat_json(
+    base_url: &str,
+    body: &serde_json::Value,
+    within: Duration,
+) -> Result<serde_json::Value, String> {
+    let model = body["model"].as_str().unwrap_or_default();
     let resp = reqwest::Client::new()
         .post(format!("{base_url}/v1/chat/completions"))
-        .json(&body)
+        .json(body)
         .timeout(within)
         .send()
         .await
@@ -213,12 +228,7 @@ pub async fn try_chat(
     if status != 200 {
         return Err(format!("{model}: HTTP {status}: {text}"));
     }
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{model}: bad JSON {e}: {text}"))?;
-    Ok(v["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string())
+    serde_json::from_str(&text).map_err(|e| format!("{model}: bad JSON {e}: {text}"))
 }
 
 /// A chat completion straight to the engine; returns the answer text.

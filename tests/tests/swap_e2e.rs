@@ -128,19 +128,52 @@ async fn fire(proxy: &ProxyProc, models: &[&'static str], n: usize) -> Vec<Strin
     errors
 }
 
-#[tokio::test]
-async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
-    let ctl = start(&swap_config(1, &[("a", 1, 0.85), ("b", 1, 0.85)])).await;
+/// The control plane on `cfg` with a proxy in front, once every model of
+/// `models` is preloaded asleep: its client, the proxy and each model's
+/// preloaded status. None where NVML gives the real GPUs (the test skips).
+async fn stand(
+    cfg: &str,
+    models: &[&'static str],
+) -> Option<(
+    Ctl,
+    Client,
+    ProxyProc,
+    BTreeMap<&'static str, pb::ModelStatus>,
+)> {
+    let ctl = start(cfg).await;
     let mut c = ctl.client().await;
     if !gpus_from_config(&mut c).await {
-        return;
+        return None;
     }
     let proxy = spawn_proxy(&[ctl.url()], &[]).await;
     proxy_ready(&proxy).await;
-    let mut pids = BTreeMap::new();
-    for m in ["a", "b"] {
-        let s = wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
-        pids.insert(m, s.pid);
+    let mut preloaded = BTreeMap::new();
+    for &m in models {
+        preloaded.insert(m, wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await);
+    }
+    Some((ctl, c, proxy, preloaded))
+}
+
+/// Each model's engine is the one preloaded: same pid, started once.
+async fn same_engines(
+    c: &mut Client,
+    preloaded: &BTreeMap<&'static str, pb::ModelStatus>,
+    when: &str,
+) {
+    for (m, p) in preloaded {
+        let s = status(c, m).await;
+        assert_eq!(s.pid, p.pid, "{when}{m}'s engine was replaced: {s:#?}");
+        assert_eq!(s.restarts, 1, "{when}{m} restarted: {s:#?}");
+    }
+}
+
+#[tokio::test]
+async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
+    let cfg = swap_config(1, &[("a", 1, 0.85), ("b", 1, 0.85)]);
+    let Some((ctl, mut c, proxy, preloaded)) = stand(&cfg, &["a", "b"]).await else {
+        return;
+    };
+    for s in preloaded.values() {
         // No NVML here: the default for TP=1 until measured.
         assert_eq!(
             (s.asleep_residual_bytes, s.asleep_residual_measured),
@@ -188,14 +221,7 @@ async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
         if let Some(b) = broken.lock().unwrap().clone() {
             panic!("round {round}: {b}");
         }
-        for m in ["a", "b"] {
-            let s = status(&mut c, m).await;
-            assert_eq!(
-                s.pid, pids[m],
-                "round {round}: {m}'s engine was replaced: {s:#?}"
-            );
-            assert_eq!(s.restarts, 1, "round {round}: {m} restarted: {s:#?}");
-        }
+        same_engines(&mut c, &preloaded, &format!("round {round}: ")).await;
     }
 }
 
@@ -204,22 +230,10 @@ async fn two_models_on_one_gpu_take_turns_under_concurrent_requests() {
 /// holds two awake models that do not fit together.
 #[tokio::test]
 async fn three_models_on_two_gpus_with_a_tp2_model_all_woken_at_once() {
-    let ctl = start(&swap_config(
-        2,
-        &[("tp", 2, 0.6), ("a", 1, 0.6), ("b", 1, 0.6)],
-    ))
-    .await;
-    let mut c = ctl.client().await;
-    if !gpus_from_config(&mut c).await {
+    let cfg = swap_config(2, &[("tp", 2, 0.6), ("a", 1, 0.6), ("b", 1, 0.6)]);
+    let Some((ctl, mut c, proxy, preloaded)) = stand(&cfg, &["tp", "a", "b"]).await else {
         return;
-    }
-    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
-    proxy_ready(&proxy).await;
-    let mut pids = BTreeMap::new();
-    for m in ["tp", "a", "b"] {
-        let s = wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
-        pids.insert(m, s.pid);
-    }
+    };
     // tp spans both GPUs: it cannot be awake with a (GPU 0) or b (GPU 1).
     let broken =
         watch_never_awake_together(ctl.client().await, vec![vec!["tp", "a"], vec!["tp", "b"]]);
@@ -230,11 +244,7 @@ async fn three_models_on_two_gpus_with_a_tp2_model_all_woken_at_once() {
             panic!("round {round}: {b}");
         }
     }
-    for m in ["tp", "a", "b"] {
-        let s = status(&mut c, m).await;
-        assert_eq!(s.pid, pids[m], "{m}'s engine was replaced: {s:#?}");
-        assert_eq!(s.restarts, 1, "{m} restarted: {s:#?}");
-    }
+    same_engines(&mut c, &preloaded, "").await;
 }
 
 /// A request's outcome and when it ended.
@@ -250,26 +260,13 @@ async fn paced_chat(proxy: &str, model: &str, tokens: u32) -> Result<String, Str
         "max_tokens": tokens,
         "ignore_eos": true,
     });
-    let resp = reqwest::Client::new()
-        .post(format!("{proxy}/v1/chat/completions"))
-        .json(&body)
-        .timeout(ANSWER_WITHIN)
-        .send()
-        .await
-        .map_err(|e| format!("{model}: no answer within {ANSWER_WITHIN:?}: {e}"))?;
-    let status = resp.status();
-    let text = resp.text().await.unwrap_or_default();
-    if status != 200 {
-        return Err(format!("{model}: HTTP {status}: {text}"));
-    }
-    let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{model}: bad JSON {e}: {text}"))?;
+    let v = try_chat_json(proxy, &body, ANSWER_WITHIN).await?;
     let finish = v["choices"][0]["finish_reason"]
         .as_str()
         .unwrap_or_default();
     let done = v["usage"]["completion_tokens"].as_u64() == Some(u64::from(tokens));
     if finish != "length" || !done {
-        return Err(format!("{model}: cut short: {text}"));
+        return Err(format!("{model}: cut short: {v}"));
     }
     Ok(finish.to_string())
 }
@@ -292,18 +289,9 @@ async fn a_busy_model_yields_the_gpu_to_a_waiting_one_and_gets_it_back() {
             "name = \"a\"\n",
             "name = \"a\"\nargs = [\"--tokens-per-second\", \"20\"]\n",
         );
-    let ctl = start(&cfg).await;
-    let mut c = ctl.client().await;
-    if !gpus_from_config(&mut c).await {
+    let Some((ctl, mut c, proxy, preloaded)) = stand(&cfg, &["a", "b"]).await else {
         return;
-    }
-    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
-    proxy_ready(&proxy).await;
-    let mut pids = BTreeMap::new();
-    for m in ["a", "b"] {
-        let s = wait_state(&mut c, m, pb::ModelState::Asleep, LONG).await;
-        pids.insert(m, s.pid);
-    }
+    };
     wake_awake(&mut c, "a").await;
     let broken = watch_never_awake_together(ctl.client().await, vec![vec!["a", "b"]]);
 
@@ -390,9 +378,5 @@ async fn a_busy_model_yields_the_gpu_to_a_waiting_one_and_gets_it_back() {
     );
     let a = status(&mut c, "a").await;
     assert!(a.last_error.is_empty(), "{a:#?}");
-    for m in ["a", "b"] {
-        let s = status(&mut c, m).await;
-        assert_eq!(s.pid, pids[m], "{m}'s engine was replaced: {s:#?}");
-        assert_eq!(s.restarts, 1, "{m} restarted: {s:#?}");
-    }
+    same_engines(&mut c, &preloaded, "").await;
 }

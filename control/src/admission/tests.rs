@@ -276,6 +276,22 @@ impl World {
         Ok(())
     }
 
+    /// One random action of the property tests.
+    fn act(&mut self, a: Action) -> Result<(), TestCaseError> {
+        let n = self.names.len();
+        match a {
+            Action::Demand(i) => self.demand(i % n),
+            Action::Finish(i) => {
+                let i = i % n;
+                self.in_flight[i] = self.in_flight[i].saturating_sub(1);
+            }
+            Action::Step => self.engines_step(),
+            Action::Plan => self.plan()?,
+            Action::Publish(i) => self.publish(i % n),
+        }
+        Ok(())
+    }
+
     /// Engines finish what they were doing; a yielding one sleeps once
     /// nothing is in flight; an asleep one with requests held asks again.
     fn engines_step(&mut self) {
@@ -338,16 +354,7 @@ proptest! {
         // Models publish their states late, as their tasks get to it.
         w.lag = lag;
         for a in actions {
-            match a {
-                Action::Demand(i) => w.demand(i % n),
-                Action::Finish(i) => {
-                    let i = i % n;
-                    w.in_flight[i] = w.in_flight[i].saturating_sub(1);
-                }
-                Action::Step => w.engines_step(),
-                Action::Plan => w.plan()?,
-                Action::Publish(i) => w.publish(i % n),
-            }
+            w.act(a)?;
         }
         // Traffic stops: every waiting model gets its turn.
         w.in_flight.iter_mut().for_each(|f| *f = 0);
@@ -379,16 +386,7 @@ proptest! {
         let mut w = w.with_yield();
         let n = w.names.len();
         for a in actions {
-            match a {
-                Action::Demand(i) => w.demand(i % n),
-                Action::Finish(i) => {
-                    let i = i % n;
-                    w.in_flight[i] = w.in_flight[i].saturating_sub(1);
-                }
-                Action::Step => w.engines_step(),
-                Action::Plan => w.plan()?,
-                Action::Publish(i) => w.publish(i % n),
-            }
+            w.act(a)?;
         }
         let waiting: Vec<usize> = (0..n).filter(|&i| w.run[i] == Run::Waking(false)).collect();
         let mut admitted = vec![false; n];
