@@ -324,12 +324,18 @@ impl Runner {
         match msg {
             Msg::Activity(mut event, fenced_since_unix_ms) => {
                 // Requests a proxy held under a fence from before the model
-                // was last awake were released then: its report was taken
-                // before it saw the awake (its next one says 0). Counted,
-                // they would wake a model just put to sleep.
-                if let Event::Activity { held, .. } = &mut event
+                // was last awake are being released to the engine: its
+                // report was taken before it saw the awake (its next one
+                // says where they are). They are in flight, not a demand:
+                // counted as held they woke a model just put to sleep;
+                // counted as nothing, an operator's sleep waiting for them
+                // began while they were on their way (demand_e2e, in CI).
+                if let Event::Activity {
+                    held, in_flight, ..
+                } = &mut event
                     && fenced_since_unix_ms <= self.awake_since_unix_ms
                 {
+                    *in_flight = in_flight.saturating_add(*held);
                     *held = 0;
                 }
                 self.apply(event);

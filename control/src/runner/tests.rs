@@ -172,11 +172,13 @@ async fn an_attach_engine_that_does_not_say_its_level_is_not_taken_for_level_one
 }
 
 /// Requests a proxy reports held under a fence from before the model was
-/// last awake were released then (the report was taken before the proxy
-/// saw the awake): they count for nothing. Held under a later fence, they
-/// count. Counted stale, they woke a model just put to sleep (swap_e2e).
+/// last awake are being released (the report was taken before the proxy
+/// saw the awake): they count as in flight, not held. Held under a later
+/// fence, they count as held. Counted as held, they woke a model just put
+/// to sleep (swap_e2e); counted as nothing, an operator's sleep began
+/// while they were on their way to the engine (demand_e2e).
 #[tokio::test]
-async fn held_requests_fenced_before_the_last_awake_count_for_nothing() {
+async fn held_requests_fenced_before_the_last_awake_count_as_in_flight() {
     use crate::engine::test_server::{Act, engine};
     let e = engine(|_, _, line| {
         if line.contains("/is_sleeping") {
@@ -214,14 +216,16 @@ async fn held_requests_fenced_before_the_last_awake_count_for_nothing() {
     };
     // Taken while the model was waking, before the awake.
     report(10, awake - 1);
-    // Held by a proxy that already forwards: stale too.
+    let s = h.send(Event::Tick).await.unwrap();
+    assert_eq!((s.held, s.in_flight), (0, 10), "{s:?}");
+    // Held by a proxy that already forwards: on their way too.
     report(4, 0);
     let s = h.send(Event::Tick).await.unwrap();
-    assert_eq!(s.held, 0, "{s:?}");
+    assert_eq!((s.held, s.in_flight), (0, 4), "{s:?}");
     // Held under a non-serving state that began after the awake.
     report(3, awake + 5);
     let s = h.send(Event::Tick).await.unwrap();
-    assert_eq!(s.held, 3, "{s:?}");
+    assert_eq!((s.held, s.in_flight), (3, 0), "{s:?}");
     cancel.cancel();
     h.join().await;
 }
