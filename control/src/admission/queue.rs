@@ -4,7 +4,7 @@
 use super::{AdmissionMetrics, AdmissionPolicy, Eviction, Registry, Waiting};
 use crate::gpu_view::{GpuView, runtime};
 use crate::placement::{RunState, WakePlan};
-use crate::reconciler::turn_factor;
+use crate::reconciler::{Reason, turn_factor};
 use crate::status::{Clock, ModelStatus, State};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -15,6 +15,14 @@ use tokio::sync::oneshot;
 /// published state has not moved since the answer. The model publishes
 /// within milliseconds; this bounds what a model that never does costs.
 const GRANT_UNSEEN_MAX: Duration = Duration::from_secs(30);
+
+/// Whether a model waiting for room is wanted by someone a busy model
+/// should yield to: requests held for it, or an operator's wake or pin. A
+/// wake whose held requests were all answered elsewhere or gave up (a
+/// demand alone) takes only idle models' room.
+fn wanted_by_someone(m: &ModelStatus) -> bool {
+    m.held > 0 || matches!(m.intent.reason, Reason::Operator | Reason::Pin)
+}
 
 /// What is left of `d` after `elapsed_ms`, in ms.
 fn ms_left(d: Duration, elapsed_ms: i64) -> u64 {
@@ -183,11 +191,16 @@ impl Core {
                 i += 1;
                 continue;
             }
-            // Waited its share: a busy model whose turn is over yields.
+            // Waited its share, for someone: a busy model whose turn is
+            // over yields (not for a wake whose held requests are gone).
             let yield_busy = self
                 .policy
                 .yield_after
-                .is_some_and(|y| self.queue[i].asked_at.elapsed() >= y);
+                .is_some_and(|y| self.queue[i].asked_at.elapsed() >= y)
+                && models
+                    .iter()
+                    .find(|m| m.name == model)
+                    .is_some_and(wanted_by_someone);
             match self.gpus.plan_wake_in(&model, &rt, yield_busy) {
                 WakePlan::Ready => {
                     let ask = self.queue.remove(i).expect("index in range");

@@ -58,6 +58,9 @@ struct World {
     held: Vec<bool>,
     /// Busy models may be asked to yield (`yield_after` = 0).
     yielding: bool,
+    /// The requests a waiting model was asked for still wait (false: they
+    /// were answered elsewhere or gave up; the wake goes on).
+    requests_wait: Vec<bool>,
     base: ModelStatus,
 }
 
@@ -112,6 +115,7 @@ impl World {
             evicted,
             held: vec![false; n],
             yielding: false,
+            requests_wait: vec![true; n],
             base,
         })
     }
@@ -153,6 +157,11 @@ impl World {
                     Run::Sleeping | Run::Yielding => State::Sleeping,
                 };
                 s.in_flight = self.in_flight[i];
+                // A model waiting for room waits for the requests that
+                // asked for it (the proxies report them held).
+                s.held = u32::from(
+                    (matches!(run, Run::Waking(false)) && self.requests_wait[i]) || self.held[i],
+                );
                 s.state_since_unix_ms = since;
                 s
             })
@@ -410,6 +419,35 @@ proptest! {
     }
 }
 
+/// A busy model yields only to a model someone waits for: requests held
+/// for it, or an operator's wake. A wake whose requests went away (they
+/// gave up at `max_hold`) takes only idle models' room.
+#[test]
+fn a_busy_model_yields_only_to_a_model_someone_waits_for() {
+    let mut w = World::new(&config(1, &[(1, 0.85), (1, 0.85)]))
+        .unwrap()
+        .with_yield();
+    w.run[0] = Run::Awake;
+    w.in_flight[0] = 2;
+    w.demand(1);
+    w.requests_wait[1] = false;
+    w.plan().unwrap();
+    assert_eq!(
+        w.run,
+        [Run::Awake, Run::Waking(false)],
+        "nobody waits for m1"
+    );
+    // An operator wakes it: that is someone.
+    let mut st = w.statuses();
+    st[1].intent.reason = crate::reconciler::Reason::Operator;
+    w.core.plan(&st);
+    let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
+    assert!(
+        matches!(asked.as_slice(), [(m, Eviction::Yield { to })] if m == "m0" && to == "m1"),
+        "{asked:?}"
+    );
+}
+
 /// A model whose last yields were given up (its answers outlasted the
 /// grace) gets longer turns: 2× after one, 4× after two.
 #[test]
@@ -436,6 +474,7 @@ fn yields_given_up_lengthen_the_turn() {
         s[0].state = State::Awake;
         s[0].state_since_unix_ms = since;
         s[0].yields_given_up = given_up;
+        s[1].held = 1;
         s
     };
     let cases = [(2, false, statuses(2)), (1, true, statuses(1))];
