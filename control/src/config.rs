@@ -72,6 +72,13 @@ pub const DEFAULT_ENGINE_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 /// Default `[control] min_awake`.
 pub const DEFAULT_MIN_AWAKE: Duration = Duration::from_secs(2);
 
+/// How long a wake may wait for room on its GPUs (other models to finish
+/// their requests and be put to sleep). A wake that gives up leaves its
+/// engine asleep, unharmed, and says why in the model's status; the next
+/// demand tries again. As long as the proxy's default `max_hold`.
+/// `yield_after` must be shorter, or no busy model would ever yield.
+pub const ROOM_WAIT: Duration = Duration::from_secs(300);
+
 /// Default `[control] yield_after`.
 pub const DEFAULT_YIELD_AFTER: Duration = Duration::from_secs(10);
 

@@ -35,11 +35,9 @@ pub struct ProxyLoad {
     pub at: Instant,
 }
 
-/// How long a wake may wait for room on its GPUs (other models to finish
-/// their requests and be put to sleep). A wake that gives up leaves its
-/// engine asleep, unharmed, and says why in the model's status; the next
-/// demand tries again. As long as the proxy's default `max_hold`.
-pub const ROOM_WAIT: Duration = Duration::from_secs(300);
+/// How long a wake may wait for room on its GPUs (see the constant in
+/// `config`, which bounds `yield_after` by it).
+pub use crate::config::ROOM_WAIT;
 
 /// How long the checkpoint helper may take to suspend an engine: it copies
 /// the whole GPU allocation to host memory (about 2 GB/s measured on an

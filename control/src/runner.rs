@@ -330,12 +330,17 @@ impl Runner {
                 // counted as held they woke a model just put to sleep;
                 // counted as nothing, an operator's sleep waiting for them
                 // began while they were on their way (demand_e2e, in CI).
+                // (A proxy that sees the model awake reports fence 0; what
+                // it holds then waits for a suspect endpoint, for as long
+                // as that lasts: not in flight, and not a demand either.)
                 if let Event::Activity {
                     held, in_flight, ..
                 } = &mut event
                     && fenced_since_unix_ms <= self.awake_since_unix_ms
                 {
-                    *in_flight = in_flight.saturating_add(*held);
+                    if fenced_since_unix_ms > 0 {
+                        *in_flight = in_flight.saturating_add(*held);
+                    }
                     *held = 0;
                 }
                 self.apply(event);

@@ -4,7 +4,7 @@
 use super::{AdmissionMetrics, AdmissionPolicy, Eviction, Registry, Waiting};
 use crate::gpu_view::{GpuView, runtime};
 use crate::placement::{RunState, WakePlan};
-use crate::reconciler::{Reason, turn_factor};
+use crate::reconciler::{Desired, ROOM_WAIT, Reason, turn_factor};
 use crate::status::{Clock, ModelStatus, State};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -21,7 +21,16 @@ const GRANT_UNSEEN_MAX: Duration = Duration::from_secs(30);
 /// wake whose held requests were all answered elsewhere or gave up (a
 /// demand alone) takes only idle models' room.
 fn wanted_by_someone(m: &ModelStatus) -> bool {
-    m.held > 0 || matches!(m.intent.reason, Reason::Operator | Reason::Pin)
+    m.held > 0
+        || (m.intent.desired == Desired::Awake
+            && matches!(m.intent.reason, Reason::Operator | Reason::Pin))
+}
+
+/// A busy model's turn after `given_up` yields given up in a row: doubled
+/// for each, but within half the time a wake waits for room (a longer turn
+/// would outlast every wait for it).
+fn longer_turn(turn: Duration, given_up: u32) -> Duration {
+    (turn * turn_factor(given_up)).min((ROOM_WAIT / 2).max(turn))
 }
 
 /// What is left of `d` after `elapsed_ms`, in ms.
@@ -168,7 +177,7 @@ impl Core {
                     .policy
                     .yield_after
                     .filter(|_| m.engine.deepest_sleep().is_some())
-                    .map(|turn| ms_left(turn * turn_factor(m.yields_given_up), awake_for));
+                    .map(|turn| ms_left(longer_turn(turn, m.yields_given_up), awake_for));
             }
         }
         let mut blocked: BTreeSet<u32> = BTreeSet::new();

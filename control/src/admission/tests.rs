@@ -439,7 +439,13 @@ fn a_busy_model_yields_only_to_a_model_someone_waits_for() {
     );
     // An operator wakes it: that is someone.
     let mut st = w.statuses();
+    st[1].intent.desired = crate::reconciler::Desired::Awake;
     st[1].intent.reason = crate::reconciler::Reason::Operator;
+    // (An operator's sleep, deeper, is no reason to make it yield.)
+    let mut deeper = st.clone();
+    deeper[1].intent.desired = crate::reconciler::Desired::Asleep(2);
+    w.core.plan(&deeper);
+    assert!(w.evicted.lock().unwrap().is_empty());
     w.core.plan(&st);
     let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
     assert!(

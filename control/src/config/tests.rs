@@ -215,6 +215,7 @@ fn yield_after_is_a_duration_or_off() {
     assert_eq!(c.control.yield_after, None);
     for (bad, says) in [
         ("\"0s\"", "must be more than 0"),
+        ("\"5m\"", "must be less than 300 s"),
         ("\"soon\"", "is not a duration"),
         ("10", "expected a duration string"),
     ] {

@@ -177,6 +177,17 @@ fn read_yield_after(p: &mut Problems, r: &mut Reader<'_>) -> Option<Duration> {
                 );
                 Some(super::DEFAULT_YIELD_AFTER)
             }
+            Some(d) if d >= super::ROOM_WAIT => {
+                p.push(
+                    key,
+                    format!(
+                        "must be less than {} s (how long a wake waits for room: it would give \
+                         up before any busy model yields)",
+                        super::ROOM_WAIT.as_secs()
+                    ),
+                );
+                Some(super::DEFAULT_YIELD_AFTER)
+            }
             d => d.or(Some(super::DEFAULT_YIELD_AFTER)),
         },
     }

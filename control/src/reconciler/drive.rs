@@ -55,7 +55,10 @@ pub(super) fn drain(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
 /// (published as sleeping, so proxies hold new ones), let those in flight
 /// finish, then sleep at `level` (see [`Phase::Yielding`]). Requests held
 /// meanwhile are a demand: once asleep it asks for its GPUs again, behind
-/// `to`.
+/// `to`. The intent is left as it is until the sleep begins
+/// ([`yield_sleep`]): a yield given up, or a control plane restarted
+/// meanwhile, finds the model wanted as it was, not put to sleep later
+/// without a drain.
 pub(super) fn begin_yield(
     m: &mut ModelState,
     level: u8,
@@ -64,7 +67,6 @@ pub(super) fn begin_yield(
     fx: &mut Vec<Effect>,
 ) {
     let grace = m.settings.timeouts.stop_grace;
-    set_intent(m, Desired::Asleep(level), Reason::Eviction, now);
     set_phase(
         m,
         Phase::Yielding {
@@ -95,6 +97,23 @@ pub(super) fn give_up_yield(m: &mut ModelState, why: &str, now: Instant, fx: &mu
         turn_factor(m.yields_given_up)
     )));
     super::step::become_awake(m, now);
+}
+
+/// A yield is drained and nothing is in flight: it sleeps, at its level or
+/// the deeper one an operator or a tier asked for meanwhile (an operator's
+/// suspend is carried out from there). A model wanted awake (by the
+/// requests held meanwhile, or as before) is put to sleep for the model it
+/// yielded to; held requests then wake it again behind that one.
+fn yield_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>) {
+    let level = match m.intent.desired {
+        Desired::Asleep(l) => l.max(level),
+        Desired::Awake => {
+            set_intent(m, Desired::Asleep(level), Reason::Eviction, now);
+            level
+        }
+        Desired::Suspended | Desired::Stopped => level,
+    };
+    begin_sleep(m, level, now, fx);
 }
 
 /// How many `yield_after` a model's turn lasts after `given_up` yields
@@ -412,7 +431,7 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             level,
             drained: true,
             ..
-        } if m.in_flight() == 0 => begin_sleep(m, level, now, fx),
+        } if m.in_flight() == 0 => yield_sleep(m, level, now, fx),
         Phase::Starting { .. }
         | Phase::Sleeping { .. }
         | Phase::Waking { .. }

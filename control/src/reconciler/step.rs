@@ -193,13 +193,8 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             m.intent.until = until;
             m.intent.since = now;
             retry_now(m, now);
-            if let Phase::Yielding { .. } = m.phase {
-                // Pinned awake: a pinned model never makes room.
-                fx.push(Effect::Log(
-                    "pinned: yield called off, serving again".into(),
-                ));
-                become_awake(m, now);
-            }
+            // A pinned model never makes room.
+            call_off_yield(m, "pinned", now, fx);
         }
         Event::Unpin => {
             m.pin = Pin::None;
@@ -567,6 +562,17 @@ fn retry_now(m: &mut ModelState, now: Instant) {
     }
 }
 
+/// An operator wants a yielding model serving (a pin or a wake): the yield
+/// is called off and what was held is released.
+fn call_off_yield(m: &mut ModelState, why: &str, now: Instant, fx: &mut Vec<Effect>) {
+    if let Phase::Yielding { .. } = m.phase {
+        fx.push(Effect::Log(format!(
+            "{why}: yield called off, serving again"
+        )));
+        become_awake(m, now);
+    }
+}
+
 fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>) {
     match cmd {
         Command::Wake | Command::Start => {
@@ -574,6 +580,7 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             m.intent.since = now;
             m.idle_floor = now;
             retry_now(m, now);
+            call_off_yield(m, "woken by an operator", now, fx);
         }
         Command::Sleep(level) if !m.settings.kind.can_sleep(level) => {
             // The API refuses it first; nothing is planned that the kind lacks.

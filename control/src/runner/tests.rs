@@ -218,10 +218,10 @@ async fn held_requests_fenced_before_the_last_awake_count_as_in_flight() {
     report(10, awake - 1);
     let s = h.send(Event::Tick).await.unwrap();
     assert_eq!((s.held, s.in_flight), (0, 10), "{s:?}");
-    // Held by a proxy that already forwards: on their way too.
+    // Held by a proxy that sees it awake (a suspect endpoint): neither.
     report(4, 0);
     let s = h.send(Event::Tick).await.unwrap();
-    assert_eq!((s.held, s.in_flight), (0, 4), "{s:?}");
+    assert_eq!((s.held, s.in_flight), (0, 0), "{s:?}");
     // Held under a non-serving state that began after the awake.
     report(3, awake + 5);
     let s = h.send(Event::Tick).await.unwrap();

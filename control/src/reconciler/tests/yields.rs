@@ -46,8 +46,9 @@ fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
     );
     assert!(s.has(|f| matches!(f, Effect::Drain { .. })), "{:?}", s.fx);
     assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })));
-    assert_eq!(s.m.intent.desired, Desired::Asleep(1));
-    assert_eq!(s.m.intent.reason, Reason::Eviction);
+    // Wanted as before until the sleep begins (a yield given up, or a
+    // control plane restarted meanwhile, must not sleep it without a drain).
+    assert_eq!(s.m.intent.desired, Desired::Awake);
     // Published as going to sleep (status/tests.rs): proxies hold what comes.
     // A new request is held; its demand does not call the yield off.
     s.ev(Event::Demand);
@@ -72,6 +73,10 @@ fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
         s.fx
     );
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    assert_eq!(
+        (s.m.intent.desired, s.m.intent.reason),
+        (Desired::Asleep(1), Reason::Eviction)
+    );
     // Asleep with 3 held: it asks for its GPUs again at once (admission
     // puts that behind the model it yielded to).
     s.ev(Event::SleepDone { epoch: s.m.epoch });
@@ -111,9 +116,13 @@ fn a_yield_whose_requests_do_not_finish_in_time_serves_again() {
     });
     assert_eq!(s.m.phase, Phase::Awake);
     assert_eq!(s.m.yields_given_up, 2);
-    // Once idle it sleeps for the waiting model (the eviction intent stays),
-    // and its turns are back to one `yield_after`.
+    // Idle now: still wanted awake, so no sleep without a drain; the
+    // waiting model's admission evicts it as an idle model, and its turns
+    // are back to one `yield_after`.
+    assert_eq!(s.m.intent.desired, Desired::Awake);
     busy(&mut s, 0, 0);
+    assert_eq!(s.m.phase, Phase::Awake);
+    s.ev(Event::Evict);
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
     assert_eq!(s.m.yields_given_up, 0);
     assert_eq!(
@@ -144,6 +153,58 @@ fn a_pinned_or_asleep_model_does_not_yield() {
         "{:?}",
         s.m.phase
     );
+}
+
+/// What an operator asks during a yield is kept: a deeper sleep is the
+/// one it goes to, a suspend follows the sleep, a wake calls the yield off.
+#[test]
+fn an_operators_sleep_suspend_or_wake_during_a_yield_is_kept() {
+    let drained = |s: &mut Sim| {
+        s.ev(Event::Drained {
+            epoch: s.m.epoch,
+            error: None,
+        });
+        busy(s, 0, 1);
+    };
+    let mut s = serving();
+    yield_to_b(&mut s);
+    s.ev(Event::Command(Command::Sleep(2)));
+    assert!(matches!(s.m.phase, Phase::Yielding { .. }));
+    drained(&mut s);
+    assert!(
+        s.has(|f| matches!(f, Effect::Sleep { level: 2, .. })),
+        "{:?}",
+        s.fx
+    );
+    assert_eq!(
+        (s.m.intent.desired, s.m.intent.reason),
+        (Desired::Asleep(2), Reason::Operator)
+    );
+
+    // (Requests held would be a demand, which wins over a suspend; none
+    // are held here.)
+    let mut s = serving();
+    yield_to_b(&mut s);
+    s.ev(Event::Command(Command::Suspend));
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: None,
+    });
+    busy(&mut s, 0, 0);
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert!(
+        matches!(s.m.phase, Phase::Suspending { under: 1, .. }),
+        "{:?}",
+        s.m.phase
+    );
+    assert_eq!(s.m.intent.reason, Reason::Operator);
+
+    let mut s = serving();
+    yield_to_b(&mut s);
+    s.ev(Event::Command(Command::Wake));
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert!(s.has(|f| matches!(f, Effect::Log(l) if l.contains("yield called off"))));
 }
 
 #[test]
