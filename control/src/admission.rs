@@ -26,6 +26,7 @@ mod tests;
 
 use crate::gpu_view::GpuView;
 use crate::hub::Hub;
+use crate::reconciler::Event;
 use crate::status::Clock;
 pub use metrics::AdmissionMetrics;
 use queue::{Ask, Core};
@@ -35,18 +36,9 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 
-/// How a model is asked to make room.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Eviction {
-    /// It is idle: sleep (`Event::Evict`).
-    Idle,
-    /// It is busy and its turn is over: `to` has waited `yield_after` for
-    /// its GPUs (`Event::Yield`).
-    Yield { to: String },
-}
-
-/// Asks one model to make room (sends it `Event::Evict` or `Event::Yield`).
-pub type Evictor = Arc<dyn Fn(Eviction) + Send + Sync>;
+/// Asks one model to make room: sends it `Event::Evict` (it is idle) or
+/// `Event::Yield` (it is busy and its turn is over).
+pub type Evictor = Arc<dyn Fn(Event) + Send + Sync>;
 
 /// Tells a waiting model what it waits for (None: admitted).
 pub type Waiting = Box<dyn Fn(Option<String>) + Send + Sync>;
@@ -71,7 +63,7 @@ impl Registry {
         self.0.write().unwrap().remove(model);
     }
 
-    fn evict(&self, model: &str, how: Eviction) {
+    fn evict(&self, model: &str, how: Event) {
         let f = self.0.read().unwrap().get(model).cloned();
         if let Some(f) = f {
             f(how);
@@ -245,7 +237,7 @@ impl Admission {
             waiting,
             reply,
             told: None,
-            asked_at: std::time::Instant::now(),
+            asked_at: tokio::time::Instant::now(),
             evicted: Default::default(),
         };
         if tx.send(Msg::Ask(ask)).is_err() {

@@ -2,7 +2,6 @@
 //! the gRPC layer calls. Answers in domain types; refusals are [`OpError`].
 
 use crate::OpError;
-use crate::admission::Eviction;
 use crate::config::{Config, IdleAction, ModelConfig};
 use crate::fence::FenceReport;
 use crate::placement::{Placed, Planned, default_placement};
@@ -105,10 +104,7 @@ impl Models {
             &cfg.name,
             Arc::new(move |how| {
                 if let Some(h) = weak.upgrade() {
-                    h.notify(match how {
-                        Eviction::Idle => Event::Evict,
-                        Eviction::Yield { to } => Event::Yield { to },
-                    });
+                    h.notify(how);
                 }
             }),
         );

@@ -11,7 +11,6 @@ mod tiers;
 
 pub use adopt::{Observed, adopt};
 pub use calibration::{Average, Calibration};
-pub use drive::turn_factor;
 pub use step::step;
 pub use tiers::{due_tier, next_tier};
 

@@ -1,10 +1,10 @@
 //! The admission queue and its planning step: pure over the models'
 //! states, the placement and the clock, so tests drive it directly.
 
-use super::{AdmissionMetrics, AdmissionPolicy, Eviction, Registry, Waiting};
+use super::{AdmissionMetrics, AdmissionPolicy, Registry, Waiting};
 use crate::gpu_view::{GpuView, runtime};
 use crate::placement::{RunState, WakePlan};
-use crate::reconciler::{Desired, ROOM_WAIT, Reason, turn_factor};
+use crate::reconciler::{Desired, Event, ROOM_WAIT, Reason};
 use crate::status::{Clock, ModelStatus, State};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
@@ -27,10 +27,10 @@ fn wanted_by_someone(m: &ModelStatus) -> bool {
 }
 
 /// A busy model's turn after `given_up` yields given up in a row: doubled
-/// for each, but within half the time a wake waits for room (a longer turn
-/// would outlast every wait for it).
-fn longer_turn(turn: Duration, given_up: u32) -> Duration {
-    (turn * turn_factor(given_up)).min((ROOM_WAIT / 2).max(turn))
+/// for each (up to 32×), but within half the time a wake waits for room (a
+/// longer turn would outlast every wait for it).
+pub(super) fn longer_turn(turn: Duration, given_up: u32) -> Duration {
+    (turn * (1 << given_up.min(5))).min((ROOM_WAIT / 2).max(turn))
 }
 
 /// What is left of `d` after `elapsed_ms`, in ms.
@@ -53,7 +53,9 @@ pub(crate) struct Ask {
     pub reply: oneshot::Sender<()>,
     /// What the waiter was last told (only changes are sent).
     pub told: Option<String>,
-    pub asked_at: std::time::Instant,
+    /// When it joined the queue (tokio's clock: `yield_after` counts from
+    /// here, and tests run it under paused time).
+    pub asked_at: tokio::time::Instant,
     /// Models asked to sleep for this ask (each counted once).
     pub evicted: BTreeSet<String>,
 }
@@ -237,14 +239,15 @@ impl Core {
                     for v in &victims {
                         let how = if rt.get(v).is_some_and(|r| r.in_flight > 0) {
                             busy.push(v.clone());
-                            Eviction::Yield { to: model.clone() }
+                            Event::Yield { to: model.clone() }
                         } else {
-                            Eviction::Idle
+                            Event::Evict
                         };
                         if self.queue[i].evicted.insert(v.clone()) {
-                            match how {
-                                Eviction::Idle => self.metrics.evicted(v),
-                                Eviction::Yield { .. } => self.metrics.yielded(v),
+                            if busy.contains(v) {
+                                self.metrics.yielded(v);
+                            } else {
+                                self.metrics.evicted(v);
                             }
                         }
                         self.registry.evict(v, how);

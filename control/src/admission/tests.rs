@@ -53,7 +53,7 @@ struct World {
     in_flight: Vec<u32>,
     answers: Vec<Option<oneshot::Receiver<()>>>,
     /// Who was asked to make room, and how.
-    evicted: Arc<Mutex<Vec<(String, Eviction)>>>,
+    evicted: Arc<Mutex<Vec<(String, Event)>>>,
     /// Requests held for a yielding model (its next turn's demand).
     held: Vec<bool>,
     /// Busy models may be asked to yield (`yield_after` = 0).
@@ -194,7 +194,7 @@ impl World {
                 waiting: Box::new(|_| {}),
                 reply,
                 told: None,
-                asked_at: std::time::Instant::now(),
+                asked_at: tokio::time::Instant::now(),
                 evicted: Default::default(),
             });
             self.answers[i] = Some(rx);
@@ -217,7 +217,7 @@ impl World {
                 self.run[i] = Run::Waking(true);
             }
         }
-        let evicted: Vec<(String, Eviction)> = self.evicted.lock().unwrap().drain(..).collect();
+        let evicted: Vec<(String, Event)> = self.evicted.lock().unwrap().drain(..).collect();
         for (v, how) in evicted {
             let i = self.names.iter().position(|n| *n == v).unwrap();
             prop_assert_eq!(
@@ -228,7 +228,7 @@ impl World {
                 self.published[i].0
             );
             match how {
-                Eviction::Idle => {
+                Event::Evict => {
                     prop_assert_eq!(
                         self.in_flight[i],
                         0,
@@ -242,7 +242,7 @@ impl World {
                         self.run[i] = Run::Sleeping;
                     }
                 }
-                Eviction::Yield { to } => {
+                Event::Yield { to } => {
                     prop_assert!(
                         self.yielding,
                         "{} asked to yield to {} with yield off",
@@ -262,6 +262,7 @@ impl World {
                         };
                     }
                 }
+                other => prop_assert!(false, "{} was sent {:?}", v, other),
             }
         }
         self.check_memory()
@@ -419,6 +420,20 @@ proptest! {
     }
 }
 
+/// Turns double with each yield given up, within half the wait for room.
+#[test]
+fn turns_double_after_yields_given_up_within_half_the_wait_for_room() {
+    use super::queue::longer_turn;
+    let s = Duration::from_secs;
+    let turns = [0, 1, 2, 3, 4, 9].map(|n| longer_turn(s(10), n));
+    assert_eq!(turns, [s(10), s(20), s(40), s(80), s(150), s(150)]);
+    assert_eq!(
+        longer_turn(s(200), 3),
+        s(200),
+        "never shorter than the turn"
+    );
+}
+
 /// A busy model yields only to a model someone waits for: requests held
 /// for it, or an operator's wake. A wake whose requests went away (they
 /// gave up at `max_hold`) takes only idle models' room.
@@ -449,7 +464,7 @@ fn a_busy_model_yields_only_to_a_model_someone_waits_for() {
     w.core.plan(&st);
     let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
     assert!(
-        matches!(asked.as_slice(), [(m, Eviction::Yield { to })] if m == "m0" && to == "m1"),
+        matches!(asked.as_slice(), [(m, Event::Yield { to })] if m == "m0" && to == "m1"),
         "{asked:?}"
     );
 }

@@ -87,14 +87,13 @@ pub(super) fn begin_yield(
 
 /// A yield whose requests in flight did not finish within its stop grace:
 /// it serves again (nothing is cut); admission may ask again after another
-/// turn.
+/// turn, longer for each yield given up in a row (`admission/queue.rs`).
 pub(super) fn give_up_yield(m: &mut ModelState, why: &str, now: Instant, fx: &mut Vec<Effect>) {
     m.yields_given_up = m.yields_given_up.saturating_add(1);
     fx.push(Effect::Log(format!(
         "yield given up ({} in a row), serving again (nothing cut): {why}; its next turn is \
-         {}× as long",
-        m.yields_given_up,
-        turn_factor(m.yields_given_up)
+         longer",
+        m.yields_given_up
     )));
     super::step::become_awake(m, now);
 }
@@ -114,12 +113,6 @@ fn yield_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>
         Desired::Suspended | Desired::Stopped => level,
     };
     begin_sleep(m, level, now, fx);
-}
-
-/// How many `yield_after` a model's turn lasts after `given_up` yields
-/// given up in a row: 1, 2, 4 … 32.
-pub fn turn_factor(given_up: u32) -> u32 {
-    1 << given_up.min(5)
 }
 
 pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
