@@ -467,7 +467,9 @@ impl World {
                     prop_assert_eq!(m.in_flight(), 0, "sleep with requests in flight\n{}", ctx());
                     // Only a yield sleeps with requests held: they wait for
                     // its next turn, the model asks for its GPUs again.
-                    if !matches!(prev.phase, Phase::Yielding { drained: true, .. }) {
+                    // (The `Drained` that ends a yield may start its sleep
+                    // in the same step.)
+                    if !matches!(prev.phase, Phase::Yielding { .. }) {
                         prop_assert_eq!(m.held(), 0, "sleep with requests held\n{}", ctx());
                     }
                     prop_assert!((1..=2).contains(&level));

@@ -100,12 +100,15 @@ pub(super) fn give_up_yield(m: &mut ModelState, why: &str, now: Instant, fx: &mu
 
 /// A yield is drained and nothing is in flight: it sleeps, at its level or
 /// the deeper one an operator or a tier asked for meanwhile (an operator's
-/// suspend is carried out from there). A model wanted awake (by the
-/// requests held meanwhile, or as before) is put to sleep for the model it
-/// yielded to; held requests then wake it again behind that one.
+/// suspend is carried out from there). A model wanted awake as before is
+/// put to sleep for the model it yielded to (requests held meanwhile wake
+/// it again behind that one); a demand not yet served keeps it wanted
+/// awake, so it asks for its GPUs again at once, behind that one (put to
+/// sleep, a demand whose held count had not been reported yet was lost).
 fn yield_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>) {
     let level = match m.intent.desired {
         Desired::Asleep(l) => l.max(level),
+        Desired::Awake if m.demand_since.is_some() => level,
         Desired::Awake => {
             set_intent(m, Desired::Asleep(level), Reason::Eviction, now);
             level

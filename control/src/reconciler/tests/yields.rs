@@ -73,10 +73,10 @@ fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
         s.fx
     );
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
-    assert_eq!(
-        (s.m.intent.desired, s.m.intent.reason),
-        (Desired::Asleep(1), Reason::Eviction)
-    );
+    // The demand that came during the yield is not served yet: it keeps
+    // the model wanted awake through the sleep.
+    assert_eq!(s.m.intent.desired, Desired::Awake);
+    assert!(s.m.demand_since.is_some());
     // Asleep with 3 held: it asks for its GPUs again at once (admission
     // puts that behind the model it yielded to).
     s.ev(Event::SleepDone { epoch: s.m.epoch });
@@ -92,6 +92,29 @@ fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
         s.m.phase
     );
     assert_eq!(s.m.intent.desired, Desired::Awake);
+}
+
+/// With no demand during the yield, the sleep is the model's rest: it
+/// stays asleep, for the model it yielded to, until asked again.
+#[test]
+fn a_yield_with_nothing_asked_meanwhile_leaves_it_asleep() {
+    let mut s = serving();
+    yield_to_b(&mut s);
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: None,
+    });
+    busy(&mut s, 0, 0);
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    assert_eq!(
+        (s.m.intent.desired, s.m.intent.reason),
+        (Desired::Asleep(1), Reason::Eviction)
+    );
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+    // A demand later wakes it as any asleep model.
+    s.ev(Event::Demand);
+    assert!(matches!(s.m.phase, Phase::Waking { .. }));
 }
 
 #[test]
