@@ -315,18 +315,30 @@ fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Eff
 /// failed transition) put the model at rest with them still held, and
 /// nothing else would wake it before their `max_hold`. True when it now
 /// wants the model awake for them.
+///
+/// So are requests a proxy has in flight to an asleep engine: forwarded by
+/// a proxy that had not yet seen the sleep begin (a sleep does not wait
+/// for proxies to fence), they sit in vLLM's queue until a wake (a
+/// request can begin only once nothing is in flight, so any in flight
+/// while asleep came after).
 fn held_is_demand(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) -> bool {
     let at_rest = matches!(
         m.phase,
         Phase::Asleep { .. } | Phase::Stopped | Phase::Suspended { .. }
     );
-    if m.held() == 0 || m.intent.desired == Desired::Awake || !at_rest || !demand(m, now) {
+    let stuck = match m.phase {
+        Phase::Asleep { .. } => m.proxies.values().map(|p| p.in_flight).sum::<u32>(),
+        _ => 0,
+    };
+    let waiting = m.held() + stuck;
+    if waiting == 0 || m.intent.desired == Desired::Awake || !at_rest || !demand(m, now) {
         return false;
     }
-    fx.push(Effect::Log(format!(
-        "{} request(s) held: waking for them",
-        m.held()
-    )));
+    fx.push(Effect::Log(if stuck > 0 {
+        format!("{stuck} request(s) reached the engine as it went to sleep: waking for them")
+    } else {
+        format!("{} request(s) held: waking for them", m.held())
+    }));
     true
 }
 

@@ -362,3 +362,29 @@ fn an_engine_found_asleep_while_taken_as_awake_is_woken() {
     s.wake_all();
     assert_eq!(s.m.phase, Phase::Awake);
 }
+
+/// A request a proxy forwarded as the model began to sleep (its view was
+/// a moment behind) reaches an asleep engine and waits in its queue: a
+/// proxy reporting it in flight to the asleep model wakes it (demand_e2e
+/// hung 30 s once in CI).
+#[test]
+fn a_request_in_flight_to_an_asleep_engine_wakes_it() {
+    let mut s = Sim::new(Preload::Asleep);
+    s.boot();
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+    s.ev(Event::Activity {
+        proxy: "p".into(),
+        in_flight: 1,
+        held: 0,
+        active: true,
+        last_finished: None,
+    });
+    assert!(
+        matches!(s.m.phase, Phase::Waking { .. }),
+        "{:?} {:?}",
+        s.m.phase,
+        s.fx
+    );
+    assert_eq!(s.m.intent.desired, Desired::Awake);
+}
