@@ -17,6 +17,7 @@ pub mod ctl;
 mod fake;
 mod procfs;
 mod proxy;
+pub mod swap;
 pub mod web;
 
 use std::future::Future;

@@ -16,6 +16,12 @@ use tokio::sync::oneshot;
 /// within milliseconds; this bounds what a model that never does costs.
 const GRANT_UNSEEN_MAX: Duration = Duration::from_secs(30);
 
+/// How long a model asked to sleep (evicted, or yielding) counts as going
+/// to sleep while its published state has not moved since. Its task
+/// publishes within milliseconds; one that ignored the ask (it became busy
+/// meanwhile) is planned for again after this.
+const ASKED_UNSEEN_MAX: Duration = Duration::from_secs(2);
+
 /// Whether a model waiting for room is wanted by someone a busy model
 /// should yield to: requests held for it, or an operator's wake or pin. A
 /// wake whose held requests were all answered elsewhere or gave up (a
@@ -38,7 +44,8 @@ fn ms_left(d: Duration, elapsed_ms: i64) -> u64 {
     (d.as_millis() as i64 - elapsed_ms).max(0) as u64
 }
 
-/// An answered ask, as the hub showed its model when it was answered.
+/// An answered ask (or a model asked to sleep), as the hub showed the
+/// model then.
 struct Grant {
     state: State,
     since_ms: i64,
@@ -77,6 +84,10 @@ pub(crate) struct Core {
     /// another thread), and a plan in between must not count the model at
     /// its asleep residual, or one GPU is promised twice.
     granted: BTreeMap<String, Grant>,
+    /// Models asked to sleep whose sleep the hub may not show yet: a plan
+    /// in between must not take them for awake and ask another model to
+    /// sleep for the same room.
+    asked_to_sleep: BTreeMap<String, Grant>,
     gpus: Arc<GpuView>,
     registry: Registry,
     clock: Clock,
@@ -94,6 +105,7 @@ impl Core {
         Self {
             queue: VecDeque::new(),
             granted: BTreeMap::new(),
+            asked_to_sleep: BTreeMap::new(),
             gpus,
             registry,
             clock,
@@ -140,6 +152,14 @@ impl Core {
         self.queue.retain(|a| !a.reply.is_closed());
         self.granted
             .retain(|n, _| models.iter().any(|m| m.name == *n));
+        self.asked_to_sleep.retain(|n, g| {
+            models.iter().any(|m| {
+                m.name == *n
+                    && m.state == g.state
+                    && m.state_since_unix_ms == g.since_ms
+                    && g.at.elapsed() < ASKED_UNSEEN_MAX
+            })
+        });
         let now_ms = self.clock.now_ms();
         let mut rt = runtime(models);
         let queued: BTreeSet<&str> = self.queue.iter().map(|a| a.model.as_str()).collect();
@@ -168,6 +188,11 @@ impl Core {
                     // Its state moved since: the hub tells the truth now.
                     self.granted.remove(&m.name);
                 }
+            }
+            if self.asked_to_sleep.contains_key(&m.name) {
+                // Asked to sleep a moment ago, not published yet: it is
+                // going to sleep (its state has not moved since).
+                r.state = RunState::Sleeping;
             }
             if m.state == State::Awake {
                 let awake_for = now_ms - m.state_since_unix_ms;
@@ -251,6 +276,14 @@ impl Core {
                             }
                         }
                         self.registry.evict(v, how);
+                        if let Some(m) = models.iter().find(|m| m.name == *v) {
+                            let asked = Grant {
+                                state: m.state,
+                                since_ms: m.state_since_unix_ms,
+                                at: Instant::now(),
+                            };
+                            self.asked_to_sleep.insert(v.clone(), asked);
+                        }
                         // Going to sleep: still full until it is asleep,
                         // and no later ask counts on it again.
                         if let Some(r) = rt.get_mut(v) {

@@ -56,6 +56,8 @@ struct World {
     evicted: Arc<Mutex<Vec<(String, Event)>>>,
     /// Requests held for a yielding model (its next turn's demand).
     held: Vec<bool>,
+    /// Each model's last activity, unix ms (None: the base status's).
+    last_activity: Vec<Option<i64>>,
     /// Busy models may be asked to yield (`yield_after` = 0).
     yielding: bool,
     /// The requests a waiting model was asked for still wait (false: they
@@ -114,6 +116,7 @@ impl World {
             answers: (0..n).map(|_| None).collect(),
             evicted,
             held: vec![false; n],
+            last_activity: vec![None; n],
             yielding: false,
             requests_wait: vec![true; n],
             base,
@@ -163,6 +166,9 @@ impl World {
                     (matches!(run, Run::Waking(false)) && self.requests_wait[i]) || self.held[i],
                 );
                 s.state_since_unix_ms = since;
+                if let Some(t) = self.last_activity[i] {
+                    s.last_activity_unix_ms = Some(t);
+                }
                 s
             })
             .collect()
@@ -554,6 +560,51 @@ fn a_busy_model_yields_to_a_waiting_one_and_gets_its_turn_back() {
     w.in_flight[1] = 5; // m1 busy too
     w.plan().unwrap();
     assert_eq!(w.run, [Run::Waking(false), Run::Yielding], "m1 yields back");
+}
+
+/// Room already being freed is not asked of another model: three models
+/// of 0.45 on a GPU that holds two, two of them awake and a third asking.
+/// One is put to sleep (or yields, when busy); the plans made while it
+/// goes to sleep wait for it instead of putting the other to sleep too,
+/// both once the hub shows it going to sleep (before, each plan until the
+/// sleep was confirmed took one more) and before it does (`lag`: the
+/// model's task has not published yet).
+#[test]
+fn a_model_going_to_sleep_for_an_ask_is_the_only_one() {
+    for (busy, lag) in [(false, false), (true, false), (false, true), (true, true)] {
+        let case = format!("busy={busy} lag={lag}");
+        let w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)])).unwrap();
+        let mut w = if busy { w.with_yield() } else { w };
+        w.run[0] = Run::Awake;
+        w.run[1] = Run::Awake;
+        if busy {
+            w.in_flight[0] = 2;
+            w.in_flight[1] = 2;
+        }
+        w.demand(2);
+        w.plan().unwrap();
+        w.lag = lag;
+        let going = if busy { Run::Yielding } else { Run::Sleeping };
+        let first: Vec<usize> = (0..2).filter(|&i| w.run[i] == going).collect();
+        assert_eq!(first.len(), 1, "{case}: {:?}", w.run);
+        let (v, other) = (first[0], 1 - first[0]);
+        // The one put to sleep was used last now: were it awake, the other
+        // would go first.
+        w.last_activity[v] = Some(w.clock.now_ms());
+        for _ in 0..3 {
+            w.plan().unwrap();
+            assert_eq!(w.run[other], Run::Awake, "{case}: {:?}", w.run);
+            assert_eq!(w.run[2], Run::Waking(false), "{case}");
+        }
+        w.in_flight[v] = 0;
+        w.engines_step();
+        w.engines_step();
+        (0..3).for_each(|i| w.publish(i));
+        w.plan().unwrap();
+        assert_eq!(w.run[v], Run::Asleep, "{case}");
+        assert_eq!(w.run[other], Run::Awake, "{case}");
+        assert_eq!(w.run[2], Run::Waking(true), "{case}: admitted");
+    }
 }
 
 /// The deadlock of the first real run: two models of 0.85 on one GPU

@@ -201,6 +201,27 @@ pub fn plan_wake(
     let freed = |p: &Placement, g: u32| {
         i128::from(p.awake_on(g)) - i128::from(p.awake_on(g).min(res(&p.model)))
     };
+    // Models already going to sleep (put to sleep for this model a moment
+    // ago, yielding, or an operator's sleep) free their share soon: what
+    // they free is not asked of anyone else. Counting them full, each
+    // plan until their sleep was confirmed put one more model to sleep.
+    let going: Vec<&Placement> = placements
+        .iter()
+        .filter(|p| p.model != target && p.gpus.iter().any(|g| me.gpus.contains(g)))
+        .filter(|p| state_of(runtime, &p.model).state == RunState::Sleeping)
+        .collect();
+    for p in &going {
+        for &g in me.gpus.iter().filter(|g| p.gpus.contains(g)) {
+            *deficit.get_mut(&g).unwrap() -= freed(p, g);
+        }
+    }
+    if fits(&deficit) {
+        let names: Vec<String> = going.iter().map(|p| format!("\"{}\"", p.model)).collect();
+        return WakePlan::Wait(format!(
+            "room on its GPUs: waiting for {} to finish going to sleep",
+            names.join(", ")
+        ));
+    }
     let mut candidates: Vec<(&Placement, ModelRuntime)> = placements
         .iter()
         .filter(|p| p.model != target && p.gpus.iter().any(|g| me.gpus.contains(g)))

@@ -262,6 +262,24 @@ fn models_in_transition_hold_memory_and_are_not_victims() {
     let WakePlan::Wait(reason) = w.plan("c") else {
         panic!()
     };
+    // Once a is asleep c fits: it waits for that, and nothing else is put
+    // to sleep for it meanwhile.
+    assert_eq!(
+        reason,
+        "room on its GPUs: waiting for \"a\" to finish going to sleep"
+    );
+    let models = vec![
+        pinned(frac("a", 1, 0.45), &[0]),
+        pinned(frac("b", 1, 0.45), &[0]),
+        pinned(frac("c", 1, 0.6), &[0]),
+    ];
+    let mut big = World::new(1, &models);
+    big.set("a", rt(RunState::Sleeping, 100))
+        .set("b", rt(RunState::Waking, 200));
+    // c is too big for what a frees: it waits for both, says who holds what.
+    let WakePlan::Wait(reason) = big.plan("c") else {
+        panic!()
+    };
     assert!(
         reason.contains("\"a\" (going to sleep)") && reason.contains("\"b\" (waking)"),
         "{reason}"
