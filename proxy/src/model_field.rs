@@ -47,7 +47,12 @@ pub fn find_model(body: &[u8]) -> Result<ModelField<'_>, ApiError> {
     })?;
     let raw = probe.model.ok_or(ApiError::MissingModel)?;
     let text = raw.get();
-    let name: Cow<'_, str> = serde_json::from_str(text).map_err(|_| ApiError::InvalidModel)?;
+    // A JSON string without escapes is its own text between the quotes
+    // (serde would copy it into a String); others are unescaped.
+    let name: Cow<'_, str> = match text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) {
+        Some(plain) if !plain.contains('\\') => Cow::Borrowed(plain),
+        _ => Cow::Owned(serde_json::from_str(text).map_err(|_| ApiError::InvalidModel)?),
+    };
     if name.is_empty() {
         return Err(ApiError::InvalidModel);
     }
@@ -90,6 +95,21 @@ mod tests {
         let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["model"], "served/\"name\"");
         assert_eq!(v["x"], 1);
+    }
+
+    #[test]
+    fn a_plain_name_is_borrowed_an_escaped_one_unescaped() {
+        let body = br#"{"model":"qwen/7b","x":"\\"}"#;
+        assert!(matches!(
+            find_model(body).unwrap().name,
+            Cow::Borrowed("qwen/7b")
+        ));
+        let body = br#"{"model":"a\\b\"c\u00e9"}"#;
+        assert_eq!(find_model(body).unwrap().name, "a\\b\"c\u{e9}");
+        assert!(matches!(
+            find_model(br#"{"model":"a\u0000"}"#).unwrap().name,
+            Cow::Owned(_)
+        ));
     }
 
     #[test]

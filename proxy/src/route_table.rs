@@ -129,8 +129,10 @@ impl ModelRoute {
 pub struct View {
     /// At least one snapshot has been applied.
     pub ready: bool,
-    /// Names and aliases to routes.
-    pub by_name: HashMap<String, Arc<ModelRoute>>,
+    /// Names and aliases to routes. Looked up twice per request with the
+    /// client's model name: foldhash, not SipHash (the keys come from the
+    /// control planes, so no client can crowd one bucket).
+    pub by_name: HashMap<String, Arc<ModelRoute>, foldhash::fast::RandomState>,
     /// Every model once, sorted by name.
     pub models: Vec<Arc<ModelRoute>>,
 }
@@ -270,7 +272,7 @@ impl RouteTable {
             }
         }
         let mut upstreams = HashMap::new();
-        let mut by_name = HashMap::new();
+        let mut by_name = HashMap::default();
         let mut models = Vec::with_capacity(grouped.len());
         for (name, mut statuses) in grouped {
             statuses.sort_by_key(|(id, s)| (rank(s), (*id).clone()));

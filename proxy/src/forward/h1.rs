@@ -12,6 +12,9 @@
 //! `Expect` (the body is already whole; the client got its 100 Continue).
 
 use std::io::Write;
+use std::mem::MaybeUninit;
+
+use arrayvec::ArrayVec;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -149,7 +152,7 @@ pub struct ResponseHead {
 }
 
 /// One header's name and value as offsets into the head's bytes.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct Span {
     name: (usize, usize),
     value: (usize, usize),
@@ -188,9 +191,13 @@ pub fn parse_response(
     method: &Method,
 ) -> Result<Option<ResponseHead>, UpstreamError> {
     loop {
-        let mut raw = [httparse::EMPTY_HEADER; MAX_HEADERS];
-        let mut resp = httparse::Response::new(&mut raw);
-        let n = match resp.parse(buf) {
+        // Neither array is initialised up front: zeroing room for 100
+        // headers (7 KB) cost more than the parse of a usual head (run O).
+        let mut raw = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut []);
+        let n = match httparse::ParserConfig::default()
+            .parse_response_with_uninit_headers(&mut resp, buf, &mut raw)
+        {
             Ok(httparse::Status::Complete(n)) => n,
             Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD => {
                 return Err(invalid(format!(
@@ -215,8 +222,7 @@ pub fn parse_response(
         let http10 = resp.version == Some(0);
         let base = buf.as_ptr() as usize;
         let at = |s: &[u8]| (s.as_ptr() as usize - base, s.len());
-        let mut spans = [Span::default(); MAX_HEADERS];
-        let mut count = 0;
+        let mut spans = ArrayVec::<Span, MAX_HEADERS>::new();
         let mut length: Option<u64> = None;
         let mut chunked = None;
         for h in resp.headers.iter() {
@@ -233,20 +239,22 @@ pub fn parse_response(
                 let last = h.value.rsplit(|b| *b == b',').next().unwrap_or_default();
                 chunked = Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
             }
-            spans[count] = Span {
+            // httparse stops at MAX_HEADERS: `raw` has no room for more.
+            spans.push(Span {
                 name: at(name),
                 value: at(h.value),
                 connection: name.eq_ignore_ascii_case(b"connection"),
-            };
-            count += 1;
+            });
         }
         let head = buf.split_to(n).freeze();
-        let spans = &spans[..count];
+        let spans = &spans[..];
         // Every Connection line counts (a list may be split over several).
+        let any_connection = spans.iter().any(|s| s.connection);
         let named = |token: &[u8]| {
-            spans
-                .iter()
-                .any(|s| s.connection && named_in(s.value(&head), token))
+            any_connection
+                && spans
+                    .iter()
+                    .any(|s| s.connection && named_in(s.value(&head), token))
         };
         let keep_alive = if http10 {
             // RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding
@@ -270,7 +278,7 @@ pub fn parse_response(
                 (None, Some(l)) => BodyKind::Length(l),
             }
         };
-        let mut headers = HeaderMap::with_capacity(count);
+        let mut headers = HeaderMap::with_capacity(spans.len());
         for s in spans {
             let name = HeaderName::from_bytes(&head[s.name.0..s.name.0 + s.name.1])
                 .map_err(|_| invalid("a header name"))?;

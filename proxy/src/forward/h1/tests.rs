@@ -207,6 +207,26 @@ fn a_bad_head_is_an_error_naming_what_is_wrong() {
     );
 }
 
+#[test]
+fn a_head_of_up_to_a_hundred_headers_is_kept_whole_and_more_is_an_error() {
+    let head = |n: usize| {
+        let mut h = b"HTTP/1.1 200 OK\r\n".to_vec();
+        for i in 0..n - 1 {
+            h.extend_from_slice(format!("x-h{i}: {i}\r\n").as_bytes());
+        }
+        h.extend_from_slice(b"content-length: 2\r\n\r\nok");
+        h
+    };
+    let (r, buf) = parse(&head(100));
+    let h = r.unwrap().unwrap();
+    assert_eq!(h.parts.headers.len(), 100);
+    assert_eq!(h.parts.headers["x-h98"], "98");
+    assert_eq!(h.body, BodyKind::Length(2));
+    assert_eq!(&buf[..], b"ok");
+    let e = parse(&head(101)).0.unwrap_err().to_string();
+    assert!(e.contains("too many headers"), "{e}");
+}
+
 /// Decodes `wire` fed in pieces of `step` bytes; returns the data pieces.
 fn decode_in_steps(kind: BodyKind, wire: &[u8], step: usize) -> (Vec<Bytes>, Decoder, BytesMut) {
     let mut d = Decoder::new(kind);
