@@ -201,24 +201,38 @@ pub fn plan_wake(
     let freed = |p: &Placement, g: u32| {
         i128::from(p.awake_on(g)) - i128::from(p.awake_on(g).min(res(&p.model)))
     };
-    // Models already going to sleep (put to sleep for this model a moment
-    // ago, yielding, or an operator's sleep) free their share soon: what
-    // they free is not asked of anyone else. Counting them full, each
-    // plan until their sleep was confirmed put one more model to sleep.
-    let going: Vec<&Placement> = placements
+    // Models already on their way out of their share free it soon: going
+    // to sleep (put to sleep or yielding for this model a moment ago, or
+    // an operator's sleep) frees all but its residual; stopping or being
+    // checkpointed frees all. What they free is not asked of anyone else:
+    // counting them full, each plan until a sleep was confirmed put one
+    // more model to sleep.
+    let going: Vec<(&Placement, bool)> = placements
         .iter()
         .filter(|p| p.model != target && p.gpus.iter().any(|g| me.gpus.contains(g)))
-        .filter(|p| state_of(runtime, &p.model).state == RunState::Sleeping)
+        .filter_map(|p| match state_of(runtime, &p.model).state {
+            RunState::Sleeping => Some((p, false)),
+            RunState::Stopping | RunState::Suspending => Some((p, true)),
+            _ => None,
+        })
         .collect();
-    for p in &going {
+    for (p, all) in &going {
         for &g in me.gpus.iter().filter(|g| p.gpus.contains(g)) {
-            *deficit.get_mut(&g).unwrap() -= freed(p, g);
+            let frees = if *all {
+                i128::from(p.awake_on(g))
+            } else {
+                freed(p, g)
+            };
+            *deficit.get_mut(&g).unwrap() -= frees;
         }
     }
     if fits(&deficit) {
-        let names: Vec<String> = going.iter().map(|p| format!("\"{}\"", p.model)).collect();
+        let names: Vec<String> = going
+            .iter()
+            .map(|(p, _)| format!("\"{}\"", p.model))
+            .collect();
         return WakePlan::Wait(format!(
-            "room on its GPUs: waiting for {} to finish going to sleep",
+            "room on its GPUs: waiting for {} to finish going to sleep or stopping",
             names.join(", ")
         ));
     }

@@ -266,7 +266,7 @@ fn models_in_transition_hold_memory_and_are_not_victims() {
     // to sleep for it meanwhile.
     assert_eq!(
         reason,
-        "room on its GPUs: waiting for \"a\" to finish going to sleep"
+        "room on its GPUs: waiting for \"a\" to finish going to sleep or stopping"
     );
     let models = vec![
         pinned(frac("a", 1, 0.45), &[0]),
@@ -287,6 +287,17 @@ fn models_in_transition_hold_memory_and_are_not_victims() {
     w.set("a", rt(RunState::Stopping, 100))
         .set("b", rt(RunState::Starting, 200));
     assert!(matches!(w.plan("c"), WakePlan::Wait(_)));
+    // b awake and idle: still nothing to put to sleep while a stops.
+    w.set("b", rt(RunState::Awake, 200));
+    let WakePlan::Wait(reason) = w.plan("c") else {
+        panic!("{:?}", w.plan("c"))
+    };
+    assert!(reason.contains("waiting for \"a\""), "{reason}");
+    w.set("a", rt(RunState::Awake, 100))
+        .set("b", rt(RunState::Awake, 200));
+    assert_eq!(w.plan("c"), WakePlan::Evict(vec!["a".into()]));
+    w.set("a", rt(RunState::Starting, 100))
+        .set("b", rt(RunState::Starting, 200));
     w.set("a", rt(RunState::Failed, 100));
     assert_eq!(w.plan("c"), WakePlan::Ready);
 }
