@@ -170,3 +170,64 @@ async fn two_busy_models_and_a_third_that_waits_all_take_turns() {
     );
     same_engines(&mut c, &preloaded, "").await;
 }
+
+/// Two GPUs, a model on each kept busy without a pause, and a model that
+/// spans both asked for: it needs both GPUs' room, so each busy model
+/// yields (once, one per GPU), it is answered, and both get their GPUs
+/// back. The tensor-parallel model is never awake with either.
+#[tokio::test]
+async fn a_model_on_two_gpus_takes_its_turn_from_a_busy_model_on_each() {
+    let cfg = turns_config(
+        &swap_config(2, &[("tp", 2, 0.6), ("a", 1, 0.6), ("b", 1, 0.6)]),
+        "2s",
+        &["a", "b"],
+    );
+    let Some((ctl, mut c, proxy, preloaded)) = stand(&cfg, &["tp", "a", "b"]).await else {
+        return;
+    };
+    wake_awake(&mut c, "a").await;
+    wake_awake(&mut c, "b").await;
+    let broken =
+        watch_never_awake_together(ctl.client().await, vec![vec!["tp", "a"], vec!["tp", "b"]]);
+    let a = Busy::start(&proxy, "a", 3, 20);
+    let b = Busy::start(&proxy, "b", 3, 20);
+    wait_status(&mut c, "a", "a busy", LONG, |s| s.in_flight >= 2).await;
+    wait_status(&mut c, "b", "b busy", LONG, |s| s.in_flight >= 2).await;
+
+    let asked = Instant::now();
+    let r = try_chat(&proxy.url(), "tp", 4, ANSWER_WITHIN).await;
+    assert!(r.is_ok(), "tp was not served with a and b busy: {r:?}");
+    let took = asked.elapsed();
+    let done = Instant::now();
+    siesta_tests::wait_until("a and b answering after tp", LONG, || async {
+        a.answered_since(done) >= 3 && b.answered_since(done) >= 3
+    })
+    .await;
+    let (a, b) = (a.stop().await, b.stop().await);
+    all_whole("a", &a);
+    all_whole("b", &b);
+    eprintln!(
+        "tp answered after {took:?} with a and b busy; a answered {}, b {}, none cut",
+        a.len(),
+        b.len()
+    );
+    if let Some(e) = broken.lock().unwrap().clone() {
+        panic!("{e}");
+    }
+    for m in ["a", "b"] {
+        let log = siesta_log(&mut c, m).await;
+        let yields = log
+            .iter()
+            .filter(|l| l.contains("yielding its GPUs to \"tp\""))
+            .count();
+        assert!(
+            yields <= 1,
+            "{m} yielded {yields} times for one ask: {log:#?}"
+        );
+        assert!(
+            !log.iter().any(|l| l.contains("yield given up")),
+            "{m}: {log:#?}"
+        );
+    }
+    same_engines(&mut c, &preloaded, "").await;
+}
