@@ -317,6 +317,19 @@ impl Core {
                     blocked.extend(&gpus);
                     i += 1;
                 }
+                WakePlan::Going(names) => {
+                    // Those it asked to make room keep being named as it
+                    // told them (a yield says why it takes a while).
+                    if !names.iter().all(|n| self.queue[i].evicted.contains(n)) {
+                        let names: Vec<String> = names.iter().map(|n| format!("\"{n}\"")).collect();
+                        self.queue[i].tell(format!(
+                            "room on its GPUs: waiting for {} to finish going to sleep or stopping",
+                            names.join(", ")
+                        ));
+                    }
+                    blocked.extend(&gpus);
+                    i += 1;
+                }
                 WakePlan::Wait(reason) => {
                     self.queue[i].tell(reason);
                     blocked.extend(&gpus);

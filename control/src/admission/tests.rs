@@ -58,6 +58,8 @@ struct World {
     held: Vec<bool>,
     /// Each model's last activity, unix ms (None: the base status's).
     last_activity: Vec<Option<i64>>,
+    /// What each waiting model was last told it waits for.
+    told: Arc<Mutex<Vec<Option<String>>>>,
     /// Busy models may be asked to yield (`yield_after` = 0).
     yielding: bool,
     /// The requests a waiting model was asked for still wait (false: they
@@ -117,6 +119,7 @@ impl World {
             evicted,
             held: vec![false; n],
             last_activity: vec![None; n],
+            told: Arc::new(Mutex::new(vec![None; n])),
             yielding: false,
             requests_wait: vec![true; n],
             base,
@@ -197,7 +200,10 @@ impl World {
             self.core.push(Ask {
                 id: i as u64,
                 model: self.names[i].clone(),
-                waiting: Box::new(|_| {}),
+                waiting: {
+                    let told = self.told.clone();
+                    Box::new(move |what| told.lock().unwrap()[i] = what)
+                },
                 reply,
                 told: None,
                 asked_at: tokio::time::Instant::now(),
@@ -595,6 +601,14 @@ fn a_model_going_to_sleep_for_an_ask_is_the_only_one() {
             w.plan().unwrap();
             assert_eq!(w.run[other], Run::Awake, "{case}: {:?}", w.run);
             assert_eq!(w.run[2], Run::Waking(false), "{case}");
+            // It is still told what it asked of v (a yield: why it takes
+            // a while).
+            let told = w.told.lock().unwrap()[2].clone().unwrap_or_default();
+            assert!(
+                told.starts_with(&format!("room on its GPUs: putting \"m{v}\" to sleep")),
+                "{case}: {told}"
+            );
+            assert_eq!(told.contains("its turn is over"), busy, "{case}: {told}");
         }
         w.in_flight[v] = 0;
         w.engines_step();

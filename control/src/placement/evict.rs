@@ -84,6 +84,8 @@ pub enum WakePlan {
     Ready,
     /// Put these to sleep first (least recently used first); then it fits.
     Evict(Vec<String>),
+    /// It fits once these, going to sleep or stopping now, are done.
+    Going(Vec<String>),
     /// Nothing can be evicted now; the reason says what it waits for.
     Wait(String),
 }
@@ -227,14 +229,7 @@ pub fn plan_wake(
         }
     }
     if fits(&deficit) {
-        let names: Vec<String> = going
-            .iter()
-            .map(|(p, _)| format!("\"{}\"", p.model))
-            .collect();
-        return WakePlan::Wait(format!(
-            "room on its GPUs: waiting for {} to finish going to sleep or stopping",
-            names.join(", ")
-        ));
+        return WakePlan::Going(going.iter().map(|(p, _)| p.model.clone()).collect());
     }
     let mut candidates: Vec<(&Placement, ModelRuntime)> = placements
         .iter()
