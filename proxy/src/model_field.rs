@@ -17,6 +17,10 @@ struct Probe<'a> {
     model: Option<&'a RawValue>,
 }
 
+/// A JSON string, borrowed where it has no escapes.
+#[derive(Deserialize)]
+struct Name<'a>(#[serde(borrow)] Cow<'a, str>);
+
 /// The `model` field found in a body.
 #[derive(Debug)]
 pub struct ModelField<'a> {
@@ -47,12 +51,9 @@ pub fn find_model(body: &[u8]) -> Result<ModelField<'_>, ApiError> {
     })?;
     let raw = probe.model.ok_or(ApiError::MissingModel)?;
     let text = raw.get();
-    // A JSON string without escapes is its own text between the quotes
-    // (serde would copy it into a String); others are unescaped.
-    let name: Cow<'_, str> = match text.strip_prefix('"').and_then(|t| t.strip_suffix('"')) {
-        Some(plain) if !plain.contains('\\') => Cow::Borrowed(plain),
-        _ => Cow::Owned(serde_json::from_str(text).map_err(|_| ApiError::InvalidModel)?),
-    };
+    // Borrowed from the body unless it has escapes (a bare `Cow<str>` is
+    // always copied into a String).
+    let Name(name) = serde_json::from_str(text).map_err(|_| ApiError::InvalidModel)?;
     if name.is_empty() {
         return Err(ApiError::InvalidModel);
     }

@@ -3,6 +3,7 @@
 //! and gets them back. No request is cut or refused, the models that cannot
 //! be awake together never are, and no engine is replaced.
 
+use siesta_tests::ProxyProc;
 use siesta_tests::ctl::*;
 use siesta_tests::swap::*;
 use std::time::Instant;
@@ -29,6 +30,35 @@ fn all_whole(who: &str, answered: &[Answered]) {
         .filter_map(|(r, _)| r.as_ref().err())
         .collect();
     assert!(errors.is_empty(), "{who}'s requests failed: {errors:#?}");
+}
+
+/// `a` and `b` awake, each kept busy by three clients of 1 s requests.
+async fn a_and_b_busy(c: &mut Client, proxy: &ProxyProc) -> (Busy, Busy) {
+    wake_awake(c, "a").await;
+    wake_awake(c, "b").await;
+    let busy = (
+        Busy::start(proxy, "a", 3, 20),
+        Busy::start(proxy, "b", 3, 20),
+    );
+    wait_status(c, "a", "a busy", LONG, |s| s.in_flight >= 2).await;
+    wait_status(c, "b", "b busy", LONG, |s| s.in_flight >= 2).await;
+    busy
+}
+
+/// How many times `models` yielded their GPUs to `to`, by their logs; none
+/// gave a yield up (its requests in flight outlasting the grace).
+async fn yields_to(c: &mut Client, models: &[&str], to: &str) -> usize {
+    let mut yields = 0;
+    for m in models {
+        let log = siesta_log(c, m).await;
+        let mark = format!("yielding its GPUs to \"{to}\", which waited for them");
+        yields += log.iter().filter(|l| l.contains(&mark)).count();
+        assert!(
+            !log.iter().any(|l| l.contains("yield given up")),
+            "{m}: {log:#?}"
+        );
+    }
+    yields
 }
 
 /// A model kept busy without a pause does not keep the GPU from a model
@@ -75,16 +105,7 @@ async fn a_busy_model_yields_the_gpu_to_a_waiting_one_and_gets_it_back() {
         panic!("{b}");
     }
     // It was a yield (a never idle), said in a's log; none was given up.
-    let log = siesta_log(&mut c, "a").await;
-    assert!(
-        log.iter()
-            .any(|l| l.contains("yielding its GPUs to \"b\", which waited for them")),
-        "{log:#?}"
-    );
-    assert!(
-        !log.iter().any(|l| l.contains("yield given up")),
-        "{log:#?}"
-    );
+    assert!(yields_to(&mut c, &["a"], "b").await >= 1);
     let a = status(&mut c, "a").await;
     assert!(a.last_error.is_empty(), "{a:#?}");
     same_engines(&mut c, &preloaded, "").await;
@@ -106,13 +127,8 @@ async fn two_busy_models_and_a_third_that_waits_all_take_turns() {
     let Some((ctl, mut c, proxy, preloaded)) = stand(&cfg, &["a", "b", "c"]).await else {
         return;
     };
-    wake_awake(&mut c, "a").await;
-    wake_awake(&mut c, "b").await;
     let broken = watch_never_awake_together(ctl.client().await, vec![vec!["a", "b", "c"]]);
-    let a = Busy::start(&proxy, "a", 3, 20);
-    let b = Busy::start(&proxy, "b", 3, 20);
-    wait_status(&mut c, "a", "a busy", LONG, |s| s.in_flight >= 2).await;
-    wait_status(&mut c, "b", "b busy", LONG, |s| s.in_flight >= 2).await;
+    let (a, b) = a_and_b_busy(&mut c, &proxy).await;
 
     let mut took = Vec::new();
     for ask in 0..2 {
@@ -152,18 +168,7 @@ async fn two_busy_models_and_a_third_that_waits_all_take_turns() {
     // until the first one's sleep was confirmed asked one more to yield
     // (four yields for two asks). One ask may have found a model with
     // nothing in flight for a moment and put it to sleep instead.
-    let mut yields = 0;
-    for m in ["a", "b"] {
-        let log = siesta_log(&mut c, m).await;
-        yields += log
-            .iter()
-            .filter(|l| l.contains("yielding its GPUs to \"c\""))
-            .count();
-        assert!(
-            !log.iter().any(|l| l.contains("yield given up")),
-            "{m}: {log:#?}"
-        );
-    }
+    let yields = yields_to(&mut c, &["a", "b"], "c").await;
     assert!(
         (1..=2).contains(&yields),
         "{yields} yields to c for its two asks"
@@ -185,14 +190,9 @@ async fn a_model_on_two_gpus_takes_its_turn_from_a_busy_model_on_each() {
     let Some((ctl, mut c, proxy, preloaded)) = stand(&cfg, &["tp", "a", "b"]).await else {
         return;
     };
-    wake_awake(&mut c, "a").await;
-    wake_awake(&mut c, "b").await;
     let broken =
         watch_never_awake_together(ctl.client().await, vec![vec!["tp", "a"], vec!["tp", "b"]]);
-    let a = Busy::start(&proxy, "a", 3, 20);
-    let b = Busy::start(&proxy, "b", 3, 20);
-    wait_status(&mut c, "a", "a busy", LONG, |s| s.in_flight >= 2).await;
-    wait_status(&mut c, "b", "b busy", LONG, |s| s.in_flight >= 2).await;
+    let (a, b) = a_and_b_busy(&mut c, &proxy).await;
 
     let asked = Instant::now();
     let r = try_chat(&proxy.url(), "tp", 4, ANSWER_WITHIN).await;
@@ -215,19 +215,8 @@ async fn a_model_on_two_gpus_takes_its_turn_from_a_busy_model_on_each() {
         panic!("{e}");
     }
     for m in ["a", "b"] {
-        let log = siesta_log(&mut c, m).await;
-        let yields = log
-            .iter()
-            .filter(|l| l.contains("yielding its GPUs to \"tp\""))
-            .count();
-        assert!(
-            yields <= 1,
-            "{m} yielded {yields} times for one ask: {log:#?}"
-        );
-        assert!(
-            !log.iter().any(|l| l.contains("yield given up")),
-            "{m}: {log:#?}"
-        );
+        let yields = yields_to(&mut c, &[m], "tp").await;
+        assert!(yields <= 1, "{m} yielded {yields} times for one ask");
     }
     same_engines(&mut c, &preloaded, "").await;
 }

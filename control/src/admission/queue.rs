@@ -8,8 +8,9 @@ use crate::reconciler::{Desired, Event, ROOM_WAIT, Reason};
 use crate::status::{Clock, ModelStatus, State};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 /// How long an answered ask counts at full share while the model's
 /// published state has not moved since the answer. The model publishes
@@ -45,11 +46,26 @@ fn ms_left(d: Duration, elapsed_ms: i64) -> u64 {
 }
 
 /// An answered ask (or a model asked to sleep), as the hub showed the
-/// model then.
+/// model then (tokio's clock, like every timer here).
 struct Grant {
     state: State,
     since_ms: i64,
     at: Instant,
+}
+
+impl Grant {
+    fn of(m: &ModelStatus) -> Grant {
+        Grant {
+            state: m.state,
+            since_ms: m.state_since_unix_ms,
+            at: Instant::now(),
+        }
+    }
+
+    /// The model's published state has not moved since, for at most `max`.
+    fn unmoved(&self, m: &ModelStatus, max: Duration) -> bool {
+        self.state == m.state && self.since_ms == m.state_since_unix_ms && self.at.elapsed() < max
+    }
 }
 
 /// One model's request for room.
@@ -62,7 +78,7 @@ pub(crate) struct Ask {
     pub told: Option<String>,
     /// When it joined the queue (tokio's clock: `yield_after` counts from
     /// here, and tests run it under paused time).
-    pub asked_at: tokio::time::Instant,
+    pub asked_at: Instant,
     /// Models asked to sleep for this ask (each counted once).
     pub evicted: BTreeSet<String>,
 }
@@ -153,12 +169,9 @@ impl Core {
         self.granted
             .retain(|n, _| models.iter().any(|m| m.name == *n));
         self.asked_to_sleep.retain(|n, g| {
-            models.iter().any(|m| {
-                m.name == *n
-                    && m.state == g.state
-                    && m.state_since_unix_ms == g.since_ms
-                    && g.at.elapsed() < ASKED_UNSEEN_MAX
-            })
+            models
+                .iter()
+                .any(|m| m.name == *n && g.unmoved(m, ASKED_UNSEEN_MAX))
         });
         let now_ms = self.clock.now_ms();
         let mut rt = runtime(models);
@@ -176,10 +189,7 @@ impl Core {
                 };
             }
             if let Some(g) = self.granted.get(&m.name) {
-                if g.state == m.state
-                    && g.since_ms == m.state_since_unix_ms
-                    && g.at.elapsed() < GRANT_UNSEEN_MAX
-                {
+                if g.unmoved(m, GRANT_UNSEEN_MAX) {
                     // Answered, not yet published: it takes its full share.
                     if matches!(r.state, RunState::Asleep | RunState::Stopped) {
                         r.state = RunState::Waking;
@@ -247,12 +257,7 @@ impl Core {
                     self.metrics.admitted(&ask.model, ask.asked_at.elapsed());
                     let _ = ask.reply.send(());
                     if let Some(m) = models.iter().find(|m| m.name == ask.model) {
-                        let grant = Grant {
-                            state: m.state,
-                            since_ms: m.state_since_unix_ms,
-                            at: Instant::now(),
-                        };
-                        self.granted.insert(ask.model.clone(), grant);
+                        self.granted.insert(ask.model.clone(), Grant::of(m));
                     }
                     // From now on it takes its full share.
                     if let Some(r) = rt.get_mut(&model) {
@@ -269,20 +274,14 @@ impl Core {
                             Event::Evict
                         };
                         if self.queue[i].evicted.insert(v.clone()) {
-                            if busy.contains(v) {
-                                self.metrics.yielded(v);
-                            } else {
-                                self.metrics.evicted(v);
+                            match how {
+                                Event::Yield { .. } => self.metrics.yielded(v),
+                                _ => self.metrics.evicted(v),
                             }
                         }
                         self.registry.evict(v, how);
                         if let Some(m) = models.iter().find(|m| m.name == *v) {
-                            let asked = Grant {
-                                state: m.state,
-                                since_ms: m.state_since_unix_ms,
-                                at: Instant::now(),
-                            };
-                            self.asked_to_sleep.insert(v.clone(), asked);
+                            self.asked_to_sleep.insert(v.clone(), Grant::of(m));
                         }
                         // Going to sleep: still full until it is asleep,
                         // and no later ask counts on it again.

@@ -621,6 +621,30 @@ fn a_model_going_to_sleep_for_an_ask_is_the_only_one() {
     }
 }
 
+/// A model asked to sleep that never acts on it (it became busy before its
+/// task saw the ask) counts as going to sleep only for a moment (2 s on
+/// tokio's clock); then the ask plans again and takes the other's room.
+#[tokio::test(start_paused = true)]
+async fn a_model_that_ignored_the_ask_to_sleep_is_planned_for_again() {
+    let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)])).unwrap();
+    w.run[0] = Run::Awake;
+    w.run[1] = Run::Awake;
+    w.demand(2);
+    w.plan().unwrap();
+    let v = (0..2).find(|&i| w.run[i] == Run::Sleeping).unwrap();
+    let other = 1 - v;
+    // Busy before it saw the ask: it stays awake, its state unmoved.
+    w.run[v] = Run::Awake;
+    w.in_flight[v] = 1;
+    tokio::time::advance(Duration::from_millis(1500)).await;
+    w.plan().unwrap();
+    assert_eq!(w.run[other], Run::Awake, "still counted as going to sleep");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    w.plan().unwrap();
+    assert_eq!(w.run[other], Run::Sleeping, "{:?}", w.run);
+    assert_eq!(w.run[v], Run::Awake);
+}
+
 /// The deadlock of the first real run: two models of 0.85 on one GPU
 /// woken at the same moment. One is admitted at once, the other once the
 /// first is idle and asleep.

@@ -65,6 +65,16 @@ impl Sim {
         self.now += d;
         self.ev(Event::Tick);
     }
+    /// Proxy "p" reports `in_flight` and `held` requests.
+    fn report(&mut self, in_flight: u32, held: u32) -> &[Effect] {
+        self.ev(Event::Activity {
+            proxy: "p".into(),
+            in_flight,
+            held,
+            active: true,
+            last_finished: None,
+        })
+    }
     fn has(&self, f: impl Fn(&Effect) -> bool) -> bool {
         self.fx.iter().any(f)
     }
@@ -496,22 +506,10 @@ fn operator_stop_interrupts_a_start() {
 fn eviction_sleeps_only_an_idle_unpinned_awake_model() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
-    s.ev(Event::Activity {
-        proxy: "p".into(),
-        in_flight: 1,
-        held: 0,
-        active: true,
-        last_finished: None,
-    });
+    s.report(1, 0);
     s.ev(Event::Evict);
     assert_eq!(s.m.phase, Phase::Awake);
-    s.ev(Event::Activity {
-        proxy: "p".into(),
-        in_flight: 0,
-        held: 0,
-        active: true,
-        last_finished: None,
-    });
+    s.report(0, 0);
     s.ev(Event::Pin(None));
     s.ev(Event::Evict);
     assert_eq!(s.m.phase, Phase::Awake);

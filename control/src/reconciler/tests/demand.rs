@@ -252,13 +252,7 @@ fn requests_held_when_an_operators_sleep_comes_are_served_before_it() {
     s.advance(secs(2));
     assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })), "{:?}", s.fx);
     // Released and answered: now the operator's sleep.
-    s.ev(Event::Activity {
-        proxy: "p".into(),
-        in_flight: 3,
-        held: 0,
-        active: true,
-        last_finished: None,
-    });
+    s.report(3, 0);
     assert_eq!(s.m.phase, Phase::Awake);
     held(&mut s, 0);
     assert!(
@@ -373,13 +367,7 @@ fn a_request_in_flight_to_an_asleep_engine_wakes_it() {
     s.boot();
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
-    s.ev(Event::Activity {
-        proxy: "p".into(),
-        in_flight: 1,
-        held: 0,
-        active: true,
-        last_finished: None,
-    });
+    s.report(1, 0);
     assert!(
         matches!(s.m.phase, Phase::Waking { .. }),
         "{:?} {:?}",

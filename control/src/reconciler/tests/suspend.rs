@@ -54,13 +54,7 @@ fn the_suspend_tier_fires_only_when_idle_and_records_first() {
     // A request in flight (re-reported every second) holds it awake past
     // the tier.
     for _ in 0..20 {
-        s.ev(Event::Activity {
-            proxy: "p".into(),
-            in_flight: 1,
-            held: 0,
-            active: true,
-            last_finished: None,
-        });
+        s.report(1, 0);
         s.advance(secs(1));
     }
     assert_eq!(s.m.phase, Phase::Awake);

@@ -5,16 +5,6 @@
 
 use super::*;
 
-fn busy(s: &mut Sim, in_flight: u32, held: u32) {
-    s.ev(Event::Activity {
-        proxy: "p".into(),
-        in_flight,
-        held,
-        active: true,
-        last_finished: None,
-    });
-}
-
 fn yield_to_b(s: &mut Sim) {
     s.ev(Event::Yield { to: "b".into() });
 }
@@ -23,7 +13,7 @@ fn yield_to_b(s: &mut Sim) {
 fn serving() -> Sim {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
-    busy(&mut s, 2, 0);
+    s.report(2, 0);
     assert_eq!(s.m.phase, Phase::Awake);
     s
 }
@@ -52,7 +42,7 @@ fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
     // Published as going to sleep (status/tests.rs): proxies hold what comes.
     // A new request is held; its demand does not call the yield off.
     s.ev(Event::Demand);
-    busy(&mut s, 2, 1);
+    s.report(2, 1);
     assert!(matches!(s.m.phase, Phase::Yielding { .. }));
     // Every proxy confirmed, but the engine's own gauge still counts one.
     s.ev(Event::EngineMetrics { running: 1 });
@@ -61,7 +51,7 @@ fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
         error: None,
     });
     assert!(matches!(s.m.phase, Phase::Yielding { drained: true, .. }));
-    busy(&mut s, 0, 3);
+    s.report(0, 3);
     assert!(
         !s.has(|f| matches!(f, Effect::Sleep { .. })),
         "slept with one in flight"
@@ -104,7 +94,7 @@ fn a_yield_with_nothing_asked_meanwhile_leaves_it_asleep() {
         epoch: s.m.epoch,
         error: None,
     });
-    busy(&mut s, 0, 0);
+    s.report(0, 0);
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
     assert_eq!(
         (s.m.intent.desired, s.m.intent.reason),
@@ -143,7 +133,7 @@ fn a_yield_whose_requests_do_not_finish_in_time_serves_again() {
     // waiting model's admission evicts it as an idle model, and its turns
     // are back to one `yield_after`.
     assert_eq!(s.m.intent.desired, Desired::Awake);
-    busy(&mut s, 0, 0);
+    s.report(0, 0);
     assert_eq!(s.m.phase, Phase::Awake);
     s.ev(Event::Evict);
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
@@ -182,7 +172,7 @@ fn an_operators_sleep_suspend_or_wake_during_a_yield_is_kept() {
             epoch: s.m.epoch,
             error: None,
         });
-        busy(s, 0, 1);
+        s.report(0, 1);
     };
     let mut s = serving();
     yield_to_b(&mut s);
@@ -208,7 +198,7 @@ fn an_operators_sleep_suspend_or_wake_during_a_yield_is_kept() {
         epoch: s.m.epoch,
         error: None,
     });
-    busy(&mut s, 0, 0);
+    s.report(0, 0);
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     assert!(
