@@ -239,6 +239,7 @@ impl Admission {
             told: None,
             asked_at: tokio::time::Instant::now(),
             evicted: Default::default(),
+            yields: Default::default(),
         };
         if tx.send(Msg::Ask(ask)).is_err() {
             // The task is gone (shutting down): nothing left to protect.

@@ -253,6 +253,11 @@ pub enum Event {
     Yield {
         to: String,
     },
+    /// `to` found room without this model's yield (an idle model made it):
+    /// if it is still finishing its requests to yield, it serves again.
+    CallOffYield {
+        to: String,
+    },
     /// Keep awake until (None: until Unpin).
     Pin(Option<Instant>),
     Unpin,

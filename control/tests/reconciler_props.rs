@@ -102,6 +102,8 @@ enum Action {
     Evict,
     /// Admission asks a busy model to yield its GPUs.
     Yield,
+    /// Admission found room without that yield.
+    CallOffYield,
     /// A probe finds the engine asleep at this level (the current epoch).
     FoundAsleep(u8),
     Pin(Option<u64>),
@@ -162,6 +164,7 @@ fn action() -> impl Strategy<Value = Action> {
         2 => Just(Action::Demand),
         1 => Just(Action::Evict),
         1 => Just(Action::Yield),
+        1 => Just(Action::CallOffYield),
         1 => (1u8..=2).prop_map(Action::FoundAsleep),
         1 => proptest::option::of(0u64..120).prop_map(Action::Pin),
         1 => Just(Action::Unpin),
@@ -278,6 +281,7 @@ impl World {
             Action::Demand => Event::Demand,
             Action::Evict => Event::Evict,
             Action::Yield => Event::Yield { to: "other".into() },
+            Action::CallOffYield => Event::CallOffYield { to: "other".into() },
             Action::FoundAsleep(level) => Event::FoundAsleep { epoch, level },
             Action::Pin(s) => Event::Pin(s.map(|s| self.now + secs(s))),
             Action::Unpin => Event::Unpin,

@@ -207,6 +207,35 @@ async fn a_request_is_held_while_asleep_and_answered_after_wake() {
     assert_eq!(stats(&fv).await["held"], 0);
 }
 
+/// A client that hangs up mid-answer aborts its request, streamed or not,
+/// as vLLM's `with_cancellation` does: `vllm:num_requests_running` drops
+/// back to 0 long before the answer would have ended (before, a whole
+/// answer's request stayed counted for ever, so the engine never looked
+/// idle again).
+#[tokio::test]
+async fn a_client_that_hangs_up_aborts_its_request() {
+    let fv = spawn_fake_vllm(&["m", "--tokens-per-second", "5"]).await;
+    for stream in [false, true] {
+        let url = fv.at("/v1/chat/completions");
+        // 500 tokens at 5 tokens/s: 100 s.
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 500, "ignore_eos": true, "stream": stream});
+        let client = tokio::spawn(async move {
+            let r = post_json(&url, &body).await;
+            r.bytes().await.map(|b| b.len())
+        });
+        wait_until("the request to run", DEADLINE, || async {
+            metric(&fv, "vllm:num_requests_running", "").await == 1.0
+        })
+        .await;
+        client.abort();
+        wait_until("the request aborted", DEADLINE, || async {
+            metric(&fv, "vllm:num_requests_running", "").await == 0.0
+        })
+        .await;
+    }
+}
+
 /// Splits an SSE body into its `data:` payloads, checking the framing.
 fn sse_events(body: &str) -> Vec<String> {
     assert!(

@@ -220,3 +220,101 @@ async fn a_model_on_two_gpus_takes_its_turn_from_a_busy_model_on_each() {
     }
     same_engines(&mut c, &preloaded, "").await;
 }
+
+/// Two models each finishing one long answer and a third asked for: one
+/// of the two yields (it holds new requests and lets its long answer
+/// finish), and meanwhile the other's answer ends (its client hangs up),
+/// so it is idle. The idle one makes the room and the yield is called
+/// off: the third is answered while the yielding model's long answer
+/// still streams, that model never sleeps, and its answer is whole.
+/// (Before, the third waited for the long answer to end, up to the stop
+/// grace.)
+#[tokio::test]
+async fn a_yield_is_called_off_when_another_model_falls_idle() {
+    let cfg = turns_config(
+        &swap_config(1, &[("a", 1, 0.45), ("b", 1, 0.45), ("c", 1, 0.45)]),
+        "2s",
+        &["a", "b"],
+    )
+    .replace("stop_grace = \"5s\"", "stop_grace = \"60s\"");
+    let Some((ctl, mut c, proxy, preloaded)) = stand(&cfg, &["a", "b", "c"]).await else {
+        return;
+    };
+    let broken = watch_never_awake_together(ctl.client().await, vec![vec!["a", "b", "c"]]);
+    wake_awake(&mut c, "a").await;
+    wake_awake(&mut c, "b").await;
+    // One long answer each: 400 tokens at 20 tokens/s, 20 s.
+    let long = |m: &'static str| {
+        let url = proxy.url();
+        tokio::spawn(async move { (paced_chat(&url, m, 400).await, Instant::now()) })
+    };
+    let (mut long_a, mut long_b) = (Some(long("a")), Some(long("b")));
+    wait_status(&mut c, "a", "a answering", LONG, |s| s.in_flight >= 1).await;
+    wait_status(&mut c, "b", "b answering", LONG, |s| s.in_flight >= 1).await;
+
+    // c waits 2 s for room, then one of them yields to it.
+    let url = proxy.url();
+    let ask =
+        tokio::spawn(async move { (try_chat(&url, "c", 4, ANSWER_WITHIN).await, Instant::now()) });
+    let deadline = Instant::now() + LONG;
+    let (v, other) = loop {
+        let yielding = |s: &siesta_proto::v1::ModelStatus| {
+            state(s) == siesta_proto::v1::ModelState::Sleeping && s.in_flight >= 1
+        };
+        if yielding(&status(&mut c, "a").await) {
+            break ("a", "b");
+        }
+        if yielding(&status(&mut c, "b").await) {
+            break ("b", "a");
+        }
+        assert!(Instant::now() < deadline, "neither a nor b yielded to c");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    // The other one's client hangs up: it has nothing in flight.
+    let (yielder, hung_up) = if v == "a" {
+        (long_a.take(), long_b.take())
+    } else {
+        (long_b.take(), long_a.take())
+    };
+    hung_up.unwrap().abort();
+
+    let (r, c_at) = ask.await.unwrap();
+    assert!(r.is_ok(), "c was not served: {r:?}");
+    let (r, v_at) = yielder.unwrap().await.unwrap();
+    assert!(r.is_ok(), "{v}'s long answer: {r:?}");
+    assert!(
+        c_at < v_at,
+        "c was answered {:?} after {v}'s long answer ended: it waited for the yield",
+        c_at - v_at
+    );
+    if let Some(e) = broken.lock().unwrap().clone() {
+        panic!("{e}");
+    }
+    // v's yield was called off before it slept; the idle one made room.
+    let log = siesta_log(&mut c, v).await;
+    assert!(
+        log.iter()
+            .any(|l| l.contains("\"c\" found room without it: yield called off")),
+        "{v}: {log:#?}"
+    );
+    let yielded = log
+        .iter()
+        .position(|l| l.contains("yielding its GPUs to \"c\""))
+        .unwrap_or_else(|| panic!("{v} never yielded: {log:#?}"));
+    assert!(
+        !log[yielded..]
+            .iter()
+            .any(|l| l.contains("sleeping at level")),
+        "{v} slept after its yield: {log:#?}"
+    );
+    assert_eq!(
+        state(&status(&mut c, v).await),
+        siesta_proto::v1::ModelState::Awake
+    );
+    let log = siesta_log(&mut c, other).await;
+    assert!(
+        log.iter().any(|l| l.contains("evicted: sleeping")),
+        "{other}: {log:#?}"
+    );
+    same_engines(&mut c, &preloaded, "").await;
+}

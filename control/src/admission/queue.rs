@@ -3,7 +3,7 @@
 
 use super::{AdmissionMetrics, AdmissionPolicy, Registry, Waiting};
 use crate::gpu_view::{GpuView, runtime};
-use crate::placement::{RunState, WakePlan};
+use crate::placement::{ModelRuntime, RunState, WakePlan};
 use crate::reconciler::{Desired, Event, ROOM_WAIT, Reason};
 use crate::status::{Clock, ModelStatus, State};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -81,6 +81,8 @@ pub(crate) struct Ask {
     pub asked_at: Instant,
     /// Models asked to sleep for this ask (each counted once).
     pub evicted: BTreeSet<String>,
+    /// Of those, the busy ones asked to yield (they may be called off).
+    pub yields: BTreeSet<String>,
 }
 
 impl Ask {
@@ -247,7 +249,25 @@ impl Core {
                     .iter()
                     .find(|m| m.name == model)
                     .is_some_and(wanted_by_someone);
-            match self.gpus.plan_wake_in(&model, &rt, yield_busy) {
+            let mut plan = self.gpus.plan_wake_in(&model, &rt, yield_busy);
+            if let WakePlan::Going(going) = &plan
+                && let Some((without, not_needed)) =
+                    self.without_yields(&self.queue[i], going, &rt, models)
+            {
+                for y in &not_needed {
+                    tracing::info!(model = %model, yielder = %y, "room found without a busy model's yield: calling it off");
+                    self.registry
+                        .evict(y, Event::CallOffYield { to: model.clone() });
+                    self.asked_to_sleep.remove(y);
+                    self.queue[i].yields.remove(y);
+                    self.queue[i].evicted.remove(y);
+                    if let Some(r) = rt.get_mut(y) {
+                        r.state = RunState::Awake;
+                    }
+                }
+                plan = without;
+            }
+            match plan {
                 WakePlan::Ready => {
                     let ask = self.queue.remove(i).expect("index in range");
                     tracing::info!(model = %ask.model, "admitted");
@@ -278,6 +298,9 @@ impl Core {
                                 Event::Yield { .. } => self.metrics.yielded(v),
                                 _ => self.metrics.evicted(v),
                             }
+                        }
+                        if matches!(how, Event::Yield { .. }) {
+                            self.queue[i].yields.insert(v.clone());
                         }
                         self.registry.evict(v, how);
                         if let Some(m) = models.iter().find(|m| m.name == *v) {
@@ -335,6 +358,48 @@ impl Core {
                     i += 1;
                 }
             }
+        }
+    }
+
+    /// The busy models `ask` asked to yield that are still finishing their
+    /// requests (published going to sleep, or not yet, with requests in
+    /// flight: a model sleeps only with none), if the ask fits without
+    /// them: by idle models' room, by models already going, or by room
+    /// freed meanwhile. Then the plan without them, and their names. (A
+    /// yield, drained for as long as its longest answer, is no longer
+    /// needed once another model falls idle; before, the ask waited for it.)
+    fn without_yields(
+        &self,
+        ask: &Ask,
+        going: &[String],
+        rt: &BTreeMap<String, ModelRuntime>,
+        models: &[ModelStatus],
+    ) -> Option<(WakePlan, Vec<String>)> {
+        let draining: Vec<String> = going
+            .iter()
+            .filter(|n| ask.yields.contains(*n))
+            .filter(|n| {
+                models.iter().any(|m| {
+                    m.name == **n
+                        && m.in_flight > 0
+                        && matches!(m.state, State::Awake | State::Sleeping)
+                })
+            })
+            .cloned()
+            .collect();
+        if draining.is_empty() {
+            return None;
+        }
+        let mut without = rt.clone();
+        for n in &draining {
+            if let Some(r) = without.get_mut(n) {
+                r.state = RunState::Awake;
+            }
+        }
+        // Idle models only: busy ones keep their turn.
+        match self.gpus.plan_wake_in(&ask.model, &without, false) {
+            WakePlan::Wait(_) => None,
+            plan => Some((plan, draining)),
         }
     }
 }

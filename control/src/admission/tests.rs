@@ -60,6 +60,8 @@ struct World {
     last_activity: Vec<Option<i64>>,
     /// What each waiting model was last told it waits for.
     told: Arc<Mutex<Vec<Option<String>>>>,
+    /// Models whose yield was called off, in order.
+    called_off: Vec<String>,
     /// Busy models may be asked to yield (`yield_after` = 0).
     yielding: bool,
     /// The requests a waiting model was asked for still wait (false: they
@@ -120,6 +122,7 @@ impl World {
             held: vec![false; n],
             last_activity: vec![None; n],
             told: Arc::new(Mutex::new(vec![None; n])),
+            called_off: Vec::new(),
             yielding: false,
             requests_wait: vec![true; n],
             base,
@@ -208,6 +211,7 @@ impl World {
                 told: None,
                 asked_at: tokio::time::Instant::now(),
                 evicted: Default::default(),
+                yields: Default::default(),
             });
             self.answers[i] = Some(rx);
             self.run[i] = Run::Waking(false);
@@ -232,6 +236,21 @@ impl World {
         let evicted: Vec<(String, Event)> = self.evicted.lock().unwrap().drain(..).collect();
         for (v, how) in evicted {
             let i = self.names.iter().position(|n| *n == v).unwrap();
+            if let Event::CallOffYield { to } = &how {
+                prop_assert!(
+                    self.yielding,
+                    "{} called off a yield to {} with yield off",
+                    v,
+                    to
+                );
+                // Its reconciler: still finishing its requests, it serves
+                // again; once its sleep began, nothing changes.
+                if self.run[i] == Run::Yielding {
+                    self.run[i] = Run::Awake;
+                }
+                self.called_off.push(v);
+                continue;
+            }
             prop_assert_eq!(
                 self.published[i].0,
                 Run::Awake,
@@ -619,6 +638,84 @@ fn a_model_going_to_sleep_for_an_ask_is_the_only_one() {
         assert_eq!(w.run[other], Run::Awake, "{case}");
         assert_eq!(w.run[2], Run::Waking(true), "{case}: admitted");
     }
+}
+
+/// Two busy models and a third that waited its turn: one of the busy
+/// ones yields, and while it still finishes its requests the other falls
+/// idle. The idle one makes the room; the yield is called off, so the
+/// yielding model serves on without a sleep (before, the ask waited for
+/// the yield, as long as its longest answer). Once its sleep began, or
+/// with the hub still showing it awake and its requests done, it goes on.
+#[test]
+fn a_yield_is_called_off_when_another_model_falls_idle() {
+    for lag in [false, true] {
+        let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)]))
+            .unwrap()
+            .with_yield();
+        w.run[0] = Run::Awake;
+        w.run[1] = Run::Awake;
+        w.in_flight[0] = 2;
+        w.in_flight[1] = 2;
+        w.demand(2);
+        w.plan().unwrap();
+        let v = (0..2).find(|&i| w.run[i] == Run::Yielding).unwrap();
+        let other = 1 - v;
+        w.lag = lag;
+        w.plan().unwrap();
+        assert!(w.called_off.is_empty(), "lag={lag}: {:?}", w.called_off);
+        // The other one's requests end; v still has its own.
+        w.in_flight[other] = 0;
+        w.plan().unwrap();
+        assert_eq!(w.called_off, [w.names[v].clone()], "lag={lag}");
+        assert_eq!(w.run[v], Run::Awake, "lag={lag}");
+        assert_eq!(w.run[other], Run::Sleeping, "lag={lag}");
+        let told = w.told.lock().unwrap()[2].clone().unwrap_or_default();
+        assert_eq!(
+            told,
+            format!("room on its GPUs: putting \"m{other}\" to sleep"),
+            "lag={lag}"
+        );
+        // Plans while the hub still shows v yielding change nothing.
+        for _ in 0..3 {
+            w.plan().unwrap();
+        }
+        assert_eq!(w.called_off.len(), 1, "lag={lag}");
+        assert_eq!(w.run[v], Run::Awake, "lag={lag}");
+        w.engines_step();
+        w.lag = false;
+        w.plan().unwrap();
+        assert_eq!(
+            w.run,
+            [
+                if v == 0 { Run::Awake } else { Run::Asleep },
+                if v == 1 { Run::Awake } else { Run::Asleep },
+                Run::Waking(true)
+            ],
+            "lag={lag}: admitted, v never slept"
+        );
+        assert_eq!(w.in_flight[v], 2, "lag={lag}: v's requests were not cut");
+    }
+
+    // Its requests done and its sleep begun: nothing is called off.
+    let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)]))
+        .unwrap()
+        .with_yield();
+    w.run[0] = Run::Awake;
+    w.run[1] = Run::Awake;
+    w.in_flight[0] = 2;
+    w.in_flight[1] = 2;
+    w.demand(2);
+    w.plan().unwrap();
+    let v = (0..2).find(|&i| w.run[i] == Run::Yielding).unwrap();
+    w.in_flight[v] = 0;
+    w.engines_step();
+    assert_eq!(w.run[v], Run::Sleeping);
+    w.in_flight[1 - v] = 0;
+    for _ in 0..3 {
+        w.plan().unwrap();
+    }
+    assert!(w.called_off.is_empty(), "{:?}", w.called_off);
+    assert_eq!(w.run[1 - v], Run::Awake, "{:?}", w.run);
 }
 
 /// A model asked to sleep that never acts on it (it became busy before its

@@ -187,6 +187,9 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 begin_yield(m, level, &to, now, fx);
             }
         }
+        Event::CallOffYield { to } => {
+            call_off_yield(m, &format!("\"{to}\" found room without it"), now, fx);
+        }
         Event::Pin(until) => {
             m.pin = until.map_or(Pin::Forever, Pin::Until);
             set_intent(m, Desired::Awake, Reason::Pin, now);
@@ -562,8 +565,10 @@ fn retry_now(m: &mut ModelState, now: Instant) {
     }
 }
 
-/// An operator wants a yielding model serving (a pin or a wake): the yield
-/// is called off and what was held is released.
+/// A yielding model is wanted serving (an operator's pin or wake, or the
+/// model it yields to found room without it): while it still finishes
+/// its requests, the yield is called off and what was held is released;
+/// once its sleep has begun, nothing changes.
 fn call_off_yield(m: &mut ModelState, why: &str, now: Instant, fx: &mut Vec<Effect>) {
     if let Phase::Yielding { .. } = m.phase {
         fx.push(Effect::Log(format!(

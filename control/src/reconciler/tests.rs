@@ -350,6 +350,33 @@ fn a_model_retired_by_a_reload_drains_and_stays_stopped() {
     assert!(matches!(s.m.phase, Phase::Stopping { .. }));
 }
 
+/// A reload retires an attached engine while siesta first probes it, and
+/// the probe finds it asleep at level 1: it is left asleep, its
+/// retirement the last word. Its old idle tiers no longer apply (before,
+/// its level-2 tier fired on an engine no longer configured, replacing the
+/// reload's intent with the tier's).
+#[test]
+fn an_attached_engine_retired_is_not_moved_by_its_old_tiers() {
+    let now = Instant::now();
+    let mut s = Sim {
+        m: ModelState::new(settings(true), Preload::None, now),
+        now,
+        fx: vec![],
+    };
+    s.ev(Event::Tick);
+    s.ev(Event::Retire);
+    s.ev(Event::HealthOk {
+        epoch: s.m.epoch,
+        asleep: Some(1),
+    });
+    let intent = s.m.intent;
+    assert_eq!(intent.reason, Reason::Config, "{intent:?}");
+    for _ in 0..6 {
+        s.advance(secs(10));
+        assert_eq!(s.m.intent, intent, "{:?}", s.fx);
+    }
+}
+
 #[test]
 fn backoff_doubles_and_is_capped() {
     let mut s = Sim::new(Preload::Awake);

@@ -25,12 +25,16 @@ fn tier_depth(tier: &IdleTier, s: &Settings) -> u8 {
 }
 
 /// Whether tiers may fire at all now: a stable serving state, not pinned,
-/// nothing in flight or held, no demand waiting to be served.
+/// nothing in flight or held, no demand waiting to be served, and not
+/// leaving with a reload (its retirement is the last word: an attached
+/// engine retired asleep was put to a deeper sleep by its old tier).
 fn idle_eligible(m: &ModelState, now: Instant) -> bool {
-    matches!(
-        m.phase,
-        Phase::Awake | Phase::Asleep { .. } | Phase::Suspended { .. }
-    ) && !m.pinned(now)
+    !m.retiring
+        && matches!(
+            m.phase,
+            Phase::Awake | Phase::Asleep { .. } | Phase::Suspended { .. }
+        )
+        && !m.pinned(now)
         && m.in_flight() == 0
         && m.held() == 0
         && m.demand_since.is_none()

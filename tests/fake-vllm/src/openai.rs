@@ -243,6 +243,22 @@ async fn generate(app: Arc<App>, body: Incoming, kind: Kind) -> Resp {
     )
 }
 
+/// One request in `vllm:num_requests_running`, for as long as it lives.
+struct Running<'a>(&'a crate::engine::Engine);
+
+impl<'a> Running<'a> {
+    fn start(engine: &'a crate::engine::Engine) -> Self {
+        engine.running.fetch_add(1, Ordering::SeqCst);
+        Running(engine)
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// Waits for admission, then produces tokens through `emit` (false: the client is gone).
 /// Returns the number of tokens and the finish reason.
 async fn run_tokens(
@@ -258,7 +274,11 @@ async fn run_tokens(
             .fetch_add(job.prompt_tokens, Ordering::SeqCst);
         return (0, "abort");
     };
-    engine.running.fetch_add(1, Ordering::SeqCst);
+    // Counted as running until it ends or its handler is dropped: a
+    // client that hangs up mid-answer aborts it (vLLM's `with_cancellation`
+    // cancels the handler, which aborts the request; before, the gauge
+    // kept counting it for ever and the engine never looked idle).
+    let running = Running::start(engine);
     let garbage = !engine.weights_intact();
     let natural = ANSWER.len() as u64;
     let (n, mut finish) = if garbage || job.ignore_eos || job.max_tokens < natural {
@@ -288,7 +308,7 @@ async fn run_tokens(
             break;
         }
     }
-    engine.running.fetch_sub(1, Ordering::SeqCst);
+    drop(running);
     engine
         .prompt_tokens
         .fetch_add(job.prompt_tokens, Ordering::SeqCst);

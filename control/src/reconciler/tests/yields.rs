@@ -215,6 +215,57 @@ fn an_operators_sleep_suspend_or_wake_during_a_yield_is_kept() {
     assert!(s.has(|f| matches!(f, Effect::Log(l) if l.contains("yield called off"))));
 }
 
+/// The model it yields to found room without it (an idle model made it):
+/// still finishing its requests, it serves again, wanted awake as before;
+/// once its sleep has begun, or when it is not yielding, nothing changes.
+#[test]
+fn a_yield_no_longer_needed_is_called_off_until_its_sleep_begins() {
+    let call_off = |s: &mut Sim| {
+        s.ev(Event::CallOffYield { to: "b".into() });
+    };
+    let mut s = serving();
+    yield_to_b(&mut s);
+    call_off(&mut s);
+    assert_eq!(s.m.phase, Phase::Awake, "{:?}", s.fx);
+    assert!(s.has(|f| matches!(f, Effect::Log(l)
+        if l == "\"b\" found room without it: yield called off, serving again")));
+    assert_eq!(s.m.intent.desired, Desired::Awake);
+    assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })));
+    // Drained meanwhile, the engine's own gauge still counting one: the
+    // same.
+    let mut s = serving();
+    yield_to_b(&mut s);
+    s.ev(Event::EngineMetrics { running: 1 });
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: None,
+    });
+    s.report(0, 0);
+    assert!(matches!(s.m.phase, Phase::Yielding { drained: true, .. }));
+    call_off(&mut s);
+    assert_eq!(s.m.phase, Phase::Awake);
+
+    // Its sleep began: too late, it sleeps.
+    let mut s = serving();
+    yield_to_b(&mut s);
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: None,
+    });
+    s.report(0, 0);
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    call_off(&mut s);
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+
+    // Not yielding: nothing to call off.
+    let mut s = serving();
+    call_off(&mut s);
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert!(!s.has(|f| matches!(f, Effect::Log(l) if l.contains("called off"))));
+}
+
 #[test]
 fn a_stop_or_restart_while_yielding_lets_the_answers_finish() {
     for cmd in [Command::Stop, Command::Restart] {
