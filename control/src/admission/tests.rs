@@ -640,6 +640,23 @@ fn a_model_going_to_sleep_for_an_ask_is_the_only_one() {
     }
 }
 
+/// Three models of 0.45 on a GPU that holds two: two busy (2 requests
+/// each) and the third asked for; busy models yield at once. One of the
+/// two yields: the world, and which one.
+fn one_of_two_busy_yields() -> (World, usize) {
+    let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)]))
+        .unwrap()
+        .with_yield();
+    w.run[0] = Run::Awake;
+    w.run[1] = Run::Awake;
+    w.in_flight[0] = 2;
+    w.in_flight[1] = 2;
+    w.demand(2);
+    w.plan().unwrap();
+    let v = (0..2).find(|&i| w.run[i] == Run::Yielding).unwrap();
+    (w, v)
+}
+
 /// Two busy models and a third that waited its turn: one of the busy
 /// ones yields, and while it still finishes its requests the other falls
 /// idle. The idle one makes the room; the yield is called off, so the
@@ -649,16 +666,7 @@ fn a_model_going_to_sleep_for_an_ask_is_the_only_one() {
 #[test]
 fn a_yield_is_called_off_when_another_model_falls_idle() {
     for lag in [false, true] {
-        let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)]))
-            .unwrap()
-            .with_yield();
-        w.run[0] = Run::Awake;
-        w.run[1] = Run::Awake;
-        w.in_flight[0] = 2;
-        w.in_flight[1] = 2;
-        w.demand(2);
-        w.plan().unwrap();
-        let v = (0..2).find(|&i| w.run[i] == Run::Yielding).unwrap();
+        let (mut w, v) = one_of_two_busy_yields();
         let other = 1 - v;
         w.lag = lag;
         w.plan().unwrap();
@@ -697,16 +705,7 @@ fn a_yield_is_called_off_when_another_model_falls_idle() {
     }
 
     // Its requests done and its sleep begun: nothing is called off.
-    let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)]))
-        .unwrap()
-        .with_yield();
-    w.run[0] = Run::Awake;
-    w.run[1] = Run::Awake;
-    w.in_flight[0] = 2;
-    w.in_flight[1] = 2;
-    w.demand(2);
-    w.plan().unwrap();
-    let v = (0..2).find(|&i| w.run[i] == Run::Yielding).unwrap();
+    let (mut w, v) = one_of_two_busy_yields();
     w.in_flight[v] = 0;
     w.engines_step();
     assert_eq!(w.run[v], Run::Sleeping);

@@ -55,6 +55,17 @@ impl Sim {
         s.ev(Event::Tick);
         s
     }
+    /// An attached engine (not spawned), first probe under way.
+    fn attached() -> Self {
+        let now = Instant::now();
+        let mut s = Sim {
+            m: ModelState::new(settings(true), Preload::None, now),
+            now,
+            fx: vec![],
+        };
+        s.ev(Event::Tick);
+        s
+    }
     fn ev(&mut self, e: Event) -> &[Effect] {
         let (m, fx) = step(self.m.clone(), e, self.now);
         self.m = m;
@@ -357,13 +368,7 @@ fn a_model_retired_by_a_reload_drains_and_stays_stopped() {
 /// reload's intent with the tier's).
 #[test]
 fn an_attached_engine_retired_is_not_moved_by_its_old_tiers() {
-    let now = Instant::now();
-    let mut s = Sim {
-        m: ModelState::new(settings(true), Preload::None, now),
-        now,
-        fx: vec![],
-    };
-    s.ev(Event::Tick);
+    let mut s = Sim::attached();
     s.ev(Event::Retire);
     s.ev(Event::HealthOk {
         epoch: s.m.epoch,
@@ -485,13 +490,7 @@ fn stale_results_are_ignored() {
 
 #[test]
 fn attach_never_spawns_and_stop_tier_sleeps_deepest() {
-    let now = Instant::now();
-    let mut s = Sim {
-        m: ModelState::new(settings(true), Preload::None, now),
-        now,
-        fx: vec![],
-    };
-    s.ev(Event::Tick);
+    let mut s = Sim::attached();
     assert!(s.has(|f| matches!(f, Effect::ProbeHealth { .. })));
     s.ev(Event::HealthOk {
         epoch: s.m.epoch,

@@ -9,6 +9,14 @@ fn yield_to_b(s: &mut Sim) {
     s.ev(Event::Yield { to: "b".into() });
 }
 
+/// Every proxy confirmed it has nothing more in flight.
+fn drained(s: &mut Sim) {
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: None,
+    });
+}
+
 /// Awake and serving 2 requests.
 fn serving() -> Sim {
     let mut s = Sim::new(Preload::Awake);
@@ -46,10 +54,7 @@ fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
     assert!(matches!(s.m.phase, Phase::Yielding { .. }));
     // Every proxy confirmed, but the engine's own gauge still counts one.
     s.ev(Event::EngineMetrics { running: 1 });
-    s.ev(Event::Drained {
-        epoch: s.m.epoch,
-        error: None,
-    });
+    drained(&mut s);
     assert!(matches!(s.m.phase, Phase::Yielding { drained: true, .. }));
     s.report(0, 3);
     assert!(
@@ -90,10 +95,7 @@ fn a_busy_model_holds_new_requests_finishes_those_in_flight_then_sleeps() {
 fn a_yield_with_nothing_asked_meanwhile_leaves_it_asleep() {
     let mut s = serving();
     yield_to_b(&mut s);
-    s.ev(Event::Drained {
-        epoch: s.m.epoch,
-        error: None,
-    });
+    drained(&mut s);
     s.report(0, 0);
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
     assert_eq!(
@@ -167,18 +169,12 @@ fn a_pinned_or_asleep_model_does_not_yield() {
 /// one it goes to, a suspend follows the sleep, a wake calls the yield off.
 #[test]
 fn an_operators_sleep_suspend_or_wake_during_a_yield_is_kept() {
-    let drained = |s: &mut Sim| {
-        s.ev(Event::Drained {
-            epoch: s.m.epoch,
-            error: None,
-        });
-        s.report(0, 1);
-    };
     let mut s = serving();
     yield_to_b(&mut s);
     s.ev(Event::Command(Command::Sleep(2)));
     assert!(matches!(s.m.phase, Phase::Yielding { .. }));
     drained(&mut s);
+    s.report(0, 1);
     assert!(
         s.has(|f| matches!(f, Effect::Sleep { level: 2, .. })),
         "{:?}",
@@ -194,10 +190,7 @@ fn an_operators_sleep_suspend_or_wake_during_a_yield_is_kept() {
     let mut s = serving();
     yield_to_b(&mut s);
     s.ev(Event::Command(Command::Suspend));
-    s.ev(Event::Drained {
-        epoch: s.m.epoch,
-        error: None,
-    });
+    drained(&mut s);
     s.report(0, 0);
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
     s.ev(Event::SleepDone { epoch: s.m.epoch });
@@ -236,10 +229,7 @@ fn a_yield_no_longer_needed_is_called_off_until_its_sleep_begins() {
     let mut s = serving();
     yield_to_b(&mut s);
     s.ev(Event::EngineMetrics { running: 1 });
-    s.ev(Event::Drained {
-        epoch: s.m.epoch,
-        error: None,
-    });
+    drained(&mut s);
     s.report(0, 0);
     assert!(matches!(s.m.phase, Phase::Yielding { drained: true, .. }));
     call_off(&mut s);
@@ -248,10 +238,7 @@ fn a_yield_no_longer_needed_is_called_off_until_its_sleep_begins() {
     // Its sleep began: too late, it sleeps.
     let mut s = serving();
     yield_to_b(&mut s);
-    s.ev(Event::Drained {
-        epoch: s.m.epoch,
-        error: None,
-    });
+    drained(&mut s);
     s.report(0, 0);
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
     call_off(&mut s);
