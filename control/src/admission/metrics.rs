@@ -1,6 +1,6 @@
 //! What admission does, for Prometheus: asks admitted and how long each
 //! waited for room, models put to sleep for another, busy models asked to
-//! yield, waits given up.
+//! yield and yields called off.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -27,6 +27,7 @@ pub struct AdmissionMetrics {
     wait: Family<ModelLabel, Histogram, fn() -> Histogram>,
     evictions: Family<ModelLabel, Counter>,
     yields: Family<ModelLabel, Counter>,
+    called_off: Family<ModelLabel, Counter>,
 }
 
 impl Default for AdmissionMetrics {
@@ -59,12 +60,20 @@ impl Default for AdmissionMetrics {
              requests, sleep) to a model that waited yield_after, by the model asked",
             yields.clone(),
         );
+        let called_off = Family::<ModelLabel, Counter>::default();
+        registry.register(
+            "yields_called_off",
+            "Yields called off before the sleep, the model they were for having found room \
+             without them (another model fell idle), by the model that yielded",
+            called_off.clone(),
+        );
         Self {
             registry,
             admitted,
             wait,
             evictions,
             yields,
+            called_off,
         }
     }
 }
@@ -87,6 +96,7 @@ impl AdmissionMetrics {
         let _ = self.admitted.get_or_create(&l).get();
         let _ = self.evictions.get_or_create(&l).get();
         let _ = self.yields.get_or_create(&l).get();
+        let _ = self.called_off.get_or_create(&l).get();
     }
 
     pub(crate) fn evicted(&self, model: &str) {
@@ -99,6 +109,14 @@ impl AdmissionMetrics {
 
     pub(crate) fn yielded(&self, model: &str) {
         self.yields
+            .get_or_create(&ModelLabel {
+                model: model.to_string(),
+            })
+            .inc();
+    }
+
+    pub(crate) fn yield_called_off(&self, model: &str) {
+        self.called_off
             .get_or_create(&ModelLabel {
                 model: model.to_string(),
             })

@@ -258,6 +258,7 @@ impl Core {
                     tracing::info!(model = %model, yielder = %y, "room found without a busy model's yield: calling it off");
                     self.registry
                         .evict(y, Event::CallOffYield { to: model.clone() });
+                    self.metrics.yield_called_off(y);
                     self.asked_to_sleep.remove(y);
                     self.queue[i].yields.remove(y);
                     self.queue[i].evicted.remove(y);

@@ -62,6 +62,7 @@ struct World {
     told: Arc<Mutex<Vec<Option<String>>>>,
     /// Models whose yield was called off, in order.
     called_off: Vec<String>,
+    metrics: Arc<AdmissionMetrics>,
     /// Busy models may be asked to yield (`yield_after` = 0).
     yielding: bool,
     /// The requests a waiting model was asked for still wait (false: they
@@ -107,8 +108,10 @@ impl World {
         let st = ModelState::new(Settings::from_config(m), m.preload, now);
         let base = model_status(m, &facts, &st, &clock, now);
         let n = names.len();
+        let metrics = Arc::new(AdmissionMetrics::default());
         Some(World {
-            core: Core::new(view.clone(), registry, clock, policy),
+            core: Core::new(view.clone(), registry, clock, policy).with_metrics(metrics.clone()),
+            metrics,
             view,
             clock,
             names,
@@ -135,7 +138,8 @@ impl World {
             min_awake: Duration::ZERO,
             yield_after: Some(Duration::ZERO),
         };
-        self.core = Core::new(self.view.clone(), self.core_registry(), self.clock, policy);
+        self.core = Core::new(self.view.clone(), self.core_registry(), self.clock, policy)
+            .with_metrics(self.metrics.clone());
         self.yielding = true;
         self
     }
@@ -675,6 +679,14 @@ fn a_yield_is_called_off_when_another_model_falls_idle() {
         w.in_flight[other] = 0;
         w.plan().unwrap();
         assert_eq!(w.called_off, [w.names[v].clone()], "lag={lag}");
+        let mut text = String::new();
+        w.metrics.encode(&mut text);
+        assert!(
+            text.contains(&format!(
+                "siesta_control_admission_yields_called_off_total{{model=\"m{v}\"}} 1\n"
+            )),
+            "lag={lag}: {text}"
+        );
         assert_eq!(w.run[v], Run::Awake, "lag={lag}");
         assert_eq!(w.run[other], Run::Sleeping, "lag={lag}");
         let told = w.told.lock().unwrap()[2].clone().unwrap_or_default();
