@@ -95,6 +95,11 @@ backoff_max = "2s"
 /// Engines get `SIESTA_TEST_TAG=<the test's dir>` so [`Ctl`] can find and
 /// kill them: siesta-control leaves engines running when it dies.
 pub fn fake_model(name: &str, preload: &str, flags: &[&str], extra: &str) -> String {
+    fake_model_on(name, preload, 0, flags, extra)
+}
+
+/// [`fake_model`] on `gpus` GPUs (`extra` gives its `gpu_memory`).
+pub fn fake_model_on(name: &str, preload: &str, gpus: u32, flags: &[&str], extra: &str) -> String {
     let args: Vec<String> = flags.iter().map(|f| format!("{f:?}")).collect();
     format!(
         r#"
@@ -102,7 +107,7 @@ pub fn fake_model(name: &str, preload: &str, flags: &[&str], extra: &str) -> Str
 name = "{name}"
 model = "fake/{name}"
 executable = "@FAKE_VLLM@"
-gpus = 0
+gpus = {gpus}
 preload = "{preload}"
 env = {{ SIESTA_TEST_TAG = "@DIR@" }}
 args = [{}]

@@ -17,21 +17,23 @@ pub const ANSWER_WITHIN: Duration = Duration::from_secs(90);
 /// `models` as (name, GPUs, memory fraction), all preloaded asleep, on
 /// `gpus` configured GPUs of 80 GiB.
 pub fn swap_config(gpus: u32, models: &[(&str, u32, f64)]) -> String {
+    swap_config_with(gpus, models, &[])
+}
+
+/// [`swap_config`] with fake-vllm flags for some models (name, flags).
+pub fn swap_config_with(
+    gpus: u32,
+    models: &[(&str, u32, f64)],
+    flags: &[(&str, &[&str])],
+) -> String {
     let models: String = models
         .iter()
-        .map(|(name, n, f)| {
-            format!(
-                r#"
-[[model]]
-name = "{name}"
-model = "fake/{name}"
-executable = "@FAKE_VLLM@"
-preload = "asleep"
-gpus = {n}
-gpu_memory = {f}
-env = {{ SIESTA_TEST_TAG = "@DIR@" }}
-"#
-            )
+        .map(|&(name, n, f)| {
+            let flags = flags
+                .iter()
+                .find(|(m, _)| *m == name)
+                .map_or(&[][..], |(_, f)| *f);
+            fake_model_on(name, "asleep", n, flags, &format!("gpu_memory = {f}"))
         })
         .collect();
     let base = config(&models)

@@ -8,19 +8,20 @@ use siesta_tests::ctl::*;
 use siesta_tests::swap::*;
 use std::time::Instant;
 
-/// `cfg` with `yield_after` and every model's engine paced at 20 tokens/s.
-fn turns_config(cfg: &str, yield_after: &str, models: &[&str]) -> String {
-    let mut cfg = cfg.replace(
+/// [`swap_config`] with `yield_after`, the `paced` models' engines at 20
+/// tokens/s.
+fn turns_config(
+    gpus: u32,
+    models: &[(&str, u32, f64)],
+    yield_after: &str,
+    paced: &[&str],
+) -> String {
+    const PACE: &[&str] = &["--tokens-per-second", "20"];
+    let flags: Vec<(&str, &[&str])> = paced.iter().map(|&m| (m, PACE)).collect();
+    swap_config_with(gpus, models, &flags).replace(
         "p2p_probe = \"off\"",
         &format!("p2p_probe = \"off\"\nyield_after = \"{yield_after}\""),
-    );
-    for m in models {
-        cfg = cfg.replace(
-            &format!("name = \"{m}\"\n"),
-            &format!("name = \"{m}\"\nargs = [\"--tokens-per-second\", \"20\"]\n"),
-        );
-    }
-    cfg
+    )
 }
 
 /// No answer of `who` failed or was cut.
@@ -69,11 +70,7 @@ async fn yields_to(c: &mut Client, models: &[&str], to: &str) -> usize {
 /// one was idle: here, never.)
 #[tokio::test]
 async fn a_busy_model_yields_the_gpu_to_a_waiting_one_and_gets_it_back() {
-    let cfg = turns_config(
-        &swap_config(1, &[("a", 1, 0.85), ("b", 1, 0.85)]),
-        "2s",
-        &["a"],
-    );
+    let cfg = turns_config(1, &[("a", 1, 0.85), ("b", 1, 0.85)], "2s", &["a"]);
     let Some((ctl, mut c, proxy, preloaded)) = stand(&cfg, &["a", "b"]).await else {
         return;
     };
@@ -120,7 +117,8 @@ async fn a_busy_model_yields_the_gpu_to_a_waiting_one_and_gets_it_back() {
 #[tokio::test]
 async fn two_busy_models_and_a_third_that_waits_all_take_turns() {
     let cfg = turns_config(
-        &swap_config(1, &[("a", 1, 0.45), ("b", 1, 0.45), ("c", 1, 0.45)]),
+        1,
+        &[("a", 1, 0.45), ("b", 1, 0.45), ("c", 1, 0.45)],
         "2s",
         &["a", "b"],
     );
@@ -183,7 +181,8 @@ async fn two_busy_models_and_a_third_that_waits_all_take_turns() {
 #[tokio::test]
 async fn a_model_on_two_gpus_takes_its_turn_from_a_busy_model_on_each() {
     let cfg = turns_config(
-        &swap_config(2, &[("tp", 2, 0.6), ("a", 1, 0.6), ("b", 1, 0.6)]),
+        2,
+        &[("tp", 2, 0.6), ("a", 1, 0.6), ("b", 1, 0.6)],
         "2s",
         &["a", "b"],
     );
@@ -232,7 +231,8 @@ async fn a_model_on_two_gpus_takes_its_turn_from_a_busy_model_on_each() {
 #[tokio::test]
 async fn a_yield_is_called_off_when_another_model_falls_idle() {
     let cfg = turns_config(
-        &swap_config(1, &[("a", 1, 0.45), ("b", 1, 0.45), ("c", 1, 0.45)]),
+        1,
+        &[("a", 1, 0.45), ("b", 1, 0.45), ("c", 1, 0.45)],
         "2s",
         &["a", "b"],
     )
