@@ -111,9 +111,16 @@ async fn every_command_against_a_real_control_plane() {
         .json();
     assert_eq!(json["model"]["pinned_until_unix_ms"], 0);
 
-    // logs: the engine's own output.
+    // logs: the engine's own output, and siesta's lines for the model
+    // (when it began to serve).
     let run = at(&control, &["logs", "chat"]).await.ok();
     assert!(run.stdout.contains("Uvicorn running on"), "{run:#?}");
+    assert!(
+        run.stdout
+            .lines()
+            .any(|l| l.contains("ready after") && l.ends_with(" s: serving")),
+        "{run:#?}"
+    );
     let run = at(&control, &["logs", "chat", "--tail", "1", "-o", "json"])
         .await
         .ok();

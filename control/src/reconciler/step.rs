@@ -282,9 +282,20 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         }
         Event::HealthOk { epoch: e, asleep } if e == epoch => {
             if let Phase::Starting { spawned: true, .. } = m.phase {
+                let took = now.saturating_duration_since(m.transition_start);
                 if !m.settings.attach {
-                    m.calibration.start.add(now - m.transition_start);
+                    m.calibration.start.add(took);
                 }
+                // Without it an operator's `siesta logs` showed the spawn
+                // and then nothing: when the engine began to serve, and
+                // how long its start took, were not to be read anywhere.
+                fx.push(Effect::Log(match asleep {
+                    Some(level) => format!(
+                        "ready after {:.1} s, found asleep at level {level}",
+                        took.as_secs_f64()
+                    ),
+                    None => format!("ready after {:.1} s: serving", took.as_secs_f64()),
+                }));
                 m.failures = 0;
                 m.last_error = None;
                 // The idle clock starts when the engine is ready, not when

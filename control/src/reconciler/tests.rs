@@ -127,6 +127,12 @@ fn start_to_awake_and_calibrates() {
     s.boot();
     assert_eq!(s.m.phase, Phase::Awake);
     assert_eq!(s.m.calibration.start.millis(), 2000);
+    // The operator's log says when it began to serve and how long it took.
+    assert!(
+        s.has(|f| matches!(f, Effect::Log(l) if l == "ready after 2.0 s: serving")),
+        "{:?}",
+        s.fx
+    );
     assert_eq!(s.m.restarts, 1);
 }
 
@@ -374,6 +380,11 @@ fn an_attached_engine_retired_is_not_moved_by_its_old_tiers() {
         epoch: s.m.epoch,
         asleep: Some(1),
     });
+    assert!(
+        s.has(|f| matches!(f, Effect::Log(l) if l.starts_with("ready after") && l.ends_with("found asleep at level 1"))),
+        "{:?}",
+        s.fx
+    );
     let intent = s.m.intent;
     assert_eq!(intent.reason, Reason::Config, "{intent:?}");
     for _ in 0..6 {
