@@ -244,6 +244,20 @@ ok=1
 [ "$NEG_S" = 200 ] && [ "$NEG" != "$REF" ] || ok=0
 result "$(verdict $ok)" 3-no-reload-differs status=$NEG_S without_reload=$NEG reference=$REF
 
+# --- hang-up: clients that hang up mid-answer abort their requests (vLLM wraps its handlers
+# in `with_cancellation`; fake-vllm does the same): the engine's running gauge falls back to
+# 0, and so does siesta's in-flight count, so the model can fall idle and its tiers fire.
+preq $M "$WAKE_REQ_TIMEOUT"
+U=$(mget $M endpoints.0.url)
+hline=$(python3 "$PY" hangup "$P/v1/completions" $M 2000 "$U" 30)
+log "hang-up: $hline"
+end=$((SECONDS + 30))
+while [ "$(mget $M in_flight)" != 0 ] && [ $SECONDS -lt $end ]; do sleep 0.2; done
+inflight=$(mget $M in_flight)
+ok=1
+[[ "$hline" == "running_during=2 running_after=0 "* ]] && [ "$inflight" = 0 ] || ok=0
+result "$(verdict $ok)" hang-up-aborts $hline siesta_in_flight_after=$inflight
+
 # --- 9 (stop): `siesta stop` comes while a stream is under way; the stream finishes whole
 # (vLLM aborts requests on SIGTERM: siesta sends it only once the proxy has nothing in flight
 # to the engine), and the stop leaves no process of the engine's group and no GPU memory

@@ -15,6 +15,12 @@
 #       error=.. (`done`: the stream ended with `data: [DONE]`, no in-stream error; `finish`:
 #       the last finish_reason, `length` once all TOKENS were generated; vLLM may carry more
 #       than one token in an event, so N can be below TOKENS)
+#   hangup URL MODEL TOKENS ENGINE_URL [DEADLINE_S]
+#       two completions of TOKENS tokens at once (one streamed, one not), the clients hang up
+#       once the stream's first event has come and the engine counts both running; then polls
+#       ENGINE_URL/metrics until `vllm:num_requests_running` is 0; one line:
+#       running_during=N running_after=M freed_ms=.. events_before=E
+#       (freed_ms: from the hang-up to the gauge at 0; -1 if it never got there by DEADLINE_S)
 #   get JSON_PATH...         reads JSON on stdin, prints the values at a.b.0.c (empty if absent),
 #                            separated by spaces
 #   wait SIESTA MODEL DEADLINE_S TARGET...
@@ -176,6 +182,61 @@ def cmd_stream(args):
           f"ms={(time.monotonic() - t) * 1000:.0f} error={json.dumps(error)}", flush=True)
 
 
+def running(engine_url):
+    """The engine's `vllm:num_requests_running`, summed over its label sets."""
+    try:
+        with urllib.request.urlopen(engine_url + "/metrics", timeout=10) as r:
+            text = r.read().decode(errors="replace")
+    except Exception:  # noqa: BLE001 - an engine that does not answer counts as unknown
+        return -1
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_requests_running")))
+
+
+def cmd_hangup(args):
+    import http.client
+    import socket
+    from urllib.parse import urlsplit
+
+    url, model, tokens, engine = args[0], args[1], int(args[2]), args[3]
+    deadline = float(args[4]) if len(args) > 4 else 30.0
+    u = urlsplit(url)
+    conns = []
+    for stream in (True, False):
+        c = http.client.HTTPConnection(u.hostname, u.port, timeout=deadline)
+        c.request("POST", u.path, json.dumps({
+            "model": model, "prompt": "hello world the model is", "stream": stream,
+            "max_tokens": tokens, "ignore_eos": True, "temperature": 0}),
+            {"Content-Type": "application/json"})
+        conns.append(c)
+    # The stream's headers and first event: its request is running.
+    r = conns[0].getresponse()
+    events = 0
+    while events == 0:
+        line = r.fp.readline()
+        if not line:
+            break
+        events += line.startswith(b"data:")
+    end = time.monotonic() + deadline
+    during = running(engine)
+    while during < 2 and time.monotonic() < end:
+        time.sleep(0.05)
+        during = running(engine)
+    t = time.monotonic()
+    for c in conns:  # hang up: both sockets closed, nothing more read
+        c.sock.shutdown(socket.SHUT_RDWR)
+        c.close()
+    after, freed = during, -1
+    while time.monotonic() < t + deadline:
+        after = running(engine)
+        if after == 0:
+            freed = (time.monotonic() - t) * 1000
+            break
+        time.sleep(0.05)
+    print(f"running_during={during} running_after={after} freed_ms={freed:.0f} "
+          f"events_before={events}", flush=True)
+
+
 def cmd_get(args):
     try:
         d = json.load(sys.stdin)
@@ -297,7 +358,7 @@ def cmd_residual(args):
 
 
 if __name__ == "__main__":
-    cmds = {"req": cmd_req, "many": cmd_many, "stream": cmd_stream, "get": cmd_get, "wait": cmd_wait,
+    cmds = {"req": cmd_req, "many": cmd_many, "stream": cmd_stream, "hangup": cmd_hangup, "get": cmd_get, "wait": cmd_wait,
             "engines": cmd_engines, "environ": cmd_environ, "residual": cmd_residual, "p2p": cmd_p2p}
     if len(sys.argv) < 2 or sys.argv[1] not in cmds:
         sys.exit(f"usage: vcheck.py {{{'|'.join(cmds)}}} ARGS... (see the header)")
