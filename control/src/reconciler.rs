@@ -287,6 +287,8 @@ pub enum Event {
     ChildExited {
         proc_gen: u64,
         status: String,
+        /// The exception its output ended with, if any.
+        cause: Option<String>,
     },
     /// `/health` answered 200 (`asleep`: the engine says it sleeps, at that level).
     HealthOk {

@@ -3,6 +3,7 @@
 
 mod adopt;
 mod argv;
+mod exit_cause;
 mod group;
 mod logs;
 pub mod procfs;
@@ -20,6 +21,30 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OwnedMutexGuard, watch};
+
+/// How an engine ended, once it and the rest of its group are gone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exit {
+    /// `exit status: 1`, `signal: 9 (SIGKILL)`.
+    pub status: String,
+    /// The exception its stderr ended with, if any ([`exit_cause`]).
+    pub cause: Option<String>,
+}
+
+impl Exit {
+    /// Reads the cause from the ends of the engine's output files
+    /// ([`log_paths`]; blocking I/O on a blocking thread).
+    async fn read(status: String, name: String, log_dir: PathBuf) -> Self {
+        let cause = tokio::task::spawn_blocking(move || {
+            let [(out, _), (err, _)] = log_paths(&name, &log_dir);
+            exit_cause::read(&[&err, &out])
+        })
+        .await
+        .ok()
+        .flatten();
+        Self { status, cause }
+    }
+}
 
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -158,8 +183,9 @@ pub fn log_paths(name: &str, log_dir: &Path) -> [(PathBuf, &'static str); 2] {
 /// Spawns the engine in its own process group, with `SIESTA_ENGINE_TAG=tag`.
 /// Output goes to `log_dir/NAME.{stdout,stderr}.log` (so an engine left
 /// running outlives siesta without a broken pipe), tailed into `logs` (and
-/// tracing at `trace` level only). `on_exit` runs with the exit status once the leader is reaped
-/// and the rest of its group killed and gone ([`sweep_group`]).
+/// tracing at `trace` level only). `on_exit` runs with the exit status and
+/// the cause its stderr ends with once the leader is reaped and the rest of
+/// its group killed and gone ([`sweep_group`]).
 pub fn spawn(
     name: &str,
     spec: &SpawnSpec,
@@ -167,7 +193,7 @@ pub fn spawn(
     log_dir: &Path,
     proc_gen: u64,
     logs: Arc<LogRing>,
-    on_exit: impl FnOnce(String) + Send + 'static,
+    on_exit: impl FnOnce(Exit) + Send + 'static,
 ) -> std::io::Result<ProcHandle> {
     let at = |path: &Path| {
         let path = path.display().to_string();
@@ -201,6 +227,7 @@ pub fn spawn(
     let start = procfs::start_time(pid);
     let (exited_tx, exited) = watch::channel(false);
     let name_owned = name.to_string();
+    let log_dir = log_dir.to_path_buf();
     tokio::spawn(async move {
         let status = match child.wait().await {
             Ok(s) => s.to_string(),
@@ -209,7 +236,7 @@ pub fn spawn(
         // The leader is gone; nothing of its group may stay behind, and
         // the engine has ended only once the rest is gone too.
         sweep_group(&name_owned, pid, start).await;
-        on_exit(status);
+        on_exit(Exit::read(status, name_owned, log_dir).await);
         let _ = exited_tx.send(true);
     });
     for (path, stream) in [(out_path, "stdout"), (err_path, "stderr")] {

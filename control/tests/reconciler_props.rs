@@ -323,6 +323,7 @@ impl World {
                 Event::ChildExited {
                     proc_gen: g,
                     status: "signal: 9".into(),
+                    cause: None,
                 }
             }
             Action::Health { sel, ok, asleep } => {

@@ -118,6 +118,66 @@ args = ["--exit-during-startup"]
     control.terminate().await;
 }
 
+/// An engine that cannot start because another process holds its GPU's
+/// memory (fake-vllm's simulated GPU: 8 of 10 GiB held by a process siesta
+/// does not run, this test): the start fails, and `last_error` says why in
+/// the engine's own words (vLLM's `ValueError: Free memory on device ...`),
+/// not only its exit status.
+#[tokio::test]
+async fn a_start_refused_for_memory_another_process_holds_says_why() {
+    let gpu = tempfile::tempdir().unwrap();
+    let held = gpu.path().join("gpu-0");
+    std::fs::create_dir_all(&held).unwrap();
+    std::fs::write(
+        held.join(std::process::id().to_string()),
+        (8u64 << 30).to_string(),
+    )
+    .unwrap();
+    let config = r#"
+[control]
+state_dir = "@DIR@/state"
+
+[defaults]
+start_timeout = "20s"
+backoff_initial = "30s"
+
+[[model]]
+name = "crowded"
+model = "m"
+executable = "@FAKE_VLLM@"
+gpus = 0
+env = { FAKE_VLLM_GPU_TOTAL_BYTES = "10737418240", FAKE_VLLM_GPU_DIR = "@GPU@" }
+"#
+    .replace("@GPU@", &gpu.path().to_string_lossy());
+    let mut control = spawn_control_with(&config, &["--stop-engines-on-exit"]).await;
+    let run = at(&control, &["wake", "crowded", "--wait"]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    // The operator who asked reads why at once.
+    assert!(
+        run.stderr
+            .contains("ValueError: Free memory on device cuda:0"),
+        "{run:#?}"
+    );
+    let json = at(&control, &["get", "crowded", "-o", "json"])
+        .await
+        .ok()
+        .json();
+    assert_eq!(json["model"]["state"], "failed", "{json}");
+    let error = json["model"]["last_error"].as_str().unwrap();
+    assert!(
+        error.starts_with("engine exited unexpectedly (exit status: 1): ValueError: Free memory on device cuda:0 (2.00/10.00 GiB)"),
+        "{error}"
+    );
+    assert!(
+        error.contains("reduce GPU memory used by other processes"),
+        "{error}"
+    );
+    // `siesta get` shows it whole.
+    let run = at(&control, &["get", "crowded"]).await.ok();
+    assert!(run.stdout.contains(error), "{run:#?}");
+    control.terminate().await;
+}
+
 #[tokio::test]
 async fn the_token_is_sent_as_a_bearer() {
     let config = r#"

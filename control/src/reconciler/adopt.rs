@@ -125,6 +125,7 @@ mod tests {
             Event::ChildExited {
                 proc_gen: 1,
                 status: "gone".into(),
+                cause: None,
             },
             now,
         );

@@ -265,7 +265,11 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 fail(m, format!("spawn failed: {error}"), now, fx);
             }
         }
-        Event::ChildExited { proc_gen, status } => {
+        Event::ChildExited {
+            proc_gen,
+            status,
+            cause,
+        } => {
             if proc_gen != m.proc_gen {
                 return;
             }
@@ -277,7 +281,15 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     set_phase(m, Phase::Stopped, now);
                 }
                 Phase::Stopped | Phase::Failed { .. } => {}
-                _ => fail(m, format!("engine exited unexpectedly ({status})"), now, fx),
+                _ => {
+                    // Why, where the engine said: an operator reads it in
+                    // `last_error` without digging through its log.
+                    let error = match cause {
+                        Some(cause) => format!("engine exited unexpectedly ({status}): {cause}"),
+                        None => format!("engine exited unexpectedly ({status})"),
+                    };
+                    fail(m, error, now, fx);
+                }
             }
         }
         Event::HealthOk { epoch: e, asleep } if e == epoch => {

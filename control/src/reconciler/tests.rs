@@ -174,6 +174,7 @@ fn tiers_fire_in_order() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 0".into(),
+        cause: None,
     });
     assert_eq!(s.m.phase, Phase::Stopped);
     assert_eq!(s.timer(), None);
@@ -276,6 +277,7 @@ fn every_transition_has_a_deadline() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "killed".into(),
+        cause: None,
     });
     assert_eq!(s.m.phase, Phase::Stopped);
 }
@@ -302,6 +304,7 @@ fn operator_stop_and_restart_let_requests_in_flight_finish() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 0".into(),
+        cause: None,
     });
     assert_eq!(s.m.phase, Phase::Stopped);
     // Restart: the same drain (a proxy that did not confirm in time is
@@ -321,6 +324,7 @@ fn operator_stop_and_restart_let_requests_in_flight_finish() {
     s.ev(Event::ChildExited {
         proc_gen,
         status: "exit 0".into(),
+        cause: None,
     });
     assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
     // The engine exiting on its own while draining: stopped, not failed.
@@ -330,6 +334,7 @@ fn operator_stop_and_restart_let_requests_in_flight_finish() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 0".into(),
+        cause: None,
     });
     assert_eq!(s.m.phase, Phase::Stopped);
     assert_eq!(s.m.last_error, None);
@@ -355,6 +360,7 @@ fn a_model_retired_by_a_reload_drains_and_stays_stopped() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 0".into(),
+        cause: None,
     });
     s.ev(Event::Demand);
     assert_eq!(s.m.phase, Phase::Stopped);
@@ -422,6 +428,7 @@ fn crash_goes_failed_then_restarts() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 1".into(),
+        cause: None,
     });
     assert!(matches!(s.m.phase, Phase::Failed { retry_at: Some(_) }));
     assert!(s.m.last_error.as_deref().unwrap().contains("exit 1"));
@@ -431,8 +438,46 @@ fn crash_goes_failed_then_restarts() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen - 1,
         status: "late".into(),
+        cause: None,
     });
     assert!(matches!(s.m.phase, Phase::Starting { .. }));
+}
+
+/// An engine that exits on its own says why in `last_error`: the exception
+/// its output ended with (here vLLM's for too little free GPU memory at
+/// start-up). An engine siesta stopped is not failed, whatever it printed.
+#[test]
+fn an_engine_that_exits_says_why_in_last_error() {
+    let cause = "ValueError: Free memory on device cuda:0 (2.0/139.8 GiB) on startup is less \
+                 than desired GPU memory utilization (0.5, 69.9 GiB).";
+    let mut s = Sim::new(Preload::Awake);
+    s.ev(Event::Spawned {
+        proc_gen: s.m.proc_gen,
+        pid: 42,
+    });
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit status: 1".into(),
+        cause: Some(cause.into()),
+    });
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+    assert_eq!(
+        s.m.last_error.as_deref(),
+        Some(&*format!(
+            "engine exited unexpectedly (exit status: 1): {cause}"
+        ))
+    );
+
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Command(Command::Stop));
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit status: 0".into(),
+        cause: Some("RuntimeError: cancelled".into()),
+    });
+    assert_eq!(s.m.phase, Phase::Stopped);
+    assert_eq!(s.m.last_error, None);
 }
 
 #[test]
@@ -453,6 +498,7 @@ fn demands_coalesce_and_operator_stop_wins() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "0".into(),
+        cause: None,
     });
     s.ev(Event::Demand);
     assert_eq!(s.m.phase, Phase::Stopped);

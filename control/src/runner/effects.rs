@@ -300,9 +300,13 @@ impl Runner {
             let exit_tx = tx.clone();
             let store = shared.store.clone();
             let exit_name = name.clone();
-            let on_exit = move |status: String| {
+            let on_exit = move |exit: crate::supervisor::Exit| {
                 store.remove_engine(&exit_name, Some(proc_gen));
-                let _ = exit_tx.send(Msg::Event(Event::ChildExited { proc_gen, status }, None));
+                let _ = exit_tx.send(Msg::Event(Event::ChildExited {
+                proc_gen,
+                status: exit.status,
+                cause: exit.cause,
+            }, None));
             };
             logs.push(
                 "siesta",

@@ -34,9 +34,16 @@ pub(super) fn take_over(
     let exit_tx = tx.clone();
     let proc_gen = a.proc_gen;
     let (store, model) = (shared.store.clone(), name.to_string());
-    let on_exit = move |status: String| {
+    let on_exit = move |exit: crate::supervisor::Exit| {
         store.remove_engine(&model, Some(proc_gen));
-        let _ = exit_tx.send(Msg::Event(Event::ChildExited { proc_gen, status }, None));
+        let _ = exit_tx.send(Msg::Event(
+            Event::ChildExited {
+                proc_gen,
+                status: exit.status,
+                cause: exit.cause,
+            },
+            None,
+        ));
     };
     let handle = crate::supervisor::adopt(
         name,

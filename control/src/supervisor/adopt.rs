@@ -2,7 +2,7 @@
 //! child, so its end is noticed by polling `/proc` (pid and start time),
 //! and its output files are tailed from where they are.
 
-use super::{LogRing, ProcHandle, log_paths, procfs, sweep_group, tail};
+use super::{Exit, LogRing, ProcHandle, log_paths, procfs, sweep_group, tail};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,17 +24,19 @@ pub fn adopt(
     log_dir: &Path,
     proc_gen: u64,
     logs: Arc<LogRing>,
-    on_exit: impl FnOnce(String) + Send + 'static,
+    on_exit: impl FnOnce(Exit) + Send + 'static,
 ) -> ProcHandle {
     let (exited_tx, exited) = watch::channel(false);
     let model = name.to_string();
+    let dir = log_dir.to_path_buf();
     tokio::spawn(async move {
         while procfs::alive(pid, Some(start_time)) {
             tokio::time::sleep(POLL).await;
         }
         // The leader is gone; nothing of its group may stay behind.
         sweep_group(&model, pid, Some(start_time)).await;
-        on_exit("exited (adopted engine: exit status unknown)".into());
+        let status = "exited (adopted engine: exit status unknown)".to_string();
+        on_exit(Exit::read(status, model, dir).await);
         let _ = exited_tx.send(true);
     });
     for (path, stream) in log_paths(name, log_dir) {

@@ -24,6 +24,7 @@ impl World {
             Event::ChildExited {
                 proc_gen: g,
                 status: "exit 0".into(),
+                cause: None,
             }
         } else if let Some(epoch) = self.probes.pop() {
             Event::HealthOk {

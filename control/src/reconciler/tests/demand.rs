@@ -64,6 +64,7 @@ fn a_demand_after_a_stop_tier_starts_the_engine() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 0".into(),
+        cause: None,
     });
     assert_eq!(s.m.phase, Phase::Stopped);
     s.now += secs(3600);
@@ -125,6 +126,7 @@ fn a_demand_during_a_stop_restarts_after_the_exit() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 0".into(),
+        cause: None,
     });
     assert!(
         s.has(|f| matches!(f, Effect::Spawn { .. })),

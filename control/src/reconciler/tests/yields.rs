@@ -279,6 +279,7 @@ fn an_engine_that_dies_while_yielding_fails_as_it_would_awake() {
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "signal: 9".into(),
+        cause: None,
     });
     assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
 }
