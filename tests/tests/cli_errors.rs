@@ -86,9 +86,12 @@ async fn completion_scripts_are_generated() {
     }
 }
 
-#[tokio::test]
-async fn wake_wait_of_a_failing_model_exits_1_with_the_error() {
-    let config = r#"
+/// A control plane with one fake model, `name`, whose engine fails to start
+/// (`extra`: the model's `args` or `env` that make it fail); a failure is
+/// retried only after 30 s, so the test sees it stay failed.
+fn failing_model(name: &str, extra: &str) -> String {
+    format!(
+        r#"
 [control]
 state_dir = "@DIR@/state"
 
@@ -97,13 +100,19 @@ start_timeout = "20s"
 backoff_initial = "30s"
 
 [[model]]
-name = "broken"
+name = "{name}"
 model = "m"
 executable = "@FAKE_VLLM@"
 gpus = 0
-args = ["--exit-during-startup"]
-"#;
-    let mut control = spawn_control_with(config, &["--stop-engines-on-exit"]).await;
+{extra}
+"#
+    )
+}
+
+#[tokio::test]
+async fn wake_wait_of_a_failing_model_exits_1_with_the_error() {
+    let config = failing_model("broken", r#"args = ["--exit-during-startup"]"#);
+    let mut control = spawn_control_with(&config, &["--stop-engines-on-exit"]).await;
     let run = at(&control, &["wake", "broken", "--wait"]).await;
     assert_eq!(run.code, 1, "{run:#?}");
     assert!(run.stderr.contains("broken: not awake after"), "{run:#?}");
@@ -133,22 +142,13 @@ async fn a_start_refused_for_memory_another_process_holds_says_why() {
         (8u64 << 30).to_string(),
     )
     .unwrap();
-    let config = r#"
-[control]
-state_dir = "@DIR@/state"
-
-[defaults]
-start_timeout = "20s"
-backoff_initial = "30s"
-
-[[model]]
-name = "crowded"
-model = "m"
-executable = "@FAKE_VLLM@"
-gpus = 0
-env = { FAKE_VLLM_GPU_TOTAL_BYTES = "10737418240", FAKE_VLLM_GPU_DIR = "@GPU@" }
-"#
-    .replace("@GPU@", &gpu.path().to_string_lossy());
+    let config = failing_model(
+        "crowded",
+        &format!(
+            r#"env = {{ FAKE_VLLM_GPU_TOTAL_BYTES = "10737418240", FAKE_VLLM_GPU_DIR = "{}" }}"#,
+            gpu.path().display()
+        ),
+    );
     let mut control = spawn_control_with(&config, &["--stop-engines-on-exit"]).await;
     let run = at(&control, &["wake", "crowded", "--wait"]).await;
     assert_eq!(run.code, 1, "{run:#?}");
