@@ -76,6 +76,14 @@ async fn startup_needs_free_memory_and_sleep_leaves_the_residual() {
         out.contains("Free memory on device cuda:0 (5.00/10.00 GiB)"),
         "{out}"
     );
+    // As vLLM: the engine core's exception on stderr, then the API
+    // server's, which only points above.
+    assert!(
+        out.contains(") ValueError: Free memory on device cuda:0")
+            && out
+                .contains("RuntimeError: Engine core initialization failed. See root cause above."),
+        "{out}"
+    );
     // Another GPU is free.
     let c = gpu
         .engine("1", &["c", "--gpu-memory-utilization", "0.6"])

@@ -125,6 +125,7 @@ async fn run(args: cli::ServeArgs, argv: &[OsString]) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "fake-vllm failed");
+            e.print_traceback();
             ExitCode::from(1)
         }
     }

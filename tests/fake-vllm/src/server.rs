@@ -52,6 +52,26 @@ pub enum ServeError {
     EngineDied,
 }
 
+impl ServeError {
+    /// What vLLM leaves on stderr when its engine fails to start (its
+    /// logger writes to stdout): the engine core's uncaught exception, then
+    /// the API server's, whose last line only points above.
+    pub fn print_traceback(&self) {
+        let pid = std::process::id();
+        if let Self::Gpu(cause) = self {
+            eprintln!("(EngineCore_DP0 pid={pid}) Traceback (most recent call last):");
+            eprintln!("(EngineCore_DP0 pid={pid}) {cause}");
+        }
+        if matches!(self, Self::Gpu(_) | Self::StartupFailed) {
+            eprintln!("(APIServer pid={pid}) Traceback (most recent call last):");
+            eprintln!(
+                "(APIServer pid={pid}) RuntimeError: Engine core initialization failed. See root \
+                 cause above. Failed core proc(s): {{}}"
+            );
+        }
+    }
+}
+
 /// State shared by every connection.
 #[derive(Debug)]
 pub struct App {

@@ -35,7 +35,8 @@ pub enum SimGpuError {
     },
     /// A wake could not allocate.
     #[error(
-        "CUDA out of memory. Tried to allocate {want:.2} GiB. GPU {gpu} has a total capacity of \
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {want:.2} GiB. GPU {gpu} \
+         has a total capacity of \
          {total:.2} GiB of which {free:.2} GiB is free."
     )]
     OutOfMemory {
@@ -270,8 +271,9 @@ mod tests {
         g.record(1, 1 << 30).unwrap();
         let e = g.grow(me, 1 << 30, 10 << 30).unwrap_err();
         assert!(
-            e.to_string()
-                .starts_with("CUDA out of memory. Tried to allocate 9.00 GiB"),
+            e.to_string().starts_with(
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 9.00 GiB"
+            ),
             "{e}"
         );
         g.release(me);
