@@ -240,8 +240,7 @@ impl EngineClient {
         if status.is_success() {
             Ok(bytes)
         } else {
-            let text = String::from_utf8_lossy(&bytes);
-            let text: String = text.chars().take(200).collect();
+            let text = replies::error_text(&bytes);
             Err(Failure::Answer(format!(
                 "{method} {path}: HTTP {status}: {text}"
             )))

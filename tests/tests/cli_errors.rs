@@ -178,6 +178,44 @@ async fn a_start_refused_for_memory_another_process_holds_says_why() {
     control.terminate().await;
 }
 
+/// Asleep, a model's GPU memory is taken by another process; its wake then
+/// runs out of memory (fake-vllm's simulated GPU answers `/wake_up` 500 with
+/// PyTorch's error, as vLLM does), and the failed `siesta wake --wait` and
+/// `last_error` say so in the engine's words, not as a cut JSON body.
+#[tokio::test]
+async fn a_wake_that_runs_out_of_memory_says_why() {
+    let gpu = tempfile::tempdir().unwrap();
+    let config = failing_model(
+        "m",
+        &format!(
+            r#"env = {{ FAKE_VLLM_GPU_TOTAL_BYTES = "10737418240", FAKE_VLLM_GPU_DIR = "{}" }}"#,
+            gpu.path().display()
+        ),
+    );
+    let mut control = spawn_control_with(&config, &["--stop-engines-on-exit"]).await;
+    at(&control, &["wake", "m", "--wait"]).await.ok();
+    at(&control, &["sleep", "m", "--level", "1", "--wait"])
+        .await
+        .ok();
+    // Another process takes 8 of the GPU's 10 GiB while it sleeps.
+    let held = gpu.path().join("gpu-0");
+    std::fs::create_dir_all(&held).unwrap();
+    std::fs::write(
+        held.join(std::process::id().to_string()),
+        (8u64 << 30).to_string(),
+    )
+    .unwrap();
+    let run = at(&control, &["wake", "m", "--wait"]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    let want = "POST /wake_up: HTTP 500 Internal Server Error: torch.OutOfMemoryError: CUDA out \
+                of memory. Tried to allocate";
+    assert!(run.stderr.contains(want), "{run:#?}");
+    let json = at(&control, &["get", "m", "-o", "json"]).await.ok().json();
+    let error = json["model"]["last_error"].as_str().unwrap();
+    assert!(error.contains(want) && !error.contains("{\""), "{error}");
+    control.terminate().await;
+}
+
 #[tokio::test]
 async fn the_token_is_sent_as_a_bearer() {
     let config = r#"

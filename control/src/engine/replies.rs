@@ -66,9 +66,64 @@ pub fn check_sleep_reply(body: &[u8], level: u8) -> Result<(), String> {
     }
 }
 
+/// Longest error text kept from an answer (characters).
+const ERROR_CHARS: usize = 400;
+
+/// What an error answer says, for `last_error`: the message of an OpenAI
+/// error body (`{"error":{"message":...}}`, vLLM's and fake-vllm's), of an
+/// older `{"message":...}` or of FastAPI's `{"detail":...}`, else the body
+/// as text; at most [`ERROR_CHARS`] characters.
+pub fn error_text(body: &[u8]) -> String {
+    let v = json(body);
+    let message = v.as_ref().and_then(|v| {
+        [
+            v.pointer("/error/message"),
+            v.get("message"),
+            v.get("detail"),
+        ]
+        .into_iter()
+        .flatten()
+        .find_map(Value::as_str)
+    });
+    let text = match message {
+        Some(m) => m.to_string(),
+        None => String::from_utf8_lossy(body).trim().to_string(),
+    };
+    match text.char_indices().nth(ERROR_CHARS) {
+        Some((i, _)) => format!("{}…", &text[..i]),
+        None => text,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A wake that ran out of GPU memory says so, not a cut JSON body.
+    #[test]
+    fn error_bodies_give_their_message() {
+        let oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.18 GiB. \
+                   GPU 0 has a total capacity of 10.00 GiB of which 0.18 GiB is free.";
+        let body = format!(
+            r#"{{"error":{{"code":500,"message":"{oom}","param":null,"type":"InternalServerError"}}}}"#
+        );
+        assert_eq!(error_text(body.as_bytes()), oom);
+        assert_eq!(
+            error_text(br#"{"message":"bad level","code":400}"#),
+            "bad level"
+        );
+        assert_eq!(error_text(br#"{"detail":"Not Found"}"#), "Not Found");
+        assert_eq!(
+            error_text(b"Internal Server Error\n"),
+            "Internal Server Error"
+        );
+        assert_eq!(
+            error_text(br#"{"error":{"code":1}}"#),
+            r#"{"error":{"code":1}}"#
+        );
+        let long = error_text("x".repeat(1000).as_bytes());
+        assert_eq!(long.chars().count(), ERROR_CHARS + 1);
+    }
 
     #[test]
     fn wake_bodies_of_both_versions() {
