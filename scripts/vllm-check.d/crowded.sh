@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# `vllm-check crowded`: a process siesta does not run holds most of GPU 0's memory (100 GiB of
-# torch on the GPU machine; LOCAL: fake-vllm's simulated GPU with a holder's entry). A model
-# asked for there cannot start: vLLM refuses, with less free memory than its
-# --gpu-memory-utilization asks for. siesta must say why in vLLM's own words, in the failed
-# `siesta wake --wait` and in `last_error`, not only "exit status: 1". About a minute.
+# `vllm-check crowded`: a process siesta does not run holds most of GPU 0's memory (torch on
+# the GPU machine; LOCAL: fake-vllm's simulated GPU with a holder's entry).
+#   crowded-start-says-why: 100 GiB held; a model of gpu_memory 0.5 asked for there cannot
+#     start (vLLM refuses: less free memory than its --gpu-memory-utilization asks for);
+#     the failed `siesta wake --wait` and `last_error` say why in vLLM's own words, not only
+#     "exit status: 1".
+#   crowded-wake-says-why: the holder gone, the model starts and sleeps at level 1; then
+#     120 GiB are held and it is woken: the wake runs out of memory, and siesta says so.
+#     What vLLM did (an error answer, or its engine dying) is in the line.
+# About two minutes.
 set -uo pipefail
 : "${D:?}" "${RUN:?}" "${B:?}" "${EXE:?}" "${MODEL:?}" "${LOCAL:?}"
 source "$D/lib.sh"
@@ -12,25 +17,37 @@ matrix_begin
 T0=$SECONDS
 CFG="$RUN/siesta.toml"
 export CFG
+HOLDER=
+# hold GIB: a process siesta does not run takes GIB of GPU 0 (until `release`).
+hold() {
+    if [ "$LOCAL" = 1 ]; then
+        mkdir -p "$RUN/simgpu/gpu-0"
+        sleep 600 &
+        HOLDER=$!
+        echo $(($1 << 30)) >"$RUN/simgpu/gpu-0/$HOLDER"
+    else
+        python3 -c 'import sys, time, torch
+x = torch.empty(int(sys.argv[1]) << 30, dtype=torch.uint8, device="cuda:0")
+print("held", flush=True)
+time.sleep(600)' "$1" >"$RUN/logs/holder-$1.log" 2>&1 &
+        HOLDER=$!
+        local end=$((SECONDS + 120))
+        until grep -q held "$RUN/logs/holder-$1.log" 2>/dev/null || [ $SECONDS -ge $end ]; do sleep 0.5; done
+    fi
+    log "holder pid $HOLDER holds $1 GiB; GPU memory used: $(gpu_used_mib) MiB"
+}
+release() {
+    [ -n "$HOLDER" ] && kill "$HOLDER" 2>/dev/null && wait "$HOLDER" 2>/dev/null
+    HOLDER=
+}
+trap release EXIT
 if [ "$LOCAL" = 1 ]; then
-    mkdir -p "$RUN/simgpu/gpu-0"
-    sleep 600 &
-    HOLDER=$!
-    echo $((100 << 30)) >"$RUN/simgpu/gpu-0/$HOLDER"
     GPU=$'\n[[gpu]]\nindex = 0\nname = "fake"\nmemory = "140GiB"'
     ENV="env = { FAKE_VLLM_GPU_TOTAL_BYTES = \"$((140 << 30))\", FAKE_VLLM_GPU_DIR = \"$RUN/simgpu\" }"
 else
-    python3 -c 'import time, torch
-x = torch.empty(100 << 30, dtype=torch.uint8, device="cuda:0")
-print("held", flush=True)
-time.sleep(600)' >"$RUN/logs/holder.log" 2>&1 &
-    HOLDER=$!
-    end=$((SECONDS + 120))
-    until grep -q held "$RUN/logs/holder.log" 2>/dev/null || [ $SECONDS -ge $end ]; do sleep 0.5; done
     GPU= ENV=
 fi
-trap 'kill $HOLDER 2>/dev/null' EXIT
-log "holder pid $HOLDER; GPU memory used: $(gpu_used_mib) MiB"
+hold 100
 cat >"$CFG" <<T
 [control]
 listen = "127.0.0.1:0"
@@ -66,6 +83,29 @@ ok=1
 [ "$rc" = 1 ] && [ "$state" = failed ] && [[ "$err" == *"exited unexpectedly"*": ValueError: Free memory on device"* ]] &&
     [[ "$out" == *"ValueError: Free memory on device"* ]] || ok=0
 result "$(verdict $ok)" crowded-start-says-why wake_exit=$rc state=$state last_error="$err"
+
+release
+out=$(S wake crowded --wait --timeout 6m 2>&1)
+rc=$?
+log "siesta wake crowded --wait, GPU free (exit $rc): $out"
+S sleep crowded --level 1 --wait --timeout 2m >/dev/null 2>&1
+state=$(mstate crowded)
+PID=$(mget crowded pid)
+if [ "$rc" != 0 ] || [ "$state" != "asleep(l1)" ]; then
+    result FAIL crowded-wake-says-why "not started and asleep: wake_exit=$rc state=$state"
+else
+    hold 120
+    out=$(S wake crowded --wait --timeout 4m 2>&1)
+    rc=$?
+    log "siesta wake crowded --wait, 120 GiB held (exit $rc): $out"
+    state=$(mstate crowded)
+    err=$(mget crowded last_error)
+    alive=$(kill -0 "$PID" 2>/dev/null && echo yes || echo no)
+    ok=1
+    [ "$rc" = 1 ] && [[ "${err,,}" == *"out of memory"* ]] || ok=0
+    result "$(verdict $ok)" crowded-wake-says-why wake_exit=$rc state=$state engine_alive=$alive last_error="$err"
+    release
+fi
 kill -TERM "$(cat "$RUN/control.pid")" 2>/dev/null
 end=$((SECONDS + 60))
 while kill -0 "$(cat "$RUN/control.pid")" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 0.2; done
