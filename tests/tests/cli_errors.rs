@@ -180,7 +180,7 @@ async fn a_start_refused_for_memory_another_process_holds_says_why() {
 
 /// Asleep, a model's GPU memory is taken by another process; its wake then
 /// runs out of memory (fake-vllm's simulated GPU answers `/wake_up` 500 with
-/// PyTorch's error, as vLLM does), and the failed `siesta wake --wait` and
+/// vLLM 0.24's words for it), and the failed `siesta wake --wait` and
 /// `last_error` say so in the engine's words, not as a cut JSON body.
 #[tokio::test]
 async fn a_wake_that_runs_out_of_memory_says_why() {
@@ -207,8 +207,8 @@ async fn a_wake_that_runs_out_of_memory_says_why() {
     .unwrap();
     let run = at(&control, &["wake", "m", "--wait"]).await;
     assert_eq!(run.code, 1, "{run:#?}");
-    let want = "POST /wake_up: HTTP 500 Internal Server Error: torch.OutOfMemoryError: CUDA out \
-                of memory. Tried to allocate";
+    let want = "POST /wake_up: HTTP 500 Internal Server Error: Call to wake_up method failed: \
+                CUDA Error: out of memory";
     assert!(run.stderr.contains(want), "{run:#?}");
     let json = at(&control, &["get", "m", "-o", "json"]).await.ok().json();
     let error = json["model"]["last_error"].as_str().unwrap();

@@ -102,7 +102,14 @@ async fn startup_needs_free_memory_and_sleep_leaves_the_residual() {
     let r = a.post("/wake_up").await;
     assert_eq!(r.status(), 500);
     let text = r.text().await.unwrap();
-    assert!(text.contains("CUDA out of memory"), "{text}");
+    // In vLLM 0.24's words (its cumem allocator's, not PyTorch's).
+    assert!(
+        text.contains(
+            "Call to wake_up method failed: CUDA Error: out of memory at \
+             /workspace/csrc/cumem_allocator.cpp:163"
+        ),
+        "{text}"
+    );
     assert_eq!(a.stats().await["is_sleeping"], true);
 
     // Once `b` is gone (its whole group), its entry no longer counts.

@@ -104,6 +104,13 @@ pub enum EngineError {
     /// The simulated GPU has no room (or its accounting failed).
     #[error(transparent)]
     Gpu(#[from] SimGpuError),
+    /// A wake found no room: what vLLM 0.24 answers (seen on an H200 with
+    /// another process holding the memory; `scripts/vllm-check crowded`).
+    #[error(
+        "Call to wake_up method failed: CUDA Error: out of memory at \
+         /workspace/csrc/cumem_allocator.cpp:163"
+    )]
+    WakeOutOfMemory,
 }
 
 /// The engine, shared by every connection.
@@ -357,7 +364,18 @@ impl Engine {
         if !after.weights_asleep && !after.kv_asleep && (tags.scheduling || before.level > 0) {
             after.paused = false;
         }
-        self.set_gpu_usage(self.gpu_usage(after), true)?;
+        self.set_gpu_usage(self.gpu_usage(after), true)
+            .map_err(|e| match e {
+                SimGpuError::OutOfMemory { .. } => {
+                    // The engine core's log line; the answer says less.
+                    tracing::error!(
+                        "RuntimeError: CUDA Error: out of memory at \
+                         /workspace/csrc/cumem_allocator.cpp:163 ({e})"
+                    );
+                    EngineError::WakeOutOfMemory
+                }
+                e => e.into(),
+            })?;
         if self.args.enable_sleep_mode {
             let t = tags.memory;
             self.blocking(move |m| m.wake(t)).await?;
