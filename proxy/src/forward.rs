@@ -44,9 +44,14 @@ use pool::EnginePool;
 
 /// Default time an idle upstream connection is kept: below uvicorn's 5 s.
 pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
-/// A failure on a reused connection this soon after sending is the engine
-/// closing it as the request went out, not an engine dying mid-request.
-pub const RETRY_WINDOW: Duration = Duration::from_secs(1);
+/// A reused connection closed with no byte of answer this soon after the
+/// request was sent is the engine closing it as idle as the request went
+/// out, not an engine dying mid-request (a dead engine is found by the
+/// fresh connection, which then fails, so nothing runs twice). Seconds,
+/// not one: a busy engine's event loop can run its idle timer late, with
+/// the request already in its socket, unread (seen on a loaded 2-core box:
+/// with a window of 1 s, 10 of 2,000 requests released at once got 502).
+pub const RETRY_WINDOW: Duration = Duration::from_secs(10);
 
 /// Why a forward failed.
 #[derive(Debug)]
@@ -209,11 +214,14 @@ impl Forwarder {
     }
 
     /// Sends the request to `up` and returns its response, body streaming.
+    /// `gate` (a released held request's place on its way out of the
+    /// waiting room) is given back once the request has an engine slot.
     pub async fn forward(
         &self,
         up: &Arc<Upstream>,
         parts: &http::request::Parts,
         body: Bytes,
+        gate: Option<OwnedSemaphorePermit>,
     ) -> Result<Response<ProxyBody>, ForwardError> {
         if up.scheme != http::uri::Scheme::HTTP {
             // As hyper's HTTP connector said before: only plain HTTP.
@@ -237,6 +245,7 @@ impl Forwarder {
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
+        drop(gate);
         let guard = InFlightGuard::new(up.clone(), slot);
         if up.activity.fenced() {
             // The model stopped serving between the route lookup and now;
@@ -298,6 +307,13 @@ impl Forwarder {
                 Some(first) => Err(ForwardError::Other(format!(
                     "{first} (sent again on a fresh connection: {e})"
                 ))),
+                None if conn.reused && !conn.answered() && e.closed_before_answer() => {
+                    Err(ForwardError::Other(format!(
+                        "{e} ({:.1} s after it was sent on a reused connection: too late to be \
+                         the engine closing an idle one, so not sent again)",
+                        sent.elapsed().as_secs_f64()
+                    )))
+                }
                 None => Err(ForwardError::Other(e.to_string())),
             },
         }

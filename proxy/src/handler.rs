@@ -7,6 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
+use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 use crate::activity::Activity;
@@ -43,8 +44,6 @@ pub struct Shared {
     /// started (`--reuse-port` gives it connections at once) knows no model
     /// until a control plane has sent one, and must not answer 404 meanwhile.
     pub first_snapshot_wait: Duration,
-    /// Places for requests leaving the waiting room at once.
-    pub leaving: Arc<tokio::sync::Semaphore>,
 }
 
 fn text(status: StatusCode, body: &'static str) -> Response<ProxyBody> {
@@ -89,12 +88,22 @@ pub async fn handle_admin(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
     ApiError::NoRoute(format!("{} {}", req.method(), req.uri().path())).into_response()
 }
 
-/// The OpenAI-compatible listener. `held_since`: the request already
-/// waited for its model (in the waiting room) since then.
+/// What the waiting room hands on with the first request of a connection
+/// that waited there (nothing for any other request).
+#[derive(Debug, Default)]
+pub struct Waited {
+    /// The request has waited for its model since then.
+    pub since: Option<Instant>,
+    /// Its place on the way to the engine: given back when it takes an
+    /// engine slot (or ends before).
+    pub gate: Option<OwnedSemaphorePermit>,
+}
+
+/// The OpenAI-compatible listener.
 pub async fn handle_main(
     shared: Arc<Shared>,
     req: Request<Incoming>,
-    held_since: Option<Instant>,
+    waited: Waited,
 ) -> Response<ProxyBody> {
     let path = req.uri().path();
     let (model, resp) = if req.method() == Method::GET {
@@ -117,7 +126,7 @@ pub async fn handle_main(
         }
     } else if req.method() == Method::POST && forwardable_path(path) {
         if authorized(&shared, &req) {
-            model_request(&shared, req, held_since).await
+            model_request(&shared, req, waited).await
         } else {
             (no_model(), ApiError::Unauthorized.into_response())
         }
@@ -133,7 +142,7 @@ pub async fn handle_main(
 async fn model_request(
     shared: &Shared,
     req: Request<Incoming>,
-    held_since: Option<Instant>,
+    waited: Waited,
 ) -> (Arc<str>, Response<ProxyBody>) {
     let (parts, body) = req.into_parts();
     let content_length = parts
@@ -168,7 +177,7 @@ async fn model_request(
         &parts,
         &body,
         field.span.clone(),
-        held_since,
+        waited,
     )
     .await
     .unwrap_or_else(|e| {
@@ -220,8 +229,12 @@ async fn route_loop(
     parts: &http::request::Parts,
     body: &Bytes,
     span: std::ops::Range<usize>,
-    mut held_since: Option<Instant>,
+    waited: Waited,
 ) -> Result<Response<ProxyBody>, ApiError> {
+    let Waited {
+        since: mut held_since,
+        mut gate,
+    } = waited;
     let mut ticket: Option<Ticket> = None;
     let mut clock = HoldClock {
         shared,
@@ -247,7 +260,7 @@ async fn route_loop(
                 rewrite_model(body, span.clone(), &up.served_name)
             };
             // Boxed: a held request's future need not carry its size.
-            match Box::pin(shared.forwarder.forward(&up, parts, out)).await {
+            match Box::pin(shared.forwarder.forward(&up, parts, out, gate.take())).await {
                 Ok(resp) => return Ok(resp),
                 Err(ForwardError::Fenced) => {
                     // The route table is being rebuilt with the model not

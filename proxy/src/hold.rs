@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use siesta_proto::v1::{DemandRequest, DemandResponse, DesiredState, ModelState};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{Semaphore, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -20,6 +20,15 @@ use crate::watch_client::{Controls, backoff};
 
 mod estimate;
 pub use estimate::{estimate, retry_after_s};
+
+/// A model's released requests that may be on their way from the waiting
+/// room to an engine at once: each is a full hyper connection with its
+/// body read, so a released queue of 100,000 becomes connections this many
+/// at a time, in order. A request gives its place back when it takes a
+/// slot at the engine (`forward::pool::MAX_CONCURRENT_PER_ENGINE`), not
+/// when it is answered: a long generation holds an engine slot, never
+/// another request's way out, and each model has its own places.
+pub const LEAVING_AT_ONCE: usize = 256;
 
 /// How often requests shed as `wait_too_long` may ask for a model's wake.
 const SHED_DEMAND_EVERY: Duration = Duration::from_secs(1);
@@ -67,6 +76,9 @@ struct HoldQueue {
     /// Where the held count is reported: the control plane the demand
     /// goes to first.
     report: Mutex<Option<Arc<ActivityCounters>>>,
+    /// Places for this model's released requests between the waiting room
+    /// and an engine slot ([`LEAVING_AT_ONCE`]).
+    leaving: Arc<Semaphore>,
 }
 
 impl HoldQueue {
@@ -126,6 +138,12 @@ pub struct Ticket {
 }
 
 impl Ticket {
+    /// The model's places for released requests on their way to an engine
+    /// (taken by the waiting room: [`LEAVING_AT_ONCE`]).
+    pub fn leaving(&self) -> Arc<Semaphore> {
+        self.queue.leaving.clone()
+    }
+
     pub async fn wait(&mut self, deadline: Instant, poll: Option<Duration>) -> Wait {
         let poll = tokio::time::sleep(poll.unwrap_or(Duration::MAX / 4));
         tokio::pin!(poll);
@@ -228,6 +246,7 @@ impl Holds {
                     model: model.clone(),
                     inner: Mutex::new(QueueInner::default()),
                     report: Mutex::new(None),
+                    leaving: Arc::new(Semaphore::new(LEAVING_AT_ONCE)),
                 })
             })
             .clone()

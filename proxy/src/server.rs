@@ -18,7 +18,6 @@ use crate::hold::Holds;
 use crate::metrics::Metrics;
 use crate::route_table::RouteTable;
 use crate::threads;
-use crate::waiting_room;
 use crate::watch_client::{ControlUrl, Controls, WatchCtx, run_control};
 use serve::Serve;
 
@@ -176,7 +175,6 @@ impl Proxy {
             max_body_bytes: cfg.max_body_bytes,
             body_timeout: cfg.body_timeout,
             first_snapshot_wait: cfg.first_snapshot_wait,
-            leaving: Arc::new(tokio::sync::Semaphore::new(waiting_room::LEAVING_AT_ONCE)),
         });
 
         let ctx = WatchCtx {

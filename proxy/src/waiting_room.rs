@@ -38,18 +38,13 @@ pub struct Entry {
     pub prefix: Bytes,
     /// When the first request started waiting, if it waited here.
     pub held_since: Option<Instant>,
-    /// Its place among the requests leaving the waiting room; give it up
-    /// when the request is answered.
+    /// Its place among its model's requests leaving the waiting room
+    /// ([`crate::hold::LEAVING_AT_ONCE`]); given up when the request takes
+    /// an engine slot (or ends before).
     pub gate: Option<OwnedSemaphorePermit>,
     /// The client closed the connection while waiting: nothing to serve.
     pub closed: bool,
 }
-
-/// Requests that left the waiting room and are not answered yet (response
-/// head): each is a full hyper connection and an engine request, so a
-/// released queue of 100,000 enters the engine this many at a time, in
-/// order, as earlier ones are answered, instead of all at once.
-pub const LEAVING_AT_ONCE: usize = 256;
 
 /// How long a new connection may take to send its first request once the
 /// proxy is draining; it is then served (and closed), or closed if it sent
@@ -120,20 +115,24 @@ pub async fn enter(
     let deadline = since + Duration::from_millis(route.max_hold_ms);
     drop(route);
     let mut one = [0u8; 1];
-    let (released, closed) = tokio::select! {
+    let (released, mut closed) = tokio::select! {
         // Released, timed out or draining: the handler decides.
         w = ticket.wait(deadline, None) => (matches!(w, Wait::Released(Release::Go)), false),
         // The client sent more (hyper serves it after this one) or closed.
         n = stream.peek(&mut one) => (false, matches!(n, Ok(0) | Err(_))),
     };
+    let leaving = ticket.leaving();
     drop(ticket);
     // Only a released request waits for its turn to leave (the others are
-    // answered at once or held again by the handler).
-    let gate = if released {
-        shared.leaving.clone().acquire_owned().await.ok()
-    } else {
-        None
-    };
+    // answered at once or held again by the handler); a client that hangs
+    // up meanwhile is let go, one that sends more is served without a turn.
+    let mut gate = None;
+    if released {
+        tokio::select! {
+            p = leaving.acquire_owned() => gate = p.ok(),
+            n = stream.peek(&mut one) => closed = matches!(n, Ok(0) | Err(_)),
+        }
+    }
     Entry {
         prefix,
         held_since: Some(since),

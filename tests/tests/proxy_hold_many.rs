@@ -135,3 +135,101 @@ async fn two_thousand_held_requests_are_all_answered_once() {
     assert_eq!(stats["requests_arrived"], json!(n), "{stats}");
     control.terminate().await;
 }
+
+/// The fake engine's `/fake/stats` for `model` (its first endpoint).
+async fn engine_stats(c: &siesta_tests::ctl::Client, model: &str) -> Value {
+    let m = c
+        .clone()
+        .get_model(GetModelRequest { name: model.into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .model
+        .unwrap();
+    let Some(e) = m.endpoints.first() else {
+        return Value::Null;
+    };
+    match reqwest::get(format!("{}/fake/stats", e.url)).await {
+        Ok(r) => r.json().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    }
+}
+
+/// Held requests released after a wake are paced on their way to the
+/// engine, but a released request gives its place back when it reaches the
+/// engine, not when it is answered: long generations of one model neither
+/// cap how many of its held requests run nor keep another model's released
+/// requests out (before, 256 places for every model were held until each
+/// answer's head, so 300 minute-long completions ran 256 at a time and a
+/// request for any other model waited for the first of them to end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_generations_do_not_hold_back_other_released_requests() {
+    const SLOW: usize = 300;
+    let n = SLOW.min(raise_fd_limit().saturating_sub(200) as usize);
+    assert!(n > 256, "the open-files limit allows only {n} connections");
+    let config = "[control]\nlisten = \"127.0.0.1:0\"\nstate_dir = \"@DIR@/state\"\n\n\
+         [defaults]\nmax_queue = 1000\nmax_hold = \"300s\"\n\n\
+         [[model]]\nname = \"slow\"\nmodel = \"org/slow\"\nexecutable = \"@FAKE_VLLM@\"\n\
+         preload = \"asleep\"\nargs = [\"--startup-time\", \"100ms\", \"--wake-time\", \"1s\", \
+         \"--tokens-per-second\", \"5\"]\n\n\
+         [[model]]\nname = \"quick\"\nmodel = \"org/quick\"\nexecutable = \"@FAKE_VLLM@\"\n\
+         preload = \"asleep\"\nargs = [\"--startup-time\", \"100ms\", \"--wake-time\", \"1s\"]\n";
+    let mut control = spawn_control_with(config, &["--stop-engines-on-exit"]).await;
+    let c = control.client().await;
+    for m in ["slow", "quick"] {
+        wait_until(&format!("{m} asleep"), DEADLINE, || async {
+            engine_stats(&c, m).await["is_sleeping"] == json!(true)
+        })
+        .await;
+    }
+    let proxy = spawn_proxy(&[control.url()], &[]).await;
+    let url = format!("{}/v1/chat/completions", proxy.url());
+    wait_until("proxy knows both", DEADLINE, || async {
+        matches!(reqwest::get(format!("{}/v1/models/quick", proxy.url())).await,
+            Ok(r) if r.status() == 200)
+    })
+    .await;
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let ask = |model: &str, tokens: u32| {
+        let (http, url) = (http.clone(), url.clone());
+        let body = json!({"model": model, "max_tokens": tokens, "ignore_eos": true,
+            "messages": [{"role": "user", "content": "hi"}]})
+        .to_string();
+        tokio::spawn(async move {
+            let r = http
+                .post(&url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await?;
+            let status = r.status().as_u16();
+            Ok::<_, reqwest::Error>((status, r.text().await?))
+        })
+    };
+    // Each `slow` answer takes 10 minutes (3,000 tokens at 5 a second): none
+    // ends during the test.
+    let slow: Vec<_> = (0..n).map(|_| ask("slow", 3000)).collect();
+    wait_until(
+        &format!("all {n} slow requests running"),
+        DEADLINE,
+        || async { engine_stats(&c, "slow").await["running"] == json!(n) },
+    )
+    .await;
+    let quick = ask("quick", 4);
+    let (status, text) = tokio::time::timeout(DEADLINE, quick)
+        .await
+        .expect("the quick model's request is answered while slow generates")
+        .unwrap()
+        .unwrap();
+    assert_eq!(status, 200, "{text}");
+    let stats = engine_stats(&c, "slow").await;
+    assert_eq!(stats["requests_served"], json!(0), "{stats}");
+    assert_eq!(stats["running"], json!(n), "{stats}");
+    for t in slow {
+        t.abort();
+    }
+    control.terminate().await;
+}

@@ -173,17 +173,17 @@ impl Serve {
         if entry.closed {
             return Ok(());
         }
-        let first = std::sync::Mutex::new(Some((entry.held_since, entry.gate)));
+        let first = std::sync::Mutex::new(Some(handler::Waited {
+            since: entry.held_since,
+            gate: entry.gate,
+        }));
         let shared = self.shared.clone();
         let svc = service_fn(move |req| {
             let s = shared.clone();
-            let (held_since, gate) = first.lock().unwrap().take().unwrap_or_default();
-            async move {
-                let resp = handler::handle_main(s, req, held_since).await;
-                // Answered: the next waiting request may leave.
-                drop(gate);
-                Ok::<_, Infallible>(resp)
-            }
+            // The gate goes with the request: given back when it takes an
+            // engine slot, so the model's next waiting request may leave.
+            let waited = first.lock().unwrap().take().unwrap_or_default();
+            async move { Ok::<_, Infallible>(handler::handle_main(s, req, waited).await) }
         });
         let draining = self.shutdown.is_cancelled();
         if draining && entry.prefix.is_empty() {
