@@ -144,6 +144,13 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             fx.push(Effect::Log(format!("wake gave up: {error}")));
             m.last_error = Some(error);
             m.demand_since = None;
+            // Tiers count again from here, like after a failed suspend: a
+            // deeper sleep's tier (which needs this wake) is not due again
+            // at once, so the model does not wait for room for ever, its
+            // ask heading the queue. For a demand, its held requests ended
+            // about now (`max_hold`), and a tier due meanwhile would only
+            // ask for the same room again.
+            m.idle_floor = now;
             set_intent(m, Desired::Asleep(from_level), Reason::Eviction, now);
             set_phase(m, Phase::Asleep { level: from_level }, now);
         }

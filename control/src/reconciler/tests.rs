@@ -649,6 +649,42 @@ fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
     assert!(matches!(s.m.phase, Phase::Waking { .. }));
 }
 
+/// A deeper sleep an idle tier asks for needs a wake first; a wake that
+/// finds no room gives up, and the idle clock restarts there: the tier is
+/// due again a whole tier later. (It fired again in the same step: the
+/// model was waking for ever, its ask heading the admission queue.)
+#[test]
+fn a_tier_wake_that_finds_no_room_restarts_the_idle_clock() {
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.truncate(2); // 10 s: sleep 1, 20 s: sleep 2
+    s.boot();
+    s.advance(secs(10));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.advance(secs(10));
+    let waking = |m: &ModelState| {
+        matches!(
+            m.phase,
+            Phase::Waking {
+                from_level: 1,
+                admitted: false,
+                ..
+            }
+        )
+    };
+    assert!(waking(&s.m), "{:?}", s.m.phase);
+    s.advance(ROOM_WAIT);
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 }, "{:?}", s.fx);
+    assert!(s.m.last_error.as_deref().unwrap().contains("no room"));
+    assert_eq!(s.m.intent.desired, Desired::Asleep(1));
+    let gave_up = s.now;
+    assert_eq!(s.timer(), Some(gave_up + secs(20)));
+    s.advance(secs(19));
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 }, "{:?}", s.fx);
+    // Due again, counted from the give-up: it tries once more.
+    s.advance(secs(1));
+    assert!(waking(&s.m), "{:?}", s.m.phase);
+}
+
 #[test]
 fn a_silent_proxy_stops_counting() {
     let mut s = Sim::new(Preload::Awake);
