@@ -98,10 +98,14 @@ pub struct Intent {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     Stopped,
-    /// `spawned`: false while waiting for the per-GPU start lock.
+    /// Until `admitted`, the start waits for room on its GPUs (at most
+    /// [`ROOM_WAIT`], like a wake); then for the per-GPU start lock (up to
+    /// twice the start timeout); `spawned`: the engine process is launched
+    /// (the deadline is the start timeout from there).
     Starting {
         deadline: Instant,
         spawned: bool,
+        admitted: bool,
     },
     Awake,
     Sleeping {
@@ -327,8 +331,8 @@ pub enum Event {
         epoch: u64,
         step: usize,
     },
-    /// A wake waited for room on its GPUs and has it now: its deadline
-    /// and calibration count from here.
+    /// A wake, resume or start waited for room on its GPUs and has it now:
+    /// its deadline (and a wake's calibration) counts from here.
     Admitted {
         epoch: u64,
     },

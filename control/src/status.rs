@@ -225,6 +225,11 @@ pub fn model_status(
         Phase::Starting { spawned: false, .. } if facts.gpus.is_empty() => {
             Some("the engine process to be spawned".to_string())
         }
+        Phase::Starting {
+            spawned: false,
+            admitted: false,
+            ..
+        } => Some(format!("room on GPUs {:?}", facts.gpus)),
         Phase::Starting { spawned: false, .. } => Some(format!(
             "start lock of GPUs {:?} (engines sharing a GPU start one at a time)",
             facts.gpus

@@ -213,6 +213,8 @@ fn advance() -> impl Strategy<Value = Advance> {
 #[derive(Debug, Clone, Copy)]
 struct PendingSpawn {
     proc_gen: u64,
+    /// The Starting phase it is for (its wait for room ends with `Admitted`).
+    epoch: u64,
     /// The runner cancels a spawn when the phase leaves `Starting`; if the
     /// process appears anyway, the runner SIGKILLs it at once.
     cancelled: bool,
@@ -403,6 +405,7 @@ impl World {
                     .filter(|(_, s)| *s == 0)
                     .map(|(e, _)| *e)
                     .chain(self.resumes.iter().copied())
+                    .chain(self.spawns.iter().map(|s| s.epoch))
                     .collect();
                 let epoch = *steps0.get(sel % steps0.len().max(1))?;
                 Event::Admitted { epoch }
@@ -458,6 +461,7 @@ impl World {
                     prop_assert!(starting, "spawn outside Starting\n{}", ctx());
                     self.spawns.push(PendingSpawn {
                         proc_gen,
+                        epoch: m.epoch,
                         cancelled: false,
                     });
                 }

@@ -45,6 +45,7 @@ pub fn adopt(
                 Phase::Starting {
                     deadline,
                     spawned: true,
+                    admitted: true,
                 },
                 now,
             );

@@ -126,6 +126,23 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         return;
     }
     match m.phase {
+        Phase::Starting {
+            admitted: false, ..
+        } => {
+            // No room within ROOM_WAIT: nothing was spawned, so nothing
+            // failed; the model stays stopped until the next request.
+            let error = format!(
+                "no room on its GPUs within {ROOM_WAIT:?}: the models holding them stayed busy \
+                 or pinned (`siesta placement` shows who holds what); the engine was not \
+                 started and the next request tries again"
+            );
+            fx.push(Effect::Log(format!("start gave up: {error}")));
+            fx.push(Effect::ReleaseStartLock);
+            m.last_error = Some(error);
+            m.demand_since = None;
+            set_intent(m, Desired::Stopped, Reason::Eviction, now);
+            set_phase(m, Phase::Stopped, now);
+        }
         Phase::Starting { .. } => fail(m, "start timed out".into(), now, fx),
         Phase::Sleeping { level, .. } => {
             fail(m, format!("sleep (level {level}) timed out"), now, fx)
@@ -228,6 +245,7 @@ fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
             Phase::Starting {
                 deadline,
                 spawned: true,
+                admitted: true,
             },
             now,
         );
@@ -236,13 +254,15 @@ fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
             check_sleep: true,
         });
     } else {
-        // Waiting for the start lock counts too, up to another start timeout.
-        let deadline = now + m.settings.timeouts.start * 2;
+        // Room on its GPUs first (admission), at most ROOM_WAIT; the start
+        // lock's wait is timed from the answer (`Admitted`).
+        let deadline = now + ROOM_WAIT;
         set_phase(
             m,
             Phase::Starting {
                 deadline,
                 spawned: false,
+                admitted: false,
             },
             now,
         );

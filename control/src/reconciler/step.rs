@@ -252,6 +252,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 m.phase = Phase::Starting {
                     deadline: now + m.settings.timeouts.start,
                     spawned: true,
+                    admitted: true,
                 };
                 fx.push(Effect::Log(format!("engine spawned, pid {pid}")));
                 fx.push(Effect::ProbeHealth {
@@ -434,6 +435,23 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     from_level,
                     step: 0,
                     deadline: now + m.settings.timeouts.wake,
+                    admitted: true,
+                };
+            }
+        }
+        Event::Admitted { epoch: e } if e == epoch && matches!(m.phase, Phase::Starting { .. }) => {
+            if let Phase::Starting {
+                spawned: false,
+                admitted: false,
+                ..
+            } = m.phase
+            {
+                // Room is there; what is left before the spawn is the start
+                // lock (engines sharing a GPU start one at a time): up to
+                // twice the start timeout, as before admission existed.
+                m.phase = Phase::Starting {
+                    deadline: now + m.settings.timeouts.start * 2,
+                    spawned: false,
                     admitted: true,
                 };
             }

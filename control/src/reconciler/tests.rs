@@ -649,6 +649,57 @@ fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
     assert!(matches!(s.m.phase, Phase::Waking { .. }));
 }
 
+/// A start waits for room on its GPUs like a wake, and gives up like one:
+/// stopped, the demand cleared, no failure counted, the reason in
+/// `last_error`. (It timed out after twice the start timeout, counted as a
+/// failure with nothing spawned, and was retried for ever.)
+#[test]
+fn a_start_that_finds_no_room_gives_up_without_counting_a_failure() {
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Demand);
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
+    s.advance(ROOM_WAIT - secs(1));
+    assert!(
+        matches!(s.m.phase, Phase::Starting { spawned: false, .. }),
+        "{:?}",
+        s.m
+    );
+    s.advance(secs(1));
+    assert_eq!(s.m.phase, Phase::Stopped, "{:?}", s.fx);
+    assert_eq!(s.m.failures, 0);
+    assert_eq!(s.m.demand_since, None);
+    assert!(s.m.last_error.as_deref().unwrap().contains("no room"));
+    assert!(s.has(|f| matches!(f, Effect::Log(l) if l.starts_with("start gave up: no room"))));
+    assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })));
+    assert_eq!(s.timer(), None);
+    s.advance(secs(3600));
+    assert_eq!(s.m.phase, Phase::Stopped);
+    // The next request tries again.
+    s.ev(Event::Demand);
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
+}
+
+/// Once admitted, a start waits for the start lock and runs on its own
+/// deadlines, however long its wait for room was.
+#[test]
+fn a_start_deadline_counts_from_admission() {
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Demand);
+    s.advance(ROOM_WAIT - secs(1));
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    // Waiting for the start lock: up to twice the start timeout (60 s).
+    s.advance(secs(119));
+    assert!(
+        matches!(s.m.phase, Phase::Starting { spawned: false, .. }),
+        "{:?}",
+        s.m
+    );
+    s.advance(secs(1));
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m);
+    assert_eq!(s.m.last_error.as_deref(), Some("start timed out"));
+    assert_eq!(s.m.failures, 1);
+}
+
 /// A deeper sleep an idle tier asks for needs a wake first; a wake that
 /// finds no room gives up, and the idle clock restarts there: the tier is
 /// due again a whole tier later. (It fired again in the same step: the

@@ -270,6 +270,9 @@ impl Runner {
         let gpus = self.placed.gpus.clone();
         let logs = self.logs.clone();
         let tx = self.tx.clone();
+        // The Starting phase this spawn is for (its wait for room ends with
+        // `Admitted`).
+        let epoch = self.state.epoch;
         self.spawning.retain(|t| !t.is_finished());
         self.spawning.push(tokio::spawn(async move {
             if let Some(old) = old {
@@ -283,6 +286,7 @@ impl Runner {
                 _ = shared.admission.admit(&name, waiting) => {}
                 _ = cancel.cancelled() => return,
             }
+            let _ = tx.send(Msg::Event(Event::Admitted { epoch }, None));
             let guards = tokio::select! {
                 g = shared.locks.acquire(&gpus) => g,
                 _ = cancel.cancelled() => return,

@@ -121,6 +121,48 @@ stop_grace = "5s"
     cancel.cancel();
 }
 
+/// A start that has room (admission answered) and then waits for the
+/// start lock longer than a wait for room may last is not given up for
+/// want of room: the spawn reports the answer (`Admitted`), and the lock's
+/// wait runs on the start timeout.
+#[tokio::test(start_paused = true)]
+async fn a_start_admitted_then_waiting_for_the_start_lock_is_not_given_up_for_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = r#"
+[[model]]
+name = "m"
+model = "m"
+command = ["sh", "-c", "exec sleep 60", "engine"]
+gpus = 0
+preload = "awake"
+start_timeout = "10m"
+"#;
+    let cfg = Config::parse(text, "t.toml").unwrap().models.remove(0);
+    let shared = shared(dir.path());
+    // Someone else is starting on GPU 0 all along: the spawn never comes.
+    let _held = shared.locks.acquire(&[0]).await;
+    let placed = Placed {
+        gpus: vec![0],
+        ..Placed::default()
+    };
+    let cancel = CancellationToken::new();
+    let h = spawn_model(cfg, placed, shared, cancel.clone()).unwrap();
+    let mut rx = h.status.clone();
+    rx.wait_for(|s| s.state == State::Starting).await.unwrap();
+    let started = Instant::now();
+    let s = rx
+        .wait_for(|s| s.state != State::Starting)
+        .await
+        .unwrap()
+        .clone();
+    assert_eq!(s.state, State::Failed, "{s:?}");
+    assert_eq!(s.last_error.as_deref(), Some("start timed out"));
+    // Twice the start timeout, from the answer (at once: no GPU to plan).
+    assert_eq!(started.elapsed().as_secs(), 1200);
+    cancel.cancel();
+    h.join().await;
+}
+
 fn supervisor_alive(pid: u32) -> bool {
     crate::supervisor::procfs::alive(pid, None)
 }

@@ -104,6 +104,7 @@ async fn a_transition_has_a_deadline() {
         m.phase = Phase::Starting {
             deadline: now + Duration::from_secs(20),
             spawned: false,
+            admitted: true,
         };
     });
     let d = s.deadline_unix_ms.expect("deadline");
