@@ -51,6 +51,12 @@ pub const HEALTH_STRIKES: u8 = 3;
 /// held requests can be slow to answer `/health`); after that they count.
 pub const BUSY_PROBE_GRACE: Duration = Duration::from_secs(60);
 
+/// How long an engine must stay up after it became ready before its
+/// failures are forgotten (the next one backs off from the shortest delay
+/// again): one that dies soon after (out of memory on its first request)
+/// keeps backing off instead of restarting every start time.
+pub const STABLE_AFTER: Duration = Duration::from_secs(60);
+
 /// What the reconciler works towards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Desired {
@@ -519,6 +525,10 @@ pub struct ModelState {
     /// The engine's own running-requests gauge.
     pub engine_running: u32,
     pub failures: u32,
+    /// When `failures` are forgotten if the engine is still up then
+    /// ([`STABLE_AFTER`] after it became ready following failures); a
+    /// failure, an exit or a new start before that cancels it.
+    pub stable_at: Option<Instant>,
     /// Failed periodic probes in a row (see [`HEALTH_STRIKES`]).
     pub health_strikes: u8,
     /// Since when probes have been timing out while requests were in
@@ -566,6 +576,7 @@ impl ModelState {
             proxies: BTreeMap::new(),
             engine_running: 0,
             failures: 0,
+            stable_at: None,
             health_strikes: 0,
             busy_timeouts_since: None,
             last_error: None,

@@ -130,7 +130,8 @@ async fn wake_that_hangs_is_killed_at_its_deadline_and_retried() {
     assert!(seen.contains(&pb::ModelState::Starting), "{seen:?}");
     let s = status(&mut c, "chat").await;
     assert_ne!(s.pid as i32, pid);
-    assert_eq!(s.failures, 0);
+    // Forgotten only once the new engine has stayed up 60 s.
+    assert_eq!(s.failures, 1);
 }
 
 #[tokio::test]

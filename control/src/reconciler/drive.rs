@@ -234,6 +234,7 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
 
 fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     m.transition_start = now;
+    m.stable_at = None;
     m.engine_running = 0;
     // The previous generation's process is the runner's to reap; its pid
     // must not make a later stop wait for it.
@@ -527,6 +528,7 @@ pub(super) fn next_wakeup(m: &ModelState, now: Instant) -> Option<Instant> {
     if let Pin::Until(t) = m.pin {
         times.push(t);
     }
+    times.extend(m.stable_at);
     times.extend(m.proxies.values().map(|p| p.at + PROXY_STALE).min());
     if let Some((_, at)) = next_tier(m, now) {
         times.push(at);

@@ -16,6 +16,7 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
     m.proxies
         .retain(|_, p| now.saturating_duration_since(p.at) < PROXY_STALE);
     handle(&mut m, event, now, &mut fx);
+    forget_failures(&mut m, now, &mut fx);
     reconcile(&mut m, now, &mut fx);
     if m.phase == Phase::Awake && m.intent.desired == Desired::Awake {
         // Served: the proxies release what they held.
@@ -50,6 +51,20 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
     (m, fx)
 }
 
+/// An engine up [`STABLE_AFTER`] since it became ready after failures is
+/// taken as fixed: the next failure backs off from the shortest delay.
+fn forget_failures(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
+    if m.stable_at.is_some_and(|t| t <= now) {
+        m.stable_at = None;
+        fx.push(Effect::Log(format!(
+            "up {} s since it became ready: its {} failure(s) are forgotten",
+            STABLE_AFTER.as_secs(),
+            m.failures
+        )));
+        m.failures = 0;
+    }
+}
+
 pub(super) fn set_phase(m: &mut ModelState, phase: Phase, now: Instant) {
     m.phase = phase;
     m.since = now;
@@ -82,6 +97,7 @@ fn expire_pin(m: &mut ModelState, now: Instant) {
 
 pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec<Effect>) {
     m.failures = m.failures.saturating_add(1);
+    m.stable_at = None;
     if !m.settings.attach {
         fx.push(Effect::Signal(Signal::Kill));
     }
@@ -276,6 +292,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             }
             m.pid = None;
             m.engine_running = 0;
+            m.stable_at = None;
             match m.phase {
                 Phase::Stopping { .. } | Phase::Draining { .. } => {
                     fx.push(Effect::Log(format!("engine stopped ({status})")));
@@ -309,7 +326,10 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     ),
                     None => format!("ready after {:.1} s: serving", took.as_secs_f64()),
                 }));
-                m.failures = 0;
+                // Failures are forgotten once it has stayed up a while
+                // (`forget_failures`), not now: an engine that dies soon
+                // after it became ready keeps backing off.
+                m.stable_at = (m.failures > 0).then(|| now + STABLE_AFTER);
                 m.last_error = None;
                 // The idle clock starts when the engine is ready, not when
                 // it was asked for (real vLLM takes a minute or more).

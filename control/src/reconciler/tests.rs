@@ -416,9 +416,57 @@ fn backoff_doubles_and_is_capped() {
         assert!(matches!(s.m.phase, Phase::Starting { .. }));
     }
     assert_eq!(delays, [1, 2, 4, 8, 8, 8]);
+    s.m.settings.tiers.clear();
     s.boot();
-    assert_eq!(s.m.failures, 0);
     assert_eq!(s.m.last_error, None);
+    // Forgotten once it has stayed up a while.
+    assert_eq!(s.m.failures, 6);
+    assert_eq!(s.timer(), Some(s.now + STABLE_AFTER));
+    s.advance(STABLE_AFTER);
+    assert_eq!(s.m.failures, 0);
+}
+
+/// An engine that dies soon after it became ready (out of memory on its
+/// first request) backs off like one that never came up; its failures are
+/// forgotten only once it has stayed up a while. (They were forgotten when
+/// it became ready: restarted every start time plus a second, for ever.)
+#[test]
+fn a_crash_soon_after_ready_backs_off_and_a_long_run_forgets_failures() {
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    let crash = |s: &mut Sim| {
+        s.ev(Event::ChildExited {
+            proc_gen: s.m.proc_gen,
+            status: "signal: 9 (SIGKILL)".into(),
+            cause: None,
+        });
+        let Phase::Failed { retry_at: Some(t) } = s.m.phase else {
+            panic!("{:?}", s.m.phase)
+        };
+        t - s.now
+    };
+    let mut delays = vec![];
+    for _ in 0..5 {
+        s.boot();
+        assert_eq!(s.m.phase, Phase::Awake);
+        s.now += secs(1);
+        let delay = crash(&mut s);
+        delays.push(delay.as_secs());
+        s.advance(delay);
+        assert!(matches!(s.m.phase, Phase::Starting { .. }), "{:?}", s.m);
+    }
+    assert_eq!(delays, [1, 2, 4, 8, 8]);
+    // Up (awake, then asleep) as long as `STABLE_AFTER`: forgotten.
+    s.boot();
+    s.advance(secs(30));
+    s.ev(Event::Command(Command::Sleep(1)));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.advance(STABLE_AFTER - secs(31));
+    assert_eq!(s.m.failures, 5);
+    s.advance(secs(1));
+    assert_eq!(s.m.failures, 0, "{:?}", s.fx);
+    s.advance(secs(600));
+    assert_eq!(crash(&mut s), secs(1));
 }
 
 #[test]
