@@ -353,7 +353,21 @@ impl Holds {
                 model: route.name.clone(),
             })
             .inc();
-        if let Some(episode) = new_episode {
+        // `route` was read before this waiter was queued: if the model woke
+        // in between, the release for it may have found the queue empty and
+        // gone, and no later view would release this one. The view now is
+        // published before its release runs, so reading it after queueing
+        // leaves no gap.
+        let awake_now = !route.is_awake()
+            && self
+                .table
+                .view()
+                .by_name
+                .get(&*route.name)
+                .is_some_and(|r| r.is_awake());
+        if awake_now {
+            queue.release_all(|| Release::Go);
+        } else if let Some(episode) = new_episode {
             tokio::spawn(self.clone().demand_episode(queue.clone(), episode));
         }
         Ok(Ticket {
@@ -520,4 +534,70 @@ impl Holds {
 /// The lower-case state name used in messages and `/v1/models`.
 pub fn state_name(s: ModelState) -> &'static str {
     s.label()
+}
+
+#[cfg(test)]
+mod tests {
+    use siesta_proto::v1::{Endpoint, ModelStatus, Snapshot, WatchEvent, watch_event};
+
+    use super::*;
+
+    fn status(state: ModelState, urls: &[&str]) -> ModelStatus {
+        ModelStatus {
+            name: "m".into(),
+            state: state as i32,
+            endpoints: urls
+                .iter()
+                .map(|u| Endpoint {
+                    url: (*u).into(),
+                    served_model_name: String::new(),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    /// A request that read the route while the model was asleep and queued
+    /// itself just after the model woke (its release came and went with the
+    /// queue empty) is released at once, not left until the hold limit.
+    #[tokio::test]
+    async fn a_request_queued_just_after_the_wake_is_released() {
+        let activity = Arc::new(Activity::default());
+        let table = Arc::new(RouteTable::new(activity.clone()));
+        let src: crate::route_table::SourceId = Arc::from("http://c");
+        let asleep = WatchEvent {
+            revision: 1,
+            kind: Some(watch_event::Kind::Snapshot(Snapshot {
+                models: vec![status(ModelState::Asleep, &[])],
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        table.apply(&src, asleep);
+        let stale = table.view().by_name["m"].clone();
+        let awake = WatchEvent {
+            revision: 2,
+            kind: Some(watch_event::Kind::Model(status(
+                ModelState::Awake,
+                &["http://127.0.0.1:9"],
+            ))),
+            ..Default::default()
+        };
+        assert!(table.apply(&src, awake));
+        // No release task runs: the awake view's release has come and gone.
+        let holds = Arc::new(Holds::new(
+            table,
+            Arc::new(Controls::new(None).unwrap()),
+            Arc::new(Metrics::new()),
+            activity,
+            "p".into(),
+            CancellationToken::new(),
+        ));
+        let mut ticket = holds.admit(&stale, Instant::now()).unwrap();
+        let waited = ticket
+            .wait(Instant::now() + Duration::from_secs(5), None)
+            .await;
+        assert!(matches!(waited, Wait::Released(Release::Go)), "{waited:?}");
+        assert_eq!(holds.depth("m"), 0);
+    }
 }

@@ -91,13 +91,31 @@ async fn send_in_order(outbox: Arc<Outbox>, controls: Arc<Controls>, src: Source
             let Some(mut client) = controls.client(&src) else {
                 continue;
             };
-            match tokio::time::timeout(SEND_TIMEOUT, client.report_activity(req)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(status)) => {
-                    tracing::debug!(control = %src, error = %status, "activity report failed")
-                }
-                Err(_) => tracing::debug!(control = %src, "activity report timed out"),
+            // Kept until answered: levels (held, in flight, a fence) are
+            // re-sent only when they change, so a lost report would leave
+            // control with the old ones (a fence never confirmed, a held
+            // count that never falls).
+            let error =
+                match tokio::time::timeout(SEND_TIMEOUT, client.report_activity(req.clone())).await
+                {
+                    Ok(Ok(_)) => continue,
+                    Ok(Err(status)) => status.to_string(),
+                    Err(_) => "timed out".to_owned(),
+                };
+            tracing::debug!(control = %src, %error, "activity report failed; sent again with the next");
+            let mut slot = outbox.slot.lock().unwrap();
+            if slot.closing {
+                return;
             }
+            // Older than whatever was posted meanwhile: that is merged in.
+            let mut again = req;
+            if let Some(newer) = slot.pending.take() {
+                merge(&mut again, newer);
+            }
+            slot.pending = Some(again);
+            // Sent with the next report or heartbeat ([`super::TICK`]s), not
+            // in a loop against a control plane that is down.
+            break;
         }
     }
 }
@@ -147,6 +165,12 @@ mod tests {
     /// A `ReportActivity` stand-in over HTTP/2 that answers each call after
     /// 150 ms.
     async fn slow_control() -> (SourceId, Arc<Seen>) {
+        control_stub(Duration::from_millis(150), 0).await
+    }
+
+    /// A `ReportActivity` stand-in over HTTP/2 that answers each call after
+    /// `delay`, the first `failing` with `unavailable`.
+    async fn control_stub(delay: Duration, failing: u32) -> (SourceId, Arc<Seen>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url: SourceId = format!("http://{}", listener.local_addr().unwrap()).into();
         let seen = Arc::new(Seen::default());
@@ -160,11 +184,16 @@ mod tests {
                     s.most.fetch_max(now, Ordering::SeqCst);
                     let body = req.into_body().collect().await.unwrap().to_bytes();
                     let r = ReportActivityRequest::decode(&body[5..]).unwrap();
-                    s.held.lock().unwrap().push(r.models[0].held);
-                    tokio::time::sleep(Duration::from_millis(150)).await;
+                    let fail = {
+                        let mut held = s.held.lock().unwrap();
+                        held.extend(r.models.first().map(|m| m.held));
+                        (held.len() as u32) <= failing
+                    };
+                    tokio::time::sleep(delay).await;
                     s.active.fetch_sub(1, Ordering::SeqCst);
                     let mut trailers = http::HeaderMap::new();
-                    trailers.insert("grpc-status", "0".parse().unwrap());
+                    let code = if fail { "14" } else { "0" };
+                    trailers.insert("grpc-status", code.parse().unwrap());
                     let frames = [
                         Ok::<_, Infallible>(Frame::data(Bytes::from_static(&[0; 5]))),
                         Ok(Frame::trailers(trailers)),
@@ -217,6 +246,32 @@ mod tests {
         out.close().await;
         assert_eq!(*seen.held.lock().unwrap(), [10, 0]);
         assert_eq!(seen.most.load(Ordering::SeqCst), 1);
+    }
+
+    /// A report the control plane did not take goes again, merged into
+    /// the next one (here a heartbeat with nothing new): its levels are
+    /// not lost until they change.
+    #[tokio::test]
+    async fn a_report_that_failed_is_sent_again_with_the_next() {
+        let (url, seen) = control_stub(Duration::ZERO, 1).await;
+        let controls = Arc::new(Controls::new(None).unwrap());
+        controls.connect(&url).unwrap();
+        let mut out = Outboxes::default();
+        out.post(&controls, url.clone(), report(10));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while seen.held.lock().unwrap().is_empty() || seen.active.load(Ordering::SeqCst) > 0 {
+            assert!(tokio::time::Instant::now() < deadline, "no call arrived");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Whether the heartbeat comes before or after the sender saw the
+        // failure, the failed report is merged with it.
+        let heartbeat = ReportActivityRequest {
+            proxy_id: "p".into(),
+            ..Default::default()
+        };
+        out.post(&controls, url.clone(), heartbeat);
+        out.close().await;
+        assert_eq!(*seen.held.lock().unwrap(), [10, 10]);
     }
 
     fn activity(started: u32, in_flight: u32, held: u32, last: i64) -> ModelActivity {
