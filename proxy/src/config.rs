@@ -5,6 +5,8 @@ use std::time::Duration;
 
 /// Default control plane URL.
 pub const DEFAULT_CONTROL: &str = "http://127.0.0.1:50051";
+/// Default time a write to a client may wait for it to read: nginx's.
+pub const DEFAULT_SEND_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default body limit: 32 MiB.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 
@@ -38,6 +40,11 @@ pub struct ProxyConfig {
     pub header_timeout: Duration,
     /// Time allowed to receive a request's body.
     pub body_timeout: Duration,
+    /// How long a write to a client may wait for the client to read
+    /// (nginx's `send_timeout`): a client that stops reading a streamed
+    /// answer, its connection still open, is cut after this, so its request
+    /// ends at the engine and counts no longer (it kept the model awake).
+    pub send_timeout: Duration,
     /// How long a request waits for the first snapshot from a control plane
     /// (a proxy just started knows no model yet); then 503 `proxy_not_ready`.
     pub first_snapshot_wait: Duration,
@@ -70,6 +77,7 @@ impl Default for ProxyConfig {
             max_header_bytes: 64 * 1024,
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(60),
+            send_timeout: DEFAULT_SEND_TIMEOUT,
             first_snapshot_wait: Duration::from_secs(10),
             resolve_interval: Duration::from_secs(30),
             drain_timeout: Duration::from_secs(30),
@@ -95,6 +103,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("max_header_bytes", &self.max_header_bytes)
             .field("header_timeout", &self.header_timeout)
             .field("body_timeout", &self.body_timeout)
+            .field("send_timeout", &self.send_timeout)
             .field("first_snapshot_wait", &self.first_snapshot_wait)
             .field("resolve_interval", &self.resolve_interval)
             .field("drain_timeout", &self.drain_timeout)

@@ -77,6 +77,10 @@ struct Args {
     /// Time allowed to receive a request's body.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     body_timeout: std::time::Duration,
+    /// How long a write to a client may wait for the client to read (a client that stops
+    /// reading a streamed answer is cut after this, and its request ends at the engine).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    send_timeout: std::time::Duration,
     /// How long a request waits for the first snapshot from a control plane (a proxy just
     /// started knows no model yet) before it is answered 503 `proxy_not_ready` with
     /// Retry-After, never 404.
@@ -155,6 +159,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         max_header_bytes: args.max_header_bytes,
         header_timeout: args.header_timeout,
         body_timeout: args.body_timeout,
+        send_timeout: args.send_timeout,
         first_snapshot_wait: args.first_snapshot_wait,
         drain_timeout: args.drain_timeout,
         proxy_id: args.proxy_id,

@@ -10,6 +10,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use prometheus_client::metrics::counter::Counter;
 use tokio::net::TcpListener;
+use tokio_io_timeout::TimeoutWriter;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ProxyConfig;
@@ -25,6 +26,7 @@ pub struct Serve {
     builder: auto::Builder<TokioExecutor>,
     max_header_bytes: usize,
     header_timeout: Duration,
+    send_timeout: Duration,
     drain_timeout: Duration,
     pub shutdown: CancellationToken,
 }
@@ -48,6 +50,7 @@ impl Serve {
             builder,
             max_header_bytes: cfg.max_header_bytes,
             header_timeout: cfg.header_timeout,
+            send_timeout: cfg.send_timeout,
             drain_timeout: cfg.drain_timeout,
             shutdown,
         }
@@ -190,7 +193,11 @@ impl Serve {
             // Nothing sent within the grace: nothing to answer.
             return Ok(());
         }
-        let io = TokioIo::new(Rewind::new(entry.prefix, stream));
+        // hyper's HTTP/1 has no write deadline: a client that stops reading
+        // would keep its request (and the engine's) going for ever.
+        let mut io = TimeoutWriter::new(Rewind::new(entry.prefix, stream));
+        io.set_timeout(Some(self.send_timeout));
+        let io = TokioIo::new(Box::pin(io));
         if draining {
             // The watcher would close this connection before hyper read its
             // first request (one that waited, or one that came as the drain

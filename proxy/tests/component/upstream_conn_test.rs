@@ -169,3 +169,54 @@ async fn a_request_whose_engine_died_is_not_sent_anywhere_else() {
     let body = String::from_utf8_lossy(&r.body);
     assert!(body.contains("sent again on a fresh connection"), "{body}");
 }
+
+/// A client that reads a streamed answer's head and then stops reading,
+/// its connection left open, is cut after the send timeout: the proxy
+/// drops its engine connection too (the request ends there and no longer
+/// counts in flight, which kept the model from ever looking idle).
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_after_the_send_timeout() {
+    // An engine that streams without end until its connection closes.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let gone = Arc::new(tokio::sync::Notify::new());
+    let g = gone.clone();
+    tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut buf = Vec::new();
+        read_request(&mut s, &mut buf).await.unwrap();
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                    transfer-encoding: chunked\r\n\r\n";
+        s.write_all(head.as_bytes()).await.unwrap();
+        let data = format!("data: {}\n\n", "x".repeat(64 * 1024));
+        let chunk = format!("{:x}\r\n{data}\r\n", data.len());
+        while s.write_all(chunk.as_bytes()).await.is_ok() {}
+        g.notify_one();
+    });
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.send_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut client = sock.connect(p.addr).await.unwrap();
+    let body = chat_stream("m");
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    client.write_all(req.as_bytes()).await.unwrap();
+    let mut head = [0u8; 1024];
+    let n = tokio::io::AsyncReadExt::read(&mut client, &mut head)
+        .await
+        .unwrap();
+    assert!(head[..n].starts_with(b"HTTP/1.1 200"), "{:?}", &head[..n]);
+    // The client reads no more; the engine's writes end when the proxy
+    // drops its connection.
+    tokio::time::timeout(DEADLINE, gone.notified())
+        .await
+        .expect("the engine's connection was dropped");
+    drop(client);
+}
