@@ -247,6 +247,12 @@ impl RouteTable {
         st.sources.entry(source.clone()).or_default().identity = Some(identity);
     }
 
+    /// Whether `source`'s snapshot has been applied.
+    pub fn synced(&self, source: &SourceId) -> bool {
+        let st = self.state.lock().unwrap();
+        st.sources.get(source).is_some_and(|s| s.synced)
+    }
+
     /// Forgets a control plane (its address left DNS).
     pub fn remove_source(&self, source: &SourceId) {
         let mut st = self.state.lock().unwrap();

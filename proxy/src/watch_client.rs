@@ -139,6 +139,80 @@ pub struct WatchCtx {
     pub resolve_interval: Duration,
 }
 
+/// How long the models of a control plane address that left DNS stay
+/// routable while no other address of the same `--control` has synced: a
+/// control plane pod restarted with a new address is not "every model
+/// removed" (held requests would get 404 and new ones too, for engines
+/// that still serve).
+pub const GONE_GRACE: Duration = Duration::from_secs(30);
+
+/// While an address that left DNS is kept, how often to check whether
+/// another address has synced.
+const GONE_CHECK: Duration = Duration::from_millis(250);
+
+/// The watches of one `--control` host name: one per address it resolves to,
+/// and the addresses gone whose models are still routed.
+#[derive(Debug, Default)]
+struct Addresses {
+    running: BTreeMap<SocketAddr, (SourceId, CancellationToken)>,
+    /// Left DNS at that instant: watch stopped, models kept a while.
+    gone: Vec<(SourceId, tokio::time::Instant)>,
+}
+
+impl Addresses {
+    /// Watches the addresses new in `addrs`, stops those not in it.
+    fn resolved(
+        &mut self,
+        ctx: &WatchCtx,
+        url: &ControlUrl,
+        addrs: std::collections::BTreeSet<SocketAddr>,
+        shutdown: &CancellationToken,
+    ) {
+        for (addr, (source, token)) in std::mem::take(&mut self.running) {
+            if addrs.contains(&addr) {
+                self.running.insert(addr, (source, token));
+            } else {
+                tracing::info!(control = %url.url, %addr, "control plane address gone; its models stay routed until another address syncs");
+                token.cancel();
+                ctx.controls.forget(&source);
+                self.gone.push((source, tokio::time::Instant::now()));
+            }
+        }
+        for addr in addrs {
+            self.running.entry(addr).or_insert_with(|| {
+                let source = url.source_for(addr);
+                tracing::info!(control = %url.url, %addr, "watching control plane address");
+                // An address back in DNS is watched afresh.
+                self.gone.retain(|(s, _)| *s != source);
+                let token = shutdown.child_token();
+                tokio::spawn(watch_source(
+                    ctx.clone(),
+                    url.url.clone(),
+                    source.clone(),
+                    token.clone(),
+                ));
+                (source, token)
+            });
+        }
+    }
+
+    /// Forgets the gone addresses once another address has synced (its
+    /// snapshot is in the table), or after [`GONE_GRACE`].
+    fn settle(&mut self, table: &RouteTable) {
+        if self.gone.is_empty() {
+            return;
+        }
+        let replaced = self.running.values().any(|(s, _)| table.synced(s));
+        self.gone.retain(|(source, since)| {
+            let keep = !replaced && since.elapsed() < GONE_GRACE;
+            if !keep {
+                table.remove_source(source);
+            }
+            keep
+        });
+    }
+}
+
 /// Watches one `--control` value until `shutdown`.
 pub async fn run_control(ctx: WatchCtx, url: ControlUrl, shutdown: CancellationToken) {
     if let Ok(ip) = url.host.parse::<IpAddr>() {
@@ -146,47 +220,33 @@ pub async fn run_control(ctx: WatchCtx, url: ControlUrl, shutdown: CancellationT
         watch_source(ctx, url.url.clone(), url.source_for(addr), shutdown).await;
         return;
     }
-    let mut running: BTreeMap<SocketAddr, (SourceId, CancellationToken)> = BTreeMap::new();
+    let mut addresses = Addresses::default();
     let mut failures = 0u32;
+    let mut next_lookup = tokio::time::Instant::now();
     loop {
-        let wait = match tokio::net::lookup_host((url.host.as_str(), url.port)).await {
-            Ok(addrs) => {
-                failures = 0;
-                let addrs: std::collections::BTreeSet<SocketAddr> = addrs.collect();
-                for (addr, (source, token)) in std::mem::take(&mut running) {
-                    if addrs.contains(&addr) {
-                        running.insert(addr, (source, token));
-                    } else {
-                        tracing::info!(control = %url.url, %addr, "control plane address gone");
-                        token.cancel();
-                        ctx.table.remove_source(&source);
-                        ctx.controls.forget(&source);
-                    }
+        if tokio::time::Instant::now() >= next_lookup {
+            let wait = match tokio::net::lookup_host((url.host.as_str(), url.port)).await {
+                Ok(addrs) => {
+                    failures = 0;
+                    addresses.resolved(&ctx, &url, addrs.collect(), &shutdown);
+                    ctx.resolve_interval
                 }
-                for addr in addrs {
-                    running.entry(addr).or_insert_with(|| {
-                        let source = url.source_for(addr);
-                        tracing::info!(control = %url.url, %addr, "watching control plane address");
-                        let token = shutdown.child_token();
-                        tokio::spawn(watch_source(
-                            ctx.clone(),
-                            url.url.clone(),
-                            source.clone(),
-                            token.clone(),
-                        ));
-                        (source, token)
-                    });
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(control = %url.url, error = %e, "cannot resolve control plane");
+                    backoff(failures).min(ctx.resolve_interval)
                 }
-                ctx.resolve_interval
-            }
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(control = %url.url, error = %e, "cannot resolve control plane");
-                backoff(failures).min(ctx.resolve_interval)
-            }
+            };
+            next_lookup = tokio::time::Instant::now() + wait;
+        }
+        addresses.settle(&ctx.table);
+        let until = if addresses.gone.is_empty() {
+            next_lookup
+        } else {
+            next_lookup.min(tokio::time::Instant::now() + GONE_CHECK)
         };
         tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
+            _ = tokio::time::sleep_until(until) => {}
             _ = shutdown.cancelled() => return,
         }
     }
@@ -282,4 +342,80 @@ async fn watch_once(
         ctx.table.apply(source, ev);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use siesta_proto::v1::{ModelState, ModelStatus, Snapshot, WatchEvent, watch_event};
+
+    use super::*;
+    use crate::activity::Activity;
+
+    fn snapshot() -> WatchEvent {
+        WatchEvent {
+            revision: 1,
+            kind: Some(watch_event::Kind::Snapshot(Snapshot {
+                models: vec![ModelStatus {
+                    name: "m".into(),
+                    state: ModelState::Asleep as i32,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    fn setup() -> (WatchCtx, ControlUrl, Addresses, SourceId) {
+        let ctx = WatchCtx {
+            table: Arc::new(RouteTable::new(Arc::new(Activity::default()))),
+            controls: Arc::new(Controls::new(None).unwrap()),
+            proxy_id: "p".into(),
+            resolve_interval: Duration::from_secs(30),
+        };
+        let url = ControlUrl::parse("http://control.example:50051").unwrap();
+        let old: SocketAddr = "127.0.0.1:50051".parse().unwrap();
+        let source = url.source_for(old);
+        ctx.table.apply(&source, snapshot());
+        let mut addresses = Addresses::default();
+        addresses
+            .running
+            .insert(old, (source.clone(), CancellationToken::new()));
+        (ctx, url, addresses, source)
+    }
+
+    /// A control plane restarted at a new address (a pod's new IP): its
+    /// models stay routed (held requests keep waiting, engines keep being
+    /// served) until the new address has synced, not 404 in between.
+    #[tokio::test]
+    async fn a_gone_address_keeps_its_models_until_another_address_syncs() {
+        let (ctx, url, mut addresses, old) = setup();
+        let shutdown = CancellationToken::new();
+        // Nothing listens there: its watch retries in the background.
+        let new: SocketAddr = "127.0.0.2:9".parse().unwrap();
+        addresses.resolved(&ctx, &url, [new].into(), &shutdown);
+        addresses.settle(&ctx.table);
+        assert!(ctx.table.view().by_name.contains_key("m"));
+        assert_eq!(addresses.gone.len(), 1);
+        ctx.table.apply(&url.source_for(new), snapshot());
+        addresses.settle(&ctx.table);
+        assert!(addresses.gone.is_empty());
+        assert!(!ctx.table.synced(&old), "the old address is forgotten");
+        let view = ctx.table.view();
+        assert_eq!(*view.by_name["m"].sources, [url.source_for(new)]);
+        shutdown.cancel();
+    }
+
+    /// With no other address, the gone one's models go after the grace.
+    #[tokio::test(start_paused = true)]
+    async fn a_gone_address_with_no_other_is_forgotten_after_the_grace() {
+        let (ctx, url, mut addresses, _) = setup();
+        addresses.resolved(&ctx, &url, [].into(), &CancellationToken::new());
+        addresses.settle(&ctx.table);
+        assert!(ctx.table.view().by_name.contains_key("m"));
+        tokio::time::advance(GONE_GRACE).await;
+        addresses.settle(&ctx.table);
+        assert!(!ctx.table.view().by_name.contains_key("m"));
+        assert!(addresses.gone.is_empty());
+    }
 }
