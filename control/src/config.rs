@@ -343,3 +343,5 @@ impl Config {
 mod tests;
 #[cfg(test)]
 mod tests_kinds;
+#[cfg(test)]
+mod tests_ports;

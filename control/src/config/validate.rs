@@ -4,6 +4,7 @@ use super::model::read_model;
 use super::read::{Problems, Reader, size_value};
 use super::*;
 use std::collections::BTreeSet;
+use std::net::IpAddr;
 
 pub(super) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
     let mut p = Problems::default();
@@ -46,6 +47,7 @@ pub(super) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         .collect();
     r.finish(&mut p);
     check_names(&mut p, &indexed);
+    check_ports(&mut p, &control, &indexed);
     let models: Vec<ModelConfig> = indexed.into_iter().map(|(_, m)| m).collect();
     let mut seen = BTreeSet::new();
     for (i, g) in gpus.iter().enumerate() {
@@ -386,5 +388,50 @@ fn check_names(p: &mut Problems, models: &[(usize, ModelConfig)]) {
                 owner.insert(n, key);
             }
         }
+    }
+}
+
+/// Two listeners on one port whose addresses overlap: the second engine
+/// cannot bind, and siesta would probe (and the proxies route to) the
+/// first. The control plane's own addresses count too.
+fn check_ports(p: &mut Problems, control: &ControlConfig, models: &[(usize, ModelConfig)]) {
+    let mut taken: Vec<(String, u16, String)> = [
+        Some(("control.listen", control.listen)),
+        control.web_listen.map(|a| ("control.web_listen", a)),
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|(_, a)| a.port() != 0)
+    .map(|(k, a)| (a.ip().to_string(), a.port(), format!("{k} ({a})")))
+    .collect();
+    for (i, m) in models {
+        let Launch::Process {
+            host,
+            port: Some(port),
+            ..
+        } = &m.launch
+        else {
+            continue;
+        };
+        if let Some((_, _, by)) = taken
+            .iter()
+            .find(|(h, pt, _)| pt == port && addresses_overlap(h, host))
+        {
+            p.push(
+                format!("model[{i}].port"),
+                format!("{port} is already used by {by}"),
+            );
+        } else {
+            taken.push((host.clone(), *port, format!("model[{i}] ({})", m.name)));
+        }
+    }
+}
+
+/// Whether listeners on `a` and `b` (same port) would collide: the same
+/// address, a wildcard, or a name (it may resolve to either).
+fn addresses_overlap(a: &str, b: &str) -> bool {
+    match (a.parse::<IpAddr>(), b.parse::<IpAddr>()) {
+        (Ok(x), Ok(y)) => x == y || x.is_unspecified() || y.is_unspecified(),
+        _ => true,
     }
 }
