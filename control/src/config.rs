@@ -342,6 +342,8 @@ impl Config {
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_args;
+#[cfg(test)]
 mod tests_kinds;
 #[cfg(test)]
 mod tests_ports;

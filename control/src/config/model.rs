@@ -156,8 +156,8 @@ pub(super) fn read_model(
         }
     };
     let args = r.strings(p, "args").unwrap_or_default();
-    if launch_kind == "process" && engine == EngineKind::Vllm {
-        check_args(p, &r.key("args"), &args);
+    if launch_kind == "process" {
+        check_args(p, &r.key("args"), engine, &args);
     }
     if launch_kind == "process"
         && engine == EngineKind::Openai
@@ -204,6 +204,9 @@ pub(super) fn read_model(
     } else {
         gpu_ids.len() as u32
     });
+    if launch_kind == "process" {
+        check_env(p, &r.key("env"), engine, gpu_count, &env);
+    }
     if !gpu_ids.is_empty() && gpu_ids.len() as u32 != gpu_count {
         p.push(
             r.key("gpu_ids"),
@@ -359,16 +362,114 @@ fn default_tiers(engine: EngineKind, attach: bool, tiers: &[IdleTier]) -> Vec<Id
     out
 }
 
-/// `vllm serve` flags siesta cannot work with.
-fn check_args(p: &mut Problems, key: &str, args: &[String]) {
+/// Flags siesta puts on an engine's command line, by the key that sets
+/// them: given again in `args` they would win (they come last) and the
+/// engine would listen, serve or use GPUs other than siesta probes, routes
+/// and places. vLLM also takes `_` for `-` in a flag's name.
+const VLLM_FLAGS: &[(&[&str], &str, &str)] = &[
+    (&["--host"], "host", ""),
+    (&["--port"], "port", " (the port it probes and routes to)"),
+    (
+        &["--served-model-name"],
+        "name",
+        " (what the proxies ask for)",
+    ),
+    (&["--model"], "model", ""),
+    (
+        &["--tensor-parallel-size", "-tp"],
+        "gpus",
+        " (the GPUs placement counts)",
+    ),
+    (
+        &["--gpu-memory-utilization"],
+        "gpu_memory",
+        " (the memory placement counts)",
+    ),
+];
+const SGLANG_FLAGS: &[(&[&str], &str, &str)] = &[
+    (&["--host"], "host", ""),
+    (&["--port"], "port", " (the port it probes and routes to)"),
+    (
+        &["--served-model-name"],
+        "name",
+        " (what the proxies ask for)",
+    ),
+    (&["--model-path", "--model"], "model", ""),
+    (
+        &["--tp-size", "--tensor-parallel-size"],
+        "gpus",
+        " (the GPUs placement counts)",
+    ),
+    (
+        &["--mem-fraction-static"],
+        "gpu_memory",
+        " (the memory placement counts)",
+    ),
+];
+
+/// Engine flags in `args` that siesta sets itself or cannot work with.
+fn check_args(p: &mut Problems, key: &str, engine: EngineKind, args: &[String]) {
+    let owned = match engine {
+        EngineKind::Vllm => VLLM_FLAGS,
+        EngineKind::Sglang => SGLANG_FLAGS,
+        EngineKind::Openai => return,
+    };
     for a in args {
-        let flag = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
-        if flag == "--disable-log-stats" {
+        let written = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
+        let flag = match written.strip_prefix("--") {
+            Some(name) if engine == EngineKind::Vllm => format!("--{}", name.replace('_', "-")),
+            _ => written.to_string(),
+        };
+        if let Some((_, k, why)) = owned
+            .iter()
+            .find(|(flags, ..)| flags.contains(&flag.as_str()))
+        {
             p.push(
                 key,
-                "--disable-log-stats removes the vllm: metrics siesta needs for activity and sleep level; remove it",
+                format!("{written} is set by siesta from `{k}`{why}: set `{k}` instead"),
             );
         }
+        if engine != EngineKind::Vllm {
+            continue;
+        }
+        match flag.as_str() {
+            "--disable-log-stats" => p.push(
+                key,
+                "--disable-log-stats removes the vllm: metrics siesta needs for activity and sleep level; remove it",
+            ),
+            "--no-enable-sleep-mode" => p.push(
+                key,
+                format!("{written} turns off the sleep mode siesta starts vLLM with; remove it"),
+            ),
+            _ => {}
+        }
+    }
+}
+
+/// Environment siesta sets for a process engine itself: placement's GPUs
+/// (when it has any), and vLLM's dev mode (its sleep routes).
+fn check_env(
+    p: &mut Problems,
+    key: &str,
+    engine: EngineKind,
+    gpus: u32,
+    env: &BTreeMap<String, String>,
+) {
+    if gpus > 0 {
+        for var in ["CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"] {
+            if env.contains_key(var) {
+                p.push(
+                    format!("{key}.{var}"),
+                    "is set by placement (to the GPUs it picks; pin them with `gpu_ids`); remove it",
+                );
+            }
+        }
+    }
+    if engine == EngineKind::Vllm && env.get("VLLM_SERVER_DEV_MODE").is_some_and(|v| v != "1") {
+        p.push(
+            format!("{key}.VLLM_SERVER_DEV_MODE"),
+            "siesta sets it to 1: without it vLLM has no sleep routes; remove it",
+        );
     }
 }
 
