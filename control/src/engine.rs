@@ -31,6 +31,17 @@ use hyper_util::rt::TokioExecutor;
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// The base URL of a process engine listening on `host`:`port`, with an
+/// IPv6 address in brackets (`http://[::1]:8000`): `http://::1:8000` is no
+/// URL, and every probe of it would fail.
+pub fn base_url(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("http://[{host}]:{port}")
+    } else {
+        format!("http://{host}:{port}")
+    }
+}
+
 /// Why a call failed, as one line.
 pub type EngineError = String;
 

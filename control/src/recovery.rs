@@ -296,7 +296,7 @@ pub async fn recover(
         let idle = config.control.engine_idle_timeout;
         let cfg = cfg.clone();
         probes.push(async move {
-            let url = format!("http://{host}:{}", rec.port);
+            let url = crate::engine::base_url(&host, rec.port);
             let client = EngineClient::for_model(&url, idle, &cfg);
             let observed = observe(&client, &rec, wake_timeout).await;
             let a = Adopted {

@@ -166,7 +166,7 @@ pub fn spawn_model_adopting(
                 (Some(p), None) => *p,
                 (None, None) => free_port(host)?,
             };
-            (format!("http://{host}:{port}"), cfg.name.clone(), port)
+            (crate::engine::base_url(host, port), cfg.name.clone(), port)
         }
         Launch::Attach {
             url,

@@ -63,6 +63,15 @@ pub(super) fn read_model(
         .is_some_and(|c| c.iter().any(|a| a.contains("{port}")));
     let url = r.string(p, "url");
     let host = r.string(p, "host");
+    if let Some(h) = host.as_deref().filter(|h| h.starts_with('['))
+        && launch_kind == "process"
+    {
+        let bare = h.trim_start_matches('[').trim_end_matches(']');
+        p.push(
+            r.key("host"),
+            format!("{h:?} is in brackets: write the address alone ({bare:?})"),
+        );
+    }
     let port = r.uint(p, "port", 65535).map(|n| n as u16);
     let served = r.string(p, "served_model_name");
     let launch = match launch_kind.as_str() {

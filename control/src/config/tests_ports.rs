@@ -80,3 +80,14 @@ url = "http://127.0.0.1:8001"
 "#;
     assert!(Config::parse(text, "p.toml").is_ok());
 }
+
+#[test]
+fn an_ipv6_host_is_written_without_brackets() {
+    let text = "[[model]]\nname = \"a\"\nmodel = \"m\"\nhost = \"::1\"\n";
+    assert!(Config::parse(text, "p.toml").is_ok());
+    let err = refused(&text.replace("::1", "[::1]"));
+    assert_eq!(
+        err,
+        "p.toml: model[0].host: \"[::1]\" is in brackets: write the address alone (\"::1\")"
+    );
+}

@@ -63,7 +63,15 @@ async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Optio
 pub(crate) async fn engine(
     script: impl Fn(usize, usize, &str) -> Act + Send + Sync + 'static,
 ) -> Engine {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    engine_at("127.0.0.1:0", script).await
+}
+
+/// [`engine`] listening on `addr`.
+pub(crate) async fn engine_at(
+    addr: &str,
+    script: impl Fn(usize, usize, &str) -> Act + Send + Sync + 'static,
+) -> Engine {
+    let listener = TcpListener::bind(addr).await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let connections = Arc::new(AtomicUsize::new(0));
     let requests = Arc::new(Mutex::new(Vec::new()));

@@ -1,6 +1,6 @@
 //! The engine client against a small scripted HTTP/1.1 server on port 0.
 
-use super::test_server::{Act, engine};
+use super::test_server::{Act, engine, engine_at};
 use super::*;
 use std::sync::atomic::Ordering;
 
@@ -135,4 +135,21 @@ fn a_model_named_like_a_sleep_state_does_not_change_the_level() {
     // Without vLLM's metrics (--disable-log-stats) nothing is known.
     let m = parse_metrics("process_cpu_seconds_total 1.0\n");
     assert_eq!(m, EngineMetrics::default());
+}
+
+#[test]
+fn an_ipv6_host_is_bracketed_in_the_base_url() {
+    assert_eq!(base_url("127.0.0.1", 8000), "http://127.0.0.1:8000");
+    assert_eq!(base_url("localhost", 8000), "http://localhost:8000");
+    assert_eq!(base_url("::1", 8000), "http://[::1]:8000");
+    assert_eq!(base_url("[::1]", 8000), "http://[::1]:8000");
+}
+
+#[tokio::test]
+async fn an_engine_on_ipv6_loopback_is_reached_through_its_base_url() {
+    let e = engine_at("[::1]:0", |_, _, _| Act::Ok("")).await;
+    let port: u16 = e.url.rsplit(':').next().unwrap().parse().unwrap();
+    let c = EngineClient::new(&base_url("::1", port));
+    c.health(T).await.unwrap();
+    assert_eq!(e.requests.lock().unwrap().len(), 1);
 }

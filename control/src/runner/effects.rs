@@ -226,7 +226,7 @@ impl Runner {
             // A fresh port after a failure, or when the one picked earlier
             // (when the model was set up, maybe long ago) is taken now.
             self.port = p;
-            self.facts.endpoint.url = format!("http://{host}:{p}");
+            self.facts.endpoint.url = crate::engine::base_url(host, p);
             self.client = crate::engine::EngineClient::for_model(
                 &self.facts.endpoint.url,
                 self.shared.engine_idle_timeout,

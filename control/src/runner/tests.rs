@@ -271,3 +271,27 @@ async fn held_requests_fenced_before_the_last_awake_count_as_in_flight() {
     cancel.cancel();
     h.join().await;
 }
+
+/// An IPv6 `host` is bracketed in the URL siesta probes and publishes
+/// (`http://[::1]:PORT`); a bare `::1` makes no URL at all.
+#[tokio::test]
+async fn an_ipv6_host_makes_a_url_with_brackets() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = r#"
+[[model]]
+name = "m"
+model = "m"
+command = ["sh", "-c", "exec sleep 60", "engine"]
+host = "::1"
+gpus = 0
+"#;
+    let cfg = Config::parse(text, "t.toml").unwrap().models.remove(0);
+    let cancel = CancellationToken::new();
+    let h = spawn_model(cfg, Placed::default(), shared(dir.path()), cancel.clone()).unwrap();
+    let url = h.status.borrow().endpoints[0].url.clone();
+    let uri: hyper::Uri = url.parse().unwrap_or_else(|e| panic!("{url}: {e}"));
+    assert_eq!(uri.host(), Some("[::1]"), "{url}");
+    assert!(uri.port_u16().is_some_and(|p| p > 0), "{url}");
+    cancel.cancel();
+    h.join().await;
+}
