@@ -343,6 +343,7 @@ impl pb::control_server::Control for ControlService {
             // Reconfigured models (engine kept) changed too.
             changed: [s.changed, s.reconfigured].concat(),
             unchanged: s.unchanged,
+            not_applied: s.not_applied,
         }))
     }
 }

@@ -5,6 +5,7 @@ mod demo;
 mod kind;
 mod model;
 mod read;
+mod restart;
 pub mod units;
 mod validate;
 
@@ -347,3 +348,5 @@ mod tests_args;
 mod tests_kinds;
 #[cfg(test)]
 mod tests_ports;
+#[cfg(test)]
+mod tests_restart;

@@ -38,6 +38,9 @@ pub struct ReloadSummary {
     /// Engine kept: only idle tiers, hold policy or aliases changed.
     pub reconfigured: Vec<String>,
     pub unchanged: Vec<String>,
+    /// `[control]` and `[[gpu]]` keys the file changes that are read at
+    /// start-up only (e.g. `control.token`): in force after a restart.
+    pub not_applied: Vec<String>,
 }
 
 #[derive(Debug, Default)]
@@ -56,6 +59,9 @@ pub struct Models {
     shared: Arc<Shared>,
     cancel: CancellationToken,
     registry: RwLock<Registry>,
+    /// The configuration the daemon started with: its `[control]` and
+    /// `[[gpu]]` settings stay in force until a restart.
+    started_with: Config,
 }
 
 impl Models {
@@ -72,6 +78,7 @@ impl Models {
             shared,
             cancel,
             registry: RwLock::new(Registry::default()),
+            started_with: config.clone(),
         };
         for m in &config.models {
             let found = adopted.remove(&m.name);
@@ -413,7 +420,15 @@ impl Models {
             }
             other => other,
         })?;
-        tracing::info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, reconfigured = ?s.reconfigured, "configuration reloaded");
+        if s.not_applied.is_empty() {
+            tracing::info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, reconfigured = ?s.reconfigured, "configuration reloaded");
+        } else {
+            tracing::warn!(
+                added = ?s.added, removed = ?s.removed, changed = ?s.changed, reconfigured = ?s.reconfigured,
+                "configuration reloaded; not applied until restart: {}",
+                s.not_applied.join(", ")
+            );
+        }
         Ok(s)
     }
 
@@ -423,7 +438,9 @@ impl Models {
     /// are stopped, models whose engine command or placement changed are
     /// restarted on their new placement, models whose only changes are idle
     /// tiers, hold policy or aliases keep their engine and take the new
-    /// settings, and added models start on their placement.
+    /// settings, and added models start on their placement. `[control]`
+    /// and `[[gpu]]` settings are read at start-up only: the ones `config`
+    /// changes are named in the summary's `not_applied`.
     pub async fn reload(&self, config: &Config) -> Result<ReloadSummary, OpError> {
         let current: BTreeMap<String, Arc<ModelConfig>> =
             self.registry.read().unwrap().configs.clone();
@@ -448,6 +465,7 @@ impl Models {
                 .filter(|n| !config.models.iter().any(|m| &m.name == *n))
                 .cloned()
                 .collect(),
+            not_applied: self.started_with.restart_only_changes(config),
             ..ReloadSummary::default()
         };
         for m in &config.models {
@@ -560,3 +578,6 @@ fn account(before: &ModelStatus, after: &ModelStatus, cmd: Command) -> String {
         _ => state,
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -4,6 +4,7 @@
 
 use nix::sys::signal::Signal;
 use siesta_proto::v1 as pb;
+use siesta_tests::cli::at;
 use siesta_tests::ctl::*;
 use siesta_tests::{DEADLINE, group_members, wait_until};
 
@@ -79,4 +80,22 @@ async fn sighup_applies_additions_removals_and_changes_only() {
     }
     let s = status(&mut c, "same").await;
     assert_eq!((state(&s), s.pid), (pb::ModelState::Awake, pids[0]));
+
+    // A rotated token is read at start-up only: the reload says so, naming
+    // the key (never the value), and the running token stays in force.
+    let rotated = before.replace("[control]\n", "[control]\ntoken = \"rotated-secret\"\n");
+    assert_ne!(rotated, before);
+    std::fs::write(&ctl.config_path, rotated).unwrap();
+    let run = at(&ctl, &["reload"]).await.ok();
+    assert!(
+        run.stdout
+            .starts_with("configuration reloaded; not applied until restart: control.token\n"),
+        "{run:#?}"
+    );
+    assert!(!run.stdout.contains("rotated-secret"), "{run:#?}");
+    ctl.child
+        .output()
+        .wait_for("not applied until restart: control.token", DEADLINE)
+        .await;
+    status(&mut c, "same").await;
 }

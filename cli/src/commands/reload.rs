@@ -14,6 +14,8 @@ struct ReloadView {
     removed: Vec<String>,
     changed: Vec<String>,
     unchanged: Vec<String>,
+    /// Settings read at start-up only: in force after a restart.
+    not_applied: Vec<String>,
 }
 
 /// A reload waits for removed and changed models' engines to drain (up to
@@ -33,9 +35,17 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
             removed: r.removed,
             changed: r.changed,
             unchanged: r.unchanged,
+            not_applied: r.not_applied,
         }),
         Format::Text => {
-            println!("configuration reloaded");
+            if r.not_applied.is_empty() {
+                println!("configuration reloaded");
+            } else {
+                println!(
+                    "configuration reloaded; not applied until restart: {}",
+                    r.not_applied.join(", ")
+                );
+            }
             for (what, names) in [
                 ("added", &r.added),
                 ("removed", &r.removed),
