@@ -16,6 +16,13 @@ use crate::failure::Failure;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a call (or the opening of a stream) may take to be answered.
 pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+/// HTTP/2 pings on the connection this often: a long call or stream
+/// (`wake --wait`, `watch`, `logs -f`, `top`) to a control plane that stops
+/// answering (its host frozen, a network cut that leaves the connection
+/// open) ends instead of waiting for ever.
+const KEEPALIVE_EVERY: Duration = Duration::from_secs(5);
+/// A ping unanswered this long: the control plane is unreachable.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Adds `authorization: Bearer <token>` to every call when a token is set.
 #[derive(Debug, Clone)]
@@ -54,6 +61,9 @@ impl Conn {
         let endpoint = Endpoint::from_shared(url.clone())
             .map_err(|e| Failure::Usage(format!("invalid control plane address {url:?}: {e}")))?
             .connect_timeout(CONNECT_TIMEOUT)
+            .http2_keep_alive_interval(KEEPALIVE_EVERY)
+            .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
             .tcp_nodelay(true);
         let channel = endpoint
             .connect()

@@ -215,7 +215,8 @@ impl Forwarder {
 
     /// Sends the request to `up` and returns its response, body streaming.
     /// `gate` (a released held request's place on its way out of the
-    /// waiting room) is given back once the request has an engine slot.
+    /// waiting room) is given back at the answer's head, or once the engine
+    /// has had the request for [`crate::hold::GATE_HOLD_MAX`].
     pub async fn forward(
         &self,
         up: &Arc<Upstream>,
@@ -245,7 +246,6 @@ impl Forwarder {
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
-        drop(gate);
         let guard = InFlightGuard::new(up.clone(), slot);
         if up.activity.fenced() {
             // The model stopped serving between the route lookup and now;
@@ -264,7 +264,24 @@ impl Forwarder {
             },
         };
         let sent = Instant::now();
-        let mut result = conn.send(&head, &parts.headers, &body).await;
+        let mut result = match gate {
+            None => conn.send(&head, &parts.headers, &body).await,
+            Some(gate) => {
+                // Given back at the answer's head (a released queue leaves
+                // at the engine's pace, not all at once) or after
+                // `GATE_HOLD_MAX` (a long generation holds no other request
+                // back), whichever comes first.
+                let send = conn.send(&head, &parts.headers, &body);
+                tokio::pin!(send);
+                tokio::select! {
+                    r = &mut send => r,
+                    () = tokio::time::sleep(crate::hold::GATE_HOLD_MAX) => {
+                        drop(gate);
+                        send.await
+                    }
+                }
+            }
+        };
         let mut first_error = None;
         if let Err(e) = &result
             && conn.reused

@@ -94,8 +94,8 @@ pub async fn handle_admin(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
 pub struct Waited {
     /// The request has waited for its model since then.
     pub since: Option<Instant>,
-    /// Its place on the way to the engine: given back when it takes an
-    /// engine slot (or ends before).
+    /// Its place on the way to the engine: given back at the answer's head
+    /// or after [`crate::hold::GATE_HOLD_MAX`] at the engine.
     pub gate: Option<OwnedSemaphorePermit>,
 }
 

@@ -22,13 +22,17 @@ mod estimate;
 pub use estimate::{estimate, retry_after_s};
 
 /// A model's released requests that may be on their way from the waiting
-/// room to an engine at once: each is a full hyper connection with its
-/// body read, so a released queue of 100,000 becomes connections this many
-/// at a time, in order. A request gives its place back when it takes a
-/// slot at the engine (`forward::pool::MAX_CONCURRENT_PER_ENGINE`), not
-/// when it is answered: a long generation holds an engine slot, never
-/// another request's way out, and each model has its own places.
+/// room to an answer at once: each is a full hyper connection with its
+/// body read (and an engine connection), so a released queue of 100,000
+/// becomes connections this many at a time, in order, at the engine's
+/// pace. Each model has its own places, and a request gives its place back
+/// at its answer's head or after [`GATE_HOLD_MAX`] at the engine: a long
+/// generation holds an engine slot (`forward::pool`), never another
+/// request's way out.
 pub const LEAVING_AT_ONCE: usize = 256;
+
+/// How long a released request keeps its place once the engine has it.
+pub const GATE_HOLD_MAX: Duration = Duration::from_secs(1);
 
 /// How often requests shed as `wait_too_long` may ask for a model's wake.
 const SHED_DEMAND_EVERY: Duration = Duration::from_secs(1);

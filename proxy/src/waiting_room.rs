@@ -39,8 +39,9 @@ pub struct Entry {
     /// When the first request started waiting, if it waited here.
     pub held_since: Option<Instant>,
     /// Its place among its model's requests leaving the waiting room
-    /// ([`crate::hold::LEAVING_AT_ONCE`]); given up when the request takes
-    /// an engine slot (or ends before).
+    /// ([`crate::hold::LEAVING_AT_ONCE`]); given up at the answer's head,
+    /// after [`crate::hold::GATE_HOLD_MAX`] at the engine, or when the
+    /// request ends before.
     pub gate: Option<OwnedSemaphorePermit>,
     /// The client closed the connection while waiting: nothing to serve.
     pub closed: bool,

@@ -4,7 +4,7 @@
 
 use siesta_tests::spawn_control_with;
 
-use siesta_tests::cli::{at, closed_port, siesta, siesta_env};
+use siesta_tests::cli::{at, closed_port, siesta, siesta_env, wait_state};
 
 #[tokio::test]
 async fn unreachable_control_plane_is_exit_3_with_one_clear_line() {
@@ -107,6 +107,34 @@ gpus = 0
 {extra}
 "#
     )
+}
+
+/// `siesta wake --wait` to a control plane that stops answering with the
+/// connection still open (its host frozen: here SIGSTOP) ends as
+/// unreachable within seconds, not at the end of a 10-minute wake.
+#[tokio::test]
+async fn wake_wait_ends_when_the_control_plane_goes_silent() {
+    use nix::sys::signal::Signal;
+    use siesta_proto::v1::ModelState;
+    let config = failing_model(
+        "slow",
+        "preload = \"asleep\"\nargs = [\"--wake-time\", \"600s\"]",
+    );
+    let mut control = spawn_control_with(&config, &["--stop-engines-on-exit"]).await;
+    wait_state(&control, "slow", ModelState::Asleep, None).await;
+    let url = control.url();
+    let wake =
+        tokio::spawn(async move { siesta(&["--control", &url, "wake", "slow", "--wait"]).await });
+    wait_state(&control, "slow", ModelState::Waking, None).await;
+    control.child.signal(Signal::SIGSTOP);
+    let run = wake.await.unwrap();
+    control.child.signal(Signal::SIGCONT);
+    assert_eq!(run.code, 3, "{run:#?}");
+    assert!(
+        run.stderr.contains("cannot reach siesta-control"),
+        "{run:#?}"
+    );
+    control.terminate().await;
 }
 
 #[tokio::test]

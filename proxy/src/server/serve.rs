@@ -183,8 +183,9 @@ impl Serve {
         let shared = self.shared.clone();
         let svc = service_fn(move |req| {
             let s = shared.clone();
-            // The gate goes with the request: given back when it takes an
-            // engine slot, so the model's next waiting request may leave.
+            // The gate goes with the request: given back at its answer's
+            // head (or a second into a long one), so the model's next
+            // waiting request may leave.
             let waited = first.lock().unwrap().take().unwrap_or_default();
             async move { Ok::<_, Infallible>(handler::handle_main(s, req, waited).await) }
         });
