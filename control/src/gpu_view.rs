@@ -8,8 +8,8 @@ use crate::gpu::p2p::P2pMatrix;
 use crate::gpu::{GpuSource, GpuSpec, Inventory, InventorySource};
 use crate::placement::default_residual;
 use crate::placement::{
-    Machine, ModelRuntime, Placed, Placement, Planned, Policy, RunState, WakePlan, budgets,
-    place_config, plan_wake, policy_of,
+    FailedEngine, Machine, ModelRuntime, Placed, Placement, Planned, Policy, RunState, WakePlan,
+    budgets, place_config, plan_wake, policy_of,
 };
 use crate::status::Residual;
 use crate::status::{ModelStatus, State};
@@ -105,8 +105,8 @@ pub fn check(config: &Config) -> Result<Planned, ConfigError> {
     place_config(config, &machine, &BTreeMap::new())
 }
 
-fn run_state(s: State) -> RunState {
-    match s {
+fn run_state(m: &ModelStatus) -> RunState {
+    match m.state {
         State::Stopped => RunState::Stopped,
         State::Starting => RunState::Starting,
         State::Awake => RunState::Awake,
@@ -114,7 +114,9 @@ fn run_state(s: State) -> RunState {
         State::Asleep => RunState::Asleep,
         State::Waking => RunState::Waking,
         State::Stopping => RunState::Stopping,
-        State::Failed => RunState::Failed,
+        State::Failed if !m.failed_holds_gpus => RunState::Failed(FailedEngine::Gone),
+        State::Failed if m.launch == "attach" => RunState::Failed(FailedEngine::Attached),
+        State::Failed => RunState::Failed(FailedEngine::Exiting),
         State::Suspending => RunState::Suspending,
         State::Suspended => RunState::Suspended,
     }
@@ -125,7 +127,7 @@ pub(crate) fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> 
     models
         .iter()
         .map(|m| {
-            let mut r = ModelRuntime::new(run_state(m.state));
+            let mut r = ModelRuntime::new(run_state(m));
             r.in_flight = m.in_flight;
             r.last_activity_ms = m.last_activity_unix_ms.unwrap_or(0);
             // An attached engine that cannot sleep cannot make room: never a victim.

@@ -9,10 +9,11 @@
 //! [`Placed::engine_args`] and [`Placed::engine_env`] are the only builders
 //! of the engine's GPU arguments and environment.
 //!
-//! Memory model: an awake (or starting, waking, sleeping, stopping) model
-//! takes its full share of each of its GPUs; an asleep one a residual
-//! ([`Policy::residual_bytes`], vLLM measures 1–7 GiB per GPU asleep); a
-//! stopped one nothing. Statically, every model must fit awake on its GPUs
+//! Memory model: an awake (or starting, waking, sleeping, stopping, or
+//! failed with its engine not yet gone) model takes its full share of each
+//! of its GPUs; an asleep one a residual ([`Policy::residual_bytes`], vLLM
+//! measures 1–7 GiB per GPU asleep); a stopped one (or failed, its engine
+//! gone) nothing. Statically, every model must fit awake on its GPUs
 //! while all the others placed there are asleep, so more models may be
 //! placed than fit awake at once.
 
@@ -23,7 +24,7 @@ mod from_config;
 mod placed;
 
 pub use assign::{PlacementError, PlacementErrors, place};
-pub use evict::{GpuBudget, ModelRuntime, RunState, WakePlan, budgets, plan_wake};
+pub use evict::{FailedEngine, GpuBudget, ModelRuntime, RunState, WakePlan, budgets, plan_wake};
 pub use from_config::{Planned, needs_of, place_config, policy_of};
 pub use placed::{Placed, default_placement};
 

@@ -170,8 +170,16 @@ pub enum Phase {
         deadline: Instant,
         killed: bool,
     },
+    /// `retry_at`: when it starts again (None: not wanted running).
+    /// `process_gone`: no process of its engine's current generation is
+    /// left: it was never spawned, or its exit (leader reaped, process
+    /// group swept: `ChildExited`) has been seen. Until then the SIGKILLed
+    /// processes may still hold its GPU memory: placement counts its share,
+    /// and it neither restarts nor counts as stopped. An attached engine's
+    /// is never gone (siesta can neither stop it nor see it end).
     Failed {
         retry_at: Option<Instant>,
+        process_gone: bool,
     },
 }
 

@@ -147,6 +147,10 @@ pub struct ModelStatus {
     pub waiting_for: Option<String>,
     /// The engine's process (group leader), while one runs.
     pub pid: Option<u32>,
+    /// Failed, and its engine may still hold its GPU memory: its processes
+    /// (SIGKILLed) are not yet seen gone, or it is attached (siesta can
+    /// neither stop it nor see it end). Placement counts its share.
+    pub failed_holds_gpus: bool,
     pub restarts: u32,
     pub p2p_disabled: bool,
     pub control_id: String,
@@ -217,7 +221,9 @@ pub fn model_status(
         Phase::Resuming { under, .. } => (State::Waking, under),
     };
     let retry_at = match m.phase {
-        Phase::Failed { retry_at: Some(t) } => Some(ms(t)),
+        Phase::Failed {
+            retry_at: Some(t), ..
+        } => Some(ms(t)),
         _ => None,
     };
     let waiting_for = match m.phase {
@@ -237,6 +243,14 @@ pub fn model_status(
         Phase::Awake if m.intent.desired != Desired::Awake && m.in_flight() > 0 => {
             Some(format!("{} request(s) in flight to finish", m.in_flight()))
         }
+        Phase::Failed {
+            process_gone: false,
+            ..
+        } if !m.settings.attach => Some(
+            "its engine's processes to exit (SIGKILL sent): until they are gone, their GPU \
+             memory counts as taken"
+                .to_string(),
+        ),
         Phase::Yielding { .. } => Some(format!(
             "yielding its GPUs: {} request(s) in flight to finish before it sleeps (new ones are \
              held for its next turn)",
@@ -280,6 +294,13 @@ pub fn model_status(
         retry_at_unix_ms: retry_at,
         waiting_for,
         pid: m.pid,
+        failed_holds_gpus: matches!(
+            m.phase,
+            Phase::Failed {
+                process_gone: false,
+                ..
+            }
+        ),
         restarts: m.restarts,
         p2p_disabled: facts.p2p_disabled,
         control_id: facts.control_id.clone(),

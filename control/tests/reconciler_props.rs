@@ -17,7 +17,8 @@
 //! - every transitional phase has a deadline, and the timer fires by then;
 //!   a `Tick` past a deadline leaves that deadline behind;
 //! - a failed model that should run has a retry time, and the retry backoff
-//!   never exceeds `backoff_max`;
+//!   never exceeds `backoff_max`; it counts its engine gone exactly when no
+//!   process of its generation is left;
 //! - requests held for a model at rest (asleep, stopped, suspended) are a
 //!   demand: unless an operator stopped it, it is wanted awake, and no idle
 //!   tier fires while any are held;
@@ -608,7 +609,31 @@ impl World {
                 ctx()
             );
         }
-        if let Phase::Failed { retry_at } = m.phase {
+        if let Phase::Failed {
+            retry_at,
+            process_gone,
+        } = m.phase
+        {
+            // Gone exactly when no process of its generation is left: not
+            // before (its GPU memory would count as free while SIGKILLed
+            // processes still hold it), and never waiting for one that
+            // does not exist (its exit, which ends the wait, never comes:
+            // the GPUs would count as taken for ever).
+            if !m.settings.attach {
+                let alive = self.procs.contains_key(&m.proc_gen);
+                prop_assert_eq!(
+                    process_gone,
+                    !alive,
+                    "failed, process_gone {} with generation {} {}\n{}",
+                    process_gone,
+                    m.proc_gen,
+                    if alive { "alive" } else { "gone" },
+                    ctx()
+                );
+            }
+            // A retry waits for the exit, which wakes it: no timer (one
+            // for a retry already due would fire for ever).
+            let exiting = !process_gone && !m.settings.attach;
             match retry_at {
                 None => prop_assert!(
                     m.intent.desired == Desired::Stopped,
@@ -622,7 +647,7 @@ impl World {
                         ctx()
                     );
                     prop_assert!(
-                        self.timer.is_some_and(|t| t <= at),
+                        exiting || self.timer.is_some_and(|t| t <= at),
                         "no timer for the retry\n{}",
                         ctx()
                     );

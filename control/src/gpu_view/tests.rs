@@ -374,3 +374,57 @@ fn admission_sees_what_each_kind_costs_and_never_evicts_an_attached_openai_serve
     assert!(rt["openai-true"].pinned_awake);
     assert!(!rt["sglang-true"].pinned_awake && !rt["openai-false"].pinned_awake);
 }
+
+/// What placement counts for a failed model comes from its status: its
+/// share while its killed processes are not yet gone (the status says what
+/// it waits for), nothing once they are, and always for an attached engine.
+#[test]
+fn a_failed_model_counts_until_its_engine_is_gone_and_attached_always() {
+    use crate::config::Launch;
+    use crate::reconciler::{ModelState, Phase, Settings};
+    use crate::status::{Clock, Endpoint, EngineFacts, model_status};
+    let cfg = Config::demo(vec!["fake-vllm".into()]);
+    let facts = EngineFacts {
+        endpoint: Endpoint {
+            url: "http://x".into(),
+            served_model_name: "m".into(),
+        },
+        gpus: vec![0],
+        p2p_disabled: false,
+        control_id: "t".into(),
+        waiting_for: String::new(),
+        asleep_residual: Default::default(),
+    };
+    let now = tokio::time::Instant::now();
+    let status = |name: &str, attach: bool, process_gone: bool| {
+        let mut m = cfg.models[0].clone();
+        m.name = name.into();
+        if attach {
+            m.launch = Launch::Attach {
+                url: "http://x".into(),
+                served_model_name: "m".into(),
+            };
+        }
+        let mut st = ModelState::new(Settings::from_config(&m), m.preload, now);
+        st.phase = Phase::Failed {
+            retry_at: None,
+            process_gone,
+        };
+        model_status(&m, &facts, &st, &Clock::new(), now)
+    };
+    let models = [
+        status("exiting", false, false),
+        status("gone", false, true),
+        status("attached", true, false),
+    ];
+    let rt = runtime(&models);
+    assert_eq!(rt["exiting"].state, RunState::Failed(FailedEngine::Exiting));
+    assert_eq!(rt["gone"].state, RunState::Failed(FailedEngine::Gone));
+    assert_eq!(
+        rt["attached"].state,
+        RunState::Failed(FailedEngine::Attached)
+    );
+    let why = models[0].waiting_for.as_deref().unwrap_or_default();
+    assert!(why.contains("processes to exit"), "{why}");
+    assert_eq!(models[1].waiting_for, None);
+}

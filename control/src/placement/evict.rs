@@ -17,11 +17,27 @@ pub enum RunState {
     Waking,
     /// Exiting: holds its memory until the process group is gone.
     Stopping,
-    Failed,
+    /// Failed: what it holds depends on what is left of its engine.
+    Failed(FailedEngine),
     /// Being checkpointed: holds its memory until the copy is done.
     Suspending,
     /// Checkpointed to host memory: holds ~0 GPU memory.
     Suspended,
+}
+
+/// What is left of a failed model's engine, as far as GPU memory goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailedEngine {
+    /// Its processes are gone (their exit was seen), or it never spawned
+    /// one: it holds nothing.
+    Gone,
+    /// SIGKILLed, its processes not yet seen gone: it holds its memory
+    /// until they are, as a stopping model does. (A process stuck in the
+    /// kernel, in a hung driver say, may never go: it then really holds it.)
+    Exiting,
+    /// Attached: siesta can neither stop it nor see it end, and it may well
+    /// still run: it holds its memory.
+    Attached,
 }
 
 impl RunState {
@@ -34,7 +50,7 @@ impl RunState {
             Self::Asleep => "asleep",
             Self::Waking => "waking",
             Self::Stopping => "stopping",
-            Self::Failed => "failed",
+            Self::Failed(_) => "failed",
             Self::Suspending => "suspending",
             Self::Suspended => "suspended",
         }
@@ -110,9 +126,10 @@ fn usage(p: &Placement, gpu: u32, state: RunState, residual: u64) -> (u64, u64) 
         | RunState::Sleeping
         | RunState::Waking
         | RunState::Stopping
-        | RunState::Suspending => (awake, 0),
+        | RunState::Suspending
+        | RunState::Failed(FailedEngine::Exiting | FailedEngine::Attached) => (awake, 0),
         RunState::Asleep => (0, awake.min(residual)),
-        RunState::Stopped | RunState::Failed | RunState::Suspended => (0, 0),
+        RunState::Stopped | RunState::Failed(FailedEngine::Gone) | RunState::Suspended => (0, 0),
     }
 }
 
@@ -205,8 +222,9 @@ pub fn plan_wake(
     };
     // Models already on their way out of their share free it soon: going
     // to sleep (put to sleep or yielding for this model a moment ago, or
-    // an operator's sleep) frees all but its residual; stopping or being
-    // checkpointed frees all. What they free is not asked of anyone else:
+    // an operator's sleep) frees all but its residual; stopping, being
+    // checkpointed or failed with its killed processes still exiting
+    // frees all. What they free is not asked of anyone else:
     // counting them full, each plan until a sleep was confirmed put one
     // more model to sleep.
     let going: Vec<(&Placement, bool)> = placements
@@ -214,7 +232,9 @@ pub fn plan_wake(
         .filter(|p| p.model != target && p.gpus.iter().any(|g| me.gpus.contains(g)))
         .filter_map(|p| match state_of(runtime, &p.model).state {
             RunState::Sleeping => Some((p, false)),
-            RunState::Stopping | RunState::Suspending => Some((p, true)),
+            RunState::Stopping | RunState::Suspending | RunState::Failed(FailedEngine::Exiting) => {
+                Some((p, true))
+            }
             _ => None,
         })
         .collect();
@@ -307,10 +327,16 @@ pub fn plan_wake(
                     "woken recently, stays awake {} ms more",
                     s.min_awake_left_ms
                 ),
+                RunState::Failed(FailedEngine::Exiting) => {
+                    "failed, its killed engine's processes not yet gone".to_string()
+                }
+                RunState::Failed(FailedEngine::Attached) => {
+                    "failed, attached: its engine may still hold its memory".to_string()
+                }
                 RunState::Awake
                 | RunState::Asleep
                 | RunState::Stopped
-                | RunState::Failed
+                | RunState::Failed(FailedEngine::Gone)
                 | RunState::Suspended => {
                     return None;
                 }

@@ -292,8 +292,50 @@ fn models_in_transition_hold_memory_and_are_not_victims() {
     w.set("a", rt(RunState::Awake, 100))
         .set("b", rt(RunState::Awake, 200));
     assert_eq!(w.plan("c"), WakePlan::Evict(vec!["a".into()]));
-    w.set("a", rt(RunState::Failed, 100));
+    // A failed model holds nothing once its engine is gone; while its
+    // killed processes are still there it holds its share, as a stopping
+    // one (it used to count as holding nothing: see
+    // `a_failed_model_holds_its_share_until_its_engine_is_gone`).
+    w.set("a", rt(RunState::Failed(FailedEngine::Gone), 100));
     assert_eq!(w.plan("c"), WakePlan::Ready);
+    w.set("a", rt(RunState::Failed(FailedEngine::Exiting), 100));
+    assert_eq!(w.plan("c"), WakePlan::Going(vec!["a".into()]));
+}
+
+/// A failed model's engine may outlive the failure: SIGKILLed processes
+/// keep their GPU memory until they have exited ("engine did not exit
+/// after SIGKILL" is a failure with them known alive), and an attached
+/// engine that stopped answering probes runs on out of siesta's reach.
+/// Counted as holding nothing, the next model on the GPU was admitted at
+/// once and could run out of memory. Now: its share until its processes
+/// are seen gone (they are on their way out: nothing else is put to sleep
+/// for it), and always for an attached one (it is not on its way out:
+/// idle models are put to sleep, or the target waits).
+#[test]
+fn a_failed_model_holds_its_share_until_its_engine_is_gone() {
+    let mut w = three_on_one();
+    w.set("a", rt(RunState::Failed(FailedEngine::Exiting), 100))
+        .set("b", rt(RunState::Starting, 200));
+    assert_eq!(w.plan("c"), WakePlan::Going(vec!["a".into()]));
+    let b = budgets(&w.machine, &w.placements, &w.runtime, &Policy::default());
+    assert_eq!(b[0].awake_bytes, 2 * ((80 * GIB) as f64 * 0.45) as u64);
+    // Its exit seen: nothing left.
+    w.set("a", rt(RunState::Failed(FailedEngine::Gone), 100));
+    assert_eq!(w.plan("c"), WakePlan::Ready);
+    let b = budgets(&w.machine, &w.placements, &w.runtime, &Policy::default());
+    assert_eq!(b[0].awake_bytes, ((80 * GIB) as f64 * 0.45) as u64);
+
+    // Attached: held for as long as it is failed.
+    w.set("a", rt(RunState::Failed(FailedEngine::Attached), 100));
+    let WakePlan::Wait(reason) = w.plan("c") else {
+        panic!("{:?}", w.plan("c"))
+    };
+    assert!(
+        reason.contains("\"a\" (failed, attached: its engine may still hold its memory)"),
+        "{reason}"
+    );
+    w.set("b", rt(RunState::Awake, 200));
+    assert_eq!(w.plan("c"), WakePlan::Evict(vec!["b".into()]));
 }
 
 #[test]

@@ -391,17 +391,29 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
                 start(m, now, fx);
             }
         }
-        Phase::Failed { retry_at } => {
+        Phase::Failed {
+            retry_at,
+            process_gone,
+        } => {
+            // Its killed processes still hold its GPU memory: it is not
+            // stopped, and a new engine beside them would find none, until
+            // their exit (`ChildExited`) is seen.
+            let exiting = !process_gone && !m.settings.attach;
             if desired == Desired::Stopped && !m.settings.attach {
-                set_phase(m, Phase::Stopped, now);
-                if held_is_demand(m, now, fx) {
-                    start(m, now, fx);
+                if process_gone {
+                    set_phase(m, Phase::Stopped, now);
+                    if held_is_demand(m, now, fx) {
+                        start(m, now, fx);
+                    }
                 }
             } else if desired != Desired::Stopped && retry_at.is_some_and(|t| t <= now) {
-                start(m, now, fx);
+                if !exiting {
+                    start(m, now, fx);
+                }
             } else if desired != Desired::Stopped && retry_at.is_none() {
                 m.phase = Phase::Failed {
                     retry_at: Some(now + m.backoff()),
+                    process_gone,
                 };
             }
         }
@@ -519,9 +531,12 @@ fn fit_intent(m: &mut ModelState, fx: &mut Vec<Effect>) {
 pub(super) fn next_wakeup(m: &ModelState, now: Instant) -> Option<Instant> {
     let mut times = Vec::new();
     times.extend(m.phase.deadline());
+    // A retry waiting for the failed engine's exit is woken by it.
     if let Phase::Failed {
-        retry_at: Some(t), ..
+        retry_at: Some(t),
+        process_gone,
     } = m.phase
+        && (process_gone || m.settings.attach)
     {
         times.push(t);
     }

@@ -109,7 +109,18 @@ pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec
         retry_at.map(|t| t - now)
     )));
     m.last_error = Some(error);
-    set_phase(m, Phase::Failed { retry_at }, now);
+    // A process of its generation still there (SIGKILLed just now, or one
+    // that outlived its SIGKILL) holds its GPU memory until its exit is
+    // seen; an attached engine's end is never seen.
+    let process_gone = m.pid.is_none() && !m.settings.attach;
+    set_phase(
+        m,
+        Phase::Failed {
+            retry_at,
+            process_gone,
+        },
+        now,
+    );
 }
 
 /// A demand wins over idle tiers, an eviction and an operator's sleep: the
@@ -259,6 +270,16 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 fx.push(Effect::Log(format!(
                     "killing engine pid {pid}: spawned for a start no longer wanted"
                 )));
+                // Its start failed before it landed: until its exit is seen
+                // it holds what it took.
+                if let Phase::Failed { retry_at, .. } = m.phase
+                    && proc_gen == m.proc_gen
+                {
+                    m.phase = Phase::Failed {
+                        retry_at,
+                        process_gone: false,
+                    };
+                }
             }
             if wanted {
                 fx.push(Effect::KeepSpawned { proc_gen });
@@ -297,6 +318,18 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 Phase::Stopping { .. } | Phase::Draining { .. } => {
                     fx.push(Effect::Log(format!("engine stopped ({status})")));
                     set_phase(m, Phase::Stopped, now);
+                }
+                Phase::Failed {
+                    retry_at,
+                    process_gone: false,
+                } => {
+                    fx.push(Effect::Log(format!(
+                        "failed engine gone ({status}): its GPU memory is free"
+                    )));
+                    m.phase = Phase::Failed {
+                        retry_at,
+                        process_gone: true,
+                    };
                 }
                 Phase::Stopped | Phase::Failed { .. } => {}
                 _ => {
@@ -619,9 +652,10 @@ pub(super) fn become_awake(m: &mut ModelState, now: Instant) {
 
 /// A failed model the operator asks for is retried at once.
 fn retry_now(m: &mut ModelState, now: Instant) {
-    if let Phase::Failed { .. } = m.phase {
+    if let Phase::Failed { process_gone, .. } = m.phase {
         m.phase = Phase::Failed {
             retry_at: Some(now),
+            process_gone,
         };
     }
 }

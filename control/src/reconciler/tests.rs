@@ -408,7 +408,10 @@ fn backoff_doubles_and_is_capped() {
             proc_gen: s.m.proc_gen,
             error: "nope".into(),
         });
-        let Phase::Failed { retry_at: Some(t) } = s.m.phase else {
+        let Phase::Failed {
+            retry_at: Some(t), ..
+        } = s.m.phase
+        else {
             panic!("{:?}", s.m.phase)
         };
         delays.push((t - s.now).as_secs());
@@ -440,7 +443,10 @@ fn a_crash_soon_after_ready_backs_off_and_a_long_run_forgets_failures() {
             status: "signal: 9 (SIGKILL)".into(),
             cause: None,
         });
-        let Phase::Failed { retry_at: Some(t) } = s.m.phase else {
+        let Phase::Failed {
+            retry_at: Some(t), ..
+        } = s.m.phase
+        else {
             panic!("{:?}", s.m.phase)
         };
         t - s.now
@@ -478,7 +484,13 @@ fn crash_goes_failed_then_restarts() {
         status: "exit 1".into(),
         cause: None,
     });
-    assert!(matches!(s.m.phase, Phase::Failed { retry_at: Some(_) }));
+    assert!(matches!(
+        s.m.phase,
+        Phase::Failed {
+            retry_at: Some(_),
+            ..
+        }
+    ));
     assert!(s.m.last_error.as_deref().unwrap().contains("exit 1"));
     s.advance(secs(1));
     assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
@@ -832,6 +844,7 @@ fn held_requests_are_summed_across_proxies_and_expire_with_them() {
 
 mod decisions;
 mod demand;
+mod failed;
 mod kinds;
 mod suspend;
 mod yields;

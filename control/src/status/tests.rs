@@ -64,6 +64,7 @@ async fn set_values_are_kept_and_sent() {
         m.pin = Pin::Until(now + Duration::from_secs(60));
         m.phase = Phase::Failed {
             retry_at: Some(now + Duration::from_secs(5)),
+            process_gone: true,
         };
         m.last_activity = Some(now);
         m.last_error = Some("start timed out".into());

@@ -100,6 +100,12 @@ fn no_tier_fires_while_a_demand_waits() {
     s.advance(secs(5));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
     assert_eq!(s.m.intent.reason, Reason::Demand);
+    // The killed engine exits (a retry waits for that).
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "signal: 9 (SIGKILL)".into(),
+        cause: None,
+    });
     s.advance(secs(1));
     assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
     // A slow start, longer than every tier.

@@ -175,7 +175,13 @@ fn a_failed_resume_restarts_the_engine_and_says_why() {
         err.contains("resume failed") && err.contains("OPERATING_SYSTEM"),
         "{err}"
     );
-    // The retry starts a fresh engine (the demand still wants it awake).
+    // Once the killed engine has exited, the retry starts a fresh one (the
+    // demand still wants it awake).
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "signal: 9 (SIGKILL)".into(),
+        cause: None,
+    });
     let retry = s.timer().unwrap();
     s.now = retry;
     s.ev(Event::Tick);

@@ -1,0 +1,181 @@
+//! A failed model and what is left of its engine: SIGKILLed processes keep
+//! their GPU memory until they have exited, so `Failed` says whether they
+//! are gone (placement counts the model's share until then).
+
+use super::*;
+
+/// The engine of `proc_gen` has exited and its process group is gone.
+fn exited(s: &mut Sim, proc_gen: u64) {
+    s.ev(Event::ChildExited {
+        proc_gen,
+        status: "signal: 9 (SIGKILL)".into(),
+        cause: None,
+    });
+}
+
+fn failed_gone(m: &ModelState) -> Option<bool> {
+    match m.phase {
+        Phase::Failed { process_gone, .. } => Some(process_gone),
+        _ => None,
+    }
+}
+
+/// Stop grace over, SIGKILL, and the engine is still there at the kill
+/// grace: it failed with its processes known alive. It neither counts as
+/// stopped (it was, at once: the next model on its GPUs was admitted and
+/// could run out of memory) nor restarts beside them, until their exit.
+#[test]
+fn an_engine_alive_after_sigkill_holds_its_gpus_until_it_exits() {
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    s.boot();
+    s.ev(Event::Command(Command::Stop));
+    s.advance(secs(3));
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    s.advance(secs(3));
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    s.advance(secs(10));
+    assert_eq!(failed_gone(&s.m), Some(false), "{:?}", s.m.phase);
+    assert_eq!(
+        s.m.last_error.as_deref(),
+        Some("engine did not exit after SIGKILL")
+    );
+    // Wanted stopped: still failed (and counted) while they are there, with
+    // no timer spinning on it.
+    s.advance(secs(600));
+    assert_eq!(failed_gone(&s.m), Some(false), "{:?}", s.m.phase);
+    assert_eq!(s.timer(), None);
+    // An older generation's exit says nothing of this one's.
+    let older = s.m.proc_gen - 1;
+    exited(&mut s, older);
+    assert_eq!(failed_gone(&s.m), Some(false));
+    let current = s.m.proc_gen;
+    exited(&mut s, current);
+    assert_eq!(s.m.phase, Phase::Stopped);
+}
+
+/// The same wanted running (an operator's restart): the retry waits for the
+/// exit (a new engine beside the old processes would find no memory), then
+/// starts at once if it is due.
+#[test]
+fn a_retry_waits_for_the_killed_engine_to_exit() {
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    s.boot();
+    s.ev(Event::Command(Command::Restart));
+    s.advance(secs(3));
+    s.advance(secs(3));
+    s.advance(secs(10));
+    let Phase::Failed {
+        retry_at: Some(t),
+        process_gone: false,
+    } = s.m.phase
+    else {
+        panic!("{:?}", s.m.phase)
+    };
+    // No timer for a retry that cannot happen yet (the exit wakes it).
+    assert_eq!(s.timer(), None);
+    s.now = t + secs(5);
+    s.ev(Event::Tick);
+    assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })), "{:?}", s.fx);
+    assert_eq!(failed_gone(&s.m), Some(false));
+    let current = s.m.proc_gen;
+    exited(&mut s, current);
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })), "{:?}", s.fx);
+    assert!(matches!(s.m.phase, Phase::Starting { .. }));
+
+    // An exit seen before the retry is due: it retries on time.
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    s.boot();
+    for _ in 0..3 {
+        s.ev(Event::HealthFailed {
+            epoch: s.m.epoch,
+            error: "refused".into(),
+            timed_out: false,
+        });
+    }
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    let Phase::Failed {
+        retry_at: Some(t),
+        process_gone: false,
+    } = s.m.phase
+    else {
+        panic!("{:?}", s.m.phase)
+    };
+    let current = s.m.proc_gen;
+    exited(&mut s, current);
+    assert_eq!(failed_gone(&s.m), Some(true));
+    assert_eq!(s.timer(), Some(t));
+    s.advance(t - s.now);
+    assert!(matches!(s.m.phase, Phase::Starting { .. }));
+}
+
+/// Nothing to wait for: a spawn that failed (no process), and an engine
+/// that exited on its own (its exit is the failure).
+#[test]
+fn a_failure_without_a_live_process_leaves_nothing() {
+    let mut s = Sim::new(Preload::Awake);
+    s.ev(Event::SpawnFailed {
+        proc_gen: s.m.proc_gen,
+        error: "no such file".into(),
+    });
+    assert_eq!(failed_gone(&s.m), Some(true));
+
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    let current = s.m.proc_gen;
+    exited(&mut s, current);
+    assert_eq!(failed_gone(&s.m), Some(true));
+}
+
+/// A spawn that lands after its start failed is killed as a stray; until
+/// its exit it holds what it took.
+#[test]
+fn a_stray_spawn_landing_on_a_failed_model_is_waited_for() {
+    let mut s = Sim::new(Preload::Awake);
+    let proc_gen = s.m.proc_gen;
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    // The start lock never came within twice the start timeout.
+    s.advance(secs(120));
+    assert_eq!(failed_gone(&s.m), Some(true), "{:?}", s.m.phase);
+    s.ev(Event::Spawned { proc_gen, pid: 7 });
+    assert!(s.has(|f| matches!(f, Effect::KillStray { .. })));
+    assert_eq!(failed_gone(&s.m), Some(false));
+    exited(&mut s, proc_gen);
+    assert_eq!(failed_gone(&s.m), Some(true));
+}
+
+/// An attached engine that failed (three probes) runs on as far as siesta
+/// knows: it is never seen gone, and it retries on time.
+#[test]
+fn an_attached_failed_engine_is_never_taken_as_gone() {
+    let mut s = Sim::attached();
+    s.ev(Event::HealthOk {
+        epoch: s.m.epoch,
+        asleep: None,
+    });
+    assert_eq!(s.m.phase, Phase::Awake);
+    for _ in 0..3 {
+        s.ev(Event::HealthFailed {
+            epoch: s.m.epoch,
+            error: "refused".into(),
+            timed_out: false,
+        });
+    }
+    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+    let Phase::Failed {
+        retry_at: Some(t),
+        process_gone: false,
+    } = s.m.phase
+    else {
+        panic!("{:?}", s.m.phase)
+    };
+    assert_eq!(s.timer(), Some(t));
+    s.advance(t - s.now);
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
