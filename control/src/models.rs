@@ -82,7 +82,7 @@ impl Models {
         };
         for m in &config.models {
             let found = adopted.remove(&m.name);
-            models.add(m.clone(), placements.get(&m.name).cloned(), found)?;
+            models.add(m.clone(), placements.get(&m.name).cloned(), found, false)?;
         }
         // Every model's first state (adopted engines as found) is in the
         // hub: admission may plan over it now, not before.
@@ -90,17 +90,21 @@ impl Models {
         Ok(models)
     }
 
+    /// `carried_over`: the new engine of a changed model (see
+    /// [`Models::remove`]).
     fn add(
         &self,
         cfg: ModelConfig,
         placed: Option<Placed>,
         adopted: Option<Adopted>,
+        carried_over: bool,
     ) -> std::io::Result<()> {
         let placed = placed.unwrap_or_else(|| default_placement(&cfg));
         let handle = spawn_model_adopting(
             cfg.clone(),
             placed,
             adopted,
+            carried_over,
             self.shared.clone(),
             self.cancel.child_token(),
         )?;
@@ -126,12 +130,22 @@ impl Models {
     }
 
     /// Stops `name` for good (answers under way finish first, as for an
-    /// operator's stop) and forgets it. `readded`: a changed model whose new
-    /// engine is added next under the same name, so proxies see its new
-    /// state, not a removal (their held requests stay held for it).
+    /// operator's stop) and forgets it, or, for a changed model whose new
+    /// engine is added next under the same name, hands its state on:
+    /// proxies see its new state, not a removal (their held requests stay
+    /// held for it), and the new engine goes on from what the model wanted
+    /// before this reload (an operator's stop stays a stop, a demand, wake
+    /// or pin is awake again), its pin, restart count and last activity:
+    /// written to the state store, where a restart finds them too. Its
+    /// calibration goes on only with the same engine command and GPU needs:
+    /// the times are of one engine (new `args` can change its CUDA graphs,
+    /// its KV cache, its model), and a proxy sheds requests on a calibrated
+    /// estimate, never on an uncalibrated one; the first start measures it.
     /// Returns how many requests the proxies held for it at the end.
-    async fn remove(&self, name: &str, readded: bool) -> u32 {
+    async fn remove(&self, name: &str, leaving: Leaving) -> u32 {
         let mut held = 0;
+        // Before the retirement, which records the model stopped for good.
+        let before = self.resolve(name).ok().map(|h| h.status.borrow().clone());
         if let Ok(h) = self.resolve(name)
             && !h.cfg.is_attach()
             && self.send(&h, Event::Retire).await.is_ok()
@@ -152,13 +166,29 @@ impl Models {
             reg.models.remove(name)
         };
         self.shared.admission.registry().remove(name);
+        // The history as it ended (the drain may have moved it).
+        let mut after = None;
         if let Some(h) = handle {
             h.shutdown(true).await;
+            after = Some(h.status.borrow().clone());
         }
-        if !readded {
+        if leaving == Leaving::Removed {
             self.shared.hub.remove_model(name);
         }
-        self.shared.store.remove(name);
+        let store = &self.shared.store;
+        store.remove(name);
+        if let (Leaving::Changed { same_launch }, Some(before)) = (leaving, before) {
+            let end = after.as_ref().unwrap_or(&before);
+            let mut rec = crate::store::IntentRecord::from_status(&before);
+            rec.restarts = rec.restarts.max(end.restarts);
+            rec.last_activity_unix_ms = rec
+                .last_activity_unix_ms
+                .max(end.last_activity_unix_ms.unwrap_or(0));
+            store.set(name, rec);
+            if same_launch {
+                store.set_calibration(name, &(&end.calibration).into());
+            }
+        }
         held
     }
 
@@ -480,14 +510,19 @@ impl Models {
         // The old engines leave their GPUs before the new placement counts;
         // answers under way on them finish first (all drain at once: a
         // reload takes one stop grace, not one per model).
-        let leaving = s
-            .removed
-            .iter()
-            .map(|n| (n, false))
-            .chain(s.changed.iter().map(|n| (n, true)));
-        let held = futures::future::join_all(leaving.map(|(n, readded)| async move {
-            let held = self.remove(n, readded).await;
-            (n.clone(), readded && held > 0)
+        let leaving = s.removed.iter().map(|n| (n, Leaving::Removed)).chain(
+            config
+                .models
+                .iter()
+                .filter(|m| s.changed.contains(&m.name))
+                .map(|m| {
+                    let same_launch = current.get(&m.name).is_some_and(|old| same_launch(old, m));
+                    (&m.name, Leaving::Changed { same_launch })
+                }),
+        );
+        let held = futures::future::join_all(leaving.map(|(n, leaving)| async move {
+            let held = self.remove(n, leaving).await;
+            (n.clone(), leaving != Leaving::Removed && held > 0)
         }))
         .await;
         let wanted: Vec<String> = held
@@ -505,7 +540,8 @@ impl Models {
         };
         for m in config.models.iter() {
             if s.added.contains(&m.name) || s.changed.contains(&m.name) {
-                self.add(m.clone(), Some(placed_of(m)), None)
+                let carried_over = s.changed.contains(&m.name);
+                self.add(m.clone(), Some(placed_of(m)), None, carried_over)
                     .map_err(|e| OpError::io(format!("reload: starting {}", m.name), e))?;
             } else if s.reconfigured.contains(&m.name) {
                 self.reconfigure(m);
@@ -536,6 +572,40 @@ impl Models {
             h.reconfigure(cfg);
         }
     }
+}
+
+/// How a model leaves in a reload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leaving {
+    Removed,
+    /// Its engine command or placement changed: a new engine follows.
+    /// `same_launch`: same engine command and GPU needs (see [`same_launch`]).
+    Changed {
+        same_launch: bool,
+    },
+}
+
+/// Whether two configurations of a model launch the same engine command
+/// with the same GPU needs: its measured start, sleep and wake times still
+/// hold (its GPUs, timeouts or preload may differ).
+fn same_launch(old: &ModelConfig, new: &ModelConfig) -> bool {
+    (
+        &old.model,
+        old.engine,
+        &old.launch,
+        &old.args,
+        &old.env,
+        old.gpus,
+        &old.gpu_memory,
+    ) == (
+        &new.model,
+        new.engine,
+        &new.launch,
+        &new.args,
+        &new.env,
+        new.gpus,
+        &new.gpu_memory,
+    )
 }
 
 /// Whether two configurations of a model run the same engine: they differ

@@ -145,15 +145,19 @@ pub fn spawn_model(
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) -> std::io::Result<ModelHandle> {
-    spawn_model_adopting(cfg, placed, None, shared, cancel)
+    spawn_model_adopting(cfg, placed, None, false, shared, cancel)
 }
 
 /// Starts a model's task, taking over `adopted` (an engine found running
-/// at start-up) when given.
+/// at start-up) when given. Its recorded intent and pin are restored (not
+/// one that came from the configuration); `carried_over`: it replaces the
+/// model's engine in a reload, so its recorded restart count and last
+/// activity go on too (an adopted engine's always do).
 pub fn spawn_model_adopting(
     cfg: ModelConfig,
     placed: Placed,
     adopted: Option<Adopted>,
+    carried_over: bool,
     shared: Arc<Shared>,
     cancel: CancellationToken,
 ) -> std::io::Result<ModelHandle> {
@@ -176,6 +180,9 @@ pub fn spawn_model_adopting(
     let mut state = ModelState::new(Settings::from_config(&cfg), cfg.preload, now);
     if let Some(rec) = shared.store.get(&cfg.name) {
         rec.restore(&mut state, &shared.clock);
+        if carried_over {
+            rec.restore_history(&mut state, &shared.clock);
+        }
     }
     if let Some(c) = shared.store.calibration(&cfg.name) {
         state.calibration = (&c).into();

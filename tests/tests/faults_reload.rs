@@ -1,6 +1,7 @@
 //! Configuration reload by SIGHUP: added models appear, removed ones are
-//! stopped, changed ones restarted, unchanged ones not disturbed; an invalid
-//! file is refused and the running configuration stays.
+//! stopped, changed ones restarted (as the operator left them: woken,
+//! pinned or stopped), unchanged ones not disturbed; an invalid file is
+//! refused and the running configuration stays.
 
 use nix::sys::signal::Signal;
 use siesta_proto::v1 as pb;
@@ -98,4 +99,58 @@ async fn sighup_applies_additions_removals_and_changes_only() {
         .wait_for("not applied until restart: control.token", DEADLINE)
         .await;
     status(&mut c, "same").await;
+}
+
+/// A reload that changes a model's engine hands its new engine what the
+/// model wanted: `chat` (preload "none", woken and pinned by the operator)
+/// is awake again on a new pid, still pinned for the same hour; `big`
+/// (preload "awake", stopped by the operator for maintenance) stays
+/// stopped and does not take its resources back.
+#[tokio::test]
+async fn a_changed_model_keeps_the_operators_wake_pin_and_stop() {
+    let ctl = start(&config(&format!(
+        "{}{}",
+        fake_model("chat", "none", &[], ""),
+        fake_model("big", "awake", &[], "")
+    )))
+    .await;
+    let mut c = ctl.client().await;
+    let big = wait_state(&mut c, "big", pb::ModelState::Awake, LONG).await;
+    at(&ctl, &["stop", "big"]).await.ok();
+    wait_state(&mut c, "big", pb::ModelState::Stopped, LONG).await;
+    wait_until("big's engine gone", LONG, || async {
+        group_members(big.pid as i32).is_empty()
+    })
+    .await;
+    at(&ctl, &["wake", "chat"]).await.ok();
+    at(&ctl, &["pin", "chat", "--for", "1h"]).await.ok();
+    let chat = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    assert!(chat.pinned_until_unix_ms > 0, "{chat:#?}");
+
+    let new = config(&format!(
+        "{}{}",
+        fake_model("chat", "none", &["--max-model-len", "4096"], ""),
+        fake_model("big", "awake", &["--max-model-len", "4096"], "")
+    ));
+    std::fs::write(&ctl.config_path, expand(&ctl, &new)).unwrap();
+    let run = at(&ctl, &["reload"]).await.ok();
+    assert!(run.stdout.contains("changed    chat, big"), "{run:#?}");
+    let s = wait_status(&mut c, "chat", "awake on a new engine", LONG, |s| {
+        state(s) == pb::ModelState::Awake && s.pid != chat.pid
+    })
+    .await;
+    assert_eq!(s.pinned_until_unix_ms, chat.pinned_until_unix_ms, "{s:#?}");
+    assert_eq!(s.restarts, chat.restarts + 1, "{s:#?}");
+    // `chat`'s new engine started meanwhile: `big` would have too.
+    let s = status(&mut c, "big").await;
+    assert_eq!((state(&s), s.pid), (pb::ModelState::Stopped, 0), "{s:#?}");
+    let intent = s.intent.expect("intent");
+    assert_eq!(
+        (intent.desired, intent.reason),
+        (
+            pb::DesiredState::Stopped as i32,
+            pb::IntentReason::Operator as i32
+        ),
+        "{s:#?}"
+    );
 }

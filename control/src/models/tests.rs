@@ -1,4 +1,5 @@
-//! A reload names the settings it does not apply.
+//! Reloads: the settings a reload does not apply are named; a changed
+//! model's new engine goes on from its old one's intent, pin and history.
 
 use super::*;
 use crate::hub::Hub;
@@ -48,5 +49,150 @@ async fn a_reload_names_what_waits_for_a_restart_until_the_daemon_restarts() {
     // Still not in force: a second reload of that file says so again.
     let s = models.reload(&new).await.unwrap();
     assert_eq!(s.not_applied, ["control.token"]);
+    cancel.cancel();
+}
+
+/// A process model `name` whose engine never answers (it stays starting):
+/// what a reload carries over shows in its intent, pin and history alone.
+fn sleeper(name: &str, preload: &str, args: &str, stop_grace: &str) -> String {
+    format!(
+        r#"
+[[model]]
+name = "{name}"
+model = "m"
+command = ["sh", "-c", "exec sleep 60", "engine"]
+args = [{args}]
+gpus = 0
+preload = "{preload}"
+start_timeout = "10m"
+stop_grace = "{stop_grace}"
+"#
+    )
+}
+
+fn boot(text: &str, shared: Arc<Shared>) -> (Models, CancellationToken) {
+    let config = Config::parse(text, "c.toml").unwrap();
+    let cancel = CancellationToken::new();
+    let models = Models::start(
+        &config,
+        &BTreeMap::new(),
+        BTreeMap::new(),
+        shared,
+        cancel.clone(),
+    )
+    .unwrap();
+    (models, cancel)
+}
+
+async fn wait_status(
+    models: &Models,
+    name: &str,
+    what: &str,
+    f: impl Fn(&ModelStatus) -> bool,
+) -> ModelStatus {
+    let mut rx = models.resolve(name).unwrap().status.clone();
+    match tokio::time::timeout(Duration::from_secs(30), rx.wait_for(|s| f(s))).await {
+        Ok(Ok(s)) => s.clone(),
+        _ => panic!("{name}: {what} not seen: {:#?}", models.status(name)),
+    }
+}
+
+fn calibrated() -> crate::store::CalibrationRecord {
+    let mut c = crate::reconciler::Calibration::default();
+    c.start.add(Duration::from_secs(42));
+    c.wake[0].add(Duration::from_secs(3));
+    crate::store::CalibrationRecord::from(&c)
+}
+
+/// `preload = "none"`, woken by an operator and pinned: a reload that
+/// changes its engine restarts it on a new pid, still wanted awake, still
+/// pinned, with its restart count and last activity. Its calibration
+/// survives a change that keeps the engine command (here `stop_grace`),
+/// not one of its `args` (the old measurements are of another engine).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_model_keeps_its_intent_pin_and_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = shared(dir.path());
+    shared.store.set_calibration("chat", &calibrated());
+    let (models, cancel) = boot(&sleeper("chat", "none", "", "1s"), shared.clone());
+    models.command("chat", Command::Wake).await.unwrap();
+    models.pin("chat", 0).await.unwrap();
+    let first = wait_status(&models, "chat", "a pid", |s| s.pid.is_some()).await;
+    assert_eq!(first.restarts, 1);
+    let finished = shared.clock.now_ms() - 5_000;
+    models.activity(
+        "proxy",
+        &[Activity {
+            model: "chat".into(),
+            started: 1,
+            finished: 1,
+            in_flight: 0,
+            held: 0,
+            last_finished_unix_ms: finished,
+            fenced_since_unix_ms: 0,
+        }],
+    );
+    wait_status(&models, "chat", "the activity", |s| {
+        s.last_activity_unix_ms == Some(finished)
+    })
+    .await;
+
+    let check = |s: &ModelStatus, restarts: u32| {
+        assert_eq!(
+            (s.intent.desired, s.intent.reason, s.pin),
+            (Desired::Awake, Reason::Pin, crate::status::PinView::Forever),
+            "{s:#?}"
+        );
+        assert_eq!(s.restarts, restarts, "{s:#?}");
+        assert_eq!(s.last_activity_unix_ms, Some(finished), "{s:#?}");
+    };
+    // The engine command is the same: its calibration still holds.
+    let config = Config::parse(&sleeper("chat", "none", "", "2s"), "c.toml").unwrap();
+    let s = models.reload(&config).await.unwrap();
+    assert_eq!(s.changed, ["chat"]);
+    let second = wait_status(&models, "chat", "a new pid", |s| {
+        s.pid.is_some_and(|p| Some(p) != first.pid)
+    })
+    .await;
+    check(&second, 2);
+    assert_eq!(
+        crate::store::CalibrationRecord::from(&second.calibration),
+        calibrated()
+    );
+    // New args: another engine, measured afresh.
+    let config = Config::parse(&sleeper("chat", "none", "\"--x\"", "2s"), "c.toml").unwrap();
+    let s = models.reload(&config).await.unwrap();
+    assert_eq!(s.changed, ["chat"]);
+    let third = wait_status(&models, "chat", "a new pid", |s| {
+        s.pid.is_some_and(|p| Some(p) != second.pid)
+    })
+    .await;
+    check(&third, 3);
+    assert_eq!(third.calibration, Default::default(), "{third:#?}");
+    assert_eq!(shared.store.calibration("chat"), None);
+    models.resolve("chat").unwrap().shutdown(true).await;
+    cancel.cancel();
+}
+
+/// `preload = "awake"`, stopped by an operator: a reload that changes its
+/// engine leaves it stopped (it does not take its GPUs back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_stop_outlasts_a_reload_that_changes_the_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, cancel) = boot(&sleeper("big", "awake", "", "1s"), shared(dir.path()));
+    wait_status(&models, "big", "a pid", |s| s.pid.is_some()).await;
+    models.command("big", Command::Stop).await.unwrap();
+    wait_status(&models, "big", "stopped", |s| s.state == State::Stopped).await;
+    let config = Config::parse(&sleeper("big", "awake", "\"--x\"", "1s"), "c.toml").unwrap();
+    let s = models.reload(&config).await.unwrap();
+    assert_eq!(s.changed, ["big"]);
+    // The new task's first step has run once it answers an event.
+    let h = models.resolve("big").unwrap();
+    let s = h.send(Event::Tick).await.unwrap();
+    assert_eq!(
+        (s.state, s.pid, s.intent.desired, s.intent.reason),
+        (State::Stopped, None, Desired::Stopped, Reason::Operator),
+        "{s:#?}"
+    );
     cancel.cancel();
 }

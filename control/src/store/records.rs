@@ -2,7 +2,7 @@
 //! calibration. Serialised as JSON values inside redb tables.
 
 use crate::reconciler::{Average, Calibration, Desired, Intent, ModelState, Pin, Reason};
-use crate::status::Clock;
+use crate::status::{Clock, ModelStatus, PinView};
 use serde::{Deserialize, Serialize};
 
 /// One model's persisted intent.
@@ -39,14 +39,18 @@ fn reason_name(r: Reason) -> &'static str {
     }
 }
 
+fn desired_name(d: Desired) -> (&'static str, u8) {
+    match d {
+        Desired::Stopped => ("stopped", 0),
+        Desired::Awake => ("awake", 0),
+        Desired::Asleep(l) => ("asleep", l),
+        Desired::Suspended => ("suspended", 0),
+    }
+}
+
 impl IntentRecord {
     pub fn from_state(m: &ModelState, clock: &Clock) -> Self {
-        let (desired, level) = match m.intent.desired {
-            Desired::Stopped => ("stopped", 0),
-            Desired::Awake => ("awake", 0),
-            Desired::Asleep(l) => ("asleep", l),
-            Desired::Suspended => ("suspended", 0),
-        };
+        let (desired, level) = desired_name(m.intent.desired);
         Self {
             desired: desired.into(),
             level,
@@ -60,6 +64,26 @@ impl IntentRecord {
             },
             restarts: m.restarts,
             last_activity_unix_ms: m.last_activity.map_or(0, |t| clock.unix_ms(t)),
+        }
+    }
+
+    /// The record of a published status: what a model wanted (and was
+    /// pinned), with its restart count and last activity.
+    pub fn from_status(s: &ModelStatus) -> Self {
+        let (desired, level) = desired_name(s.intent.desired);
+        Self {
+            desired: desired.into(),
+            level,
+            reason: reason_name(s.intent.reason).into(),
+            since_unix_ms: s.intent.since_unix_ms,
+            until_unix_ms: s.intent.until_unix_ms.unwrap_or(0),
+            pinned_until_unix_ms: match s.pin {
+                PinView::None => 0,
+                PinView::Forever => i64::MAX,
+                PinView::Until(t) => t,
+            },
+            restarts: s.restarts,
+            last_activity_unix_ms: s.last_activity_unix_ms.unwrap_or(0),
         }
     }
 
