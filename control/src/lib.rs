@@ -24,4 +24,5 @@ pub(crate) mod web;
 
 pub use config::Config;
 pub use error::{Error, OpError};
+pub use runner::StopBound;
 pub use server::{ServeOptions, Server};

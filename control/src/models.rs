@@ -84,6 +84,7 @@ impl Models {
             let found = adopted.remove(&m.name);
             models.add(m.clone(), placements.get(&m.name).cloned(), found, false)?;
         }
+        models.shared.stop_bound.set(&config.models);
         // Every model's first state (adopted engines as found) is in the
         // hub: admission may plan over it now, not before.
         models.shared.admission.start_planning();
@@ -555,6 +556,7 @@ impl Models {
         if let Some(v) = &view {
             self.shared.hub.set_placement(v.placement(&self.list()));
         }
+        self.shared.stop_bound.set(&config.models);
         Ok(s)
     }
 

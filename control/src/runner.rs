@@ -12,7 +12,7 @@ use crate::reconciler::{Effect, Event, ModelState, Phase, Settings, step};
 use crate::recovery::Adopted;
 use crate::status::{Clock, Endpoint, EngineFacts, ModelStatus, model_status};
 use crate::store::Store;
-use crate::supervisor::{LogRing, ProcHandle, StartLocks, free_port};
+use crate::supervisor::{KILL_WAIT, LogRing, ProcHandle, StartLocks, free_port};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,6 +42,41 @@ pub struct Shared {
     pub engine_idle_timeout: Duration,
     /// What every proxy confirmed it stopped forwarding (before a suspend).
     pub fences: Arc<crate::fence::Fences>,
+    /// How long the model tasks may take to end (kept by `Models`).
+    pub stop_bound: StopBound,
+}
+
+/// The longest the model tasks may take to end once cancelled, stopping
+/// their engines (they end at once, so the longest one's [`Runner::end`]),
+/// for the models configured now: a reload moves it. What `siesta up`
+/// gives its control plane before it exits.
+#[derive(Debug, Clone, Default)]
+pub struct StopBound(Arc<std::sync::atomic::AtomicU64>);
+
+impl StopBound {
+    pub(crate) fn for_models(models: &[ModelConfig]) -> StopBound {
+        let bound = StopBound::default();
+        bound.set(models);
+        bound
+    }
+
+    pub fn get(&self) -> Duration {
+        Duration::from_millis(self.0.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    pub(crate) fn set(&self, models: &[ModelConfig]) {
+        let longest = models.iter().map(end_bound).max().unwrap_or_default();
+        let ms = u64::try_from(longest.as_millis()).unwrap_or(u64::MAX);
+        self.0.store(ms, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The longest [`Runner::end`] of `cfg`'s task may take when it stops the
+/// engine: the spawn tasks on their way end, an engine one launched
+/// meanwhile is killed, then SIGTERM, the stop grace, SIGKILL, the reaping
+/// and the sweep of the group.
+fn end_bound(cfg: &ModelConfig) -> Duration {
+    SPAWN_END_WAIT + KILL_WAIT + cfg.timeouts.stop_grace + KILL_WAIT
 }
 
 pub use crate::placement::Placed;

@@ -8,7 +8,7 @@ use crate::api::watch::{WatchRoute, WatchSvc};
 use crate::gpu_view::GpuView;
 use crate::hub::{Body, Hub};
 use crate::models::Models;
-use crate::runner::Shared;
+use crate::runner::{Shared, StopBound};
 use crate::status::Clock;
 use crate::store::Store;
 use crate::supervisor::StartLocks;
@@ -47,6 +47,7 @@ pub struct Server {
     store: Arc<Store>,
     /// `[control] web_listen`, bound.
     web: Option<TcpListener>,
+    stop_bound: StopBound,
 }
 
 /// The bearer token: `[control] token`, else `SIESTA_TOKEN`.
@@ -85,6 +86,7 @@ impl Server {
             Some(a) => Some(crate::web::bind(a, token.as_deref()).await?),
             None => None,
         };
+        let stop_bound = StopBound::for_models(&config.models);
         Ok(Server {
             config,
             opts,
@@ -93,6 +95,7 @@ impl Server {
             token,
             store,
             web,
+            stop_bound,
         })
     }
 
@@ -106,6 +109,13 @@ impl Server {
         self.local_addr
     }
 
+    /// How long [`Server::run`] may take to end once told to, stopping
+    /// engines if asked (SIGKILL after each one's `stop_grace`): up to the
+    /// longest model's end, as configured now (reloads included).
+    pub fn stop_bound(&self) -> StopBound {
+        self.stop_bound.clone()
+    }
+
     /// Serves until `shutdown` is cancelled; then ends streams, and stops
     /// engines only with `stop_engines_on_exit`.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), Error> {
@@ -117,6 +127,7 @@ impl Server {
             token,
             store,
             web,
+            stop_bound,
         } = self;
         // Before anything starts, so a failure leaves nothing running.
         let hup = siesta_signal::reload_signal()?;
@@ -174,6 +185,7 @@ impl Server {
             ),
             engine_idle_timeout: config.control.engine_idle_timeout,
             fences: Default::default(),
+            stop_bound,
         });
         let tasks = shutdown.child_token();
         let placed = gpus.placed();

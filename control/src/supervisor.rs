@@ -142,17 +142,20 @@ impl ProcHandle {
         *self.exited.borrow()
     }
 
-    /// SIGKILL to the group, then wait until the leader is reaped and the
-    /// rest of the group is gone ([`sweep_group`]).
+    /// SIGKILL to the group, then wait (up to [`KILL_WAIT`]) until the
+    /// leader is reaped and the rest of the group is gone ([`sweep_group`]).
     pub async fn kill_and_wait(&self) {
         if !self.has_exited() {
             self.signal(NixSignal::SIGKILL);
             let mut rx = self.exited.clone();
-            let reaped_and_swept = Duration::from_secs(10) + SWEEP_DEADLINE;
-            let _ = tokio::time::timeout(reaped_and_swept, rx.wait_for(|e| *e)).await;
+            let _ = tokio::time::timeout(KILL_WAIT, rx.wait_for(|e| *e)).await;
         }
     }
 }
+
+/// How long [`ProcHandle::kill_and_wait`] waits for the leader to be
+/// reaped and then the rest of its group to be gone.
+pub const KILL_WAIT: Duration = Duration::from_secs(10).saturating_add(SWEEP_DEADLINE);
 
 pub(crate) fn file_name(name: &str) -> String {
     name.chars()

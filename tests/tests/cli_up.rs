@@ -260,6 +260,58 @@ async fn ctrl_c_finishes_streams_and_answers_held_requests_at_once() {
     .await;
 }
 
+/// Ctrl-C with an engine that ignores SIGTERM (its `stop_grace` longer
+/// than the 30 s `up` used to give the control plane): `up` waits for the
+/// SIGKILL after the grace and the sweep of the engine's process group,
+/// and exits with nothing left holding its GPUs.
+#[tokio::test]
+async fn ctrl_c_kills_an_engine_that_ignores_sigterm_after_its_stop_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("stubborn.toml");
+    // The group leader ignores SIGTERM (as do its `sleep`s); the server it
+    // runs does not, so the model is awake until the signal.
+    let script = "trap '' TERM; \"$0\" --personality openai serve stubborn \
+                  --host \"$1\" --port \"$2\" & while :; do sleep 1; done";
+    std::fs::write(
+        &config,
+        format!(
+            "[control]\nstate_dir = {:?}\n\n[[model]]\nname = \"stubborn\"\n\
+             model = \"org/stubborn\"\nengine = \"openai\"\npreload = \"awake\"\n\
+             command = [\"sh\", \"-c\", {script:?}, {fake:?}]\n\
+             args = [\"{{host}}\", \"{{port}}\"]\nstop_grace = \"32s\"\n",
+            dir.path().join("state"),
+            fake = bin_path("fake-vllm"),
+        ),
+    )
+    .unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let mut up = spawn_up_with(
+        dir.path(),
+        &addr_file,
+        &["--config", config.to_str().unwrap()],
+    );
+    let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
+    let grpc = addrs[2];
+    wait_until("stubborn awake", DEADLINE, || async {
+        model(&status(grpc), "stubborn")["state"] == "awake"
+    })
+    .await;
+    // The engine leads its own process group.
+    let pgid = model(&status(grpc), "stubborn")["pid"].as_i64().unwrap() as i32;
+    assert!(!siesta_tests::group_members(pgid).is_empty());
+    up.signal(Signal::SIGINT);
+    let status = up.wait_exit(Duration::from_secs(150)).await;
+    let text = up.output().text();
+    assert!(status.success(), "{status}: {text}");
+    let group = || {
+        let left = siesta_tests::group_members(pgid);
+        async move { left.is_empty() }
+    };
+    let what = format!("stubborn's engine (process group {pgid}) gone");
+    wait_until(&what, Duration::from_secs(5), group).await;
+    assert!(!text.contains("took longer"), "{text}");
+}
+
 /// An address file that cannot be written ends `up` at once, exit 1, with a
 /// message naming the file (after stopping what it had started).
 #[tokio::test]

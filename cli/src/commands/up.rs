@@ -6,7 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use siesta_control::config::Config;
-use siesta_control::{ServeOptions, Server};
+use siesta_control::{ServeOptions, Server, StopBound};
 use siesta_proto::v1 as pb;
 use siesta_proxy::{Proxy, ProxyConfig};
 use tokio::task::JoinHandle;
@@ -21,8 +21,13 @@ use crate::render;
 
 /// How long each half gets to finish after Ctrl-C: first the proxy (held
 /// requests answered at once, those in flight finish on running engines),
-/// then the control plane (engines stop).
+/// then the control plane (engines stop), which gets at least its own
+/// bound: each engine is SIGKILLed after its `stop_grace`, and `up` must
+/// not exit before (an engine that ignores SIGTERM would keep its GPUs).
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// Beyond the control plane's bound: its gRPC server and tasks ending.
+const CONTROL_MARGIN: Duration = Duration::from_secs(5);
 
 /// How long requests in flight may take to finish after Ctrl-C.
 const PROXY_DRAIN: Duration = Duration::from_secs(10);
@@ -60,6 +65,7 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         .map_err(|e| Failure::Failed(format!("siesta-control: {e}")))?;
     let grpc = server.local_addr();
     let web = server.web_addr();
+    let stop_bound = server.stop_bound();
     let control_url = format!("http://{}", loopback_for(grpc));
     let proxy = Proxy::bind(ProxyConfig {
         controls: vec![control_url.clone()],
@@ -78,6 +84,7 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     let halves = Halves {
         stop_proxy: CancellationToken::new(),
         stop_control: CancellationToken::new(),
+        stop_bound,
     };
     let mut control_task = tokio::spawn(server.run(halves.stop_control.clone()));
     let mut proxy_task = tokio::spawn(proxy.run(halves.stop_proxy.clone()));
@@ -137,27 +144,36 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
 struct Halves {
     stop_proxy: CancellationToken,
     stop_control: CancellationToken,
+    /// The control plane's own bound on its end (reloads included).
+    stop_bound: StopBound,
 }
 
 impl Halves {
     async fn stop<P, C>(&self, proxy: &mut JoinHandle<P>, control: &mut JoinHandle<C>) {
         self.stop_proxy.cancel();
-        finish("siesta-proxy", proxy).await;
+        finish("siesta-proxy", proxy, SHUTDOWN_GRACE).await;
         self.stop_control.cancel();
-        finish("siesta-control", control).await;
+        let grace = control_grace(self.stop_bound.get());
+        finish("siesta-control", control, grace).await;
     }
 }
 
-/// Waits (within [`SHUTDOWN_GRACE`]) for a half that was told to stop.
-async fn finish<T>(what: &str, task: &mut JoinHandle<T>) {
+/// What the control plane gets to stop: its bound (with a margin), at
+/// least [`SHUTDOWN_GRACE`].
+fn control_grace(bound: Duration) -> Duration {
+    SHUTDOWN_GRACE.max(bound + CONTROL_MARGIN)
+}
+
+/// Waits (within `grace`) for a half that was told to stop.
+async fn finish<T>(what: &str, task: &mut JoinHandle<T>, grace: Duration) {
     // A half that ended early was already awaited: never poll it again.
     if task.is_finished() {
         return;
     }
-    if tokio::time::timeout(SHUTDOWN_GRACE, task).await.is_err() {
+    if tokio::time::timeout(grace, task).await.is_err() {
         eprintln!(
             "siesta: {what} took longer than {} to stop; going on",
-            render::duration(SHUTDOWN_GRACE.as_millis() as u64)
+            render::duration(grace.as_millis() as u64)
         );
     }
 }

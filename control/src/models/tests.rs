@@ -1,5 +1,6 @@
 //! Reloads: the settings a reload does not apply are named; a changed
-//! model's new engine goes on from its old one's intent, pin and history.
+//! model's new engine goes on from its old one's intent, pin and history;
+//! the stop bound `siesta up` waits for follows the stop grace.
 
 use super::*;
 use crate::hub::Hub;
@@ -22,6 +23,7 @@ fn shared(dir: &std::path::Path) -> Arc<Shared> {
         admission: crate::admission::Admission::open(),
         engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
         fences: Default::default(),
+        stop_bound: Default::default(),
     })
 }
 
@@ -194,5 +196,20 @@ async fn an_operator_stop_outlasts_a_reload_that_changes_the_engine() {
         (State::Stopped, None, Desired::Stopped, Reason::Operator),
         "{s:#?}"
     );
+    cancel.cancel();
+}
+
+/// What `siesta up` gives the control plane to stop follows the models'
+/// stop grace, reloads included.
+#[tokio::test]
+async fn the_stop_bound_follows_the_stop_grace_through_reloads() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = shared(dir.path());
+    let (models, cancel) = boot(&sleeper("m", "none", "", "1s"), shared.clone());
+    let before = shared.stop_bound.get();
+    assert!(before > Duration::from_secs(1), "{before:?}");
+    let config = Config::parse(&sleeper("m", "none", "", "100s"), "c.toml").unwrap();
+    models.reload(&config).await.unwrap();
+    assert_eq!(shared.stop_bound.get() - before, Duration::from_secs(99));
     cancel.cancel();
 }

@@ -20,6 +20,7 @@ fn shared(dir: &std::path::Path) -> Arc<Shared> {
         admission: crate::admission::Admission::open(),
         engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
         fences: Default::default(),
+        stop_bound: Default::default(),
     })
 }
 
