@@ -266,21 +266,8 @@ impl Forwarder {
         let sent = Instant::now();
         let mut result = match gate {
             None => conn.send(&head, &parts.headers, &body).await,
-            Some(gate) => {
-                // Given back at the answer's head (a released queue leaves
-                // at the engine's pace, not all at once) or after
-                // `GATE_HOLD_MAX` (a long generation holds no other request
-                // back), whichever comes first.
-                let send = conn.send(&head, &parts.headers, &body);
-                tokio::pin!(send);
-                tokio::select! {
-                    r = &mut send => r,
-                    () = tokio::time::sleep(crate::hold::GATE_HOLD_MAX) => {
-                        drop(gate);
-                        send.await
-                    }
-                }
-            }
+            // Boxed: the timer stays out of every other request's future.
+            Some(gate) => Box::pin(send_gated(&mut conn, &head, &parts.headers, &body, gate)).await,
         };
         let mut first_error = None;
         if let Err(e) = &result
@@ -333,6 +320,28 @@ impl Forwarder {
                 }
                 None => Err(ForwardError::Other(e.to_string())),
             },
+        }
+    }
+}
+
+/// Sends a released held request, giving its way-out place (`gate`) back
+/// at the answer's head (a released queue leaves at the engine's pace, not
+/// all at once) or after [`crate::hold::GATE_HOLD_MAX`] (a long generation
+/// holds no other request back), whichever comes first.
+async fn send_gated(
+    conn: &mut UpstreamConn,
+    head: &RequestHead<'_>,
+    headers: &http::HeaderMap,
+    body: &Bytes,
+    gate: OwnedSemaphorePermit,
+) -> Result<http::response::Parts, UpstreamError> {
+    let send = conn.send(head, headers, body);
+    tokio::pin!(send);
+    tokio::select! {
+        r = &mut send => r,
+        () = tokio::time::sleep(crate::hold::GATE_HOLD_MAX) => {
+            drop(gate);
+            send.await
         }
     }
 }
