@@ -583,7 +583,7 @@ const SPAWN_END_WAIT: Duration =
     Duration::from_secs(15).saturating_add(crate::supervisor::SWEEP_DEADLINE);
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 /// A fraction of the poll period in [0, 1), fixed per model name.
 fn poll_phase(name: &str) -> f64 {

@@ -542,24 +542,8 @@ pub fn state_name(s: ModelState) -> &'static str {
 
 #[cfg(test)]
 mod tests {
-    use siesta_proto::v1::{Endpoint, ModelStatus, Snapshot, WatchEvent, watch_event};
-
     use super::*;
-
-    fn status(state: ModelState, urls: &[&str]) -> ModelStatus {
-        ModelStatus {
-            name: "m".into(),
-            state: state as i32,
-            endpoints: urls
-                .iter()
-                .map(|u| Endpoint {
-                    url: (*u).into(),
-                    served_model_name: String::new(),
-                })
-                .collect(),
-            ..Default::default()
-        }
-    }
+    use crate::route_table::tests::{event, snapshot, status};
 
     /// A request that read the route while the model was asleep and queued
     /// itself just after the model woke (its release came and went with the
@@ -569,25 +553,13 @@ mod tests {
         let activity = Arc::new(Activity::default());
         let table = Arc::new(RouteTable::new(activity.clone()));
         let src: crate::route_table::SourceId = Arc::from("http://c");
-        let asleep = WatchEvent {
-            revision: 1,
-            kind: Some(watch_event::Kind::Snapshot(Snapshot {
-                models: vec![status(ModelState::Asleep, &[])],
-                ..Default::default()
-            })),
-            ..Default::default()
-        };
-        table.apply(&src, asleep);
+        table.apply(
+            &src,
+            snapshot(1, vec![status("m", ModelState::Asleep, &[])]),
+        );
         let stale = table.view().by_name["m"].clone();
-        let awake = WatchEvent {
-            revision: 2,
-            kind: Some(watch_event::Kind::Model(status(
-                ModelState::Awake,
-                &["http://127.0.0.1:9"],
-            ))),
-            ..Default::default()
-        };
-        assert!(table.apply(&src, awake));
+        let awake = status("m", ModelState::Awake, &["http://127.0.0.1:9"]);
+        assert!(table.apply(&src, event(2, awake)));
         // No release task runs: the awake view's release has come and gone.
         let holds = Arc::new(Holds::new(
             table,

@@ -396,4 +396,4 @@ fn new_upstream(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -346,24 +346,14 @@ async fn watch_once(
 
 #[cfg(test)]
 mod tests {
-    use siesta_proto::v1::{ModelState, ModelStatus, Snapshot, WatchEvent, watch_event};
+    use siesta_proto::v1::{ModelState, WatchEvent};
 
     use super::*;
     use crate::activity::Activity;
+    use crate::route_table::tests::status;
 
     fn snapshot() -> WatchEvent {
-        WatchEvent {
-            revision: 1,
-            kind: Some(watch_event::Kind::Snapshot(Snapshot {
-                models: vec![ModelStatus {
-                    name: "m".into(),
-                    state: ModelState::Asleep as i32,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            })),
-            ..Default::default()
-        }
+        crate::route_table::tests::snapshot(1, vec![status("m", ModelState::Asleep, &[])])
     }
 
     fn setup() -> (WatchCtx, ControlUrl, Addresses, SourceId) {

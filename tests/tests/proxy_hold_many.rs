@@ -35,6 +35,39 @@ async fn held_gauge(admin: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// A proxy watching `control`, once it knows `model`.
+async fn proxy_knowing(
+    control: &siesta_tests::ControlProc,
+    model: &str,
+) -> siesta_tests::ProxyProc {
+    let proxy = spawn_proxy(&[control.url()], &[]).await;
+    wait_until(&format!("proxy knows {model}"), DEADLINE, || async {
+        matches!(reqwest::get(format!("{}/v1/models/{model}", proxy.url())).await,
+            Ok(r) if r.status() == 200)
+    })
+    .await;
+    proxy
+}
+
+/// POSTs `body` (JSON) to `url` in a task: its status and body text.
+fn post_json(
+    http: &reqwest::Client,
+    url: &str,
+    body: String,
+) -> tokio::task::JoinHandle<Result<(u16, String), reqwest::Error>> {
+    let (http, url) = (http.clone(), url.to_owned());
+    tokio::spawn(async move {
+        let r = http
+            .post(&url)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await?;
+        let status = r.status().as_u16();
+        Ok((status, r.text().await?))
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_thousand_held_requests_are_all_answered_once() {
     let n = HELD.min(raise_fd_limit().saturating_sub(300) as usize);
@@ -65,16 +98,11 @@ async fn two_thousand_held_requests_are_all_answered_once() {
         status().await.state() == ModelState::Asleep
     })
     .await;
-    let proxy = spawn_proxy(&[control.url()], &[]).await;
+    let proxy = proxy_knowing(&control, "sleepy").await;
     let (url, admin) = (
         format!("{}/v1/chat/completions", proxy.url()),
         proxy.admin_url(),
     );
-    wait_until("proxy knows sleepy", DEADLINE, || async {
-        matches!(reqwest::get(format!("{}/v1/models/sleepy", proxy.url())).await,
-            Ok(r) if r.status() == 200)
-    })
-    .await;
 
     // Every request on its own connection, all held during the 10 s wake.
     let http = reqwest::Client::builder()
@@ -90,18 +118,7 @@ async fn two_thousand_held_requests_are_all_answered_once() {
     let mut tasks = Vec::with_capacity(n);
     while tasks.len() < n {
         for _ in 0..100.min(n - tasks.len()) {
-            let (http, url, body) = (http.clone(), url.clone(), body.clone());
-            tasks.push(tokio::spawn(async move {
-                let r = http
-                    .post(&url)
-                    .header("content-type", "application/json")
-                    .body(body)
-                    .send()
-                    .await?;
-                let status = r.status().as_u16();
-                let text = r.text().await?;
-                Ok::<_, reqwest::Error>((status, text))
-            }));
+            tasks.push(post_json(&http, &url, body.clone()));
         }
         let sent = tasks.len() as f64;
         wait_until(&format!("{sent} held"), DEADLINE, || async {
@@ -182,32 +199,16 @@ async fn long_generations_do_not_hold_back_other_released_requests() {
         })
         .await;
     }
-    let proxy = spawn_proxy(&[control.url()], &[]).await;
+    let proxy = proxy_knowing(&control, "quick").await;
     let url = format!("{}/v1/chat/completions", proxy.url());
-    wait_until("proxy knows both", DEADLINE, || async {
-        matches!(reqwest::get(format!("{}/v1/models/quick", proxy.url())).await,
-            Ok(r) if r.status() == 200)
-    })
-    .await;
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
         .build()
         .unwrap();
     let ask = |model: &str, tokens: u32| {
-        let (http, url) = (http.clone(), url.clone());
         let body = json!({"model": model, "max_tokens": tokens, "ignore_eos": true,
-            "messages": [{"role": "user", "content": "hi"}]})
-        .to_string();
-        tokio::spawn(async move {
-            let r = http
-                .post(&url)
-                .header("content-type", "application/json")
-                .body(body)
-                .send()
-                .await?;
-            let status = r.status().as_u16();
-            Ok::<_, reqwest::Error>((status, r.text().await?))
-        })
+            "messages": [{"role": "user", "content": "hi"}]});
+        post_json(&http, &url, body.to_string())
     };
     // Each `slow` answer takes 10 minutes (3,000 tokens at 5 a second): none
     // ends during the test.

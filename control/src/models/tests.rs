@@ -3,29 +3,7 @@
 //! the stop bound `siesta up` waits for follows the stop grace.
 
 use super::*;
-use crate::hub::Hub;
-use crate::status::Clock;
-use crate::store::Store;
-use crate::supervisor::StartLocks;
-
-fn shared(dir: &std::path::Path) -> Arc<Shared> {
-    let clock = Clock::new();
-    Arc::new(Shared {
-        hub: Hub::new(clock, 100, 100),
-        clock,
-        locks: StartLocks::default(),
-        store: Store::open(dir).unwrap(),
-        log_dir: dir.join("logs"),
-        control_id: "test".into(),
-        poll_every: Duration::from_secs(1),
-        cuda_checkpoint: crate::checkpoint::default_tool(),
-        stop_engines_on_exit: false,
-        admission: crate::admission::Admission::open(),
-        engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
-        fences: Default::default(),
-        stop_bound: Default::default(),
-    })
-}
+use crate::runner::tests::shared;
 
 const BOOT: &str = "[control]\ntoken = \"old\"\n[defaults]\nmax_queue = 8\n";
 

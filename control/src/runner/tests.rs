@@ -5,7 +5,9 @@ use super::*;
 use crate::config::Config;
 use crate::status::State;
 
-fn shared(dir: &std::path::Path) -> Arc<Shared> {
+/// The model tasks' shared state over a store in `dir` (also for the
+/// models' tests).
+pub(crate) fn shared(dir: &std::path::Path) -> Arc<Shared> {
     let clock = Clock::new();
     Arc::new(Shared {
         hub: Hub::new(clock, 100, 100),
@@ -68,24 +70,25 @@ backoff_max = "2m"
     h.join().await;
 }
 
-/// A restart while the first spawn still waits for the GPU's start lock
-/// cancels that spawn: once the lock is free only the new generation's
-/// engine is launched (the lock is FIFO, so a stale spawn would go first).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_restart_before_the_spawn_lands_launches_one_engine() {
-    let dir = tempfile::tempdir().unwrap();
-    let text = r#"
-[[model]]
-name = "m"
-model = "m"
-command = ["sh", "-c", "exec sleep 60", "engine"]
-gpus = 0
-preload = "awake"
-stop_grace = "5s"
-"#;
-    let cfg = Config::parse(text, "t.toml").unwrap().models.remove(0);
-    let shared = shared(dir.path());
-    // Someone else is starting on GPU 0: the model's spawn waits.
+/// A model (`sh` sleeping, `extra` TOML lines added) whose spawn waits for
+/// GPU 0's start lock, held by "someone else" (the returned guard): its
+/// task, once Starting.
+async fn waiting_for_the_start_lock(
+    dir: &std::path::Path,
+    extra: &str,
+) -> (
+    ModelHandle,
+    Vec<tokio::sync::OwnedMutexGuard<()>>,
+    CancellationToken,
+    tokio::sync::watch::Receiver<ModelStatus>,
+) {
+    let text = format!(
+        "[[model]]\nname = \"m\"\nmodel = \"m\"\n\
+         command = [\"sh\", \"-c\", \"exec sleep 60\", \"engine\"]\n\
+         gpus = 0\npreload = \"awake\"\n{extra}\n"
+    );
+    let cfg = Config::parse(&text, "t.toml").unwrap().models.remove(0);
+    let shared = shared(dir);
     let held = shared.locks.acquire(&[0]).await;
     let placed = Placed {
         gpus: vec![0],
@@ -95,6 +98,18 @@ stop_grace = "5s"
     let h = spawn_model(cfg, placed, shared, cancel.clone()).unwrap();
     let mut rx = h.status.clone();
     rx.wait_for(|s| s.state == State::Starting).await.unwrap();
+    (h, held, cancel, rx)
+}
+
+/// A restart while the first spawn still waits for the GPU's start lock
+/// cancels that spawn: once the lock is free only the new generation's
+/// engine is launched (the lock is FIFO, so a stale spawn would go first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_before_the_spawn_lands_launches_one_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    // Someone else is starting on GPU 0: the model's spawn waits.
+    let (h, held, cancel, mut rx) =
+        waiting_for_the_start_lock(dir.path(), "stop_grace = \"5s\"").await;
     let s = h
         .send(Event::Command(crate::reconciler::Command::Restart))
         .await
@@ -129,27 +144,9 @@ stop_grace = "5s"
 #[tokio::test(start_paused = true)]
 async fn a_start_admitted_then_waiting_for_the_start_lock_is_not_given_up_for_room() {
     let dir = tempfile::tempdir().unwrap();
-    let text = r#"
-[[model]]
-name = "m"
-model = "m"
-command = ["sh", "-c", "exec sleep 60", "engine"]
-gpus = 0
-preload = "awake"
-start_timeout = "10m"
-"#;
-    let cfg = Config::parse(text, "t.toml").unwrap().models.remove(0);
-    let shared = shared(dir.path());
     // Someone else is starting on GPU 0 all along: the spawn never comes.
-    let _held = shared.locks.acquire(&[0]).await;
-    let placed = Placed {
-        gpus: vec![0],
-        ..Placed::default()
-    };
-    let cancel = CancellationToken::new();
-    let h = spawn_model(cfg, placed, shared, cancel.clone()).unwrap();
-    let mut rx = h.status.clone();
-    rx.wait_for(|s| s.state == State::Starting).await.unwrap();
+    let (h, _held, cancel, mut rx) =
+        waiting_for_the_start_lock(dir.path(), "start_timeout = \"10m\"").await;
     let started = Instant::now();
     let s = rx
         .wait_for(|s| s.state != State::Starting)

@@ -1,7 +1,8 @@
 use super::*;
 use siesta_proto::v1::{Endpoint, Snapshot};
 
-fn status(name: &str, state: ModelState, urls: &[&str]) -> ModelStatus {
+/// A model's status as a control plane sends it (also for other modules' tests).
+pub(crate) fn status(name: &str, state: ModelState, urls: &[&str]) -> ModelStatus {
     ModelStatus {
         name: name.into(),
         state: state as i32,
@@ -16,7 +17,7 @@ fn status(name: &str, state: ModelState, urls: &[&str]) -> ModelStatus {
     }
 }
 
-fn snapshot(rev: u64, models: Vec<ModelStatus>) -> WatchEvent {
+pub(crate) fn snapshot(rev: u64, models: Vec<ModelStatus>) -> WatchEvent {
     WatchEvent {
         revision: rev,
         kind: Some(watch_event::Kind::Snapshot(Snapshot {
@@ -27,7 +28,7 @@ fn snapshot(rev: u64, models: Vec<ModelStatus>) -> WatchEvent {
     }
 }
 
-fn event(rev: u64, m: ModelStatus) -> WatchEvent {
+pub(crate) fn event(rev: u64, m: ModelStatus) -> WatchEvent {
     WatchEvent {
         revision: rev,
         kind: Some(watch_event::Kind::Model(m)),
