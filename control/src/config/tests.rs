@@ -130,6 +130,26 @@ aliases = ["a"]
 }
 
 #[test]
+fn names_that_share_log_files_are_refused() {
+    let text = r#"
+[[model]]
+name = "qwen.8b"
+model = "m"
+[[model]]
+name = "qwen_8b"
+model = "m"
+"#;
+    let err = Config::parse(text, "x.toml").unwrap_err().to_string();
+    assert!(
+        err.contains(
+            "x.toml: model[1].name: \"qwen_8b\" would share its engine log files \
+             (qwen_8b.stdout.log) with model[0] (\"qwen.8b\"); rename one"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
 fn syntax_errors_name_the_line() {
     let err = Config::parse("[control]\nlisten = \n", "bad.toml")
         .unwrap_err()

@@ -389,6 +389,27 @@ fn check_names(p: &mut Problems, models: &[(usize, ModelConfig)]) {
             }
         }
     }
+    // Engine log files are named after the model with anything but
+    // letters, digits and `-` folded to `_`: two such names would write
+    // (and `siesta logs` read) one file.
+    let mut files: BTreeMap<String, (usize, &str)> = BTreeMap::new();
+    for (i, m) in models {
+        let file = crate::supervisor::file_name(&m.name);
+        match files.get(&file) {
+            Some((j, other)) if *other != m.name => p.push(
+                format!("model[{i}].name"),
+                format!(
+                    "{:?} would share its engine log files ({file}.stdout.log) with \
+                     model[{j}] ({other:?}); rename one",
+                    m.name
+                ),
+            ),
+            Some(_) => {}
+            None => {
+                files.insert(file, (*i, &m.name));
+            }
+        }
+    }
 }
 
 /// Two listeners on one port whose addresses overlap: the second engine
