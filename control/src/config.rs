@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use kind::{Capabilities, EngineKind};
+pub use validate::log_file_stem;
 
 /// The whole configuration, with `[defaults]` already applied to each model.
 #[derive(Debug, Clone, PartialEq)]

@@ -157,27 +157,16 @@ impl ProcHandle {
 /// reaped and then the rest of its group to be gone.
 pub const KILL_WAIT: Duration = Duration::from_secs(10).saturating_add(SWEEP_DEADLINE);
 
-pub(crate) fn file_name(name: &str) -> String {
-    name.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
-}
-
-/// The engine's output files: `log_dir/NAME.{stdout,stderr}.log`.
+/// The engine's output files: `log_dir/NAME.{stdout,stderr}.log` (NAME as
+/// [`crate::config::log_file_stem`] folds it).
 pub fn log_paths(name: &str, log_dir: &Path) -> [(PathBuf, &'static str); 2] {
     [
         (
-            log_dir.join(format!("{}.stdout.log", file_name(name))),
+            log_dir.join(format!("{}.stdout.log", crate::config::log_file_stem(name))),
             "stdout",
         ),
         (
-            log_dir.join(format!("{}.stderr.log", file_name(name))),
+            log_dir.join(format!("{}.stderr.log", crate::config::log_file_stem(name))),
             "stderr",
         ),
     ]

@@ -394,7 +394,7 @@ fn check_names(p: &mut Problems, models: &[(usize, ModelConfig)]) {
     // (and `siesta logs` read) one file.
     let mut files: BTreeMap<String, (usize, &str)> = BTreeMap::new();
     for (i, m) in models {
-        let file = crate::supervisor::file_name(&m.name);
+        let file = log_file_stem(&m.name);
         match files.get(&file) {
             Some((j, other)) if *other != m.name => p.push(
                 format!("model[{i}].name"),
@@ -410,6 +410,20 @@ fn check_names(p: &mut Problems, models: &[(usize, ModelConfig)]) {
             }
         }
     }
+}
+
+/// A model's engine log files are `NAME.stdout.log` and `NAME.stderr.log`
+/// with anything in its name but letters, digits and `-` folded to `_`.
+pub fn log_file_stem(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 /// Two listeners on one port whose addresses overlap: the second engine
