@@ -137,6 +137,18 @@ async fn wake_wait_ends_when_the_control_plane_goes_silent() {
     control.terminate().await;
 }
 
+/// `name` on fake-vllm's simulated 10 GiB GPU whose holders are files in
+/// `gpu` (`gpu-0/PID` = bytes), so a test can take its memory.
+fn on_simulated_gpu(name: &str, gpu: &std::path::Path) -> String {
+    failing_model(
+        name,
+        &format!(
+            r#"env = {{ FAKE_VLLM_GPU_TOTAL_BYTES = "10737418240", FAKE_VLLM_GPU_DIR = "{}" }}"#,
+            gpu.display()
+        ),
+    )
+}
+
 #[tokio::test]
 async fn wake_wait_of_a_failing_model_exits_1_with_the_error() {
     let config = failing_model("broken", r#"args = ["--exit-during-startup"]"#);
@@ -170,13 +182,7 @@ async fn a_start_refused_for_memory_another_process_holds_says_why() {
         (8u64 << 30).to_string(),
     )
     .unwrap();
-    let config = failing_model(
-        "crowded",
-        &format!(
-            r#"env = {{ FAKE_VLLM_GPU_TOTAL_BYTES = "10737418240", FAKE_VLLM_GPU_DIR = "{}" }}"#,
-            gpu.path().display()
-        ),
-    );
+    let config = on_simulated_gpu("crowded", gpu.path());
     let mut control = spawn_control_with(&config, &["--stop-engines-on-exit"]).await;
     let run = at(&control, &["wake", "crowded", "--wait"]).await;
     assert_eq!(run.code, 1, "{run:#?}");
@@ -213,13 +219,7 @@ async fn a_start_refused_for_memory_another_process_holds_says_why() {
 #[tokio::test]
 async fn a_wake_that_runs_out_of_memory_says_why() {
     let gpu = tempfile::tempdir().unwrap();
-    let config = failing_model(
-        "m",
-        &format!(
-            r#"env = {{ FAKE_VLLM_GPU_TOTAL_BYTES = "10737418240", FAKE_VLLM_GPU_DIR = "{}" }}"#,
-            gpu.path().display()
-        ),
-    );
+    let config = on_simulated_gpu("m", gpu.path());
     let mut control = spawn_control_with(&config, &["--stop-engines-on-exit"]).await;
     at(&control, &["wake", "m", "--wait"]).await.ok();
     at(&control, &["sleep", "m", "--level", "1", "--wait"])
