@@ -14,7 +14,8 @@ use crate::placement::Placed;
 /// - openai: `<command...> <args...>` and nothing of siesta's, with
 ///   `{port}`, `{host}`, `{model}` and `{name}` replaced in every argument.
 ///
-/// Every kind gets the placement's `CUDA_VISIBLE_DEVICES` and the model's env.
+/// Every kind gets the placement's `CUDA_VISIBLE_DEVICES` and the model's
+/// env, less the variables siesta sets itself (siesta's value stands).
 pub fn spawn_spec(cfg: &ModelConfig, port: u16, placed: &Placed) -> SpawnSpec {
     let (command, host) = match &cfg.launch {
         Launch::Process { command, host, .. } => (command.clone(), host.clone()),
@@ -80,7 +81,16 @@ pub fn spawn_spec(cfg: &ModelConfig, port: u16, placed: &Placed) -> SpawnSpec {
         args.extend(more_args);
         env.extend(more_env);
     }
-    env.extend(cfg.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+    // What siesta sets wins over the model's `env`: `NCCL_P2P_DISABLE = "0"`
+    // must not turn P2P back on across a pair the probe found corrupting
+    // data, nor `VLLM_SERVER_DEV_MODE = "0"` take away the sleep endpoints.
+    let theirs: Vec<(String, String)> = cfg
+        .env
+        .iter()
+        .filter(|(k, _)| !env.iter().any(|(set, _)| set == *k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    env.extend(theirs);
     SpawnSpec {
         program: command[0].clone(),
         args,
@@ -142,6 +152,33 @@ mod tests {
             gpu_memory_utilization: 0.45,
             p2p_disabled: true,
         }
+    }
+
+    #[test]
+    fn the_models_env_cannot_undo_what_siesta_sets() {
+        let cfg = Config::demo(vec!["fake-vllm".into()]);
+        let mut m = cfg.models[0].clone();
+        m.env = [
+            ("NCCL_P2P_DISABLE", "0"),
+            ("VLLM_SERVER_DEV_MODE", "0"),
+            ("HF_HOME", "/models"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .into();
+        let values = |spec: &SpawnSpec, key: &str| -> Vec<String> {
+            let set = spec.env.iter().filter(|(k, _)| k == key);
+            set.map(|(_, v)| v.clone()).collect()
+        };
+        // A pair found corrupting data: P2P stays off.
+        let spec = spawn_spec(&m, 8000, &placed());
+        assert_eq!(values(&spec, "NCCL_P2P_DISABLE"), ["1"]);
+        assert_eq!(values(&spec, "VLLM_SERVER_DEV_MODE"), ["1"]);
+        assert_eq!(values(&spec, "HF_HOME"), ["/models"]);
+        // A healthy pair: siesta sets nothing, the operator's choice stands.
+        let mut healthy = placed();
+        healthy.p2p_disabled = false;
+        let spec = spawn_spec(&m, 8000, &healthy);
+        assert_eq!(values(&spec, "NCCL_P2P_DISABLE"), ["0"]);
     }
 
     #[test]
