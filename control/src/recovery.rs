@@ -20,7 +20,11 @@
 //! 4. the model's task starts from that state ([`crate::reconciler::adopt`])
 //!    with its restored intent and drives on from there.
 //!
-//! Intents of models no longer configured are forgotten.
+//! Intents of models no longer configured are forgotten, and engines this
+//! state directory's control plane started but has no record of (its store
+//! was lost) are stopped ([`orphans`]).
+
+mod orphans;
 
 use crate::config::{Config, Launch, ModelConfig};
 use crate::engine::EngineClient;
@@ -30,10 +34,10 @@ use crate::reconciler::Observed;
 use crate::store::{EngineRecord, Store};
 use crate::supervisor::{
     SWEEP_DEADLINE, TAG_ENV, command_hash, kill_group_leftovers, procfs, signal_group, spawn_spec,
-    sweep_group, wait_gone,
+    state_marker, sweep_group, wait_gone,
 };
 use nix::sys::signal::Signal;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -257,7 +261,9 @@ pub async fn recover(
     let mut adopted = BTreeMap::new();
     let mut waits = Vec::new();
     let mut probes = Vec::new();
-    for (name, rec) in store.engines() {
+    let records = store.engines();
+    let recorded: BTreeSet<String> = records.iter().map(|(_, r)| r.tag.clone()).collect();
+    for (name, rec) in records {
         let Some((pid, start_time)) = locate(&rec) else {
             // Its killed leftovers may still hold GPU memory a new engine
             // of the model is about to ask for.
@@ -309,7 +315,24 @@ pub async fn recover(
             (name, a)
         });
     }
-    for (name, a) in futures::future::join_all(probes).await {
+    // The longest grace any model is given: an unrecorded engine's model
+    // is not known for sure (its name is only in its tag).
+    let grace = config
+        .models
+        .iter()
+        .map(|m| m.timeouts.stop_grace)
+        .fold(config.defaults.timeouts.stop_grace, Duration::max);
+    let marker = state_marker(&config.control.state_dir);
+    let unrecorded = async {
+        if tokio::time::timeout(STOP_WAIT_MAX, orphans::stop(&marker, &recorded, grace))
+            .await
+            .is_err()
+        {
+            tracing::warn!("unrecorded engines still stopping after {STOP_WAIT_MAX:?}; going on");
+        }
+    };
+    let (probed, ()) = tokio::join!(futures::future::join_all(probes), unrecorded);
+    for (name, a) in probed {
         tracing::info!(model = %name, pid = a.pid, port = a.port, observed = ?a.observed, "adopting a running engine");
         adopted.insert(name, a);
     }

@@ -59,6 +59,21 @@ pub struct SpawnSpec {
 /// still found in `/proc`.
 pub const TAG_ENV: &str = "SIESTA_ENGINE_TAG";
 
+/// Environment variable naming the state directory of the control plane
+/// that spawned an engine: an engine whose record was lost with its store
+/// (moved aside as corrupt, or deleted) is still found as this state
+/// directory's, and told apart from another control plane's on the host.
+pub const STATE_ENV: &str = "SIESTA_STATE_DIR";
+
+/// The value of [`STATE_ENV`] for `state_dir`: its canonical path (as
+/// given when it cannot be resolved).
+pub fn state_marker(state_dir: &Path) -> String {
+    std::fs::canonicalize(state_dir)
+        .unwrap_or_else(|_| state_dir.to_path_buf())
+        .display()
+        .to_string()
+}
+
 /// A stable hash (FNV-1a, 64 bits, hex) of what is run: program, arguments
 /// and environment. An engine recorded with another hash is not adopted.
 pub fn command_hash(spec: &SpawnSpec) -> String {
@@ -172,7 +187,8 @@ pub fn log_paths(name: &str, log_dir: &Path) -> [(PathBuf, &'static str); 2] {
     ]
 }
 
-/// Spawns the engine in its own process group, with `SIESTA_ENGINE_TAG=tag`.
+/// Spawns the engine in its own process group, with `SIESTA_ENGINE_TAG=tag`
+/// and `SIESTA_STATE_DIR` naming the state directory `log_dir` is in.
 /// Output goes to `log_dir/NAME.{stdout,stderr}.log` (so an engine left
 /// running outlives siesta without a broken pipe), tailed into `logs` (and
 /// tracing at `trace` level only). `on_exit` runs with the exit status and
@@ -199,6 +215,7 @@ pub fn spawn(
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .env(TAG_ENV, tag)
+        .env(STATE_ENV, state_marker(log_dir.parent().unwrap_or(log_dir)))
         .stdin(std::process::Stdio::null())
         .stdout(out)
         .stderr(err)

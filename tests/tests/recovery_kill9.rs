@@ -282,3 +282,35 @@ async fn leftovers_of_an_engine_that_died_while_siesta_was_down_are_killed() {
     .await;
     only_engine(&ctl, s.pid as i32).await;
 }
+
+/// The store was lost while siesta was down (here: turned to garbage, so it
+/// is moved aside): the engine it recorded still runs, with its engine core
+/// child. It is found by the state directory in its environment and stopped
+/// before the model's new engine starts (which needs its port).
+#[tokio::test]
+async fn an_engine_whose_record_was_lost_with_the_store_is_stopped_first() {
+    let model = fake_model("chat", "awake", &["--orphan-engine-core"], "");
+    let mut ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let old = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG)
+        .await
+        .pid as i32;
+    wait_until("engine-core child up", LONG, || async {
+        siesta_tests::group_members(old).len() >= 2
+    })
+    .await;
+    ctl.kill9();
+    let store = ctl.dir.path().join("state/siesta.redb");
+    std::fs::write(&store, vec![0xa5u8; 20000]).unwrap();
+    ctl.restart().await;
+    ctl.child
+        .output()
+        .wait_for("has no record (its store was lost)", LONG)
+        .await;
+    let mut c = ctl.client().await;
+    let new = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    assert_ne!(new.pid as i32, old);
+    // Gone before the new one started, not eventually.
+    assert_eq!(siesta_tests::group_members(old), Vec::<i32>::new());
+    only_engine(&ctl, new.pid as i32).await;
+}

@@ -69,6 +69,15 @@ pub fn pids_with_env(key: &str, value: &str) -> Vec<u32> {
         .collect()
 }
 
+/// The value of `key` in the environment `pid` started with.
+pub fn env_value(pid: u32, key: &str) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let prefix = format!("{key}=");
+    env.split(|b| *b == 0)
+        .find_map(|kv| kv.strip_prefix(prefix.as_bytes()))
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,9 +108,11 @@ mod tests {
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
+        let value = env_value(child.id(), "SIESTA_ENGINE_TAG");
         child.kill().unwrap();
         child.wait().unwrap();
         assert_eq!(found, vec![child.id()]);
+        assert_eq!(value.as_deref(), Some(tag.as_str()));
         assert!(!alive(child.id(), None));
     }
 }
