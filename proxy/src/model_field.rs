@@ -30,18 +30,26 @@ pub struct ModelField<'a> {
     pub span: Range<usize>,
 }
 
+/// The UTF-8 byte order mark. vLLM's server parses a body with Python's
+/// `json.loads` on its bytes, which skips one at the start (Windows tools,
+/// PowerShell 5's `-Encoding UTF8` among them, write files with it).
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
 /// Validates the body as one JSON object and finds its top-level `model`.
+/// A body may start with a UTF-8 byte order mark, as vLLM accepts; the span
+/// is an offset into `body`, so the mark is forwarded as it came.
 pub fn find_model(body: &[u8]) -> Result<ModelField<'_>, ApiError> {
+    let json = body.strip_prefix(UTF8_BOM).unwrap_or(body);
     // serde would accept a struct from an array too; only an object will do.
-    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+    if json.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(
-            match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+            match serde_json::from_slice::<serde::de::IgnoredAny>(json) {
                 Ok(_) => ApiError::MissingModel,
                 Err(e) => ApiError::MalformedJson(e.to_string()),
             },
         );
     }
-    let probe: Probe<'_> = serde_json::from_slice(body).map_err(|e| {
+    let probe: Probe<'_> = serde_json::from_slice(json).map_err(|e| {
         if e.is_data() {
             // Valid JSON but not an object, or a duplicate `model` key.
             ApiError::MissingModel
@@ -136,6 +144,29 @@ mod tests {
         assert!(matches!(
             find_model(br#"{"model":"a","model":"b"}"#),
             Err(ApiError::MissingModel)
+        ));
+    }
+
+    #[test]
+    fn a_body_with_a_utf8_bom_is_read_as_vllm_reads_it() {
+        // Python's json.loads(bytes), which vLLM's server uses, skips it.
+        let body = Bytes::from_static(b"\xEF\xBB\xBF {\"model\":\"m\",\"x\":1}");
+        let f = find_model(&body).unwrap();
+        assert_eq!(f.name, "m");
+        assert_eq!(&body[f.span.clone()], br#""m""#);
+        let out = rewrite_model(&body, f.span, "served");
+        assert_eq!(&out[..], b"\xEF\xBB\xBF {\"model\":\"served\",\"x\":1}");
+        assert!(matches!(
+            find_model(b"\xEF\xBB\xBF[1]"),
+            Err(ApiError::MissingModel)
+        ));
+        assert!(matches!(
+            find_model(b"\xEF\xBB\xBF"),
+            Err(ApiError::MalformedJson(_))
+        ));
+        assert!(matches!(
+            find_model(b"\xEF\xBB\xBF\xEF\xBB\xBF{\"model\":\"m\"}"),
+            Err(ApiError::MalformedJson(_))
         ));
     }
 }

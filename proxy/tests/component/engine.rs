@@ -120,7 +120,11 @@ async fn handle(
 ) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_owned();
     let body = req.into_body().collect().await.unwrap().to_bytes();
-    let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
+    // As vLLM's server reads it (Python's json.loads on the bytes): a UTF-8
+    // byte order mark is skipped.
+    let json_bytes = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&body);
+    let json: serde_json::Value =
+        serde_json::from_slice(json_bytes).unwrap_or(serde_json::Value::Null);
     st.received
         .lock()
         .unwrap()

@@ -41,6 +41,28 @@ async fn forwards_and_rewrites_alias_to_served_name() {
     assert_eq!(r.json()["data"][0]["embedding"][1], 0.2);
 }
 
+/// Bodies that vLLM's server (Python's `json.loads` on the bytes) reads:
+/// a UTF-8 byte order mark first.
+#[tokio::test]
+async fn bodies_vllm_reads_are_routed_by_the_model_it_reads() {
+    let e = Engine::start("e1").await;
+    let mut m = model("m", ModelState::Awake, &[&e.url]);
+    m.aliases = vec!["short".into()];
+    m.endpoints[0].served_model_name = "org/served".into();
+    let c = ScriptedControl::start(vec![m]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    for body in [
+        "\u{feff}{\"model\":\"short\",\"max_tokens\":3}",
+        "\u{feff}{\"model\":\"m\",\"max_tokens\":3}",
+    ] {
+        let r = post(&p.url("/v1/chat/completions"), body).await;
+        assert_eq!(r.status, 200, "{body:?}: {:?}", r.body);
+        let (_, got) = e.received().pop().unwrap();
+        assert_eq!(got["model"], "org/served", "{body:?}");
+        assert_eq!(got["max_tokens"], 3, "{body:?}");
+    }
+}
+
 #[tokio::test]
 async fn streams_without_buffering() {
     let e = Engine::start("e1").await;
