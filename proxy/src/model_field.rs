@@ -7,14 +7,59 @@ use std::ops::Range;
 
 use bytes::Bytes;
 use serde::Deserialize;
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
 use crate::errors::ApiError;
 
-#[derive(Deserialize)]
+/// The top-level `model` of an object. A key given twice counts the last
+/// time, as vLLM's server (Python's `json.loads`) reads it: the engine
+/// answers for that one, so the proxy routes and rewrites by it.
 struct Probe<'a> {
-    #[serde(borrow, default)]
     model: Option<&'a RawValue>,
+}
+
+impl<'de> Deserialize<'de> for Probe<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> Visitor<'de> for Fields {
+            type Value = Probe<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Probe<'de>, A::Error> {
+                let mut model = None;
+                while let Some(IsModel(is)) = map.next_key()? {
+                    if is {
+                        model = map.next_value::<Option<&'de RawValue>>()?;
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(Probe { model })
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+/// Whether an object key (unescaped, not copied) is `model`.
+struct IsModel(bool);
+
+impl<'de> Deserialize<'de> for IsModel {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Key;
+        impl Visitor<'_> for Key {
+            type Value = IsModel;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object key")
+            }
+            fn visit_str<E: de::Error>(self, key: &str) -> Result<IsModel, E> {
+                Ok(IsModel(key == "model"))
+            }
+        }
+        d.deserialize_identifier(Key)
+    }
 }
 
 /// A JSON string, borrowed where it has no escapes.
@@ -51,7 +96,7 @@ pub fn find_model(body: &[u8]) -> Result<ModelField<'_>, ApiError> {
     }
     let probe: Probe<'_> = serde_json::from_slice(json).map_err(|e| {
         if e.is_data() {
-            // Valid JSON but not an object, or a duplicate `model` key.
+            // Valid JSON but not an object.
             ApiError::MissingModel
         } else {
             ApiError::MalformedJson(e.to_string())
@@ -141,10 +186,6 @@ mod tests {
             find_model(br#"{"model":""}"#),
             Err(ApiError::InvalidModel)
         ));
-        assert!(matches!(
-            find_model(br#"{"model":"a","model":"b"}"#),
-            Err(ApiError::MissingModel)
-        ));
     }
 
     #[test]
@@ -167,6 +208,26 @@ mod tests {
         assert!(matches!(
             find_model(b"\xEF\xBB\xBF\xEF\xBB\xBF{\"model\":\"m\"}"),
             Err(ApiError::MalformedJson(_))
+        ));
+    }
+
+    #[test]
+    fn a_repeated_model_key_counts_the_last_time_as_vllm_reads_it() {
+        // Python's json keeps the last value of a repeated key: the engine
+        // answers for that one, so the proxy routes (and rewrites) by it.
+        let body = br#"{"model":"a","x":{"model":"c"},"model" : "b","y":2}"#;
+        let f = find_model(body).unwrap();
+        assert_eq!(f.name, "b");
+        assert_eq!(&body[f.span.clone()], br#""b""#);
+        let f = find_model(br#"{"model":"a","mod\u0065l":"b"}"#).unwrap();
+        assert_eq!(f.name, "b");
+        assert!(matches!(
+            find_model(br#"{"model":"a","model":3}"#),
+            Err(ApiError::InvalidModel)
+        ));
+        assert!(matches!(
+            find_model(br#"{"model":"a","model":null}"#),
+            Err(ApiError::MissingModel)
         ));
     }
 }

@@ -42,7 +42,7 @@ async fn forwards_and_rewrites_alias_to_served_name() {
 }
 
 /// Bodies that vLLM's server (Python's `json.loads` on the bytes) reads:
-/// a UTF-8 byte order mark first.
+/// a UTF-8 byte order mark first, the `model` key twice (the last counts).
 #[tokio::test]
 async fn bodies_vllm_reads_are_routed_by_the_model_it_reads() {
     let e = Engine::start("e1").await;
@@ -54,6 +54,7 @@ async fn bodies_vllm_reads_are_routed_by_the_model_it_reads() {
     for body in [
         "\u{feff}{\"model\":\"short\",\"max_tokens\":3}",
         "\u{feff}{\"model\":\"m\",\"max_tokens\":3}",
+        r#"{"model":"nope","max_tokens":3,"model":"short"}"#,
     ] {
         let r = post(&p.url("/v1/chat/completions"), body).await;
         assert_eq!(r.status, 200, "{body:?}: {:?}", r.body);
@@ -61,6 +62,14 @@ async fn bodies_vllm_reads_are_routed_by_the_model_it_reads() {
         assert_eq!(got["model"], "org/served", "{body:?}");
         assert_eq!(got["max_tokens"], 3, "{body:?}");
     }
+    // The engine would answer for the last one, which is not served here.
+    let r = post(
+        &p.url("/v1/chat/completions"),
+        r#"{"model":"short","model":"nope"}"#,
+    )
+    .await;
+    assert_eq!(r.status, 404, "{:?}", r.body);
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
 }
 
 #[tokio::test]
