@@ -175,13 +175,13 @@ async fn read_request(
             if length.is_some() {
                 return None;
             }
-            length = Some(
-                std::str::from_utf8(h.value)
-                    .ok()?
-                    .trim()
-                    .parse::<usize>()
-                    .ok()?,
-            );
+            // Digits only, as hyper reads it: `usize::from_str` also takes
+            // "+13", which hyper refuses (400), after a hold here.
+            let v = h.value.trim_ascii();
+            if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
+                return None;
+            }
+            length = Some(std::str::from_utf8(v).ok()?.parse::<usize>().ok()?);
         } else if h.name.eq_ignore_ascii_case("transfer-encoding")
             || h.name.eq_ignore_ascii_case("expect")
             || h.name.eq_ignore_ascii_case("upgrade")

@@ -143,23 +143,6 @@ async fn api_keys_are_required_when_configured() {
     assert_eq!(get(&p.url("/healthz")).await.status, 200);
 }
 
-/// Sends raw bytes and returns the status line of the answer.
-async fn raw(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(bytes).await.unwrap();
-    let mut buf = vec![0u8; 4096];
-    let n = tokio::time::timeout(DEADLINE, s.read(&mut buf))
-        .await
-        .unwrap()
-        .unwrap();
-    String::from_utf8_lossy(&buf[..n])
-        .lines()
-        .next()
-        .unwrap_or("")
-        .to_owned()
-}
-
 #[tokio::test]
 async fn slow_or_huge_requests_are_cut_off() {
     let e = Engine::start("e").await;

@@ -130,6 +130,24 @@ async fn held_past_max_hold_gets_503() {
     assert!(r.retry_after().unwrap() >= 1);
 }
 
+/// A first request that is not valid HTTP (a signed `Content-Length`, which
+/// hyper refuses) is refused at once: not held for its model first (and the
+/// model woken for it), to be refused only after the wake.
+#[tokio::test]
+async fn a_request_that_is_not_valid_http_is_refused_at_once_not_held() {
+    let c = ScriptedControl::start(vec![held("m", 8, 120_000)]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let body = chat("m");
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: +{}\r\n\r\n{body}",
+        body.len()
+    );
+    let line = raw(p.addr, req.as_bytes()).await;
+    assert!(line.contains(" 400 "), "{line}");
+    assert!(c.demands().is_empty(), "a refused request woke its model");
+    assert_eq!(held_now(&p, "m").await, 0.0);
+}
+
 #[tokio::test]
 async fn wait_longer_than_max_hold_is_shed_at_once() {
     let mut m = held("m", 8, 1_000);

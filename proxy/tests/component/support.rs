@@ -194,6 +194,23 @@ pub fn metric(text: &str, prefix: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// Sends raw bytes and returns the status line of the answer.
+pub async fn raw(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(DEADLINE, s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n])
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_owned()
+}
+
 /// A raw engine's side: reads one request (head and content-length body)
 /// off `s` into `buf`; None when the peer closed.
 pub async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<String> {
