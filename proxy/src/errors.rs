@@ -49,12 +49,16 @@ pub enum ApiError {
         "The model `{0}` does not exist. GET /v1/models lists the models and aliases served here."
     )]
     UnknownModel(String),
-    #[error("the request body must be a JSON object with a string `model` field")]
+    #[error(
+        "the request body must be a JSON object with a string `model` field (or a multipart/form-data body with a `model` field)"
+    )]
     MissingModel,
     #[error("the `model` field must be a non-empty string")]
     InvalidModel,
     #[error("malformed JSON body: {0}")]
     MalformedJson(String),
+    #[error("malformed multipart/form-data body: {0}")]
+    MalformedForm(&'static str),
     #[error("request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
     #[error("request body not received in time")]
@@ -80,6 +84,7 @@ impl ApiError {
             ApiError::MissingModel
             | ApiError::InvalidModel
             | ApiError::MalformedJson(_)
+            | ApiError::MalformedForm(_)
             | ApiError::BodyRead(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
@@ -96,6 +101,7 @@ impl ApiError {
             ApiError::MissingModel => ("invalid_request_error", "missing_model"),
             ApiError::InvalidModel => ("invalid_request_error", "invalid_model"),
             ApiError::MalformedJson(_) => ("invalid_request_error", "invalid_json"),
+            ApiError::MalformedForm(_) => ("invalid_request_error", "invalid_form"),
             ApiError::BodyTooLarge { .. } => ("invalid_request_error", "request_too_large"),
             ApiError::BodyTimeout => ("invalid_request_error", "request_timeout"),
             ApiError::BodyRead(_) => ("invalid_request_error", "invalid_body"),

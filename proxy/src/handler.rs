@@ -13,10 +13,11 @@ use tokio::time::Instant;
 use crate::activity::Activity;
 use crate::body::ProxyBody;
 use crate::errors::{ApiError, ShedReason};
+use crate::form_field::{find_form_model, rewrite_form_model};
 use crate::forward::{ForwardError, Forwarder};
 use crate::hold::{self, Holds, Release, Ticket, Wait};
 use crate::metrics::{Metrics, ModelLabels, ShedLabels, no_model};
-use crate::model_field::{find_model, rewrite_model};
+use crate::model_field::{ModelField, find_model, rewrite_model};
 use crate::route_table::{ModelRoute, RouteTable, View};
 
 pub(crate) mod checks;
@@ -156,7 +157,17 @@ async fn model_request(
     };
     let field = match find_model(&body) {
         Ok(f) => f,
-        Err(e) => return (no_model(), e.into_response()),
+        // Not JSON: a multipart form (audio transcriptions) names the model
+        // in a field.
+        Err(e) => match parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|ct| find_form_model(&body, ct.as_bytes()))
+        {
+            Some(Ok(f)) => f,
+            Some(Err(form)) => return (no_model(), form.into_response()),
+            None => return (no_model(), e.into_response()),
+        },
     };
     let view = match ready_view(shared).await {
         Ok(v) => v,
@@ -170,29 +181,21 @@ async fn model_request(
     };
     let model = route.name.clone();
     drop(view);
-    let resp = route_loop(
-        shared,
-        &model,
-        &field.name,
-        &parts,
-        &body,
-        field.span.clone(),
-        waited,
-    )
-    .await
-    .unwrap_or_else(|e| {
-        if let ApiError::Shed { reason, .. } = &e {
-            shared
-                .metrics
-                .shed
-                .get_or_create(&ShedLabels {
-                    model: model.clone(),
-                    reason: reason.code(),
-                })
-                .inc();
-        }
-        e.into_response()
-    });
+    let resp = route_loop(shared, &model, &field, &parts, &body, waited)
+        .await
+        .unwrap_or_else(|e| {
+            if let ApiError::Shed { reason, .. } = &e {
+                shared
+                    .metrics
+                    .shed
+                    .get_or_create(&ShedLabels {
+                        model: model.clone(),
+                        reason: reason.code(),
+                    })
+                    .inc();
+            }
+            e.into_response()
+        });
     (model, resp)
 }
 
@@ -225,12 +228,12 @@ async fn ready_view(shared: &Shared) -> Result<Arc<View>, ApiError> {
 async fn route_loop(
     shared: &Shared,
     model: &Arc<str>,
-    requested: &str,
+    field: &ModelField<'_>,
     parts: &http::request::Parts,
     body: &Bytes,
-    span: std::ops::Range<usize>,
     waited: Waited,
 ) -> Result<Response<ProxyBody>, ApiError> {
+    let requested = &*field.name;
     let Waited {
         since: mut held_since,
         mut gate,
@@ -252,12 +255,13 @@ async fn route_loop(
         {
             ticket = None; // leaves the queue
             clock.stop();
-            let out = if up.served_name.as_bytes() == &body[span.start + 1..span.end - 1]
-                || up.served_name == requested
+            let out = if up.served_name.as_bytes() == field.raw(body) || up.served_name == requested
             {
                 body.clone()
+            } else if field.form {
+                rewrite_form_model(body, field.span.clone(), &up.served_name)
             } else {
-                rewrite_model(body, span.clone(), &up.served_name)
+                rewrite_model(body, field.span.clone(), &up.served_name)
             };
             // Boxed: a held request's future need not carry its size.
             match Box::pin(shared.forwarder.forward(&up, parts, out, gate.take())).await {

@@ -10,6 +10,7 @@ mod activity;
 mod body;
 mod config;
 mod errors;
+mod form_field;
 mod forward;
 mod handler;
 mod hold;

@@ -71,8 +71,21 @@ struct Name<'a>(#[serde(borrow)] Cow<'a, str>);
 pub struct ModelField<'a> {
     /// The model name, unescaped.
     pub name: Cow<'a, str>,
-    /// Byte range of the JSON string (quotes included) in the body.
+    /// Byte range of the JSON string (quotes included) in the body; of the
+    /// field's value, when `form`.
     pub span: Range<usize>,
+    /// A `multipart/form-data` field ([`crate::form_field`]), not JSON.
+    pub form: bool,
+}
+
+impl ModelField<'_> {
+    /// The name as written in the body (escapes and all).
+    pub fn raw<'b>(&self, body: &'b [u8]) -> &'b [u8] {
+        match self.form {
+            true => &body[self.span.clone()],
+            false => &body[self.span.start + 1..self.span.end - 1],
+        }
+    }
 }
 
 /// The UTF-8 byte order mark. vLLM's server parses a body with Python's
@@ -115,6 +128,7 @@ pub fn find_model(body: &[u8]) -> Result<ModelField<'_>, ApiError> {
     Ok(ModelField {
         name,
         span: start..start + text.len(),
+        form: false,
     })
 }
 

@@ -271,3 +271,72 @@ async fn an_engine_that_answers_before_reading_a_large_body_is_heard() {
         );
     }
 }
+
+async fn form_post(url: &str, content_type: &str, body: String) -> Reply {
+    let h = [("content-type", content_type)];
+    reply(send(http::Method::POST, url, &h, body.into()).await).await
+}
+
+/// `POST /v1/audio/transcriptions` (and `/translations`) is
+/// `multipart/form-data`, the model one of its fields (the OpenAI SDKs and
+/// `curl -F` send it so; vLLM serves it for Whisper models): routed by that
+/// field, an alias rewritten to the served name, every other byte as sent.
+#[tokio::test]
+async fn a_multipart_form_request_is_routed_by_its_model_field() {
+    let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{\"text\":\"\"}\n";
+    let (url, script) = engine(vec![(ok, false), (ok, false)]).await;
+    let mut m = model("m", ModelState::Awake, &[&url]);
+    m.aliases = vec!["whisper".into()];
+    m.endpoints[0].served_model_name = "org/whisper-v3".into();
+    let c = ScriptedControl::start(vec![m]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    // Audio bytes that hold CRLFs, dashes and a near miss of the boundary.
+    let audio = "RIFF\r\n--b0undary\r\n\r\n--\0\u{1}\r\n";
+    let form = |b: &str, model: &str, model_last: bool| {
+        let model_part =
+            format!("--{b}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n{model}\r\n");
+        let file_part = format!(
+            "--{b}\r\ncontent-disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\
+             content-type: audio/wav\r\n\r\n{audio}\r\n"
+        );
+        let (first, second) = match model_last {
+            false => (model_part, file_part),
+            true => (file_part, model_part),
+        };
+        format!(
+            "{first}{second}--{b}\r\nContent-Disposition: form-data; name=\"language\"\r\n\r\nen\r\n--{b}--\r\n"
+        )
+    };
+    for (ct, b, name, model_last) in [
+        // httpx (the OpenAI Python SDK): model before the file.
+        (
+            "multipart/form-data; boundary=b0undary1",
+            "b0undary1",
+            "whisper",
+            false,
+        ),
+        // curl -F, quoted boundary, model after the file.
+        (
+            "Multipart/Form-Data; charset=utf-8; boundary=\"------------------------3f1a\"",
+            "------------------------3f1a",
+            "m",
+            true,
+        ),
+    ] {
+        let body = form(b, name, model_last);
+        let r = form_post(&p.url("/v1/audio/transcriptions"), ct, body).await;
+        assert_eq!(r.status, 200, "{ct}: {:?}", r.body);
+        let got = script.requests.lock().unwrap().pop().unwrap();
+        let sent = &got[got.find("\r\n\r\n").unwrap() + 4..];
+        assert_eq!(sent, form(b, "org/whisper-v3", model_last), "{ct}");
+        assert!(got.contains(&format!("content-type: {ct}\r\n")), "{got}");
+    }
+    let r = form_post(
+        &p.url("/v1/audio/transcriptions"),
+        "multipart/form-data; boundary=x",
+        "--x\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nRIFF\r\n--x--\r\n".into(),
+    )
+    .await;
+    assert_eq!(r.status, 400, "{:?}", r.body);
+    assert_eq!(r.json()["error"]["code"], "missing_model");
+}
