@@ -248,7 +248,14 @@ impl AsyncRead for Rewind {
         if !self.prefix.is_empty() {
             let n = self.prefix.len().min(buf.remaining());
             buf.put_slice(&self.prefix[..n]);
-            self.prefix.advance(n);
+            if n == self.prefix.len() {
+                // Given back now: an emptied `Bytes` still holds its
+                // allocation (the whole first request, up to the body limit)
+                // for as long as the connection stays open.
+                self.prefix = Bytes::new();
+            } else {
+                self.prefix.advance(n);
+            }
             return Poll::Ready(Ok(()));
         }
         Pin::new(&mut self.io).poll_read(cx, buf)
@@ -282,5 +289,55 @@ impl AsyncWrite for Rewind {
 
     fn is_write_vectored(&self) -> bool {
         self.io.is_write_vectored()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// The bytes read here (a whole first request, body included: up to
+    /// `--max-body`) are given back once hyper has them, not kept for as
+    /// long as the client keeps the connection open.
+    #[tokio::test]
+    async fn the_bytes_read_first_are_let_go_once_served() {
+        struct Owner(Vec<u8>, Arc<AtomicBool>);
+        impl AsRef<[u8]> for Owner {
+            fn as_ref(&self) -> &[u8] {
+                &self.0
+            }
+        }
+        impl Drop for Owner {
+            fn drop(&mut self) {
+                self.1.store(true, Ordering::SeqCst);
+            }
+        }
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (server, _) = l.accept().await.unwrap();
+        let dropped = Arc::new(AtomicBool::new(false));
+        let first = b"POST /v1/x HTTP/1.1\r\n".to_vec();
+        let prefix = Bytes::from_owner(Owner(first.clone(), dropped.clone()));
+        let mut io = Rewind::new(prefix, server);
+        let mut buf = vec![0u8; 8];
+        io.read_exact(&mut buf).await.unwrap();
+        assert_eq!(buf, first[..8]);
+        assert!(!dropped.load(Ordering::SeqCst));
+        let mut rest = vec![0u8; first.len() - 8];
+        io.read_exact(&mut rest).await.unwrap();
+        assert_eq!(rest, first[8..]);
+        assert!(
+            dropped.load(Ordering::SeqCst),
+            "the first request's bytes stay allocated while the connection is open"
+        );
+        client.write_all(b"next").await.unwrap();
+        let mut next = [0u8; 4];
+        io.read_exact(&mut next).await.unwrap();
+        assert_eq!(&next, b"next");
     }
 }
