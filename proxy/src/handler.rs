@@ -21,6 +21,7 @@ use crate::model_field::{ModelField, find_model, rewrite_model};
 use crate::route_table::{ModelRoute, RouteTable, View};
 
 pub(crate) mod checks;
+mod cors;
 mod models;
 
 use checks::{authorized, forwardable_path, read_body};
@@ -107,7 +108,9 @@ pub async fn handle_main(
     waited: Waited,
 ) -> Response<ProxyBody> {
     let path = req.uri().path();
-    let (model, resp) = if req.method() == Method::GET {
+    // Sent by a web page: what the proxy answers itself carries CORS headers.
+    let page = req.headers().contains_key(header::ORIGIN);
+    let (model, mut resp) = if req.method() == Method::GET {
         if let Some(r) = health(&shared, path) {
             return r;
         }
@@ -131,10 +134,17 @@ pub async fn handle_main(
         } else {
             (no_model(), ApiError::Unauthorized.into_response())
         }
+    } else if req.method() == Method::OPTIONS
+        && let Some(r) = cors::preflight(req.headers())
+    {
+        return r;
     } else {
         let e = ApiError::NoRoute(format!("{} {path}", req.method()));
         (no_model(), e.into_response())
     };
+    if page {
+        cors::allow_origin(&mut resp);
+    }
     shared.metrics.request(&model, resp.status());
     resp
 }

@@ -1,5 +1,7 @@
 //! What the proxy answers itself: 404, 400, 413, 401, /v1/models, health.
 
+use bytes::Bytes;
+use http::Method;
 use siesta_proto::v1::ModelState;
 
 use crate::control::{ScriptedControl, model};
@@ -112,6 +114,96 @@ async fn models_list_has_aliases_and_state() {
     let r = get(&p.url("/v1/models/alias-1")).await;
     assert_eq!(r.json()["siesta_alias_of"], "m1");
     assert_eq!(get(&p.url("/v1/models/zzz")).await.status, 404);
+}
+
+/// A browser's CORS preflight (`OPTIONS` with `Access-Control-Request-Method`)
+/// is answered as vLLM's server answers it by default (any origin, any
+/// method, the headers asked for; no API key, which a preflight never
+/// carries), and what the proxy answers itself to a request with an
+/// `Origin` may be read by the page. Before, the preflight got 404 and the
+/// browser never sent the request.
+#[tokio::test]
+async fn browser_cors_preflights_are_answered_as_vllm_answers_them() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| cfg.api_keys = vec!["k".into()]).await;
+    let origin = ("origin", "https://app.example");
+    for path in ["/v1/chat/completions", "/v1/models"] {
+        let r = reply(
+            send(
+                Method::OPTIONS,
+                &p.url(path),
+                &[
+                    origin,
+                    ("access-control-request-method", "POST"),
+                    (
+                        "access-control-request-headers",
+                        "authorization,content-type",
+                    ),
+                ],
+                Bytes::new(),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(r.status, 200, "{path}: {:?}", r.body);
+        assert_eq!(r.headers["access-control-allow-origin"], "*", "{path}");
+        assert_eq!(
+            r.headers["access-control-allow-headers"], "authorization,content-type",
+            "{path}"
+        );
+        let methods = r.headers["access-control-allow-methods"].to_str().unwrap();
+        assert!(
+            methods.contains("POST") && methods.contains("GET"),
+            "{methods}"
+        );
+        assert_eq!(r.headers["access-control-max-age"], "600", "{path}");
+    }
+    // Not a preflight: as before.
+    let r = reply(
+        send(
+            Method::OPTIONS,
+            &p.url("/v1/chat/completions"),
+            &[origin],
+            Bytes::new(),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(r.status, 404);
+    // The proxy's own answers to a page: readable by it.
+    let key = ("authorization", "Bearer k");
+    let r = reply(
+        send(
+            Method::GET,
+            &p.url("/v1/models"),
+            &[origin, key],
+            Bytes::new(),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.headers["access-control-allow-origin"], "*");
+    let r = post_with(
+        &p.url("/v1/chat/completions"),
+        &[origin, key],
+        &chat("nope"),
+    )
+    .await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.headers["access-control-allow-origin"], "*");
+    let r = post_with(&p.url("/v1/chat/completions"), &[origin], &chat("m")).await;
+    assert_eq!(r.status, 401);
+    assert_eq!(r.headers["access-control-allow-origin"], "*");
+    // An engine's answer carries the engine's own CORS headers, untouched.
+    let r = post_with(&p.url("/v1/chat/completions"), &[origin, key], &chat("m")).await;
+    assert_eq!(r.status, 200);
+    assert!(r.headers.get("access-control-allow-origin").is_none());
+    // Without an Origin (not a page): nothing added.
+    let r = post_with(&p.url("/v1/chat/completions"), &[key], &chat("nope")).await;
+    assert!(r.headers.get("access-control-allow-origin").is_none());
+    assert_eq!(e.count(), 1, "{:?}", e.received());
 }
 
 #[tokio::test]

@@ -340,3 +340,29 @@ async fn a_multipart_form_request_is_routed_by_its_model_field() {
     assert_eq!(r.status, 400, "{:?}", r.body);
     assert_eq!(r.json()["error"]["code"], "missing_model");
 }
+
+/// An engine's answer keeps the engine's CORS headers, an empty one too
+/// (the proxy adds its own only to what it answers itself).
+#[tokio::test]
+async fn an_engine_answer_to_a_page_gets_no_cors_headers_from_the_proxy() {
+    let (url, _script) = engine(vec![
+        ("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n", false),
+        ("HTTP/1.1 204 No Content\r\n\r\n", false),
+    ])
+    .await;
+    let (_c, p) = proxy_to(&url).await;
+    for _ in 0..2 {
+        let r = post_with(
+            &p.url("/v1/chat/completions"),
+            &[("origin", "https://app.example")],
+            &chat("m"),
+        )
+        .await;
+        assert!(r.status.is_success(), "{:?}", r.body);
+        assert!(
+            r.headers.get("access-control-allow-origin").is_none(),
+            "{:?}",
+            r.headers
+        );
+    }
+}
