@@ -194,12 +194,26 @@ impl Serve {
             // Nothing sent within the grace: nothing to answer.
             return Ok(());
         }
+        // HTTP/2 with prior knowledge: the waiting room stops reading at its
+        // preface's version.
+        let http2 = entry.prefix.starts_with(H2_PREFACE_START);
         // hyper's HTTP/1 has no write deadline: a client that stops reading
         // would keep its request (and the engine's) going for ever.
         let mut io = TimeoutWriter::new(Rewind::new(entry.prefix, stream));
         io.set_timeout(Some(self.send_timeout));
         let io = TokioIo::new(Box::pin(io));
-        if draining {
+        if draining && http2 {
+            // Served as HTTP/2 from the start: the watcher's graceful
+            // shutdown of a connection still telling HTTP/1 from HTTP/2
+            // closes it unanswered; HTTP/2's own (a GOAWAY once the
+            // handshake is done) lets the streams already sent finish.
+            let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+            h2.timer(TokioTimer::new())
+                .max_header_list_size(self.max_header_bytes.min(u32::MAX as usize) as u32);
+            Box::pin(watcher.watch(h2.serve_connection(io, svc)))
+                .await
+                .map_err(Into::into)
+        } else if draining {
             // The watcher would close this connection before hyper read its
             // first request (one that waited, or one that came as the drain
             // began). Serve that request, then close; holding the watcher
@@ -216,6 +230,10 @@ impl Serve {
         }
     }
 }
+
+/// How an HTTP/2 connection with prior knowledge begins (RFC 9113 §3.4:
+/// `PRI * HTTP/2.0`...), as far as HTTP/1's parser reads it.
+const H2_PREFACE_START: &[u8] = b"PRI * HTTP/2";
 
 /// The admin listener's next connection; never, on threads without it.
 async fn accept_admin(

@@ -81,3 +81,109 @@ async fn a_first_request_sent_as_the_drain_begins_is_served() {
     );
     assert_eq!(e.count(), 1);
 }
+
+/// An HTTP/2 frame: type, flags, stream, payload.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = len.to_be_bytes()[1..].to_vec();
+    f.extend_from_slice(&[kind, flags]);
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The same with an HTTP/2 client (prior knowledge, h2c) whose request
+/// comes with its connection preface: the request is served, and the
+/// drain ends when it is (hyper's GOAWAY closes the connection), not at the
+/// drain timeout. Before, the connection was served as HTTP/1 (the
+/// draining path), which cannot read it: closed, the request unanswered.
+/// The client is written out frame by frame so that its request is sent
+/// before anything the proxy says (a real client's may be).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_http2_request_sent_as_the_drain_begins_is_served() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let mut p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.drain_timeout = 4 * DEADLINE;
+    })
+    .await;
+    let before = accepted(&p).await;
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    wait_until("connection accepted", || async {
+        accepted(&p).await > before
+    })
+    .await;
+    p.shutdown.cancel();
+    wait_until("listener closed", || async {
+        tokio::net::TcpStream::connect(p.addr).await.is_err()
+    })
+    .await;
+    // Header fields as literals never indexed, with literal names (HPACK).
+    let mut block = Vec::new();
+    for (k, v) in [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "proxy"),
+        ("content-type", "application/json"),
+    ] {
+        block.push(0x10);
+        block.push(k.len() as u8);
+        block.extend_from_slice(k.as_bytes());
+        block.push(v.len() as u8);
+        block.extend_from_slice(v.as_bytes());
+    }
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(h2_frame(4, 0, 0, &[]));
+    out.extend(h2_frame(1, 0x4, 1, &block));
+    out.extend(h2_frame(0, 0x1, 1, chat("m").as_bytes()));
+    s.write_all(&out).await.unwrap();
+    // Read frames until the proxy closes, acknowledging its SETTINGS and
+    // PINGs (its graceful GOAWAY waits for the PING's).
+    let (mut status, mut body, mut ended) = (None, Vec::new(), false);
+    let read_all = async {
+        loop {
+            let mut head = [0u8; 9];
+            if s.read_exact(&mut head).await.is_err() {
+                return;
+            }
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let (kind, flags) = (head[3], head[4]);
+            let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+            let mut payload = vec![0u8; len];
+            if s.read_exact(&mut payload).await.is_err() {
+                return;
+            }
+            match (kind, stream) {
+                (4, 0) if flags & 1 == 0 => s.write_all(&h2_frame(4, 1, 0, &[])).await.unwrap(),
+                (6, 0) if flags & 1 == 0 => {
+                    let _ = s.write_all(&h2_frame(6, 1, 0, &payload)).await;
+                }
+                // `:status: 200` is entry 8 of HPACK's static table.
+                (1, 1) => status = payload.first().copied(),
+                (0, 1) => {
+                    body.extend_from_slice(&payload);
+                    ended |= flags & 1 == 1;
+                }
+                _ => {}
+            }
+        }
+    };
+    tokio::time::timeout(DEADLINE, read_all)
+        .await
+        .expect("the proxy neither answered nor closed the connection");
+    assert_eq!(e.count(), 1, "the request never reached the engine");
+    assert_eq!(
+        status,
+        Some(0x88),
+        "not a 200: {:?}",
+        String::from_utf8_lossy(&body)
+    );
+    assert!(ended, "the answer did not end");
+    assert!(String::from_utf8_lossy(&body).contains("chat.completion"));
+    tokio::time::timeout(DEADLINE, &mut p.task)
+        .await
+        .expect("the drain waited on the HTTP/2 connection")
+        .unwrap()
+        .unwrap();
+}
