@@ -458,8 +458,8 @@ pub enum Effect {
     Log(String),
     /// The intent changed: persist it.
     Persist,
-    /// The restart count or the last activity changed: persist them (the
-    /// runner may batch a busy model's activity).
+    /// The restart count, the last activity or the idle floor changed:
+    /// persist them (the runner may batch a busy model's activity).
     PersistHistory,
     /// The calibration changed: persist it.
     PersistCalibration,
@@ -555,6 +555,11 @@ pub struct ModelState {
     /// grace): admission gives it a turn twice as long for each, so a
     /// model whose answers are long is not held up again every turn.
     pub yields_given_up: u32,
+    /// No idle tier fires before this: an engine adopted after a restart
+    /// of siesta goes on with its recorded idle clock, but its requests in
+    /// flight are known only once the proxies (every second while they
+    /// have any) and its own gauge have reported.
+    pub tiers_after: Option<Instant>,
 }
 
 impl ModelState {
@@ -594,6 +599,7 @@ impl ModelState {
             calibration: Calibration::default(),
             retiring: false,
             yields_given_up: 0,
+            tiers_after: None,
         }
     }
 

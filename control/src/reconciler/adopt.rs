@@ -1,7 +1,7 @@
 //! Taking over an engine found running at start-up (see `recovery`).
 
 use super::drive::terminate;
-use super::step::{become_awake, set_phase};
+use super::step::set_phase;
 use super::*;
 
 /// What an adopted engine answered.
@@ -33,8 +33,12 @@ pub fn adopt(
     m.pid = Some(pid);
     m.transition_start = now;
     m.engine_running = 0;
+    // The idle clock goes on as recorded (restored with the history): the
+    // engine was ready before this daemon started. A tier overdue by now
+    // waits until its requests in flight are known.
+    m.tiers_after = Some(now + PROXY_STALE);
     match observed {
-        Observed::Awake => become_awake(m, now),
+        Observed::Awake => set_phase(m, Phase::Awake, now),
         Observed::Asleep(level) => set_phase(m, Phase::Asleep { level }, now),
         Observed::Suspended(under) => set_phase(m, Phase::Suspended { under }, now),
         Observed::NotServing if m.intent.desired == Desired::Stopped => terminate(m, now, &mut fx),
@@ -81,6 +85,70 @@ mod tests {
         let mut m = ModelState::new(settings, crate::config::Preload::None, now);
         m.intent.desired = desired;
         m
+    }
+
+    /// A control plane down longer than a stop tier, while proxies kept
+    /// serving an engine: adopted with its recorded idle clock, the tier is
+    /// overdue, but what is in flight is known only once the proxies and
+    /// the engine's gauge have reported. No tier fires before then (a stop
+    /// tier signals at once: it cut the requests under way).
+    #[test]
+    fn an_overdue_tier_waits_until_the_adopted_engines_requests_are_known() {
+        let t0 = Instant::now();
+        let mut m = fresh(Desired::Awake);
+        m.settings.tiers = vec![crate::config::IdleTier {
+            after: Duration::from_secs(60),
+            action: crate::config::IdleAction::Stop,
+        }];
+        // As restored: idle since long before the restart.
+        m.idle_floor = t0;
+        let now = t0 + Duration::from_secs(3600);
+        adopt(&mut m, 1, 10, Observed::Awake, now);
+        let (m, fx) = step(m, Event::Tick, now);
+        assert_eq!(m.phase, Phase::Awake, "{fx:?}");
+        assert!(!fx.contains(&Effect::Signal(Signal::Term)), "{fx:?}");
+        // A proxy reports a request in flight a moment later: it is served.
+        let report = |in_flight| Event::Activity {
+            proxy: "p".into(),
+            in_flight,
+            held: 0,
+            active: true,
+            last_finished: None,
+        };
+        let (m, _) = step(m, report(1), now + Duration::from_millis(500));
+        let (m, _) = step(m, Event::Tick, now + Duration::from_secs(30));
+        assert_eq!(m.phase, Phase::Awake);
+        // Once it is done and the tier's time has passed, the tier fires.
+        let done = now + Duration::from_secs(40);
+        let (m, _) = step(m, report(0), done);
+        let later = done + Duration::from_secs(60);
+        let (m, fx) = step(m, Event::Tick, later);
+        assert!(
+            matches!(m.phase, Phase::Stopping { .. }),
+            "{:?} {fx:?}",
+            m.phase
+        );
+        // With nothing reported at all, it fires once the reports are due.
+        let mut m = fresh(Desired::Awake);
+        m.settings.tiers = vec![crate::config::IdleTier {
+            after: Duration::from_secs(60),
+            action: crate::config::IdleAction::Stop,
+        }];
+        m.idle_floor = t0;
+        adopt(&mut m, 1, 10, Observed::Awake, now);
+        let (m, fx) = step(m, Event::Tick, now);
+        let wake = fx.iter().find_map(|f| match f {
+            Effect::Timer(t) => *t,
+            _ => None,
+        });
+        let settled = wake.expect("a timer for the settled tier");
+        assert!(
+            settled > now && settled <= now + PROXY_STALE,
+            "{:?}",
+            settled - now
+        );
+        let (m, _) = step(m, Event::Tick, settled);
+        assert!(matches!(m.phase, Phase::Stopping { .. }), "{:?}", m.phase);
     }
 
     #[test]

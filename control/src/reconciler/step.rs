@@ -11,7 +11,7 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
     let mut fx = Vec::new();
     let intent_before = m.intent;
     let (epoch_before, calibration_before) = (m.epoch, m.calibration);
-    let history_before = (m.restarts, m.last_activity);
+    let history_before = (m.restarts, m.last_activity, m.idle_floor);
     expire_pin(&mut m, now);
     m.proxies
         .retain(|_, p| now.saturating_duration_since(p.at) < PROXY_STALE);
@@ -24,7 +24,7 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
     }
     if m.intent != intent_before {
         fx.push(Effect::Persist);
-    } else if (m.restarts, m.last_activity) != history_before {
+    } else if (m.restarts, m.last_activity, m.idle_floor) != history_before {
         fx.push(Effect::PersistHistory);
     }
     if m.calibration != calibration_before {

@@ -42,7 +42,7 @@ fn idle_eligible(m: &ModelState, now: Instant) -> bool {
 
 /// The deepest tier that is due now and deeper than the current intent.
 pub fn due_tier(m: &ModelState, now: Instant) -> Option<IdleTier> {
-    if !idle_eligible(m, now) {
+    if !idle_eligible(m, now) || m.tiers_after.is_some_and(|t| now < t) {
         return None;
     }
     let idle = now.saturating_duration_since(m.idle_start());
@@ -66,5 +66,8 @@ pub fn next_tier(m: &ModelState, now: Instant) -> Option<(IdleTier, Instant)> {
         .tiers
         .iter()
         .find(|t| tier_depth(t, &m.settings) > depth)
-        .map(|t| (*t, m.idle_start() + t.after))
+        .map(|t| {
+            let at = m.idle_start() + t.after;
+            (*t, m.tiers_after.map_or(at, |after| at.max(after)))
+        })
 }

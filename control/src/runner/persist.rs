@@ -88,15 +88,17 @@ impl Runner {
         }
     }
 
-    /// Records a changed restart count or last activity, so an adopting
-    /// daemon shows them. A busy model's activity is written at most about
-    /// once a second; the end of a burst (nothing in flight) at once.
+    /// Records a changed restart count, last activity or idle floor, so an
+    /// adopting daemon goes on with them. A busy model's activity is
+    /// written at most about once a second; the end of a burst (nothing in
+    /// flight) at once.
     pub(super) fn persist_history(&self) {
         let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
         let due = match self.shared.store.get(&self.cfg.name) {
             None => true,
             Some(old) => {
                 old.restarts != rec.restarts
+                    || old.idle_floor_unix_ms != rec.idle_floor_unix_ms
                     || (old.last_activity_unix_ms != rec.last_activity_unix_ms
                         && (self.state.in_flight() == 0
                             || rec.last_activity_unix_ms - old.last_activity_unix_ms

@@ -26,6 +26,11 @@ pub struct IntentRecord {
     /// End of the last request (0: none yet), restored on adoption.
     #[serde(default)]
     pub last_activity_unix_ms: i64,
+    /// Idle time never counts from before this (the engine becoming ready,
+    /// the last demand, an operator's command; 0: unknown), restored on
+    /// adoption: the engine's idle clock goes on across a restart.
+    #[serde(default)]
+    pub idle_floor_unix_ms: i64,
 }
 
 fn reason_name(r: Reason) -> &'static str {
@@ -64,6 +69,7 @@ impl IntentRecord {
             },
             restarts: m.restarts,
             last_activity_unix_ms: m.last_activity.map_or(0, |t| clock.unix_ms(t)),
+            idle_floor_unix_ms: clock.unix_ms(m.idle_floor),
         }
     }
 
@@ -84,17 +90,24 @@ impl IntentRecord {
             },
             restarts: s.restarts,
             last_activity_unix_ms: s.last_activity_unix_ms.unwrap_or(0),
+            // A new engine: its readiness starts its idle clock.
+            idle_floor_unix_ms: 0,
         }
     }
 
-    /// Puts the recorded restart count and last activity into the state of
-    /// a model whose running engine is adopted: it is the same engine, so
-    /// its history goes on.
+    /// Puts the recorded restart count, last activity and idle floor into
+    /// the state of a model whose running engine is adopted: it is the same
+    /// engine, so its history goes on, and so does its idle clock (counted
+    /// from the daemon's start, a tier never fired for a control plane
+    /// restarted more often than it).
     pub fn restore_history(&self, m: &mut ModelState, clock: &Clock) {
         m.restarts = m.restarts.max(self.restarts);
         if self.last_activity_unix_ms > 0 {
             let at = clock.instant(self.last_activity_unix_ms);
             m.last_activity = Some(m.last_activity.map_or(at, |a| a.max(at)));
+        }
+        if self.idle_floor_unix_ms > 0 {
+            m.idle_floor = clock.instant(self.idle_floor_unix_ms).min(m.idle_floor);
         }
     }
 

@@ -1,6 +1,10 @@
 use super::*;
 use crate::config::Config;
-use crate::reconciler::{Desired, ModelState, Pin, Reason, Settings};
+use crate::config::{IdleAction, IdleTier, Preload};
+use crate::reconciler::{
+    Desired, Effect, Event, ModelState, Observed, Phase, Pin, Reason, Settings, adopt, next_tier,
+    step,
+};
 use crate::status::Clock;
 use records::AverageRecord;
 use tokio::time::Instant;
@@ -80,6 +84,7 @@ fn engine_records_and_calibration_round_trip() {
             pinned_until_unix_ms: 0,
             restarts: 0,
             last_activity_unix_ms: 0,
+            idle_floor_unix_ms: 0,
         },
     );
     assert_eq!(s.intent_names(), ["a"]);
@@ -116,6 +121,100 @@ fn restarts_and_last_activity_survive_into_an_adopting_state() {
     rec.restore_history(&mut fresh, &clock);
     assert_eq!(fresh.restarts, 3);
     assert_eq!(clock.unix_ms(fresh.last_activity.unwrap()), at);
+}
+
+/// Steps `m` with `event` at `now` and writes its record when the runner
+/// would (`Persist`, `PersistHistory`).
+fn step_and_persist(store: &Store, clock: &Clock, m: &mut ModelState, event: Event, now: Instant) {
+    let (next, fx) = step(m.clone(), event, now);
+    *m = next;
+    if fx.contains(&Effect::Persist) || fx.contains(&Effect::PersistHistory) {
+        store.set("chat", IntentRecord::from_state(m, clock));
+    }
+}
+
+/// A control plane restarted while its engine runs adopts the engine, and
+/// the engine's idle clock goes on from where it was (its readiness, its
+/// last request), not from the daemon's start: a 15-minute tier of an
+/// engine idle for 14 fired 15 minutes after the restart, and a control
+/// plane restarted more often than a tier (a daily `stop`, a 3 h level 2)
+/// never let that tier fire.
+#[test]
+fn an_adopted_engine_keeps_its_idle_clock() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = Clock::new();
+    let cfg = Config::demo(vec!["x".into()]);
+    let mut settings = Settings::from_config(&cfg.models[0]);
+    let min = |n: u64| std::time::Duration::from_secs(60 * n);
+    settings.tiers = vec![
+        IdleTier {
+            after: min(15),
+            action: IdleAction::Sleep(1),
+        },
+        IdleTier {
+            after: min(180),
+            action: IdleAction::Sleep(2),
+        },
+    ];
+    let t0 = Instant::now();
+    let ready = t0 + min(1);
+    let near = |a: Instant, b: Instant| a.max(b) - a.min(b) <= std::time::Duration::from_millis(2);
+    {
+        // Started for a request, ready a minute later, not used since.
+        let store = Store::open(dir.path()).unwrap();
+        let mut m = ModelState::new(settings.clone(), Preload::None, t0);
+        step_and_persist(&store, &clock, &mut m, Event::Demand, t0);
+        let (proc_gen, pid) = (m.proc_gen, 42);
+        step_and_persist(&store, &clock, &mut m, Event::Spawned { proc_gen, pid }, t0);
+        let epoch = m.epoch;
+        let ok = Event::HealthOk {
+            epoch,
+            asleep: None,
+        };
+        step_and_persist(&store, &clock, &mut m, ok, ready);
+        assert_eq!(m.phase, Phase::Awake);
+        assert_eq!(next_tier(&m, ready).unwrap().1, ready + min(15));
+    }
+    // Restarted 14 minutes after the engine became ready: it is adopted awake.
+    let restart = ready + min(14);
+    let adopted = |observed: Observed, at: Instant| {
+        let rec = Store::open(dir.path()).unwrap().get("chat").unwrap();
+        let mut m = ModelState::new(settings.clone(), Preload::None, at);
+        rec.restore(&mut m, &clock);
+        rec.restore_history(&mut m, &clock);
+        adopt(&mut m, 1, 42, observed, at);
+        m
+    };
+    let m = adopted(Observed::Awake, restart);
+    let (tier, at) = next_tier(&m, restart).unwrap();
+    assert_eq!(tier.action, IdleAction::Sleep(1));
+    assert!(
+        near(at, ready + min(15)),
+        "the first tier fires {:?} after the restart, not 1 min",
+        at - restart
+    );
+    // Its tier puts it to sleep; a restart 2 h later finds it asleep, and
+    // level 2 still comes 3 h after its last use.
+    let store = Store::open(dir.path()).unwrap();
+    let mut m = m;
+    step_and_persist(&store, &clock, &mut m, Event::Tick, at);
+    assert!(
+        matches!(m.phase, Phase::Sleeping { level: 1, .. }),
+        "{:?}",
+        m.phase
+    );
+    let epoch = m.epoch;
+    step_and_persist(&store, &clock, &mut m, Event::SleepDone { epoch }, at);
+    drop(store);
+    let restart = ready + min(120);
+    let m = adopted(Observed::Asleep(1), restart);
+    let (tier, at) = next_tier(&m, restart).unwrap();
+    assert_eq!(tier.action, IdleAction::Sleep(2));
+    assert!(
+        near(at, ready + min(180)),
+        "level 2 comes {:?} after the restart, not 1 h",
+        at - restart
+    );
 }
 
 #[test]
