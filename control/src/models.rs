@@ -159,6 +159,33 @@ impl Models {
             )
             .await;
             held = h.status.borrow().held;
+        } else if let Ok(h) = self.resolve(name)
+            && leaving == Leaving::Removed
+            && self.send(&h, Event::Retire).await.is_ok()
+        {
+            // An attached engine siesta cannot stop is put to sleep, or left
+            // asleep: its task ending next would cut the sleep, and nothing
+            // else would ever put it to sleep again. Its answers under way
+            // finish first, as long as an operator's stop lets them (one
+            // stop grace: proxies still forward to it meanwhile); then its
+            // sleep, up to the sleep timeout.
+            let t = h.cfg.timeouts;
+            let mut rx = h.status.clone();
+            let serving = |s: &ModelStatus| matches!(s.state, State::Awake | State::Waking);
+            let began = tokio::time::timeout(t.stop_grace, rx.wait_for(|s| !serving(s)))
+                .await
+                .is_ok();
+            if began {
+                let _ = tokio::time::timeout(
+                    t.sleep + Duration::from_secs(5),
+                    rx.wait_for(|s| s.state != State::Sleeping),
+                )
+                .await;
+            }
+            let s = h.status.borrow().clone();
+            if serving(&s) {
+                tracing::warn!(model = %name, in_flight = s.in_flight, "removed attached engine left awake: its requests did not finish within its stop grace");
+            }
         }
         let handle = {
             let mut reg = self.registry.write().unwrap();

@@ -154,3 +154,40 @@ async fn a_changed_model_keeps_the_operators_wake_pin_and_stop() {
         "{s:#?}"
     );
 }
+
+/// A reload that removes an attached model puts its engine to sleep, as the
+/// README says (siesta cannot stop an engine it does not run): it was left
+/// awake, holding its GPU memory with nothing counting it any more, and
+/// with no model left in siesta to put it to sleep.
+#[tokio::test]
+async fn a_reload_that_removes_an_attached_model_puts_its_engine_to_sleep() {
+    let engine = siesta_tests::spawn_fake_vllm(&[
+        "ext-model",
+        "--enable-sleep-mode",
+        "--served-model-name",
+        "ext",
+    ])
+    .await;
+    let ext = format!(
+        "\n[[model]]\nname = \"ext\"\nlaunch = \"attach\"\nurl = \"{}\"\ngpus = 0\n",
+        engine.url
+    );
+    let other = fake_model("other", "none", &[], "");
+    let ctl = start(&config(&format!("{ext}{other}"))).await;
+    let mut c = ctl.client().await;
+    wait_state(&mut c, "ext", pb::ModelState::Awake, LONG).await;
+
+    std::fs::write(&ctl.config_path, expand(&ctl, &config(&other))).unwrap();
+    let run = at(&ctl, &["reload"]).await.ok();
+    assert!(run.stdout.contains("removed    ext"), "{run:#?}");
+    let e = c
+        .get_model(pb::GetModelRequest { name: "ext".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    wait_until("the removed attached engine asleep", DEADLINE, || async {
+        let v: serde_json::Value = engine.get("/is_sleeping").await.json().await.unwrap();
+        v["is_sleeping"] == true
+    })
+    .await;
+}

@@ -461,8 +461,10 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             // Deeper sleep: wake, then sleep again at the new level.
             Desired::Asleep(l) if l > level => begin_wake(m, level, now, fx),
             Desired::Asleep(_) => {}
+            // A stop tier deepens an attached engine's sleep (a wake, then
+            // the deepest sleep); a reload that removes it leaves it asleep.
             Desired::Stopped if m.settings.attach => {
-                if deepest.is_some_and(|d| level < d) {
+                if deepest.is_some_and(|d| level < d) && !m.retiring {
                     begin_wake(m, level, now, fx);
                 }
             }

@@ -399,6 +399,26 @@ fn an_attached_engine_retired_is_not_moved_by_its_old_tiers() {
     }
 }
 
+/// A reload removes an attached engine a tier put to sleep at level 1: it
+/// is left asleep. Its retirement wanted it "stopped", which for an
+/// attached engine is a stop tier's deepest sleep: a wake first, which
+/// took GPU memory back for an engine no longer configured (its task ends
+/// right after, cutting the wake or the sleep after it).
+#[test]
+fn an_attached_engine_retired_asleep_is_left_asleep() {
+    let mut s = Sim::attached();
+    s.ev(Event::HealthOk {
+        epoch: s.m.epoch,
+        asleep: None,
+    });
+    s.advance(secs(10));
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.ev(Event::Retire);
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 }, "{:?}", s.fx);
+    assert!(!s.has(|f| matches!(f, Effect::Wake { .. })), "{:?}", s.fx);
+}
+
 #[test]
 fn backoff_doubles_and_is_capped() {
     let mut s = Sim::new(Preload::Awake);
