@@ -168,6 +168,19 @@ impl Core {
     pub fn plan(&mut self, models: &[ModelStatus]) {
         // Waiters gone (their model task moved on) leave the queue.
         self.queue.retain(|a| !a.reply.is_closed());
+        // A wake only to sleep deeper (a level-2 tier on a model asleep at
+        // level 1), or a start to preload asleep, asks for room nobody
+        // waits for: asks of models wanted awake go first (each kind in
+        // arrival order), so such an ask, waiting on a GPU a busy model
+        // holds, does not hold them up behind it until it gives up.
+        let wanted_awake = |a: &Ask| {
+            models
+                .iter()
+                .any(|m| m.name == a.model && m.intent.desired == Desired::Awake)
+        };
+        self.queue
+            .make_contiguous()
+            .sort_by_key(|a| !wanted_awake(a));
         self.granted
             .retain(|n, _| models.iter().any(|m| m.name == *n));
         self.asked_to_sleep.retain(|n, g| {

@@ -504,6 +504,39 @@ fn a_busy_model_yields_only_to_a_model_someone_waits_for() {
     );
 }
 
+/// A wake only to sleep deeper (a level-2 tier firing on a model asleep at
+/// level 1: vLLM must wake first) asks for room nobody waits for. Asked
+/// first, on a GPU a busy model holds, it waited (nobody yields to it), and
+/// a later wake with requests held for it waited behind it on that GPU: no
+/// yield for it either, until the first gave up 5 minutes later, its
+/// requests shed by then. The wake someone waits for goes first.
+#[test]
+fn a_wake_to_sleep_deeper_does_not_hold_up_one_someone_waits_for() {
+    let mut w = World::new(&config(1, &[(1, 0.85), (1, 0.45), (1, 0.45)]))
+        .unwrap()
+        .with_yield();
+    w.run[0] = Run::Awake;
+    w.in_flight[0] = 2;
+    // m1's level-2 tier: a wake, then a sleep at level 2; nothing held.
+    w.demand(1);
+    w.requests_wait[1] = false;
+    // Then requests for m2, held.
+    w.demand(2);
+    (0..3).for_each(|i| w.publish(i));
+    let mut st = w.statuses();
+    st[1].intent.desired = crate::reconciler::Desired::Asleep(2);
+    st[1].intent.reason = crate::reconciler::Reason::IdleTier;
+    st[2].intent.desired = crate::reconciler::Desired::Awake;
+    st[2].intent.reason = crate::reconciler::Reason::Demand;
+    w.core.plan(&st);
+    let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
+    assert!(
+        matches!(asked.as_slice(), [(m, Event::Yield { to })] if m == "m0" && to == "m2"),
+        "{asked:?}; told {:?}",
+        w.told.lock().unwrap()
+    );
+}
+
 /// A model whose last yields were given up (its answers outlasted the
 /// grace) gets longer turns: 2× after one, 4× after two.
 #[test]
