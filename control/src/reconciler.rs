@@ -524,6 +524,11 @@ pub struct ModelState {
     /// Idle time never counts from before this: the engine becoming ready
     /// or awake, the end of a preload, a demand, an operator wake.
     pub idle_floor: Instant,
+    /// An attached engine's idle floor as recorded before this daemon
+    /// started: found serving by its first probe, it was ready before, so
+    /// its idle clock goes on from there instead of starting over (a
+    /// failure first, and the floor is its readiness again).
+    pub recorded_floor: Option<Instant>,
     /// A proxy's demand not yet served (the model was not awake when it
     /// came): no idle tier fires until the model is awake, and only an
     /// operator's intent overrides it.
@@ -585,6 +590,7 @@ impl ModelState {
             pin: Pin::None,
             last_activity: None,
             idle_floor: now,
+            recorded_floor: None,
             demand_since: None,
             proxies: BTreeMap::new(),
             engine_running: 0,

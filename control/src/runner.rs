@@ -187,7 +187,8 @@ pub fn spawn_model(
 /// at start-up) when given. Its recorded intent and pin are restored (not
 /// one that came from the configuration); `carried_over`: it replaces the
 /// model's engine in a reload, so its recorded restart count and last
-/// activity go on too (an adopted engine's always do).
+/// activity go on too (an adopted or attached engine's always do, and so
+/// does its idle clock).
 pub fn spawn_model_adopting(
     cfg: ModelConfig,
     placed: Placed,
@@ -215,7 +216,9 @@ pub fn spawn_model_adopting(
     let mut state = ModelState::new(Settings::from_config(&cfg), cfg.preload, now);
     if let Some(rec) = shared.store.get(&cfg.name) {
         rec.restore(&mut state, &shared.clock);
-        if carried_over {
+        // An attached engine is the one siesta had before (it neither
+        // starts nor stops it).
+        if carried_over || cfg.is_attach() {
             rec.restore_history(&mut state, &shared.clock);
         }
     }

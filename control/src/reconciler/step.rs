@@ -98,6 +98,7 @@ fn expire_pin(m: &mut ModelState, now: Instant) {
 pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec<Effect>) {
     m.failures = m.failures.saturating_add(1);
     m.stable_at = None;
+    m.recorded_floor = None;
     if !m.settings.attach {
         fx.push(Effect::Signal(Signal::Kill));
     }
@@ -365,8 +366,17 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 m.stable_at = (m.failures > 0).then(|| now + STABLE_AFTER);
                 m.last_error = None;
                 // The idle clock starts when the engine is ready, not when
-                // it was asked for (real vLLM takes a minute or more).
-                m.idle_floor = now;
+                // it was asked for (real vLLM takes a minute or more); an
+                // attached engine found serving after a restart of siesta
+                // goes on with the clock recorded before (a tier overdue by
+                // now waits until its requests in flight are known).
+                m.idle_floor = match m.recorded_floor.take() {
+                    Some(t) => {
+                        m.tiers_after = Some(now + PROXY_STALE);
+                        t.min(now)
+                    }
+                    None => now,
+                };
                 fx.push(Effect::ReleaseStartLock);
                 match asleep {
                     Some(level) => {
@@ -375,7 +385,8 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                         }
                         set_phase(m, Phase::Asleep { level }, now);
                     }
-                    None => become_awake(m, now),
+                    // The idle floor is set above.
+                    None => set_phase(m, Phase::Awake, now),
                 }
             }
         }

@@ -419,6 +419,32 @@ fn an_attached_engine_retired_asleep_is_left_asleep() {
     assert!(!s.has(|f| matches!(f, Effect::Wake { .. })), "{:?}", s.fx);
 }
 
+/// An attached engine found serving after a restart of siesta goes on
+/// with its recorded idle clock; a tier overdue by then waits until the
+/// proxies and its gauge have said what is in flight, as for an adopted
+/// engine.
+#[test]
+fn an_attached_engine_found_serving_waits_for_reports_before_an_overdue_tier() {
+    let mut s = Sim::attached();
+    s.m.recorded_floor = Some(s.now);
+    s.now += secs(3600);
+    s.ev(Event::HealthOk {
+        epoch: s.m.epoch,
+        asleep: None,
+    });
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })), "{:?}", s.fx);
+    let at = s.timer().expect("a timer for the tier");
+    assert!(at > s.now && at <= s.now + PROXY_STALE, "{:?}", at - s.now);
+    s.now = at;
+    s.ev(Event::Tick);
+    assert!(
+        matches!(s.m.phase, Phase::Sleeping { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
+
 #[test]
 fn backoff_doubles_and_is_capped() {
     let mut s = Sim::new(Preload::Awake);

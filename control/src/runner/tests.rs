@@ -270,6 +270,69 @@ async fn held_requests_fenced_before_the_last_awake_count_as_in_flight() {
     h.join().await;
 }
 
+/// A restarted control plane finds an attached engine serving, as it was
+/// before the restart: its idle clock goes on as recorded (siesta neither
+/// started it nor saw it start), so its 15-minute tier, 14 minutes into
+/// its idle time, fires in a minute, not 15 minutes after the restart (a
+/// control plane restarted more often than a tier never let it fire).
+#[tokio::test]
+async fn an_attached_engine_found_serving_after_a_restart_keeps_its_idle_clock() {
+    use crate::engine::test_server::{Act, engine};
+    let e = engine(|_, _, line| {
+        if line.contains("/is_sleeping") {
+            Act::Ok(r#"{"is_sleeping":false}"#)
+        } else {
+            Act::Ok("")
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[[model]]\nname = \"ext\"\nlaunch = \"attach\"\nurl = \"{}\"\ngpus = 0\n\
+         idle = [ {{ after = \"15m\", action = \"sleep\", level = 1 }} ]\n",
+        e.url
+    );
+    let cfg = Config::parse(&text, "t.toml").unwrap().models.remove(0);
+    let shared = shared(dir.path());
+    // What the daemon before the restart recorded: woken for a request
+    // that ended 14 minutes ago.
+    let ago = shared.clock.now_ms() - 14 * 60_000;
+    shared.store.set(
+        "ext",
+        crate::store::IntentRecord {
+            desired: "awake".into(),
+            level: 0,
+            reason: "demand".into(),
+            since_unix_ms: ago - 1000,
+            until_unix_ms: 0,
+            pinned_until_unix_ms: 0,
+            restarts: 0,
+            last_activity_unix_ms: ago,
+            idle_floor_unix_ms: ago - 1000,
+        },
+    );
+    let cancel = CancellationToken::new();
+    let h = spawn_model(cfg, Placed::default(), shared, cancel.clone()).unwrap();
+    let mut rx = h.status.clone();
+    let s = tokio::time::timeout(
+        Duration::from_secs(30),
+        rx.wait_for(|s| s.state == State::Awake),
+    )
+    .await
+    .expect("awake")
+    .unwrap()
+    .clone();
+    let (_, at) = s.next_tier.expect("a next tier");
+    let from_restart = at - s.state_since_unix_ms;
+    assert!(
+        (at - (ago + 15 * 60_000)).abs() < 1000,
+        "the tier fires {} s after the restart, not 60",
+        from_restart / 1000
+    );
+    cancel.cancel();
+    h.join().await;
+}
+
 /// An IPv6 `host` is bracketed in the URL siesta probes and publishes
 /// (`http://[::1]:PORT`); a bare `::1` makes no URL at all.
 #[tokio::test]

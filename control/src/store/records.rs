@@ -96,8 +96,9 @@ impl IntentRecord {
     }
 
     /// Puts the recorded restart count, last activity and idle floor into
-    /// the state of a model whose running engine is adopted: it is the same
-    /// engine, so its history goes on, and so does its idle clock (counted
+    /// the state of a model whose running engine is adopted (or attached):
+    /// it is the same engine, so its history goes on, and so does its idle
+    /// clock (counted
     /// from the daemon's start, a tier never fired for a control plane
     /// restarted more often than it).
     pub fn restore_history(&self, m: &mut ModelState, clock: &Clock) {
@@ -108,6 +109,10 @@ impl IntentRecord {
         }
         if self.idle_floor_unix_ms > 0 {
             m.idle_floor = clock.instant(self.idle_floor_unix_ms).min(m.idle_floor);
+            // Its first readiness here is not its start (see `recorded_floor`).
+            if m.settings.attach {
+                m.recorded_floor = Some(m.idle_floor);
+            }
         }
     }
 
