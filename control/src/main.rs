@@ -75,7 +75,9 @@ async fn main() -> anyhow::Result<()> {
         signals.cancel();
     });
     server.run(shutdown).await?;
-    Ok(())
+    // A start-up step the signal cut short (the GPU probe) may still run on
+    // a blocking thread, which dropping the runtime would wait for.
+    std::process::exit(0)
 }
 
 /// Colour in the log only on a terminal, and never with `NO_COLOR` set.

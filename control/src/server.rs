@@ -146,13 +146,14 @@ impl Server {
         // Every Watch event is encoded once, as it is published.
         crate::api::watch::install_encoder(&hub, config.control.control_id.clone());
         let cfg = config.clone();
-        let gpus = Arc::new(
-            tokio::task::spawn_blocking(move || GpuView::detect(&cfg))
-                .await
-                .map_err(|e| {
-                    Error::Startup(std::io::Error::other(format!("GPU detection: {e}")))
-                })?,
-        );
+        let detect = tokio::task::spawn_blocking(move || GpuView::detect(&cfg));
+        let Some(detected) = unless_shut_down(&shutdown, "GPU detection", detect).await else {
+            return Ok(());
+        };
+        let gpus =
+            Arc::new(detected.map_err(|e| {
+                Error::Startup(std::io::Error::other(format!("GPU detection: {e}")))
+            })?);
         // A model that can never fit its GPUs: refuse to start, as
         // `siesta config check` refuses the file, with the same message.
         if let Some(refusal) = gpus.refusal() {
@@ -189,7 +190,10 @@ impl Server {
         });
         let tasks = shutdown.child_token();
         let placed = gpus.placed();
-        let adopted = crate::recovery::recover(&config, &placed, &store).await;
+        let recovery = crate::recovery::recover(&config, &placed, &store);
+        let Some(adopted) = unless_shut_down(&shutdown, "recovery", recovery).await else {
+            return Ok(());
+        };
         let models = Arc::new(
             Models::start(&config, &placed, adopted, shared.clone(), tasks.clone())
                 .map_err(Error::Startup)?,
@@ -253,6 +257,25 @@ impl Server {
         drop(watch_rt);
         tracing::info!("stopped");
         Ok(())
+    }
+}
+
+/// A start-up step (GPU detection and the P2P probe, recovery waiting on
+/// adopted engines' answers and on stops) ends early on shutdown: a SIGTERM
+/// then is not kept waiting. Nothing has been started yet; a recovery cut
+/// short runs again at the next start.
+async fn unless_shut_down<T>(
+    shutdown: &CancellationToken,
+    step: &'static str,
+    run: impl std::future::Future<Output = T>,
+) -> Option<T> {
+    tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => {
+            tracing::info!(step, "shutting down during start-up: {step} abandoned");
+            None
+        }
+        done = run => Some(done),
     }
 }
 

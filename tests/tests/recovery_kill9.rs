@@ -314,3 +314,35 @@ async fn an_engine_whose_record_was_lost_with_the_store_is_stopped_first() {
     assert_eq!(siesta_tests::group_members(old), Vec::<i32>::new());
     only_engine(&ctl, new.pid as i32).await;
 }
+
+/// A SIGTERM while the restarted control plane is still recovering (here:
+/// its adopted engine's `/is_sleeping` waits behind a long wake, up to the
+/// 300 s wake timeout) ends it promptly, not when recovery is over.
+#[tokio::test]
+async fn a_sigterm_during_recovery_is_not_kept_waiting() {
+    let model = fake_model(
+        "chat",
+        "asleep",
+        &["--wake-time", "300s"],
+        r#"wake_timeout = "300s""#,
+    );
+    let mut ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let pid = wait_state(&mut c, "chat", pb::ModelState::Asleep, LONG)
+        .await
+        .pid as i32;
+    wake(&mut c, "chat", false).await;
+    wait_state(&mut c, "chat", pb::ModelState::Waking, LONG).await;
+    ctl.restart().await;
+    ctl.child
+        .output()
+        .wait_for("/is_sleeping not answered yet", LONG)
+        .await;
+    // `terminate` waits 30 s for the exit; recovery alone would take 300.
+    let status = ctl.terminate().await;
+    assert!(status.success(), "{status:?}");
+    let log = ctl.child.output().text();
+    assert!(log.contains("recovery abandoned"), "{log}");
+    // The engine is left running, as at any exit, for the next start.
+    assert!(siesta_tests::alive(pid));
+}
