@@ -44,6 +44,8 @@ pub struct ProxyConfig {
     /// (nginx's `send_timeout`): a client that stops reading a streamed
     /// answer, its connection still open, is cut after this, so its request
     /// ends at the engine and counts no longer (it kept the model awake).
+    /// Over HTTP/2 (no socket write blocks: only the stream's flow-control
+    /// window shuts) each engine answer's stream is timed on its own.
     pub send_timeout: Duration,
     /// How long a request waits for the first snapshot from a control plane
     /// (a proxy just started knows no model yet); then 503 `proxy_not_ready`.

@@ -42,6 +42,9 @@ pub struct Shared {
     pub api_keys: Vec<Vec<u8>>,
     pub max_body_bytes: usize,
     pub body_timeout: Duration,
+    /// How long a response relayed over HTTP/2 may wait for its client to
+    /// take more of it (HTTP/1's socket writes are timed by the connection).
+    pub send_timeout: Duration,
     /// How long a request waits for the first snapshot: a replica just
     /// started (`--reuse-port` gives it connections at once) knows no model
     /// until a control plane has sent one, and must not answer 404 meanwhile.
@@ -191,8 +194,17 @@ async fn model_request(
     };
     let model = route.name.clone();
     drop(view);
+    let http2 = parts.version == http::Version::HTTP_2;
     let resp = route_loop(shared, &model, &field, &parts, &body, waited)
         .await
+        // A stalled HTTP/2 stream blocks no socket write: timed per stream.
+        .map(|r| {
+            if http2 {
+                r.map(|b| b.watch_stalls(shared.send_timeout))
+            } else {
+                r
+            }
+        })
         .unwrap_or_else(|e| {
             if let ApiError::Shed { reason, .. } = &e {
                 shared

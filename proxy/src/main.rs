@@ -78,7 +78,8 @@ struct Args {
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     body_timeout: std::time::Duration,
     /// How long a write to a client may wait for the client to read (a client that stops
-    /// reading a streamed answer is cut after this, and its request ends at the engine).
+    /// reading a streamed answer is cut after this, and its request ends at the engine; over
+    /// HTTP/2, a stream the client stops reading is timed on its own).
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     send_timeout: std::time::Duration,
     /// How long a request waits for the first snapshot from a control plane (a proxy just

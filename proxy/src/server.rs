@@ -174,6 +174,7 @@ impl Proxy {
             api_keys: cfg.api_keys.iter().map(|k| k.as_bytes().to_vec()).collect(),
             max_body_bytes: cfg.max_body_bytes,
             body_timeout: cfg.body_timeout,
+            send_timeout: cfg.send_timeout,
             first_snapshot_wait: cfg.first_snapshot_wait,
         });
 

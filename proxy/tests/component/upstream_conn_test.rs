@@ -170,13 +170,10 @@ async fn a_request_whose_engine_died_is_not_sent_anywhere_else() {
     assert!(body.contains("sent again on a fresh connection"), "{body}");
 }
 
-/// A client that reads a streamed answer's head and then stops reading,
-/// its connection left open, is cut after the send timeout: the proxy
-/// drops its engine connection too (the request ends there and no longer
-/// counts in flight, which kept the model from ever looking idle).
-#[tokio::test]
-async fn a_client_that_stops_reading_is_cut_after_the_send_timeout() {
-    // An engine that streams without end until its connection closes.
+/// An engine that streams server-sent events (64 KiB each) without end,
+/// as fast as it can, until its connection is closed; `gone` is notified
+/// then.
+async fn endless_stream_engine() -> (String, Arc<tokio::sync::Notify>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let gone = Arc::new(tokio::sync::Notify::new());
@@ -193,6 +190,16 @@ async fn a_client_that_stops_reading_is_cut_after_the_send_timeout() {
         while s.write_all(chunk.as_bytes()).await.is_ok() {}
         g.notify_one();
     });
+    (url, gone)
+}
+
+/// A client that reads a streamed answer's head and then stops reading,
+/// its connection left open, is cut after the send timeout: the proxy
+/// drops its engine connection too (the request ends there and no longer
+/// counts in flight, which kept the model from ever looking idle).
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_after_the_send_timeout() {
+    let (url, gone) = endless_stream_engine().await;
     let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&url])]);
     let p = ready_proxy(vec![c.url()], |cfg| {
         cfg.send_timeout = Duration::from_millis(500);
@@ -219,4 +226,102 @@ async fn a_client_that_stops_reading_is_cut_after_the_send_timeout() {
         .await
         .expect("the engine's connection was dropped");
     drop(client);
+}
+
+/// The same over HTTP/2: a client that stops reading one stream blocks no
+/// socket write (its connection goes on reading; only that stream's flow
+/// control window runs out, and the answer's body is no longer polled).
+/// The stream's stall is timed instead: after the send timeout its engine
+/// connection is dropped, and the request no longer counts in flight.
+#[tokio::test]
+async fn an_http2_client_that_stops_reading_a_stream_is_cut_after_the_send_timeout() {
+    let (url, gone) = endless_stream_engine().await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.send_timeout = Duration::from_millis(500);
+    })
+    .await;
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let req = http::Request::post(p.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(chat_stream(
+            "m",
+        ))))
+        .unwrap();
+    let resp = tokio::time::timeout(DEADLINE, client.request(req))
+        .await
+        .expect("no answer head")
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    // The body is held, never read.
+    let _body = resp.into_body();
+    tokio::time::timeout(DEADLINE, gone.notified())
+        .await
+        .expect("the engine's connection was not dropped: the stalled stream is still in flight");
+    // ... and the request is reported finished (no longer in flight).
+    wait_until("the request reported finished", || async {
+        c.reports()
+            .iter()
+            .flat_map(|r| &r.models)
+            .filter(|m| m.model == "m")
+            .map(|m| m.finished)
+            .sum::<u32>()
+            >= 1
+    })
+    .await;
+}
+
+/// What the HTTP/2 stall watchdog must not cut: an engine that sends
+/// nothing for longer than the send timeout (a long prefill, a slow token)
+/// while its client reads everything it gets.
+#[tokio::test]
+async fn an_http2_stream_waiting_on_its_engine_is_not_cut() {
+    use http_body_util::BodyExt;
+    let e = crate::engine::Engine::start("e").await;
+    e.set_gate(false);
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.send_timeout = Duration::from_millis(300);
+    })
+    .await;
+    let client: hyper_util::client::legacy::Client<_, http_body_util::Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .http2_only(true)
+            .build_http();
+    let req = http::Request::post(p.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(chat_stream(
+            "m",
+        ))))
+        .unwrap();
+    let resp = tokio::time::timeout(DEADLINE, client.request(req))
+        .await
+        .expect("no answer head")
+        .unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    let mut body = resp.into_body();
+    let first = tokio::time::timeout(DEADLINE, body.frame())
+        .await
+        .expect("no first event")
+        .unwrap()
+        .unwrap();
+    assert!(first.data_ref().is_some_and(|d| d.starts_with(b"data: ")));
+    // The engine is silent for several send timeouts.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    e.set_gate(true);
+    let rest = tokio::time::timeout(DEADLINE, body.collect())
+        .await
+        .expect("the rest never came")
+        .expect("the stream was cut")
+        .to_bytes();
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        rest.contains("tok2") && rest.ends_with("data: [DONE]\n\n"),
+        "{rest}"
+    );
+    assert_eq!(e.state.cancelled.load(Ordering::SeqCst), 0);
 }
