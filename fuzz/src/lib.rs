@@ -16,7 +16,7 @@ pub mod errors {
         InvalidModel,
         MalformedJson(String),
         BodyTooLarge { limit: usize },
-        BodyTimeout,
+        BodyTimeout(String),
         BodyRead(String),
     }
 }

@@ -38,7 +38,10 @@ pub struct ProxyConfig {
     pub max_header_bytes: usize,
     /// Time allowed to receive a request's headers.
     pub header_timeout: Duration,
-    /// Time allowed to receive a request's body.
+    /// Longest wait for more of a request's body (between reads, nginx's
+    /// `client_body_timeout`; not a deadline on the whole body): 408 after
+    /// a stall this long. A body taking longer than this must also average
+    /// `handler::checks::MIN_BODY_RATE` (1 KiB/s).
     pub body_timeout: Duration,
     /// How long a write to a client may wait for the client to read
     /// (nginx's `send_timeout`): a client that stops reading a streamed

@@ -61,8 +61,9 @@ pub enum ApiError {
     MalformedForm(&'static str),
     #[error("request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
-    #[error("request body not received in time")]
-    BodyTimeout,
+    /// The body stalled for the body timeout, or came too slowly.
+    #[error("{0}")]
+    BodyTimeout(String),
     #[error("error reading the request body: {0}")]
     BodyRead(String),
     #[error("missing or invalid API key: send it as `Authorization: Bearer KEY`")]
@@ -87,7 +88,7 @@ impl ApiError {
             | ApiError::MalformedForm(_)
             | ApiError::BodyRead(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
@@ -103,7 +104,7 @@ impl ApiError {
             ApiError::MalformedJson(_) => ("invalid_request_error", "invalid_json"),
             ApiError::MalformedForm(_) => ("invalid_request_error", "invalid_form"),
             ApiError::BodyTooLarge { .. } => ("invalid_request_error", "request_too_large"),
-            ApiError::BodyTimeout => ("invalid_request_error", "request_timeout"),
+            ApiError::BodyTimeout(_) => ("invalid_request_error", "request_timeout"),
             ApiError::BodyRead(_) => ("invalid_request_error", "invalid_body"),
             ApiError::Unauthorized => ("invalid_request_error", "invalid_api_key"),
             ApiError::Shed { reason, .. } => ("server_error", reason.code()),

@@ -74,7 +74,9 @@ struct Args {
     /// Time allowed to receive a request's headers.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     header_timeout: std::time::Duration,
-    /// Time allowed to receive a request's body.
+    /// Longest wait for more of a request's body (between reads, as nginx's
+    /// client_body_timeout; not a deadline on the whole body): a body that stalls this long
+    /// gets 408. A body that takes longer than this must also average 1 KiB/s (408 below).
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     body_timeout: std::time::Duration,
     /// How long a write to a client may wait for the client to read (a client that stops

@@ -1,10 +1,16 @@
 //! Checks before routing: which paths may reach an engine, the API key, and
 //! reading the body within its size and time limits.
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
+use std::time::Duration;
+
 use bytes::{Bytes, BytesMut};
 use http::{Request, header};
-use http_body_util::BodyExt;
+use hyper::body::Body;
 use hyper::body::Incoming;
+use tokio::time::Instant;
 
 use crate::errors::ApiError;
 use crate::handler::Shared;
@@ -62,6 +68,24 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// A body that has taken longer than the body timeout must have averaged
+/// at least this many bytes a second since it began (checked when the
+/// timeout's timer comes round): the body timeout is between reads, so a
+/// client trickling a byte every few seconds would otherwise hold its
+/// connection for as long as `--max-body` bytes take at that pace (years).
+/// 1 KiB/s is far below any real uplink (a 20 MB body at 1 KiB/s: 5.7 h).
+pub const MIN_BODY_RATE: u64 = 1024;
+
+/// Reads the request body within `--max-body`; `--body-timeout` is the
+/// longest wait for more of it (nginx's `client_body_timeout`: between
+/// reads, not a deadline on the whole body), and a body slower than
+/// [`MIN_BODY_RATE`] on average is cut once it has taken longer than that.
+///
+/// Cost over one deadline for the whole body: none while the body's
+/// frames are ready when polled (a small body comes with its head); a
+/// clock read per frame that arrived after a wait. The one timer is armed
+/// only while the body waits, and moved on lazily when it fires (never
+/// re-armed per frame).
 pub async fn read_body(
     shared: &Shared,
     body: Incoming,
@@ -71,40 +95,85 @@ pub async fn read_body(
     if content_length.is_some_and(|n| n > limit) {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    let read = async {
-        let mut body = body;
-        let mut first: Option<Bytes> = None;
-        let mut buf: Option<BytesMut> = None;
-        let mut total = 0usize;
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| ApiError::BodyRead(e.to_string()))?;
-            let Ok(data) = frame.into_data() else {
-                continue;
-            };
-            total += data.len();
-            if total > limit {
-                return Err(ApiError::BodyTooLarge { limit });
-            }
-            match (&mut first, &mut buf) {
-                (_, Some(b)) => b.extend_from_slice(&data),
-                (None, None) => first = Some(data),
-                (Some(f), None) => {
-                    let cap = content_length.unwrap_or(0).max(f.len() + data.len());
-                    let mut b = BytesMut::with_capacity(cap);
-                    b.extend_from_slice(f);
-                    b.extend_from_slice(&data);
-                    buf = Some(b);
+    let timeout = shared.body_timeout;
+    let mut body = body;
+    let started = Instant::now();
+    // The last time data came after a wait: what the stall is timed from.
+    let mut last = started;
+    let mut waited = false;
+    let stall = tokio::time::sleep_until(started + timeout);
+    tokio::pin!(stall);
+    let mut first: Option<Bytes> = None;
+    let mut buf: Option<BytesMut> = None;
+    let mut total = 0usize;
+    loop {
+        let next = std::future::poll_fn(|cx| {
+            if let Poll::Ready(frame) = Pin::new(&mut body).poll_frame(cx) {
+                if std::mem::take(&mut waited) {
+                    last = Instant::now();
                 }
+                return Poll::Ready(Ok(frame));
+            }
+            waited = true;
+            while stall.as_mut().poll(cx).is_ready() {
+                let now = Instant::now();
+                if now >= last + timeout {
+                    return Poll::Ready(Err(body_stalled(timeout, total, content_length)));
+                }
+                let elapsed = now - started;
+                let floor = elapsed.as_millis() as u64 * MIN_BODY_RATE / 1000;
+                if (total as u64) < floor {
+                    return Poll::Ready(Err(body_too_slow(timeout, total, elapsed)));
+                }
+                stall.as_mut().reset(last + timeout);
+            }
+            Poll::Pending
+        })
+        .await?;
+        let Some(frame) = next else { break };
+        let frame = frame.map_err(|e| ApiError::BodyRead(e.to_string()))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        total += data.len();
+        if total > limit {
+            return Err(ApiError::BodyTooLarge { limit });
+        }
+        match (&mut first, &mut buf) {
+            (_, Some(b)) => b.extend_from_slice(&data),
+            (None, None) => first = Some(data),
+            (Some(f), None) => {
+                let cap = content_length.unwrap_or(0).max(f.len() + data.len());
+                let mut b = BytesMut::with_capacity(cap);
+                b.extend_from_slice(f);
+                b.extend_from_slice(&data);
+                buf = Some(b);
             }
         }
-        Ok(match buf {
-            Some(b) => b.freeze(),
-            None => first.unwrap_or_default(),
-        })
-    };
-    tokio::time::timeout(shared.body_timeout, read)
-        .await
-        .map_err(|_| ApiError::BodyTimeout)?
+    }
+    Ok(match buf {
+        Some(b) => b.freeze(),
+        None => first.unwrap_or_default(),
+    })
+}
+
+fn body_stalled(timeout: Duration, total: usize, content_length: Option<usize>) -> ApiError {
+    let of = content_length.map_or(String::new(), |n| format!(" of {n}"));
+    ApiError::BodyTimeout(format!(
+        "request body not received in time: nothing more of it came for {} ms (the proxy's \
+         --body-timeout, between reads) after {total}{of} bytes",
+        timeout.as_millis()
+    ))
+}
+
+fn body_too_slow(timeout: Duration, total: usize, elapsed: Duration) -> ApiError {
+    ApiError::BodyTimeout(format!(
+        "request body not received in time: {total} bytes in {} ms, below the minimum of \
+         {MIN_BODY_RATE} bytes/s on average that a body taking longer than {} ms (the proxy's \
+         --body-timeout) must keep",
+        elapsed.as_millis(),
+        timeout.as_millis()
+    ))
 }
 
 #[cfg(test)]
