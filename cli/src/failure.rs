@@ -14,6 +14,8 @@ pub const EXIT_USAGE: u8 = 2;
 /// Exit code: siesta-control could not be reached: the connection failed
 /// or broke, or nothing answered within the deadline. Never an answer.
 pub const EXIT_UNREACHABLE: u8 = 3;
+/// Exit code: stopped by a second Ctrl-C, without waiting (128 + SIGINT).
+pub const EXIT_INTERRUPTED: u8 = 130;
 
 /// Why a command did not succeed.
 #[derive(Debug)]
@@ -27,6 +29,8 @@ pub enum Failure {
     Usage(String),
     /// Failed, and the command already printed why.
     Reported,
+    /// A second Ctrl-C ended the command without waiting.
+    Interrupted,
 }
 
 impl Failure {
@@ -35,6 +39,7 @@ impl Failure {
             Failure::Unreachable { .. } => EXIT_UNREACHABLE,
             Failure::Failed(_) | Failure::Reported => EXIT_FAILED,
             Failure::Usage(_) => EXIT_USAGE,
+            Failure::Interrupted => EXIT_INTERRUPTED,
         }
     }
 
@@ -83,6 +88,7 @@ impl fmt::Display for Failure {
             }
             Failure::Failed(msg) | Failure::Usage(msg) => f.write_str(msg),
             Failure::Reported => Ok(()),
+            Failure::Interrupted => f.write_str("interrupted"),
         }
     }
 }

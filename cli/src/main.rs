@@ -49,7 +49,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(failure) => {
             match &failure {
-                Failure::Reported => {}
+                Failure::Reported | Failure::Interrupted => {}
                 Failure::Unreachable { .. } => eprintln!("{failure}"),
                 _ => eprintln!("error: {failure}"),
             }

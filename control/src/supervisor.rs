@@ -11,7 +11,9 @@ pub mod procfs;
 pub use adopt::adopt;
 pub use argv::spawn_spec;
 pub(crate) use group::wait_gone;
-pub use group::{SWEEP_DEADLINE, kill_group_leftovers, signal_group, sweep_group};
+pub use group::{
+    SWEEP_DEADLINE, kill_engines_now, kill_group_leftovers, signal_group, sweep_group,
+};
 pub use logs::{LogLine, LogRing};
 
 use nix::sys::signal::Signal as NixSignal;

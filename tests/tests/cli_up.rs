@@ -335,3 +335,51 @@ async fn up_fails_clearly_when_the_address_file_cannot_be_written() {
     })
     .await;
 }
+
+/// A second Ctrl-C while `up` waits out an engine's long stop grace kills
+/// the engine's whole process group at once and exits 130: an operator who
+/// will not wait is never left with an engine holding its GPUs.
+#[tokio::test]
+async fn a_second_ctrl_c_kills_the_engines_now() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("stubborn.toml");
+    let script = "trap '' TERM; \"$0\" --personality openai serve stubborn \
+                  --host \"$1\" --port \"$2\" & while :; do sleep 1; done";
+    std::fs::write(
+        &config,
+        format!(
+            "[control]\nstate_dir = {:?}\n\n[[model]]\nname = \"stubborn\"\n\
+             model = \"org/stubborn\"\nengine = \"openai\"\npreload = \"awake\"\n\
+             command = [\"sh\", \"-c\", {script:?}, {fake:?}]\n\
+             args = [\"{{host}}\", \"{{port}}\"]\nstop_grace = \"300s\"\n",
+            dir.path().join("state"),
+            fake = bin_path("fake-vllm"),
+        ),
+    )
+    .unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let mut up = spawn_up_with(
+        dir.path(),
+        &addr_file,
+        &["--config", config.to_str().unwrap()],
+    );
+    let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
+    let grpc = addrs[2];
+    wait_until("stubborn awake", DEADLINE, || async {
+        model(&status(grpc), "stubborn")["state"] == "awake"
+    })
+    .await;
+    let pgid = model(&status(grpc), "stubborn")["pid"].as_i64().unwrap() as i32;
+    up.signal(Signal::SIGINT);
+    up.output()
+        .wait_for("Ctrl-C again to kill them now", DEADLINE)
+        .await;
+    // The group leader ignores the SIGTERM: up would wait 300 s.
+    assert!(!siesta_tests::group_members(pgid).is_empty());
+    up.signal(Signal::SIGINT);
+    let status = up.wait_exit(DEADLINE).await;
+    let text = up.output().text();
+    assert_eq!(status.code(), Some(130), "{text}");
+    assert!(text.contains("killed 1 engine process group"), "{text}");
+    assert_eq!(siesta_tests::group_members(pgid), Vec::<i32>::new());
+}

@@ -55,6 +55,7 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
             )
         }
     };
+    let state_dir = config.control.state_dir.clone();
     let opts = ServeOptions {
         listen: args.control_listen,
         stop_engines_on_exit: !args.keep_engines,
@@ -125,17 +126,38 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         r = &mut control_task => ended("siesta-control", r, &shutdown),
         r = &mut proxy_task => ended("siesta-proxy", r, &shutdown),
     };
+    // A second Ctrl-C does not wait for the engines' stop grace.
+    let again = siesta_signal::shutdown_signal().map_err(|e| Failure::Failed(e.to_string()))?;
     eprintln!(
         "siesta: shutting down{}",
         if args.keep_engines {
-            " (engines left running)"
+            " (engines left running; Ctrl-C again to exit now)"
         } else {
-            " and stopping engines"
+            " and stopping engines (Ctrl-C again to kill them now)"
         }
     );
     shutdown.cancel();
-    halves.stop(&mut proxy_task, &mut control_task).await;
-    outcome
+    tokio::select! {
+        () = halves.stop(&mut proxy_task, &mut control_task) => outcome,
+        _ = again => {
+            if !args.keep_engines {
+                kill_engines(&state_dir).await;
+            }
+            Err(Failure::Interrupted)
+        }
+    }
+}
+
+/// The second Ctrl-C: every engine this `up` started is SIGKILLed now.
+async fn kill_engines(state_dir: &Path) {
+    let (groups, left) = siesta_control::kill_engines_now(state_dir).await;
+    if left.is_empty() {
+        eprintln!("siesta: killed {groups} engine process group(s)");
+    } else {
+        eprintln!(
+            "siesta: killed {groups} engine process group(s); still there after 10 s: {left:?} (they may hold GPU memory)"
+        );
+    }
 }
 
 /// Stops the two halves in order: the proxy first, so that requests in

@@ -72,6 +72,41 @@ pub async fn sweep_group(model: &str, pgid: u32, leader_start: Option<u64>) -> V
     left
 }
 
+/// SIGKILL, now, to the process group of every engine process spawned for
+/// `state_dir` (found by the [`STATE_ENV`](super::STATE_ENV) in its
+/// environment), then waits up to [`SWEEP_DEADLINE`] for them to be gone;
+/// returns how many groups were killed and the pids still there. For an
+/// operator who will not wait for the stop grace (`siesta up`'s second
+/// Ctrl-C): the next start's recovery finds them gone and drops their
+/// records.
+pub async fn kill_engines_now(state_dir: &std::path::Path) -> (usize, Vec<u32>) {
+    let marker = super::state_marker(state_dir);
+    let own = procfs::pgid(std::process::id());
+    let engines = || procfs::pids_with_env(super::STATE_ENV, &marker);
+    let mut groups: Vec<u32> = engines()
+        .into_iter()
+        .filter_map(procfs::pgid)
+        .filter(|g| Some(*g) != own)
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    for g in &groups {
+        signal_group(*g, NixSignal::SIGKILL);
+    }
+    let left = wait_gone(
+        || {
+            let mut left = engines();
+            left.extend(groups.iter().flat_map(|g| procfs::group_members(*g)));
+            left.sort_unstable();
+            left.dedup();
+            left
+        },
+        SWEEP_DEADLINE,
+    )
+    .await;
+    (groups.len(), left)
+}
+
 /// Polls `members` (5 ms, doubling up to 100 ms) until it is empty or
 /// `deadline` has passed; returns its last answer.
 pub(crate) async fn wait_gone(members: impl Fn() -> Vec<u32>, deadline: Duration) -> Vec<u32> {
