@@ -341,9 +341,11 @@ impl pb::control_server::Control for ControlService {
             added: s.added,
             removed: s.removed,
             // Reconfigured models (engine kept) changed too.
-            changed: [s.changed, s.reconfigured].concat(),
+            changed: [s.changed.clone(), s.reconfigured.clone()].concat(),
             unchanged: s.unchanged,
             not_applied: s.not_applied,
+            restarted: s.changed,
+            updated_in_place: s.reconfigured,
         }))
     }
 }

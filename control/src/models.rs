@@ -9,7 +9,7 @@ use crate::reconciler::{Command, Desired, Event, Reason};
 use crate::recovery::Adopted;
 use crate::runner::{ModelHandle, Shared, spawn_model_adopting};
 use crate::status::{ModelStatus, State};
-use crate::supervisor::LogRing;
+use crate::supervisor::{LogRing, command_hash, spawn_spec};
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -33,9 +33,12 @@ pub struct Activity {
 pub struct ReloadSummary {
     pub added: Vec<String>,
     pub removed: Vec<String>,
-    /// Restarted: their engine command or placement changed.
+    /// Restarted: their engine's command line, environment, launch, port,
+    /// GPU needs or placement changed (see [`needs_new_engine`]).
     pub changed: Vec<String>,
-    /// Engine kept: only idle tiers, hold policy or aliases changed.
+    /// Updated in place, engine kept: only siesta's own settings for them
+    /// changed (timeouts, backoff, idle tiers, preload, hold policy,
+    /// aliases, health path).
     pub reconfigured: Vec<String>,
     pub unchanged: Vec<String>,
     /// `[control]` and `[[gpu]]` keys the file changes that are read at
@@ -148,10 +151,10 @@ impl Models {
         // Before the retirement, which records the model stopped for good.
         let before = self.resolve(name).ok().map(|h| h.status.borrow().clone());
         if let Ok(h) = self.resolve(name)
-            && !h.cfg.is_attach()
+            && !h.cfg().is_attach()
             && self.send(&h, Event::Retire).await.is_ok()
         {
-            let limit = h.cfg.timeouts.stop_grace * 2 + Duration::from_secs(10);
+            let limit = h.cfg().timeouts.stop_grace * 2 + Duration::from_secs(10);
             let mut rx = h.status.clone();
             let _ = tokio::time::timeout(
                 limit,
@@ -169,7 +172,7 @@ impl Models {
             // finish first, as long as an operator's stop lets them (one
             // stop grace: proxies still forward to it meanwhile); then its
             // sleep, up to the sleep timeout.
-            let t = h.cfg.timeouts;
+            let t = h.cfg().timeouts;
             let mut rx = h.status.clone();
             let serving = |s: &ModelStatus| matches!(s.state, State::Awake | State::Waking);
             let began = tokio::time::timeout(t.stop_grace, rx.wait_for(|s| !serving(s)))
@@ -279,7 +282,7 @@ impl Models {
     ) -> Result<(ModelStatus, String), OpError> {
         let h = self.resolve(name)?;
         let before = h.status.borrow().clone();
-        let attach = h.cfg.is_attach();
+        let attach = h.cfg().is_attach();
         match cmd {
             Command::Sleep(level @ (0 | 3..)) => {
                 return Err(OpError::invalid(
@@ -287,30 +290,31 @@ impl Models {
                     format!("{level} is not a sleep level (1 or 2)"),
                 ));
             }
-            Command::Sleep(level) if !h.cfg.engine.can_sleep(level) => {
+            Command::Sleep(level) if !h.cfg().engine.can_sleep(level) => {
                 return Err(OpError::Refused(format!(
                     "{} runs engine = \"{}\", which cannot sleep at level {level}; what it can do when idle: {}",
                     before.name,
-                    h.cfg.engine,
-                    h.cfg.engine.actions(attach)
+                    h.cfg().engine,
+                    h.cfg().engine.actions(attach)
                 )));
             }
-            Command::Suspend if !h.cfg.engine.can(IdleAction::Suspend, attach) => {
+            Command::Suspend if !h.cfg().engine.can(IdleAction::Suspend, attach) => {
                 return Err(OpError::Refused(format!(
                     "{} runs {}engine = \"{}\", which siesta cannot suspend (it does not own an attached engine's processes); what it can do when idle: {}",
                     before.name,
                     if attach { "an attached " } else { "" },
-                    h.cfg.engine,
-                    h.cfg.engine.actions(attach)
+                    h.cfg().engine,
+                    h.cfg().engine.actions(attach)
                 )));
             }
-            Command::Suspend if h.cfg.gpus > 1 && !h.cfg.checkpointable_multi_gpu() => {
+            Command::Suspend if h.cfg().gpus > 1 && !h.cfg().checkpointable_multi_gpu() => {
                 return Err(OpError::Refused(format!(
                     "{} runs on {} GPUs and was started sharing GPU memory between its processes \
                      (NCCL P2P, custom all-reduce): the CUDA driver cannot restore such a process \
                      (CUDA_ERROR_NOT_SUPPORTED). Give it an idle tier with action = \"suspend\" \
                      (siesta then starts it without sharing) and suspend it after its restart",
-                    before.name, h.cfg.gpus
+                    before.name,
+                    h.cfg().gpus
                 )));
             }
             Command::Sleep(_) | Command::Suspend if before.state == State::Stopped => {
@@ -359,7 +363,7 @@ impl Models {
             return Ok((status, msg));
         }
         let h = self.resolve(name)?;
-        let timeout = timeout.unwrap_or(h.cfg.timeouts.start + h.cfg.timeouts.wake);
+        let timeout = timeout.unwrap_or(h.cfg().timeouts.start + h.cfg().timeouts.wake);
         let mut rx = h.status.clone();
         let waited = tokio::time::timeout(
             timeout,
@@ -479,10 +483,10 @@ impl Models {
             other => other,
         })?;
         if s.not_applied.is_empty() {
-            tracing::info!(added = ?s.added, removed = ?s.removed, changed = ?s.changed, reconfigured = ?s.reconfigured, "configuration reloaded");
+            tracing::info!(added = ?s.added, removed = ?s.removed, restarted = ?s.changed, updated_in_place = ?s.reconfigured, "configuration reloaded");
         } else {
             tracing::warn!(
-                added = ?s.added, removed = ?s.removed, changed = ?s.changed, reconfigured = ?s.reconfigured,
+                added = ?s.added, removed = ?s.removed, restarted = ?s.changed, updated_in_place = ?s.reconfigured,
                 "configuration reloaded; not applied until restart: {}",
                 s.not_applied.join(", ")
             );
@@ -493,10 +497,11 @@ impl Models {
     /// Applies a new configuration as one diff. It is placed first (on the
     /// live inventory and P2P verdicts, keeping running models on their
     /// GPUs where it fits); a refusal changes nothing. Then removed models
-    /// are stopped, models whose engine command or placement changed are
-    /// restarted on their new placement, models whose only changes are idle
-    /// tiers, hold policy or aliases keep their engine and take the new
-    /// settings, and added models start on their placement. `[control]`
+    /// are stopped, models that need a new engine ([`needs_new_engine`])
+    /// are restarted on their new placement, models whose only changes are
+    /// siesta's own settings (timeouts, backoff, idle tiers, preload, hold
+    /// policy, aliases) keep their engine and take the new settings in
+    /// place, and added models start on their placement. `[control]`
     /// and `[[gpu]]` settings are read at start-up only: the ones `config`
     /// changes are named in the summary's `not_applied`.
     pub async fn reload(&self, config: &Config) -> Result<ReloadSummary, OpError> {
@@ -526,10 +531,25 @@ impl Models {
             not_applied: self.started_with.restart_only_changes(config),
             ..ReloadSummary::default()
         };
+        let placed_now = |name: &str, m: &ModelConfig, map: &BTreeMap<String, Placed>| {
+            map.get(name)
+                .cloned()
+                .unwrap_or_else(|| default_placement(m))
+        };
         for m in &config.models {
             let list = match current.get(&m.name) {
                 None => &mut s.added,
-                Some(old) if moved(&m.name) || !same_engine(old, m) => &mut s.changed,
+                Some(old)
+                    if moved(&m.name)
+                        || needs_new_engine(
+                            old,
+                            &placed_now(&m.name, old, &old_placed),
+                            m,
+                            &placed_now(&m.name, m, &new_placed),
+                        ) =>
+                {
+                    &mut s.changed
+                }
                 Some(old) if **old == *m => &mut s.unchanged,
                 Some(_) => &mut s.reconfigured,
             };
@@ -587,7 +607,8 @@ impl Models {
         Ok(s)
     }
 
-    /// New idle tiers, hold policy or aliases for a running model.
+    /// New settings of siesta's own (timeouts, backoff, idle tiers,
+    /// preload, hold policy, aliases, health path) for a running model.
     fn reconfigure(&self, m: &ModelConfig) {
         let cfg = Arc::new(m.clone());
         let mut reg = self.registry.write().unwrap();
@@ -637,15 +658,35 @@ fn same_launch(old: &ModelConfig, new: &ModelConfig) -> bool {
     )
 }
 
-/// Whether two configurations of a model run the same engine: they differ
-/// at most in idle tiers, hold policy (`max_queue`, `max_hold`) and aliases.
-fn same_engine(old: &ModelConfig, new: &ModelConfig) -> bool {
+/// Whether a reload from `old` (placed at `old_at`) to `new` (placed at
+/// `new_at`) needs a new engine: the command line or environment siesta
+/// would spawn it with differs ([`spawn_spec`]'s [`command_hash`], which
+/// covers `model`, `args`, `env` and what idle tiers add to it, e.g. a
+/// suspend tier's switches), or its engine kind, launch (executable or
+/// command, host, port, attach URL), or GPU needs (`gpus`, `gpu_memory`,
+/// `gpu_ids`, `exclusive`). Everything else is siesta's own and is taken
+/// in place by the running task: timeouts, backoff, idle tiers, preload,
+/// hold policy, aliases, health path. A key added to [`ModelConfig`] later
+/// restarts the engine until it is listed here.
+fn needs_new_engine(
+    old: &ModelConfig,
+    old_at: &Placed,
+    new: &ModelConfig,
+    new_at: &Placed,
+) -> bool {
     let mut n = new.clone();
+    n.aliases.clone_from(&old.aliases);
+    n.health_path.clone_from(&old.health_path);
     n.idle.clone_from(&old.idle);
+    n.preload = old.preload;
     n.max_queue = old.max_queue;
     n.max_hold = old.max_hold;
-    n.aliases.clone_from(&old.aliases);
-    n == *old
+    n.timeouts = old.timeouts;
+    n.backoff = old.backoff;
+    // The port is the configured one (`launch`) or the one the running
+    // engine was given: the same in both.
+    n != *old
+        || command_hash(&spawn_spec(old, 0, old_at)) != command_hash(&spawn_spec(new, 0, new_at))
 }
 
 /// Awake, asked to go elsewhere, and held by requests in flight.

@@ -96,8 +96,9 @@ pub(crate) enum Msg {
         /// The awake engine's metrics (None: asleep, or not polled).
         result: Result<Option<crate::engine::EngineMetrics>, crate::engine::ProbeError>,
     },
-    /// A reload changed only settings that need no new engine (idle
-    /// tiers, hold policy, aliases): take them, keep the engine.
+    /// A reload changed only siesta's own settings for the model, none
+    /// that needs a new engine (see [`ModelHandle::reconfigure`]): take
+    /// them, keep the engine.
     Reconfigure(Arc<ModelConfig>),
     /// Stop the engine (if `stop_engine`) and end the task.
     Shutdown {
@@ -109,7 +110,9 @@ pub(crate) enum Msg {
 /// The API's handle on a model task.
 #[derive(Debug)]
 pub struct ModelHandle {
-    pub cfg: Arc<ModelConfig>,
+    /// The model's configuration now: a reload that needs no new engine
+    /// replaces it ([`ModelHandle::reconfigure`]).
+    cfg: std::sync::RwLock<Arc<ModelConfig>>,
     tx: mpsc::UnboundedSender<Msg>,
     pub status: watch::Receiver<ModelStatus>,
     pub logs: Arc<LogRing>,
@@ -157,9 +160,19 @@ impl ModelHandle {
         }
     }
 
-    /// Replaces the settings that need no new engine (idle tiers, hold
-    /// policy, aliases) with those of `cfg`.
+    /// The model's configuration now.
+    pub fn cfg(&self) -> Arc<ModelConfig> {
+        self.cfg.read().unwrap().clone()
+    }
+
+    /// Hands the task `cfg`, which runs the same engine (same command,
+    /// environment, launch and GPU needs: the caller checks) with other
+    /// settings of siesta's own: timeouts, backoff, idle tiers, preload,
+    /// hold policy, aliases, health path. They apply from the next
+    /// operation (one under way keeps its deadline); new idle tiers count
+    /// from the same idle clock.
     pub fn reconfigure(&self, cfg: Arc<ModelConfig>) {
+        *self.cfg.write().unwrap() = cfg.clone();
         let _ = self.tx.send(Msg::Reconfigure(cfg));
     }
 
@@ -278,7 +291,7 @@ pub fn spawn_model_adopting(
     };
     let task = tokio::spawn(runner.run(rx, cancel));
     Ok(ModelHandle {
-        cfg,
+        cfg: std::sync::RwLock::new(cfg),
         tx,
         status: status_rx,
         logs,
@@ -411,10 +424,21 @@ impl Runner {
                 self.publish(Instant::now());
             }
             Msg::Reconfigure(cfg) => {
-                tracing::info!(model = %cfg.name, "new idle tiers, hold policy or aliases; engine kept");
-                self.state.settings.tiers = cfg.idle.clone();
+                tracing::info!(model = %cfg.name, "configuration updated in place; engine kept");
+                // Deadlines of the phase under way were set when it began:
+                // new timeouts are for the next operation, a new backoff
+                // for the next failure.
+                self.state.settings = Settings::from_config(&cfg);
+                if cfg.health_path != self.cfg.health_path {
+                    self.client = EngineClient::for_model(
+                        self.client.base(),
+                        self.shared.engine_idle_timeout,
+                        &cfg,
+                    );
+                }
                 self.cfg = cfg;
-                // Re-arms the idle timer with the new tiers.
+                // Re-arms the idle timer with the new tiers (the idle
+                // clock is the same) and publishes the new settings.
                 self.apply(Event::Tick);
             }
             Msg::Poll { epoch, result } => {

@@ -134,7 +134,7 @@ async fn a_changed_model_keeps_the_operators_wake_pin_and_stop() {
     ));
     std::fs::write(&ctl.config_path, expand(&ctl, &new)).unwrap();
     let run = at(&ctl, &["reload"]).await.ok();
-    assert!(run.stdout.contains("changed    chat, big"), "{run:#?}");
+    assert!(run.stdout.contains("restarted  chat, big"), "{run:#?}");
     let s = wait_status(&mut c, "chat", "awake on a new engine", LONG, |s| {
         state(s) == pb::ModelState::Awake && s.pid != chat.pid
     })
@@ -190,4 +190,43 @@ async fn a_reload_that_removes_an_attached_model_puts_its_engine_to_sleep() {
         v["is_sleeping"] == true
     })
     .await;
+}
+
+/// A reload that changes only siesta's own settings for a model (here the
+/// `[defaults]` stop grace and the model's idle tier) keeps its engine: no
+/// drain, no new pid, no restart counted; the reply says it was updated in
+/// place. The new tier counts from the same idle clock: idle longer than it
+/// already, the model is put to sleep at once, not a whole tier after the
+/// reload.
+#[tokio::test]
+async fn a_reload_of_timeouts_and_tiers_only_keeps_the_engine() {
+    let tier =
+        |after: &str| format!("idle = [{{ after = \"{after}\", action = \"sleep\", level = 1 }}]");
+    let ctl = start(&config(&fake_model("chat", "awake", &[], &tier("1h")))).await;
+    let mut c = ctl.client().await;
+    let awake = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    // Idle for longer than the new tier by the time of the reload.
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    let new = config(&fake_model("chat", "awake", &[], &tier("4s")))
+        .replace("stop_grace = \"5s\"", "stop_grace = \"7s\"");
+    assert!(new.contains("stop_grace = \"7s\""));
+    std::fs::write(&ctl.config_path, expand(&ctl, &new)).unwrap();
+    let reload_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let run = at(&ctl, &["reload"]).await.ok();
+    assert!(run.stdout.contains("in place   chat"), "{run:#?}");
+    assert!(!run.stdout.contains("restarted"), "{run:#?}");
+    let asleep = wait_state(&mut c, "chat", pb::ModelState::Asleep, LONG).await;
+    assert_eq!(
+        (asleep.pid, asleep.restarts),
+        (awake.pid, awake.restarts),
+        "the engine was restarted: {asleep:#?}"
+    );
+    assert!(
+        asleep.state_since_unix_ms < reload_ms + 4_000,
+        "the tier counted from the reload, not from the last activity: {asleep:#?}"
+    );
+    assert!(!group_members(awake.pid as i32).is_empty());
 }

@@ -12,7 +12,12 @@ use crate::failure::Failure;
 struct ReloadView {
     added: Vec<String>,
     removed: Vec<String>,
+    /// Restarted and updated in place.
     changed: Vec<String>,
+    /// Of `changed`: on a new engine.
+    restarted: Vec<String>,
+    /// Of `changed`: engine kept, siesta's own settings updated.
+    updated_in_place: Vec<String>,
     unchanged: Vec<String>,
     /// Settings read at start-up only: in force after a restart.
     not_applied: Vec<String>,
@@ -34,6 +39,8 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
             added: r.added,
             removed: r.removed,
             changed: r.changed,
+            restarted: r.restarted,
+            updated_in_place: r.updated_in_place,
             unchanged: r.unchanged,
             not_applied: r.not_applied,
         }),
@@ -46,10 +53,17 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
                     r.not_applied.join(", ")
                 );
             }
+            // A control plane from before `restarted` and
+            // `updated_in_place` says only `changed`.
+            let split = !r.restarted.is_empty() || !r.updated_in_place.is_empty();
+            let none = Vec::new();
+            let changed = if split { &none } else { &r.changed };
             for (what, names) in [
                 ("added", &r.added),
                 ("removed", &r.removed),
-                ("changed", &r.changed),
+                ("restarted", &r.restarted),
+                ("in place", &r.updated_in_place),
+                ("changed", changed),
                 ("unchanged", &r.unchanged),
             ] {
                 if !names.is_empty() {

@@ -87,8 +87,9 @@ fn calibrated() -> crate::store::CalibrationRecord {
 /// `preload = "none"`, woken by an operator and pinned: a reload that
 /// changes its engine restarts it on a new pid, still wanted awake, still
 /// pinned, with its restart count and last activity. Its calibration
-/// survives a change that keeps the engine command (here `stop_grace`),
-/// not one of its `args` (the old measurements are of another engine).
+/// survives a restart that keeps the engine command (here a change of its
+/// GPU needs, `exclusive`), not one of its `args` (the old measurements are
+/// of another engine).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_model_keeps_its_intent_pin_and_history() {
     let dir = tempfile::tempdir().unwrap();
@@ -127,7 +128,8 @@ async fn a_changed_model_keeps_its_intent_pin_and_history() {
         assert_eq!(s.last_activity_unix_ms, Some(finished), "{s:#?}");
     };
     // The engine command is the same: its calibration still holds.
-    let config = Config::parse(&sleeper("chat", "none", "", "2s"), "c.toml").unwrap();
+    let exclusive = format!("{}exclusive = true\n", sleeper("chat", "none", "", "1s"));
+    let config = Config::parse(&exclusive, "c.toml").unwrap();
     let s = models.reload(&config).await.unwrap();
     assert_eq!(s.changed, ["chat"]);
     let second = wait_status(&models, "chat", "a new pid", |s| {
@@ -140,7 +142,7 @@ async fn a_changed_model_keeps_its_intent_pin_and_history() {
         calibrated()
     );
     // New args: another engine, measured afresh.
-    let config = Config::parse(&sleeper("chat", "none", "\"--x\"", "2s"), "c.toml").unwrap();
+    let config = Config::parse(&sleeper("chat", "none", "\"--x\"", "1s"), "c.toml").unwrap();
     let s = models.reload(&config).await.unwrap();
     assert_eq!(s.changed, ["chat"]);
     let third = wait_status(&models, "chat", "a new pid", |s| {
@@ -151,6 +153,52 @@ async fn a_changed_model_keeps_its_intent_pin_and_history() {
     assert_eq!(third.calibration, Default::default(), "{third:#?}");
     assert_eq!(shared.store.calibration("chat"), None);
     models.resolve("chat").unwrap().shutdown(true).await;
+    cancel.cancel();
+}
+
+/// A reload whose only changes are siesta's own settings for a model (its
+/// timeouts, backoff, idle tiers, preload, hold policy): nothing of the
+/// engine's command line, environment, launch or GPU needs. The engine is
+/// kept (same pid, no drain, no restart counted), and the model's task and
+/// handle take the new settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_of_siestas_own_settings_keeps_the_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = shared(dir.path());
+    let (models, cancel) = boot(&sleeper("chat", "none", "", "1s"), shared.clone());
+    models.command("chat", Command::Wake).await.unwrap();
+    let first = wait_status(&models, "chat", "a pid", |s| s.pid.is_some()).await;
+    let settings = format!(
+        "{}wake_timeout = \"7m\"\nsleep_timeout = \"3m\"\nbackoff_initial = \"9s\"\n\
+         max_hold = \"42s\"\nidle = [{{ after = \"1h\", action = \"sleep\", level = 1 }}]\n",
+        sleeper("chat", "asleep", "", "20s")
+            .replace("start_timeout = \"10m\"", "start_timeout = \"11m\"")
+    );
+    let config = Config::parse(&settings, "c.toml").unwrap();
+    let s = models.reload(&config).await.unwrap();
+    assert_eq!(
+        (s.changed.clone(), s.reconfigured.clone()),
+        (vec![], vec!["chat".to_string()]),
+        "{s:?}"
+    );
+    // The task has taken the message once it answers an event.
+    let h = models.resolve("chat").unwrap();
+    let now = h.send(Event::Tick).await.unwrap();
+    assert_eq!(
+        (now.pid, now.restarts),
+        (first.pid, first.restarts),
+        "{now:#?}"
+    );
+    assert_eq!(now.max_hold_ms, 42_000, "{now:#?}");
+    // The start under way keeps its deadline: a new start_timeout is for
+    // the next start.
+    assert_eq!(now.state, State::Starting, "{now:#?}");
+    assert_eq!(now.deadline_unix_ms, first.deadline_unix_ms, "{now:#?}");
+    assert_eq!(*h.cfg(), config.models[0]);
+    // A reload of the same file again changes nothing.
+    let s = models.reload(&config).await.unwrap();
+    assert_eq!(s.unchanged, ["chat"], "{s:?}");
+    h.shutdown(true).await;
     cancel.cancel();
 }
 

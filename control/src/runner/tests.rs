@@ -70,6 +70,57 @@ backoff_max = "2m"
     h.join().await;
 }
 
+/// A reload that changes only siesta's own settings hands the task its new
+/// `ModelConfig` in place: a timeout applies to the next operation, not to
+/// the one under way; a new backoff to the next failure.
+#[tokio::test(start_paused = true)]
+async fn new_timeouts_and_backoff_apply_from_the_next_operation() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = |start: &str, backoff: &str| {
+        format!(
+            "[[model]]\nname = \"ext\"\nlaunch = \"attach\"\nurl = \"http://127.0.0.1:9\"\n\
+             gpus = 0\nstart_timeout = \"{start}\"\nbackoff_initial = \"{backoff}\"\n\
+             backoff_max = \"10m\"\n"
+        )
+    };
+    let parse = |t: String| Config::parse(&t, "t.toml").unwrap().models.remove(0);
+    let cancel = CancellationToken::new();
+    let h = spawn_model(
+        parse(text("10m", "1m")),
+        Placed::default(),
+        shared(dir.path()),
+        cancel.clone(),
+    )
+    .unwrap();
+    let mut rx = h.status.clone();
+    let started = Instant::now();
+    rx.wait_for(|s| s.state == State::Starting).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let new = Arc::new(parse(text("2m", "5m")));
+    h.reconfigure(new.clone());
+    assert_eq!(h.cfg(), new);
+    // The start under way keeps its 10 min.
+    let s = rx
+        .wait_for(|s| s.state == State::Failed)
+        .await
+        .unwrap()
+        .clone();
+    assert!(started.elapsed() >= Duration::from_secs(600), "{s:#?}");
+    assert_eq!(s.last_error.as_deref(), Some("start timed out"));
+    // The new backoff, then the new start timeout.
+    assert_eq!(s.retry_at_unix_ms.unwrap() - s.state_since_unix_ms, 300_000);
+    rx.wait_for(|s| s.state == State::Starting).await.unwrap();
+    let again = Instant::now();
+    rx.wait_for(|s| s.state == State::Failed).await.unwrap();
+    let took = again.elapsed();
+    assert!(
+        took >= Duration::from_secs(120) && took < Duration::from_secs(130),
+        "{took:?}"
+    );
+    cancel.cancel();
+    h.join().await;
+}
+
 /// A model (`sh` sleeping, `extra` TOML lines added) whose spawn waits for
 /// GPU 0's start lock, held by "someone else" (the returned guard): its
 /// task, once Starting.
