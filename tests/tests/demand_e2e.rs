@@ -133,6 +133,13 @@ async fn a_request_while_the_engine_starts_for_a_preload_is_answered() {
     assert_eq!(state(&s.status("tiny").await), pb::ModelState::Awake);
 }
 
+/// The request is answered, and the model is woken for it. A proxy a moment
+/// behind may forward it to the engine as the sleep begins: the engine
+/// queues it and answers it as soon as its wake ends, which can be a few ms
+/// before control hears back from `/wake_up` and publishes awake (the
+/// answer came first once under load, and a single status read then said
+/// waking): so the test waits for awake, within a deadline, instead of
+/// reading the state once.
 #[tokio::test]
 async fn a_request_while_a_tier_puts_the_model_to_sleep_is_answered() {
     let t = tiers(
@@ -142,8 +149,21 @@ async fn a_request_while_a_tier_puts_the_model_to_sleep_is_answered() {
     wait_state(&mut s.c, "tiny", pb::ModelState::Sleeping, LONG).await;
     // The sleep (3 s) ends after the level-2 tier (2 s) would be due.
     s.ask("tiny").await;
-    let st = s.status("tiny").await;
-    assert_eq!(state(&st), pb::ModelState::Awake, "{st:#?}");
+    // Awake again for the demand (its level-1 tier then fires 1 s after
+    // the answer, long after a 20 ms poll sees it awake).
+    let st = wait_status(
+        &mut s.c,
+        "tiny",
+        "awake for the demand",
+        ANSWER_WITHIN,
+        |st| state(st) == pb::ModelState::Awake,
+    )
+    .await;
+    assert_eq!(
+        st.intent.map(|i| i.reason),
+        Some(pb::IntentReason::Demand as i32),
+        "{st:#?}"
+    );
 }
 
 #[tokio::test]
