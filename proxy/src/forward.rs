@@ -294,6 +294,18 @@ impl Forwarder {
             first_error = Some(error);
             result = conn.send(&head, &parts.headers, &body).await;
         }
+        if let Err(e) = &result
+            && !conn.answered()
+            && !conn.reused
+            && e.reset_unread()
+        {
+            // A fresh connection (or the retry's): the engine never read the
+            // request, so it may go elsewhere, or wait for the engine's return.
+            guard.finish(false);
+            return Err(ForwardError::Connect(format!(
+                "the engine reset a new connection with the request unread (it is going away): {e}"
+            )));
+        }
         match result {
             Ok(resp) => {
                 h.ttfb.observe(guard.started.elapsed().as_secs_f64());

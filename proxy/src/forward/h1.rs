@@ -62,6 +62,21 @@ impl UpstreamError {
     }
 }
 
+impl UpstreamError {
+    /// The engine reset the connection (or it was reset as the request
+    /// went out) with no byte of answer: a socket closed with data in it
+    /// unread is reset, one whose data was all read is closed (FIN). So the
+    /// engine never read the whole request: one going away (a crash, with
+    /// its listening socket accepting into the backlog as the process
+    /// dies) that can be routed again like a refused connection.
+    pub fn reset_unread(&self) -> bool {
+        matches!(self, UpstreamError::Io(e) if matches!(
+            e.kind(),
+            std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+        ))
+    }
+}
+
 fn invalid(what: impl Into<String>) -> UpstreamError {
     UpstreamError::Invalid(what.into())
 }

@@ -126,6 +126,57 @@ async fn a_request_cut_on_a_fresh_connection_is_not_sent_again() {
     assert_eq!(e.requests.load(Ordering::SeqCst), 1);
 }
 
+/// An engine that is going away (a crash on a busy box: its listening
+/// socket still accepts into the backlog while the process dies) closes
+/// its first connection with the request in it unread, which resets it;
+/// later connections are served.
+async fn closing_engine() -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (connections, requests) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (conns, reqs) = (connections.clone(), requests.clone());
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            if conns.fetch_add(1, Ordering::SeqCst) == 0 {
+                // Closed with the request arrived and unread: an RST.
+                let _ = s.peek(&mut [0u8; 1]).await;
+                drop(s);
+                continue;
+            }
+            let reqs = reqs.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while read_request(&mut s, &mut buf).await.is_some() {
+                    reqs.fetch_add(1, Ordering::SeqCst);
+                    let body = r#"{"object":"chat.completion","choices":[]}"#;
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if s.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, connections, requests)
+}
+
+#[tokio::test]
+async fn a_request_an_engine_reset_unread_on_a_fresh_connection_is_routed_again() {
+    // The engine never read it (a close with unread data resets the
+    // connection; one that read it all would have closed it): it is routed
+    // again like a refused connection, not a 502.
+    let (url, connections, requests) = closing_engine().await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 200, "{:?}", String::from_utf8_lossy(&r.body));
+    assert_eq!(requests.load(Ordering::SeqCst), 1);
+    assert!(connections.load(Ordering::SeqCst) >= 2);
+}
+
 #[tokio::test]
 async fn idle_upstream_connections_are_dropped_after_the_idle_timeout() {
     let e = RawEngine::start(usize::MAX).await;
