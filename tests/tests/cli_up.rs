@@ -266,38 +266,7 @@ async fn ctrl_c_finishes_streams_and_answers_held_requests_at_once() {
 /// and exits with nothing left holding its GPUs.
 #[tokio::test]
 async fn ctrl_c_kills_an_engine_that_ignores_sigterm_after_its_stop_grace() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("stubborn.toml");
-    // The group leader ignores SIGTERM (as do its `sleep`s); the server it
-    // runs does not, so the model is awake until the signal.
-    let script = "trap '' TERM; \"$0\" --personality openai serve stubborn \
-                  --host \"$1\" --port \"$2\" & while :; do sleep 1; done";
-    std::fs::write(
-        &config,
-        format!(
-            "[control]\nstate_dir = {:?}\n\n[[model]]\nname = \"stubborn\"\n\
-             model = \"org/stubborn\"\nengine = \"openai\"\npreload = \"awake\"\n\
-             command = [\"sh\", \"-c\", {script:?}, {fake:?}]\n\
-             args = [\"{{host}}\", \"{{port}}\"]\nstop_grace = \"32s\"\n",
-            dir.path().join("state"),
-            fake = bin_path("fake-vllm"),
-        ),
-    )
-    .unwrap();
-    let addr_file = dir.path().join("up.addr");
-    let mut up = spawn_up_with(
-        dir.path(),
-        &addr_file,
-        &["--config", config.to_str().unwrap()],
-    );
-    let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
-    let grpc = addrs[2];
-    wait_until("stubborn awake", DEADLINE, || async {
-        model(&status(grpc), "stubborn")["state"] == "awake"
-    })
-    .await;
-    // The engine leads its own process group.
-    let pgid = model(&status(grpc), "stubborn")["pid"].as_i64().unwrap() as i32;
+    let (_dir, mut up, pgid) = up_with_a_stubborn_engine("32s").await;
     assert!(!siesta_tests::group_members(pgid).is_empty());
     up.signal(Signal::SIGINT);
     let status = up.wait_exit(Duration::from_secs(150)).await;
@@ -341,6 +310,26 @@ async fn up_fails_clearly_when_the_address_file_cannot_be_written() {
 /// will not wait is never left with an engine holding its GPUs.
 #[tokio::test]
 async fn a_second_ctrl_c_kills_the_engines_now() {
+    let (_dir, mut up, pgid) = up_with_a_stubborn_engine("300s").await;
+    up.signal(Signal::SIGINT);
+    up.output()
+        .wait_for("Ctrl-C again to kill them now", DEADLINE)
+        .await;
+    // The group leader ignores the SIGTERM: up would wait 300 s.
+    assert!(!siesta_tests::group_members(pgid).is_empty());
+    up.signal(Signal::SIGINT);
+    let status = up.wait_exit(DEADLINE).await;
+    let text = up.output().text();
+    assert_eq!(status.code(), Some(130), "{text}");
+    assert!(text.contains("killed 1 engine process group"), "{text}");
+    assert_eq!(siesta_tests::group_members(pgid), Vec::<i32>::new());
+}
+
+/// `siesta up` with one awake `openai` engine whose group leader ignores
+/// SIGTERM (as do its `sleep`s; the server it runs does not, so the model
+/// is awake until the signal), given `stop_grace`. Returns the test's
+/// directory, `up` and the engine's process group (it leads its own).
+async fn up_with_a_stubborn_engine(stop_grace: &str) -> (tempfile::TempDir, Up, i32) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("stubborn.toml");
     let script = "trap '' TERM; \"$0\" --personality openai serve stubborn \
@@ -351,7 +340,7 @@ async fn a_second_ctrl_c_kills_the_engines_now() {
             "[control]\nstate_dir = {:?}\n\n[[model]]\nname = \"stubborn\"\n\
              model = \"org/stubborn\"\nengine = \"openai\"\npreload = \"awake\"\n\
              command = [\"sh\", \"-c\", {script:?}, {fake:?}]\n\
-             args = [\"{{host}}\", \"{{port}}\"]\nstop_grace = \"300s\"\n",
+             args = [\"{{host}}\", \"{{port}}\"]\nstop_grace = {stop_grace:?}\n",
             dir.path().join("state"),
             fake = bin_path("fake-vllm"),
         ),
@@ -370,16 +359,5 @@ async fn a_second_ctrl_c_kills_the_engines_now() {
     })
     .await;
     let pgid = model(&status(grpc), "stubborn")["pid"].as_i64().unwrap() as i32;
-    up.signal(Signal::SIGINT);
-    up.output()
-        .wait_for("Ctrl-C again to kill them now", DEADLINE)
-        .await;
-    // The group leader ignores the SIGTERM: up would wait 300 s.
-    assert!(!siesta_tests::group_members(pgid).is_empty());
-    up.signal(Signal::SIGINT);
-    let status = up.wait_exit(DEADLINE).await;
-    let text = up.output().text();
-    assert_eq!(status.code(), Some(130), "{text}");
-    assert!(text.contains("killed 1 engine process group"), "{text}");
-    assert_eq!(siesta_tests::group_members(pgid), Vec::<i32>::new());
+    (dir, up, pgid)
 }
