@@ -302,8 +302,11 @@ impl Forwarder {
             // A fresh connection (or the retry's): the engine never read the
             // request, so it may go elsewhere, or wait for the engine's return.
             guard.finish(false);
+            let before = first_error
+                .map(|f| format!(" (after: {f})"))
+                .unwrap_or_default();
             return Err(ForwardError::Connect(format!(
-                "the engine reset a new connection with the request unread (it is going away): {e}"
+                "the engine reset a new connection with the request unread (it is going away): {e}{before}"
             )));
         }
         match result {

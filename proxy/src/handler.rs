@@ -295,7 +295,7 @@ async fn route_loop(
                     continue;
                 }
                 Err(ForwardError::Connect(err)) => {
-                    tracing::warn!(model = %model, url = %up.url, error = %err, "engine refused connection; trying elsewhere");
+                    tracing::warn!(model = %model, url = %up.url, error = %err, "engine refused the connection, or reset it with the request unread; routing again");
                     up.mark_suspect(SUSPECT_MS);
                     shared
                         .metrics

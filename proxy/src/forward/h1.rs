@@ -68,7 +68,10 @@ impl UpstreamError {
     /// unread is reset, one whose data was all read is closed (FIN). So the
     /// engine never read the whole request: one going away (a crash, with
     /// its listening socket accepting into the backlog as the process
-    /// dies) that can be routed again like a refused connection.
+    /// dies) that can be routed again like a refused connection. This holds
+    /// for an engine reached directly over TCP, as siesta's are (on their
+    /// `host`); a TCP proxy or sidecar in between may reset a connection
+    /// after it forwarded the whole request.
     pub fn reset_unread(&self) -> bool {
         matches!(self, UpstreamError::Io(e) if matches!(
             e.kind(),
