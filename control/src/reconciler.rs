@@ -68,6 +68,18 @@ pub enum Desired {
 }
 
 impl Desired {
+    /// What the configuration's `preload` asks for (an attached engine is
+    /// always there: `none` is awake).
+    pub fn from_preload(preload: Preload, attach: bool) -> Desired {
+        match (preload, attach) {
+            (Preload::Awake, _) | (Preload::None, true) => Desired::Awake,
+            (Preload::Asleep, _) => Desired::Asleep(1),
+            (Preload::None, false) => Desired::Stopped,
+        }
+    }
+}
+
+impl Desired {
     /// How far from serving: awake 0, asleep 1 or 2, suspended 3, stopped 4.
     pub fn depth(self) -> u8 {
         match self {
@@ -570,11 +582,7 @@ pub struct ModelState {
 impl ModelState {
     /// The state at boot: stopped, with the configured preload as intent.
     pub fn new(settings: Settings, preload: Preload, now: Instant) -> Self {
-        let desired = match (preload, settings.attach) {
-            (Preload::Awake, _) | (Preload::None, true) => Desired::Awake,
-            (Preload::Asleep, _) => Desired::Asleep(1),
-            (Preload::None, false) => Desired::Stopped,
-        };
+        let desired = Desired::from_preload(preload, settings.attach);
         Self {
             settings,
             phase: Phase::Stopped,

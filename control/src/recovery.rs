@@ -321,14 +321,18 @@ pub async fn recover(
         .models
         .iter()
         .map(|m| m.timeouts.stop_grace)
-        .fold(config.defaults.timeouts.stop_grace, Duration::max);
+        .fold(config.defaults.timeouts.stop_grace, Duration::max)
+        // The SIGKILL and its sweep must come within the wait below.
+        .min(STOP_WAIT_MAX - SWEEP_DEADLINE);
     let marker = state_marker(&config.control.state_dir);
     let unrecorded = async {
         if tokio::time::timeout(STOP_WAIT_MAX, orphans::stop(&marker, &recorded, grace))
             .await
             .is_err()
         {
-            tracing::warn!("unrecorded engines still stopping after {STOP_WAIT_MAX:?}; going on");
+            tracing::warn!(
+                "unrecorded engines still there after {STOP_WAIT_MAX:?} and a SIGKILL (stuck in the kernel, e.g. a hung GPU driver): models start anyway and may find their port or GPU memory taken; see `ps -eo pid,stat,cmd` and nvidia-smi"
+            );
         }
     };
     let (probed, ()) = tokio::join!(futures::future::join_all(probes), unrecorded);

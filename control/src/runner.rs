@@ -8,7 +8,7 @@ mod suspend;
 use crate::config::{Launch, ModelConfig};
 use crate::engine::EngineClient;
 use crate::hub::Hub;
-use crate::reconciler::{Effect, Event, ModelState, Phase, Settings, step};
+use crate::reconciler::{Desired, Effect, Event, ModelState, Phase, Reason, Settings, step};
 use crate::recovery::Adopted;
 use crate::status::{Clock, Endpoint, EngineFacts, ModelStatus, model_status};
 use crate::store::Store;
@@ -429,6 +429,16 @@ impl Runner {
                 // new timeouts are for the next operation, a new backoff
                 // for the next failure.
                 self.state.settings = Settings::from_config(&cfg);
+                // A new `preload` stands for an intent that is still the
+                // configuration's (not an operator's, a tier's or demand's).
+                if cfg.preload != self.cfg.preload && self.state.intent.reason == Reason::Config {
+                    let desired = Desired::from_preload(cfg.preload, self.state.settings.attach);
+                    if desired != self.state.intent.desired {
+                        self.state.intent.desired = desired;
+                        self.state.intent.since = Instant::now();
+                        self.persist();
+                    }
+                }
                 if cfg.health_path != self.cfg.health_path {
                     self.client = EngineClient::for_model(
                         self.client.base(),

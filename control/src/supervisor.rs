@@ -12,7 +12,8 @@ pub use adopt::adopt;
 pub use argv::spawn_spec;
 pub(crate) use group::wait_gone;
 pub use group::{
-    SWEEP_DEADLINE, kill_engines_now, kill_group_leftovers, signal_group, sweep_group,
+    SWEEP_DEADLINE, kill_engines_now, kill_group_leftovers, signal_group, state_dir_groups,
+    sweep_group,
 };
 pub use logs::{LogLine, LogRing};
 

@@ -155,7 +155,8 @@ async fn kill_engines(state_dir: &Path) {
         eprintln!("siesta: killed {groups} engine process group(s)");
     } else {
         eprintln!(
-            "siesta: killed {groups} engine process group(s); still there after 10 s: {left:?} (they may hold GPU memory)"
+            "siesta: killed {groups} engine process group(s); pids {left:?} still there {} s after SIGKILL, holding their GPU memory until they go (a process stuck in the kernel: see `ps -o pid,stat,cmd -p PID` and nvidia-smi)",
+            siesta_control::KILL_SWEEP_DEADLINE.as_secs()
         );
     }
 }

@@ -202,6 +202,34 @@ async fn a_reload_of_siestas_own_settings_keeps_the_engine() {
     cancel.cancel();
 }
 
+/// A new `preload` is applied in place to an intent that is still the
+/// configuration's: `none` → `awake` starts the model without a restart
+/// of siesta-control (it was reported "in place" and did nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_preload_is_applied_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, cancel) = boot(&sleeper("chat", "none", "", "1s"), shared(dir.path()));
+    let h = models.resolve("chat").unwrap();
+    let s = h.send(Event::Tick).await.unwrap();
+    assert_eq!(
+        (s.state, s.intent.desired),
+        (State::Stopped, Desired::Stopped)
+    );
+    let config = Config::parse(&sleeper("chat", "awake", "", "1s"), "c.toml").unwrap();
+    let s = models.reload(&config).await.unwrap();
+    assert_eq!(s.reconfigured, ["chat"], "{s:?}");
+    let s = wait_status(&models, "chat", "started for the new preload", |s| {
+        s.pid.is_some()
+    })
+    .await;
+    assert_eq!(
+        (s.intent.desired, s.intent.reason),
+        (Desired::Awake, Reason::Config)
+    );
+    h.shutdown(true).await;
+    cancel.cancel();
+}
+
 /// `preload = "awake"`, stopped by an operator: a reload that changes its
 /// engine leaves it stopped (it does not take its GPUs back).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,27 +6,19 @@
 //! SIGTERM to their process group and SIGKILL after the grace, before any
 //! model starts. Engines are told apart from another control plane's on the
 //! same host by the state directory in their environment
-//! ([`STATE_ENV`]).
+//! ([`STATE_ENV`](crate::supervisor::STATE_ENV)).
 
-use crate::supervisor::{STATE_ENV, SWEEP_DEADLINE, TAG_ENV, procfs, signal_group, wait_gone};
+use crate::supervisor::{SWEEP_DEADLINE, procfs, signal_group, state_dir_groups, wait_gone};
 use nix::sys::signal::Signal;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 /// The process groups of unrecorded engines of the state directory whose
-/// marker is `marker`, each with the engine tags seen in it. Processes
-/// whose tag is in `recorded` are the records' business.
+/// marker is `marker`, each with the engine tags seen in it. A group
+/// holding a recorded tag is the records' business.
 pub(super) fn find(marker: &str, recorded: &BTreeSet<String>) -> BTreeMap<u32, BTreeSet<String>> {
-    let mut groups: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
-    for pid in procfs::pids_with_env(STATE_ENV, marker) {
-        let tag = procfs::env_value(pid, TAG_ENV).unwrap_or_default();
-        if recorded.contains(&tag) {
-            continue;
-        }
-        if let Some(pgid) = procfs::pgid(pid) {
-            groups.entry(pgid).or_default().insert(tag);
-        }
-    }
+    let mut groups = state_dir_groups(marker);
+    groups.retain(|_, tags| tags.is_disjoint(recorded));
     groups
 }
 
@@ -63,6 +55,7 @@ pub(super) async fn stop(marker: &str, recorded: &BTreeSet<String>, grace: Durat
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::supervisor::{STATE_ENV, TAG_ENV};
     use std::os::unix::process::CommandExt;
 
     fn engine(marker: &str, tag: &str, script: &str) -> std::process::Child {

@@ -8,6 +8,7 @@
 use super::procfs;
 use nix::sys::signal::{Signal as NixSignal, killpg};
 use nix::unistd::Pid;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 /// How long a sweep waits for the killed members to be gone. Past it the
@@ -72,39 +73,42 @@ pub async fn sweep_group(model: &str, pgid: u32, leader_start: Option<u64>) -> V
     left
 }
 
+/// The process groups of the live engine processes spawned for the state
+/// directory whose [`state_marker`](super::state_marker) is `marker`, each
+/// with the engine tags seen in it.
+pub fn state_dir_groups(marker: &str) -> BTreeMap<u32, BTreeSet<String>> {
+    let mut groups: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
+    for pid in procfs::pids_with_env(super::STATE_ENV, marker) {
+        let tag = procfs::env_value(pid, super::TAG_ENV).unwrap_or_default();
+        if let Some(pgid) = procfs::pgid(pid) {
+            groups.entry(pgid).or_default().insert(tag);
+        }
+    }
+    groups
+}
+
 /// SIGKILL, now, to the process group of every engine process spawned for
-/// `state_dir` (found by the [`STATE_ENV`](super::STATE_ENV) in its
-/// environment), then waits up to [`SWEEP_DEADLINE`] for them to be gone;
-/// returns how many groups were killed and the pids still there. For an
-/// operator who will not wait for the stop grace (`siesta up`'s second
-/// Ctrl-C): the next start's recovery finds them gone and drops their
-/// records.
+/// `state_dir` ([`state_dir_groups`]), then waits up to [`SWEEP_DEADLINE`]
+/// for their members to be gone; returns how many groups were killed and
+/// the pids still there. For an operator who will not wait for the stop
+/// grace (`siesta up`'s second Ctrl-C): the next start's recovery finds
+/// them gone and drops their records.
 pub async fn kill_engines_now(state_dir: &std::path::Path) -> (usize, Vec<u32>) {
-    let marker = super::state_marker(state_dir);
     let own = procfs::pgid(std::process::id());
-    let engines = || procfs::pids_with_env(super::STATE_ENV, &marker);
-    let mut groups: Vec<u32> = engines()
-        .into_iter()
-        .filter_map(procfs::pgid)
+    let groups: Vec<u32> = state_dir_groups(&super::state_marker(state_dir))
+        .into_keys()
         .filter(|g| Some(*g) != own)
         .collect();
-    groups.sort_unstable();
-    groups.dedup();
     for g in &groups {
         signal_group(*g, NixSignal::SIGKILL);
     }
-    let left = wait_gone(
-        || {
-            let mut left = engines();
-            left.extend(groups.iter().flat_map(|g| procfs::group_members(*g)));
-            left.sort_unstable();
-            left.dedup();
-            left
-        },
-        SWEEP_DEADLINE,
-    )
-    .await;
-    (groups.len(), left)
+    let members = || {
+        groups
+            .iter()
+            .flat_map(|g| procfs::group_members(*g))
+            .collect()
+    };
+    (groups.len(), wait_gone(members, SWEEP_DEADLINE).await)
 }
 
 /// Polls `members` (5 ms, doubling up to 100 ms) until it is empty or
