@@ -49,6 +49,7 @@ fn exercise(m: &ModelConfig) {
         Event::ChildExited {
             proc_gen: 1,
             status: "killed".into(),
+            cause: None,
         },
         Event::Tick,
     ];
@@ -72,9 +73,10 @@ fn exercise(m: &ModelConfig) {
                 proc_gen: s.proc_gen,
                 pid,
             },
-            Event::ChildExited { status, .. } => Event::ChildExited {
+            Event::ChildExited { status, cause, .. } => Event::ChildExited {
                 proc_gen: s.proc_gen,
                 status,
+                cause,
             },
             other => other,
         };

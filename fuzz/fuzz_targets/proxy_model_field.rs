@@ -11,7 +11,7 @@ use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
 use siesta_fuzz::errors::ApiError;
-use siesta_fuzz::model_field::{find_model, rewrite_model};
+use siesta_fuzz::model_field::{FieldKind, find_model, rewrite_model};
 
 /// Served names to splice in, picked by the body's length: escapes, quotes,
 /// control characters, non-ASCII, empty and long.
@@ -53,7 +53,9 @@ fuzz_target!(|data: &[u8]| {
     let found = find_model(&body);
     let parsed: Option<serde_json::Value> = serde_json::from_slice(data).ok();
 
-    if let Ok(f) = &found {
+    if let Ok(f) = &found
+        && f.kind == FieldKind::Json
+    {
         // The span is the quoted JSON string, and it decodes to the name.
         assert!(f.span.start + 2 <= f.span.end && f.span.end <= body.len());
         assert_eq!(body[f.span.start], b'"');
@@ -67,13 +69,26 @@ fuzz_target!(|data: &[u8]| {
     let obj_model = value.as_object().and_then(|o| o.get("model"));
     let expect_found = matches!(obj_model, Some(serde_json::Value::String(s)) if !s.is_empty())
         && model_keys(data) == Some(1);
+    // No `model`, `null` or `""`: names none, as vLLM reads it.
+    let expect_unnamed = value.is_object()
+        && matches!(obj_model, None | Some(serde_json::Value::Null))
+        || matches!(obj_model, Some(serde_json::Value::String(s)) if s.is_empty());
     match &found {
+        Ok(f) if f.kind == FieldKind::Unnamed => {
+            assert!(expect_unnamed, "named model called unnamed: {obj_model:?}");
+            assert_eq!(f.name, "");
+        }
         Ok(f) => assert_eq!(obj_model.and_then(|m| m.as_str()), Some(&*f.name)),
-        Err(e) if expect_found => panic!("valid body with a model refused: {e:?}"),
+        Err(e) if expect_found || expect_unnamed && model_keys(data) == Some(1) => {
+            panic!("valid body refused: {e:?}")
+        }
         Err(ApiError::MalformedJson(e)) => panic!("valid JSON called malformed: {e}"),
         Err(_) => {}
     }
     let Ok(f) = found else { return };
+    if f.kind == FieldKind::Unnamed {
+        return;
+    }
 
     let served = SERVED[data.len() % SERVED.len()];
     let out = rewrite_model(&body, f.span.clone(), served);

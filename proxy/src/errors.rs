@@ -53,6 +53,11 @@ pub enum ApiError {
         "the request body must be a JSON object with a string `model` field (or a multipart/form-data body with a `model` field)"
     )]
     MissingModel,
+    /// The body names no model and more than one is served (the list).
+    #[error(
+        "the request names no `model` and this proxy serves {0}: name one in the `model` field"
+    )]
+    ModelRequired(String),
     #[error("the `model` field must be a non-empty string")]
     InvalidModel,
     #[error("malformed JSON body: {0}")]
@@ -83,6 +88,7 @@ impl ApiError {
         match self {
             ApiError::NoRoute(_) | ApiError::UnknownModel(_) => StatusCode::NOT_FOUND,
             ApiError::MissingModel
+            | ApiError::ModelRequired(_)
             | ApiError::InvalidModel
             | ApiError::MalformedJson(_)
             | ApiError::MalformedForm(_)
@@ -99,7 +105,9 @@ impl ApiError {
         match self {
             ApiError::NoRoute(_) => ("invalid_request_error", "not_found"),
             ApiError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
-            ApiError::MissingModel => ("invalid_request_error", "missing_model"),
+            ApiError::MissingModel | ApiError::ModelRequired(_) => {
+                ("invalid_request_error", "missing_model")
+            }
             ApiError::InvalidModel => ("invalid_request_error", "invalid_model"),
             ApiError::MalformedJson(_) => ("invalid_request_error", "invalid_json"),
             ApiError::MalformedForm(_) => ("invalid_request_error", "invalid_form"),

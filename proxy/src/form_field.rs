@@ -12,7 +12,7 @@ use std::ops::Range;
 use bytes::Bytes;
 
 use crate::errors::ApiError;
-use crate::model_field::ModelField;
+use crate::model_field::{FieldKind, ModelField};
 
 /// RFC 2046: a boundary is 1 to 70 characters.
 const MAX_BOUNDARY: usize = 70;
@@ -88,15 +88,16 @@ fn find_in<'a>(body: &'a [u8], boundary: &[u8]) -> Result<ModelField<'a>, ApiErr
         }
         at = end + delim.len();
     }
-    let span = model.ok_or(ApiError::MissingModel)?;
+    // No field, or an empty one, names no model (vLLM's form field is
+    // optional, and Starlette reads an empty one as "").
+    let Some(span) = model.filter(|s| !s.is_empty()) else {
+        return Ok(ModelField::unnamed());
+    };
     let name = std::str::from_utf8(&body[span.clone()]).map_err(|_| ApiError::InvalidModel)?;
-    if name.is_empty() {
-        return Err(ApiError::InvalidModel);
-    }
     Ok(ModelField {
         name: Cow::Borrowed(name),
         span,
-        form: true,
+        kind: FieldKind::Form,
     })
 }
 
@@ -192,10 +193,15 @@ mod tests {
         )
     }
 
+    /// The model the form names; "" when it names none.
     fn model_of(body: &str, ct: &[u8]) -> Result<String, ApiError> {
         let f = find_form_model(body.as_bytes(), ct).expect("a form")?;
-        assert!(f.form);
-        assert_eq!(&body.as_bytes()[f.span.clone()], f.name.as_bytes());
+        match f.kind {
+            FieldKind::Form => {
+                assert_eq!(&body.as_bytes()[f.span.clone()], f.name.as_bytes())
+            }
+            kind => assert_eq!((kind, &*f.name), (FieldKind::Unnamed, "")),
+        }
         Ok(f.name.into_owned())
     }
 
@@ -245,15 +251,13 @@ mod tests {
     #[test]
     fn errors_are_classified() {
         let end = "--XyZ--\r\n";
+        // A file named "model" is not the field; an empty field names none.
         let file = part("model", "; filename=\"model\"", "whisper");
-        assert!(matches!(
-            model_of(&format!("{file}{end}"), CT),
-            Err(ApiError::MissingModel)
-        ));
-        assert!(matches!(
-            model_of(&format!("{}{end}", part("model", "", "")), CT),
-            Err(ApiError::InvalidModel)
-        ));
+        assert_eq!(model_of(&format!("{file}{end}"), CT).unwrap(), "");
+        assert_eq!(
+            model_of(&format!("{}{end}", part("model", "", "")), CT).unwrap(),
+            ""
+        );
         for bad in [
             "no boundary here".to_owned(),
             part("model", "", "whisper"),

@@ -13,11 +13,12 @@ use tokio::time::Instant;
 use crate::activity::Activity;
 use crate::body::ProxyBody;
 use crate::errors::{ApiError, ShedReason};
-use crate::form_field::{find_form_model, rewrite_form_model};
+use crate::form_field::rewrite_form_model;
 use crate::forward::{ForwardError, Forwarder};
 use crate::hold::{self, Holds, Release, Ticket, Wait};
 use crate::metrics::{Metrics, ModelLabels, ShedLabels, no_model};
-use crate::model_field::{ModelField, find_model, rewrite_model};
+use crate::model_field::{FieldKind, ModelField, rewrite_model};
+use crate::request_model::{find_request_model, route_for};
 use crate::route_table::{ModelRoute, RouteTable, View};
 
 pub(crate) mod checks;
@@ -168,29 +169,21 @@ async fn model_request(
         Ok(b) => b,
         Err(e) => return (no_model(), e.into_response()),
     };
-    let field = match find_model(&body) {
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.as_bytes());
+    let field = match find_request_model(&body, content_type) {
         Ok(f) => f,
-        // Not JSON: a multipart form (audio transcriptions) names the model
-        // in a field.
-        Err(e) => match parts
-            .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|ct| find_form_model(&body, ct.as_bytes()))
-        {
-            Some(Ok(f)) => f,
-            Some(Err(form)) => return (no_model(), form.into_response()),
-            None => return (no_model(), e.into_response()),
-        },
+        Err(e) => return (no_model(), e.into_response()),
     };
     let view = match ready_view(shared).await {
         Ok(v) => v,
         Err(e) => return (no_model(), e.into_response()),
     };
-    let Some(route) = view.by_name.get(&*field.name) else {
-        return (
-            no_model(),
-            ApiError::UnknownModel(field.name.into_owned()).into_response(),
-        );
+    let route = match route_for(&view, &field.name) {
+        Ok(r) => r,
+        Err(e) => return (no_model(), e.into_response()),
     };
     let model = route.name.clone();
     drop(view);
@@ -255,7 +248,11 @@ async fn route_loop(
     body: &Bytes,
     waited: Waited,
 ) -> Result<Response<ProxyBody>, ApiError> {
-    let requested = &*field.name;
+    // An unnamed model is the one served (see `route_for`).
+    let requested = match field.kind {
+        FieldKind::Unnamed => &**model,
+        _ => &*field.name,
+    };
     let Waited {
         since: mut held_since,
         mut gate,
@@ -277,13 +274,16 @@ async fn route_loop(
         {
             ticket = None; // leaves the queue
             clock.stop();
-            let out = if up.served_name.as_bytes() == field.raw(body) || up.served_name == requested
-            {
-                body.clone()
-            } else if field.form {
-                rewrite_form_model(body, field.span.clone(), &up.served_name)
-            } else {
-                rewrite_model(body, field.span.clone(), &up.served_name)
+            let out = match field.kind {
+                _ if up.served_name.as_bytes() == field.raw(body)
+                    || up.served_name == requested =>
+                {
+                    body.clone()
+                }
+                // vLLM answers an unnamed request with its one model.
+                FieldKind::Unnamed => body.clone(),
+                FieldKind::Form => rewrite_form_model(body, field.span.clone(), &up.served_name),
+                FieldKind::Json => rewrite_model(body, field.span.clone(), &up.served_name),
             };
             // Boxed: a held request's future need not carry its size.
             match Box::pin(shared.forwarder.forward(&up, parts, out, gate.take())).await {

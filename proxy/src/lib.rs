@@ -16,6 +16,7 @@ mod handler;
 mod hold;
 mod metrics;
 mod model_field;
+mod request_model;
 mod route_table;
 mod self_wake;
 mod server;

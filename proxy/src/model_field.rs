@@ -69,21 +69,42 @@ struct Name<'a>(#[serde(borrow)] Cow<'a, str>);
 /// The `model` field found in a body.
 #[derive(Debug)]
 pub struct ModelField<'a> {
-    /// The model name, unescaped.
+    /// The model name, unescaped; empty when the body names none.
     pub name: Cow<'a, str>,
     /// Byte range of the JSON string (quotes included) in the body; of the
-    /// field's value, when `form`.
+    /// field's value, when a form field; empty when the body names none.
     pub span: Range<usize>,
-    /// A `multipart/form-data` field ([`crate::form_field`]), not JSON.
-    pub form: bool,
+    pub kind: FieldKind,
+}
+
+/// Where a request's model name is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FieldKind {
+    /// A JSON string.
+    Json,
+    /// A `multipart/form-data` field ([`crate::form_field`]).
+    Form,
+    /// Nowhere: the body has no `model`, or `null`, or `""`, which vLLM
+    /// answers with its one model (the first served name).
+    Unnamed,
 }
 
 impl ModelField<'_> {
+    /// A body that names no model.
+    pub fn unnamed() -> Self {
+        ModelField {
+            name: Cow::Borrowed(""),
+            span: 0..0,
+            kind: FieldKind::Unnamed,
+        }
+    }
+
     /// The name as written in the body (escapes and all).
     pub fn raw<'b>(&self, body: &'b [u8]) -> &'b [u8] {
-        match self.form {
-            true => &body[self.span.clone()],
-            false => &body[self.span.start + 1..self.span.end - 1],
+        match self.kind {
+            FieldKind::Form => &body[self.span.clone()],
+            FieldKind::Json => &body[self.span.start + 1..self.span.end - 1],
+            FieldKind::Unnamed => &[],
         }
     }
 }
@@ -95,7 +116,9 @@ const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
 /// Validates the body as one JSON object and finds its top-level `model`.
 /// A body may start with a UTF-8 byte order mark, as vLLM accepts; the span
-/// is an offset into `body`, so the mark is forwarded as it came.
+/// is an offset into `body`, so the mark is forwarded as it came. An object
+/// whose `model` is absent, `null` or `""` names none
+/// ([`FieldKind::Unnamed`]), as vLLM reads it.
 pub fn find_model(body: &[u8]) -> Result<ModelField<'_>, ApiError> {
     let json = body.strip_prefix(UTF8_BOM).unwrap_or(body);
     // serde would accept a struct from an array too; only an object will do.
@@ -115,20 +138,22 @@ pub fn find_model(body: &[u8]) -> Result<ModelField<'_>, ApiError> {
             ApiError::MalformedJson(e.to_string())
         }
     })?;
-    let raw = probe.model.ok_or(ApiError::MissingModel)?;
+    let Some(raw) = probe.model else {
+        return Ok(ModelField::unnamed());
+    };
     let text = raw.get();
     // Borrowed from the body unless it has escapes (a bare `Cow<str>` is
     // always copied into a String).
     let Name(name) = serde_json::from_str(text).map_err(|_| ApiError::InvalidModel)?;
     if name.is_empty() {
-        return Err(ApiError::InvalidModel);
+        return Ok(ModelField::unnamed());
     }
     // `text` borrows from `body`: its offset is the distance between them.
     let start = text.as_ptr() as usize - body.as_ptr() as usize;
     Ok(ModelField {
         name,
         span: start..start + text.len(),
-        form: false,
+        kind: FieldKind::Json,
     })
 }
 
@@ -191,15 +216,26 @@ mod tests {
             Err(ApiError::MalformedJson(_))
         ));
         assert!(matches!(find_model(b"[1,2]"), Err(ApiError::MissingModel)));
-        assert!(matches!(find_model(b"{}"), Err(ApiError::MissingModel)));
         assert!(matches!(
             find_model(br#"{"model":3}"#),
             Err(ApiError::InvalidModel)
         ));
-        assert!(matches!(
-            find_model(br#"{"model":""}"#),
-            Err(ApiError::InvalidModel)
-        ));
+    }
+
+    #[test]
+    fn a_body_naming_no_model_is_unnamed_as_vllm_reads_it() {
+        for body in [
+            &br#"{}"#[..],
+            br#"{"prompt":"x"}"#,
+            br#"{"model":null}"#,
+            br#"{"model":""}"#,
+            br#"{"model":"a","model":null}"#,
+        ] {
+            let f = find_model(body).unwrap();
+            assert_eq!(f.kind, FieldKind::Unnamed, "{body:?}");
+            assert_eq!(f.name, "");
+            assert_eq!(f.raw(body), b"");
+        }
     }
 
     #[test]
@@ -238,10 +274,6 @@ mod tests {
         assert!(matches!(
             find_model(br#"{"model":"a","model":3}"#),
             Err(ApiError::InvalidModel)
-        ));
-        assert!(matches!(
-            find_model(br#"{"model":"a","model":null}"#),
-            Err(ApiError::MissingModel)
         ));
     }
 }

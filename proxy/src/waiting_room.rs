@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::handler::Shared;
 use crate::handler::checks::{forwardable_path, key_ok};
 use crate::hold::{Release, Wait};
-use crate::model_field::find_model;
+use crate::request_model::{find_request_model, route_for};
 
 /// What the waiting room read and how long the request has been held.
 #[derive(Debug, Default)]
@@ -90,7 +90,7 @@ pub async fn enter(
         };
     };
     let view = shared.table.view();
-    let Some(route) = view.by_name.get(model.as_str()).cloned() else {
+    let Ok(route) = route_for(&view, &model).cloned() else {
         return Entry {
             prefix: Bytes::from(buf),
             ..Entry::default()
@@ -170,6 +170,8 @@ async fn read_request(
     }
     let mut length = None;
     let mut auth = None;
+    // Where the Content-Type value is in `buf` (read again after the body).
+    let mut content_type = None;
     for h in req.headers.iter() {
         if h.name.eq_ignore_ascii_case("content-length") {
             if length.is_some() {
@@ -189,6 +191,9 @@ async fn read_request(
             return None;
         } else if h.name.eq_ignore_ascii_case("authorization") {
             auth = Some(h.value);
+        } else if h.name.eq_ignore_ascii_case("content-type") {
+            let at = h.value.as_ptr() as usize - buf.as_ptr() as usize;
+            content_type = Some(at..at + h.value.len());
         }
     }
     let length = length?;
@@ -202,7 +207,9 @@ async fn read_request(
     if buf.len() != end {
         return None;
     }
-    let field = find_model(&buf[head_len..]).ok()?;
+    let content_type = content_type.map(|r| &buf[r]);
+    // "" when it names none: the one model served ([`route_for`]).
+    let field = find_request_model(&buf[head_len..], content_type).ok()?;
     Some(field.name.into_owned())
 }
 

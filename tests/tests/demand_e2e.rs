@@ -100,6 +100,34 @@ async fn a_request_at_level_1_long_past_its_tier_is_answered() {
     assert_eq!(state(&s.status("tiny").await), pb::ModelState::Awake);
 }
 
+/// A request that names no model is vLLM's "the one model": held while the
+/// one model sleeps (in the waiting room: a new connection), then answered.
+#[tokio::test]
+async fn a_request_naming_no_model_wakes_the_one_model_and_is_answered() {
+    let t = tiers(r#"{ after = "1s", action = "sleep", level = 1 }"#);
+    let mut s = stack(&fake_model("tiny", "awake", &[], &t)).await;
+    wait_status(
+        &mut s.c,
+        "tiny",
+        "asleep by its tier",
+        LONG,
+        asleep_by_tier(1),
+    )
+    .await;
+    let body =
+        serde_json::json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let v = try_chat_json(&s.proxy.url(), &body, ANSWER_WITHIN)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(v["model"], "tiny", "{v}");
+    let st = s.status("tiny").await;
+    assert_eq!(state(&st), pb::ModelState::Awake);
+    assert_eq!(
+        st.intent.map(|i| i.reason),
+        Some(pb::IntentReason::Demand as i32)
+    );
+}
+
 #[tokio::test]
 async fn a_request_after_a_stop_tier_starts_the_engine_and_is_answered() {
     let t = tiers(

@@ -46,8 +46,10 @@ async fn errors_are_openai_shaped_and_admin_paths_unreachable() {
     let r = post(&p.url("/v1/chat/completions"), "{\"model\": \"m\",").await;
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["error"]["type"], "invalid_request_error");
-    let r = post(&p.url("/v1/chat/completions"), "{\"messages\": []}").await;
+    // Not an object (one naming no model goes to the one model served).
+    let r = post(&p.url("/v1/chat/completions"), "[{\"model\": \"m\"}]").await;
     assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["code"], "missing_model");
     let r = post(&p.url("/v1/chat/completions"), "{\"model\": 7}").await;
     assert_eq!(r.status, 400);
 

@@ -331,14 +331,69 @@ async fn a_multipart_form_request_is_routed_by_its_model_field() {
         assert_eq!(sent, form(b, "org/whisper-v3", model_last), "{ct}");
         assert!(got.contains(&format!("content-type: {ct}\r\n")), "{got}");
     }
-    let r = form_post(
-        &p.url("/v1/audio/transcriptions"),
-        "multipart/form-data; boundary=x",
-        "--x\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\nRIFF\r\n--x--\r\n".into(),
-    )
-    .await;
+}
+
+/// vLLM answers a request that names no model (no `model`, `null` or `""`)
+/// with its one model; so does a proxy that serves one model, forwarding
+/// the body as it came. With two models served it is a 400 that names them.
+#[tokio::test]
+async fn a_request_naming_no_model_goes_to_the_one_model_served() {
+    let ok = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+    let (url, script) = engine(vec![(ok, false); 4]).await;
+    let (c, p) = proxy_to(&url).await;
+    let form = "--x\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n--x--\r\n";
+    let json = [
+        r#"{"messages":[{"role":"user","content":"hi"}]}"#,
+        r#"{"model":null,"prompt":"hi"}"#,
+        r#"{"model":"","prompt":"hi"}"#,
+    ];
+    for body in json {
+        let r = post(&p.url("/v1/chat/completions"), body).await;
+        assert_eq!(r.status, 200, "{body}: {:?}", r.body);
+        let got = script.requests.lock().unwrap().pop().unwrap();
+        assert!(got.ends_with(&format!("\r\n\r\n{body}")), "{got}");
+    }
+    let ct = "multipart/form-data; boundary=x";
+    let r = form_post(&p.url("/v1/audio/transcriptions"), ct, form.into()).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert!(
+        script
+            .requests
+            .lock()
+            .unwrap()
+            .pop()
+            .unwrap()
+            .ends_with(form)
+    );
+
+    // Not an object: no model can be meant.
+    let r = post(&p.url("/v1/chat/completions"), "[1,2]").await;
     assert_eq!(r.status, 400, "{:?}", r.body);
     assert_eq!(r.json()["error"]["code"], "missing_model");
+
+    c.set(model("n", ModelState::Awake, &[&url]));
+    wait_until("the second model listed", || async {
+        get(&p.url("/v1/models")).await.json()["data"]
+            .as_array()
+            .is_some_and(|d| d.len() == 2)
+    })
+    .await;
+    for (path, ct, body) in [
+        ("/v1/chat/completions", "application/json", json[0]),
+        ("/v1/completions", "application/json", json[2]),
+        ("/v1/audio/transcriptions", ct, form),
+    ] {
+        let r = form_post(&p.url(path), ct, body.into()).await;
+        assert_eq!(r.status, 400, "{body}: {:?}", r.body);
+        assert_eq!(r.json()["error"]["code"], "missing_model");
+        let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(msg.contains("`m`") && msg.contains("`n`"), "{msg}");
+    }
+    assert_eq!(
+        script.requests.lock().unwrap().len(),
+        0,
+        "nothing forwarded"
+    );
 }
 
 /// An engine's answer keeps the engine's CORS headers, an empty one too

@@ -376,12 +376,13 @@ fn usage(job: &Gen, completion: u64) -> Value {
            "completion_tokens": completion, "prompt_tokens_details": null})
 }
 
-/// The model named in the body (the first served name when absent); vLLM answers with its
-/// first served name whichever alias was asked for.
+/// The model named in the body (the first served name when absent, `null` or `""`, as
+/// vLLM's `_is_model_supported` reads it); vLLM answers with its first served name whichever
+/// alias was asked for.
 fn resolve_model(app: &App, v: &Value) -> Result<String, ApiError> {
     let names = app.engine.args.served_names();
     match v["model"].as_str() {
-        None => Ok(names[0].clone()),
+        None | Some("") => Ok(names[0].clone()),
         Some(m) if names.iter().any(|n| n == m) => Ok(names[0].clone()),
         Some(m) => Err(ApiError {
             status: StatusCode::NOT_FOUND,
