@@ -351,7 +351,9 @@ impl Models {
         h.status.borrow().clone()
     }
 
-    /// Wake, optionally waiting until awake or failed (or `timeout`).
+    /// Wake, optionally waiting until awake or failed (or `timeout`), or
+    /// until the wake is called off: the intent is no longer awake (an
+    /// operator's stop or sleep, a wake that found no room and gave up).
     pub async fn wake(
         &self,
         name: &str,
@@ -367,16 +369,28 @@ impl Models {
         let mut rx = h.status.clone();
         let waited = tokio::time::timeout(
             timeout,
-            rx.wait_for(|s| matches!(s.state, State::Awake | State::Failed)),
+            rx.wait_for(|s| {
+                matches!(s.state, State::Awake | State::Failed)
+                    || s.intent.desired != Desired::Awake
+            }),
         )
         .await;
         let status = h.status.borrow().clone();
         let msg = match waited {
             Ok(_) if status.state == State::Awake => "awake".to_string(),
-            Ok(_) => format!(
+            Ok(_) if status.state == State::Failed => format!(
                 "failed: {}",
                 status.last_error.as_deref().unwrap_or("no reason given")
             ),
+            Ok(_) => {
+                let i = &status.intent;
+                let why = status
+                    .last_error
+                    .as_deref()
+                    .map_or(String::new(), |e| format!(": {e}"));
+                let intent = format!("{:?} ({:?})", i.desired, i.reason).to_lowercase();
+                format!("the wake was called off: the intent is now {intent}{why}")
+            }
             Err(_) => format!(
                 "still {:?} after {timeout:?}; the wake goes on",
                 status.state

@@ -250,9 +250,9 @@ async fn stop(
 }
 
 /// Runs the recovery over every engine record; returns the adopted engines
-/// by model name. Unwanted engines are stopped before this returns when
-/// their model is configured again (so no two engines of a model run),
-/// in the background otherwise.
+/// by model name. Unwanted engines are stopped before this returns (up to
+/// [`STOP_WAIT_MAX`]): no two engines of a model run, and a removed model's
+/// engine has freed its GPU memory before a model placed there starts.
 pub async fn recover(
     config: &Config,
     placed: &BTreeMap<String, Placed>,
@@ -278,20 +278,20 @@ pub async fn recover(
         let cfg = config.models.iter().find(|m| m.name == name);
         if let Some(why) = unwanted(&rec, cfg, placed) {
             tracing::info!(model = %name, pid, reason = why, "stopping a recorded engine");
-            let grace = cfg.map_or(config.defaults.timeouts.stop_grace, |c| {
-                c.timeouts.stop_grace
-            });
-            let task = tokio::spawn(stop(
+            let grace = cfg
+                .map_or(config.defaults.timeouts.stop_grace, |c| {
+                    c.timeouts.stop_grace
+                })
+                // The SIGKILL and its sweep must come within the wait below.
+                .min(STOP_WAIT_MAX - SWEEP_DEADLINE);
+            waits.push(tokio::spawn(stop(
                 store.clone(),
                 name.clone(),
                 rec,
                 pid,
                 start_time,
                 grace,
-            ));
-            if cfg.is_some() {
-                waits.push(task);
-            }
+            )));
             continue;
         }
         let Some(cfg) = cfg else { continue };
@@ -340,8 +340,14 @@ pub async fn recover(
         tracing::info!(model = %name, pid = a.pid, port = a.port, observed = ?a.observed, "adopting a running engine");
         adopted.insert(name, a);
     }
-    for w in waits {
-        let _ = tokio::time::timeout(STOP_WAIT_MAX, w).await;
+    // Stops run side by side, so one deadline covers them all.
+    if tokio::time::timeout(STOP_WAIT_MAX, futures::future::join_all(waits))
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "recorded engines still stopping after {STOP_WAIT_MAX:?}: models start anyway and may find their GPU memory taken; see `ps -eo pid,stat,cmd` and nvidia-smi"
+        );
     }
     // Intents of models no longer configured must not come back with them.
     for name in store.intent_names() {
@@ -411,25 +417,26 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         let tag = format!("recovery-removed-{}", std::process::id());
-        let mut child = sleeper(&tag);
+        // An engine that takes a moment to exit after SIGTERM (freeing GPU
+        // memory does): a model placed on its GPU must not start before.
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("trap 'sleep 1; exit 0' TERM; while :; do sleep 0.05; done")
+            .env(TAG_ENV, &tag)
+            .process_group(0)
+            .spawn()
+            .unwrap();
         let pid = child.id();
         let start = procfs::start_time(pid).unwrap();
         assert!(store.set_engine("gone", &record(pid, start, &tag)));
         let config = Config::demo(vec!["x".into()]);
         let adopted = recover(&config, &BTreeMap::new(), &store).await;
         assert!(adopted.is_empty());
-        // `sleep` dies of the SIGTERM.
-        let status = tokio::task::spawn_blocking(move || child.wait().unwrap())
-            .await
-            .unwrap();
-        assert!(!status.success());
-        for _ in 0..100 {
-            if store.engine("gone").is_none() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        panic!("record of the stopped engine kept");
+        assert!(
+            child.try_wait().unwrap().is_some(),
+            "recovery returned with the removed model's engine still running"
+        );
+        assert!(store.engine("gone").is_none(), "record kept");
     }
 
     /// Polls `done` every 20 ms for up to 10 s.

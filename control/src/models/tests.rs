@@ -267,3 +267,28 @@ async fn the_stop_bound_follows_the_stop_grace_through_reloads() {
     assert_eq!(shared.stop_bound.get() - before, Duration::from_secs(99));
     cancel.cancel();
 }
+
+/// `wake --wait` ends when the wake is called off (an operator's stop, or
+/// a wake that found no room gives up, which sets the intent back): it
+/// does not wait out the whole start and wake time for a wake no longer
+/// going on, and says what happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waited_wake_ends_when_the_wake_is_called_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, cancel) = boot(&sleeper("big", "none", "", "1s"), shared(dir.path()));
+    let models = Arc::new(models);
+    let waiting = tokio::spawn({
+        let models = models.clone();
+        async move { models.wake("big", true, None).await }
+    });
+    wait_status(&models, "big", "a pid", |s| s.pid.is_some()).await;
+    models.command("big", Command::Stop).await.unwrap();
+    let (s, msg) = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("wake --wait still waiting after the wake was called off")
+        .unwrap()
+        .unwrap();
+    assert_ne!(s.state, State::Awake);
+    assert!(msg.contains("stopped (operator)"), "{msg}");
+    cancel.cancel();
+}
