@@ -329,14 +329,23 @@ impl pb::control_server::Control for ControlService {
         &self,
         _: Request<pb::ReloadRequest>,
     ) -> Result<Response<pb::ReloadResponse>, Status> {
-        let _guard = self.reload_lock.lock().await;
-        let Some(path) = &self.config_path else {
+        let Some(path) = self.config_path.clone() else {
             return Err(OpError::Refused(
                 "running the built-in configuration: there is no file to reload".into(),
             )
             .into());
         };
-        let s = self.models.reload_file(path).await?;
+        // Its own task: a client that goes away (Ctrl-C, its deadline)
+        // drops this future, and a reload cut short between stopping the
+        // removed models and starting the added ones would leave both
+        // undone, with nothing to say so.
+        let (models, lock) = (self.models.clone(), self.reload_lock.clone());
+        let s = tokio::spawn(async move {
+            let _guard = lock.lock().await;
+            models.reload_file(&path).await
+        })
+        .await
+        .map_err(|e| OpError::Internal(format!("the reload task ended: {e}")))??;
         Ok(Response::new(pb::ReloadResponse {
             added: s.added,
             removed: s.removed,

@@ -230,3 +230,75 @@ async fn a_reload_of_timeouts_and_tiers_only_keeps_the_engine() {
     );
     assert!(!group_members(awake.pid as i32).is_empty());
 }
+
+/// A reload whose client goes away (Ctrl-C on `siesta reload`, or its
+/// deadline) while a removed model's engine takes its `stop_grace` to stop
+/// is still carried out whole: the removed model goes, the added one
+/// starts. Cut short, it left the removed model retiring for ever
+/// (commands on it dropped) and never added the new one.
+#[tokio::test]
+async fn a_reload_whose_client_goes_away_is_carried_out_whole() {
+    // The engine's group leader ignores SIGTERM: its stop takes the grace.
+    let slow = r#"
+[[model]]
+name = "slow"
+model = "org/slow"
+engine = "openai"
+preload = "awake"
+command = ["sh", "-c", "trap '' TERM; \"$0\" --personality openai serve slow --host \"$1\" --port \"$2\" & while :; do sleep 1; done", "@FAKE_VLLM@"]
+args = ["{host}", "{port}"]
+env = { SIESTA_TEST_TAG = "@DIR@" }
+stop_grace = "4s"
+"#;
+    let ctl = start(&config(slow)).await;
+    let mut c = ctl.client().await;
+    let pid = wait_state(&mut c, "slow", pb::ModelState::Awake, LONG)
+        .await
+        .pid;
+    let added = fake_model("added", "asleep", &[], "");
+    std::fs::write(&ctl.config_path, expand(&ctl, &config(&added))).unwrap();
+    let mut req = tonic::Request::new(pb::ReloadRequest {});
+    req.set_timeout(std::time::Duration::from_millis(500));
+    let cut = c
+        .reload(req)
+        .await
+        .expect_err("the reload outlasts its client");
+    assert!(
+        matches!(
+            cut.code(),
+            tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        ),
+        "{cut:?}"
+    );
+    wait_until("added model listed", LONG, || {
+        let mut c = c.clone();
+        async move {
+            c.get_model(pb::GetModelRequest {
+                name: "added".into(),
+            })
+            .await
+            .is_ok()
+        }
+    })
+    .await;
+    wait_state(&mut c, "added", pb::ModelState::Asleep, LONG).await;
+    wait_until("removed model gone", LONG, || {
+        let mut c = c.clone();
+        async move {
+            c.get_model(pb::GetModelRequest {
+                name: "slow".into(),
+            })
+            .await
+            .is_err_and(|e| e.code() == tonic::Code::NotFound)
+        }
+    })
+    .await;
+    wait_until("removed model's engine stopped", LONG, || async {
+        group_members(pid as i32).is_empty()
+    })
+    .await;
+    ctl.child
+        .output()
+        .wait_for("configuration reloaded", DEADLINE)
+        .await;
+}

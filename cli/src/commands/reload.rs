@@ -29,11 +29,19 @@ struct ReloadView {
 const RELOAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(600);
 
 pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
-    let r = conn
-        .call_within(RELOAD_TIMEOUT, |mut c| async move {
-            c.reload(pb::ReloadRequest {}).await
-        })
-        .await?;
+    // The daemon carries a reload out whole whether or not this waits for
+    // it: running out of time here is not an unreachable daemon.
+    let call = conn.call_within(RELOAD_TIMEOUT + RELOAD_TIMEOUT, |mut c| async move {
+        c.reload(pb::ReloadRequest {}).await
+    });
+    let r = tokio::time::timeout(RELOAD_TIMEOUT, call)
+        .await
+        .map_err(|_| {
+            Failure::Failed(format!(
+                "no answer within {}s: the reload goes on in siesta-control (its log says                  `configuration reloaded` when it is done; `siesta status` shows the models)",
+                RELOAD_TIMEOUT.as_secs()
+            ))
+        })??;
     match format {
         Format::Json => print_json(&ReloadView {
             added: r.added,
