@@ -283,10 +283,13 @@ pub enum Event {
     Yield {
         to: String,
     },
-    /// `to` found room without this model's yield (an idle model made it):
-    /// if it is still finishing its requests to yield, it serves again.
+    /// `to` needs this model's yield no more (an idle model made room, or
+    /// its wake left the queue): if it is still finishing its requests to
+    /// yield, it serves again.
     CallOffYield {
         to: String,
+        /// Why, after `to`'s name: "found room without it".
+        why: &'static str,
     },
     /// Keep awake until (None: until Unpin).
     Pin(Option<Instant>),

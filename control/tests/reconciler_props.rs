@@ -284,7 +284,10 @@ impl World {
             Action::Demand => Event::Demand,
             Action::Evict => Event::Evict,
             Action::Yield => Event::Yield { to: "other".into() },
-            Action::CallOffYield => Event::CallOffYield { to: "other".into() },
+            Action::CallOffYield => Event::CallOffYield {
+                to: "other".into(),
+                why: "found room without it",
+            },
             Action::FoundAsleep(level) => Event::FoundAsleep { epoch, level },
             Action::Pin(s) => Event::Pin(s.map(|s| self.now + secs(s))),
             Action::Unpin => Event::Unpin,

@@ -137,9 +137,14 @@ impl Core {
         self
     }
 
-    pub fn push(&mut self, ask: Ask) {
-        // One ask per model: a newer one (a new epoch) replaces the old.
-        self.queue.retain(|a| a.model != ask.model);
+    pub fn push(&mut self, mut ask: Ask) {
+        // One ask per model: a newer one (a new epoch) replaces the old,
+        // and the models yielding for the old one now yield for it.
+        if let Some(i) = self.queue.iter().position(|a| a.model == ask.model) {
+            let old = self.queue.remove(i).expect("index in range");
+            ask.evicted.extend(old.evicted);
+            ask.yields.extend(old.yields);
+        }
         self.granted.remove(&ask.model);
         self.queue.push_back(ask);
     }
@@ -153,7 +158,28 @@ impl Core {
     }
 
     pub fn cancel(&mut self, id: u64) {
-        self.queue.retain(|a| a.id != id);
+        if let Some(i) = self.queue.iter().position(|a| a.id == id) {
+            let ask = self.queue.remove(i).expect("index in range");
+            self.call_off_yields(&ask);
+        }
+    }
+
+    /// `ask` left the queue unanswered (cancelled, or its waiter gone): the
+    /// busy models yielding for it serve again, rather than hold their own
+    /// new requests and sleep for nobody.
+    fn call_off_yields(&mut self, ask: &Ask) {
+        for y in &ask.yields {
+            tracing::info!(model = %ask.model, yielder = %y, "the wake a busy model yields for is over: calling the yield off");
+            self.registry.evict(
+                y,
+                Event::CallOffYield {
+                    to: ask.model.clone(),
+                    why: "no longer waits for room",
+                },
+            );
+            self.metrics.yield_called_off(y);
+            self.asked_to_sleep.remove(y);
+        }
     }
 
     /// Nothing waits (answered asks not yet seen in the hub do not count:
@@ -167,7 +193,10 @@ impl Core {
     /// waits behind an earlier one that shares a GPU with it.
     pub fn plan(&mut self, models: &[ModelStatus]) {
         // Waiters gone (their model task moved on) leave the queue.
-        self.queue.retain(|a| !a.reply.is_closed());
+        while let Some(i) = self.queue.iter().position(|a| a.reply.is_closed()) {
+            let ask = self.queue.remove(i).expect("index in range");
+            self.call_off_yields(&ask);
+        }
         // A wake only to sleep deeper (a level-2 tier on a model asleep at
         // level 1), or a start to preload asleep, asks for room nobody
         // waits for: asks of models wanted awake go first (each kind in
@@ -269,8 +298,13 @@ impl Core {
             {
                 for y in &not_needed {
                     tracing::info!(model = %model, yielder = %y, "room found without a busy model's yield: calling it off");
-                    self.registry
-                        .evict(y, Event::CallOffYield { to: model.clone() });
+                    self.registry.evict(
+                        y,
+                        Event::CallOffYield {
+                            to: model.clone(),
+                            why: "found room without it",
+                        },
+                    );
                     self.metrics.yield_called_off(y);
                     self.asked_to_sleep.remove(y);
                     self.queue[i].yields.remove(y);

@@ -240,7 +240,7 @@ impl World {
         let evicted: Vec<(String, Event)> = self.evicted.lock().unwrap().drain(..).collect();
         for (v, how) in evicted {
             let i = self.names.iter().position(|n| *n == v).unwrap();
-            if let Event::CallOffYield { to } = &how {
+            if let Event::CallOffYield { to, .. } = &how {
                 prop_assert!(
                     self.yielding,
                     "{} called off a yield to {} with yield off",
@@ -692,6 +692,24 @@ fn one_of_two_busy_yields() -> (World, usize) {
     w.plan().unwrap();
     let v = (0..2).find(|&i| w.run[i] == Run::Yielding).unwrap();
     (w, v)
+}
+
+/// A busy model yields for a wake that then leaves the queue (it gave up
+/// for room, an operator stopped it, its model was removed, or its waiter
+/// is gone): the yield is called off, so the yielder serves again instead
+/// of holding its own new requests and sleeping for nobody.
+#[test]
+fn a_yield_is_called_off_when_the_ask_it_was_for_leaves() {
+    for gone in ["cancelled", "waiter gone"] {
+        let (mut w, v) = one_of_two_busy_yields();
+        match gone {
+            "cancelled" => w.core.cancel(2),
+            _ => w.answers[2] = None,
+        }
+        w.plan().unwrap();
+        assert_eq!(w.called_off, [w.names[v].clone()], "{gone}");
+        assert_eq!(w.run[v], Run::Awake, "{gone}");
+    }
 }
 
 /// Two busy models and a third that waited its turn: one of the busy

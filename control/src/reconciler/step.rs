@@ -215,8 +215,8 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 begin_yield(m, level, &to, now, fx);
             }
         }
-        Event::CallOffYield { to } => {
-            call_off_yield(m, &format!("\"{to}\" found room without it"), now, fx);
+        Event::CallOffYield { to, why } => {
+            call_off_yield(m, &format!("\"{to}\" {why}"), now, fx);
         }
         Event::Pin(until) => {
             m.pin = until.map_or(Pin::Forever, Pin::Until);

@@ -214,7 +214,10 @@ fn an_operators_sleep_suspend_or_wake_during_a_yield_is_kept() {
 #[test]
 fn a_yield_no_longer_needed_is_called_off_until_its_sleep_begins() {
     let call_off = |s: &mut Sim| {
-        s.ev(Event::CallOffYield { to: "b".into() });
+        s.ev(Event::CallOffYield {
+            to: "b".into(),
+            why: "found room without it",
+        });
     };
     let mut s = serving();
     yield_to_b(&mut s);
