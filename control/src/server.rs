@@ -104,6 +104,13 @@ impl Server {
         self.web.as_ref().and_then(|l| l.local_addr().ok())
     }
 
+    /// The bearer token clients must send (`[control] token`, else
+    /// `SIESTA_TOKEN`), if any: what an embedding process (`siesta up`)
+    /// gives its own proxy and clients.
+    pub fn token(&self) -> Option<&str> {
+        self.token.as_deref()
+    }
+
     /// The address actually bound.
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr

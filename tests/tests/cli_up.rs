@@ -361,3 +361,56 @@ async fn up_with_a_stubborn_engine(stop_grace: &str) -> (tempfile::TempDir, Up, 
     let pgid = model(&status(grpc), "stubborn")["pid"].as_i64().unwrap() as i32;
     (dir, up, pgid)
 }
+
+/// `up --config` with `[control] token` and no `--token`/`SIESTA_TOKEN`:
+/// the control plane requires the config's token, so `up`'s own proxy and
+/// clients must send it. They used to send only the CLI's token (none): the
+/// proxy's Watch was refused, and every request got 503 `proxy_not_ready`.
+#[tokio::test]
+async fn up_with_a_config_token_serves_without_one_in_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("token.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[control]\nstate_dir = {:?}\ntoken = \"s3cret\"\n\n[[model]]\nname = \"chat\"\n\
+             model = \"org/chat\"\nexecutable = {:?}\ngpus = 0\nstart_timeout = \"60s\"\n",
+            dir.path().join("state"),
+            bin_path("fake-vllm"),
+        ),
+    )
+    .unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let mut up = spawn_up_with(
+        dir.path(),
+        &addr_file,
+        &["--config", config.to_str().unwrap()],
+    );
+    let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
+    let http = addrs[0];
+    // A request for the stopped model starts it and is answered (the proxy
+    // waits for its first Watch snapshot, which a refused Watch never gives).
+    let body = json!({"model": "chat", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4});
+    let resp = reqwest::Client::new()
+        .post(format!("http://{http}/v1/chat/completions"))
+        .json(&body)
+        .timeout(Duration::from_secs(90))
+        .send()
+        .await
+        .expect("chat completion");
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, 200, "{text}\n{}", up.output().text());
+    // The banner lists the models: `up`'s own client was let in.
+    up.output()
+        .wait_for("Ctrl-C stops everything", DEADLINE)
+        .await;
+    assert!(
+        up.output().contains("models       chat ("),
+        "{}",
+        up.output().text()
+    );
+    up.signal(Signal::SIGINT);
+    let exit = up.wait_exit(Duration::from_secs(60)).await;
+    assert!(exit.success(), "{exit}: {}", up.output().text());
+}

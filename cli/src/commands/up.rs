@@ -67,6 +67,11 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     let grpc = server.local_addr();
     let web = server.web_addr();
     let stop_bound = server.stop_bound();
+    // The token the control plane requires (the config's `[control] token`,
+    // else SIESTA_TOKEN) is what its own proxy and clients send; --token
+    // only where it requires none.
+    let token = server.token().or(token).map(str::to_owned);
+    let token = token.as_deref();
     let control_url = format!("http://{}", loopback_for(grpc));
     let proxy = Proxy::bind(ProxyConfig {
         controls: vec![control_url.clone()],
