@@ -3,10 +3,10 @@
 
 use serde_json::Value;
 use siesta_proto::v1 as pb;
-use siesta_tests::{DEADLINE, spawn_control_with, wait_until};
+use siesta_tests::{Child, DEADLINE, bin_path, spawn_control_with, wait_addr_file, wait_until};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use siesta_tests::cli::{CONFIG, at, model_state, next_line, spawn_siesta, wait_state};
+use siesta_tests::cli::{CONFIG, at, model_state, next_line, siesta, spawn_siesta, wait_state};
 
 #[tokio::test]
 async fn every_command_against_a_real_control_plane() {
@@ -238,4 +238,66 @@ async fn logs_follow_streams_new_lines() {
     );
     drop(follow);
     control.terminate().await;
+}
+
+/// `diag p2p` on two GPUs where the probe cannot run is a failed operation:
+/// exit 1, the reason on stderr. It used to print "P2P not probed: …" on
+/// stdout and exit 0, as if there were nothing to probe.
+///
+/// The control plane looks for `siesta-p2p-probe` next to its own binary,
+/// so it runs here from a copy in a directory of its own: no probe there.
+#[tokio::test]
+async fn diag_p2p_that_cannot_probe_two_gpus_is_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let control_bin = dir.path().join("siesta-control");
+    std::fs::copy(bin_path("siesta-control"), &control_bin).unwrap();
+    assert!(!dir.path().join("siesta-p2p-probe").exists());
+    let config = dir.path().join("siesta.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[control]\nstate_dir = {:?}\np2p_probe = \"off\"\n\n\
+             [[gpu]]\nindex = 0\nname = \"test-gpu\"\nmemory = \"80GiB\"\n\
+             [[gpu]]\nindex = 1\nname = \"test-gpu\"\nmemory = \"80GiB\"\n",
+            dir.path().join("state"),
+        ),
+    )
+    .unwrap();
+    let addr_file = dir.path().join("control.addr");
+    let mut cmd = std::process::Command::new(&control_bin);
+    cmd.arg("--config")
+        .arg(&config)
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .arg("--addr-file")
+        .arg(&addr_file);
+    let mut control = Child::spawn("siesta-control", cmd);
+    let grpc = wait_addr_file(&mut control, &addr_file, &["grpc"], DEADLINE).await[0];
+    let url = format!("http://{grpc}");
+
+    let gpus = siesta(&["--control", &url, "gpus", "-o", "json"])
+        .await
+        .ok()
+        .json();
+    if gpus["source"] != "config" {
+        eprintln!(
+            "skipped: GPUs come from {} here, not the config",
+            gpus["source"]
+        );
+        return;
+    }
+    assert_eq!(gpus["gpus"].as_array().unwrap().len(), 2, "{gpus}");
+    for args in [&["diag", "p2p"][..], &["diag", "p2p", "-o", "json"]] {
+        let mut all = vec!["--control", url.as_str()];
+        all.extend_from_slice(args);
+        let run = siesta(&all).await;
+        assert_eq!(run.code, 1, "{args:?}: {run:#?}");
+        assert!(
+            run.stderr.starts_with("error: ")
+                && run.stderr.contains("P2P not probed")
+                && run.stderr.contains("siesta-p2p-probe not found"),
+            "{args:?}: {run:#?}"
+        );
+        assert_eq!(run.stdout, "", "{args:?}: {run:#?}");
+    }
 }

@@ -244,6 +244,7 @@ async fn a_tp_group_over_a_corrupt_pair_starts_with_p2p_off() {
         assert_eq!(r.results.len(), 6, "{r:#?}");
     } else {
         assert!(r.message.contains("P2P not probed"), "{}", r.message);
+        assert!(r.failed, "two GPUs and no probe run: failed");
         let gpus = c
             .list_gpus(pb::ListGpusRequest {})
             .await

@@ -40,6 +40,10 @@ pub async fn p2p(
             .await
         })
         .await?;
+    // Two GPUs or more and no probe run (none found, no CUDA): failed.
+    if r.failed {
+        return Err(Failure::Failed(r.message));
+    }
     if format == Format::Json {
         return print_json(&DiagView {
             results: r.results.iter().map(P2pView::from).collect(),

@@ -20,6 +20,22 @@ fn unavailable(e: &ProbeError) -> String {
     }
 }
 
+/// Why the probe did not run.
+struct NotProbed {
+    message: String,
+    /// It should have (two GPUs or more) but could not.
+    failed: bool,
+}
+
+impl NotProbed {
+    fn failed(message: String) -> Self {
+        NotProbed {
+            message,
+            failed: true,
+        }
+    }
+}
+
 /// The P2P verdicts saved in `state_dir` for the GPUs of `inventory`
 /// (None: none saved, unreadable, or for other GPUs), and when probed.
 pub(super) fn saved(state_dir: &Path, inventory: &Inventory) -> Option<(P2pMatrix, i64)> {
@@ -73,17 +89,19 @@ impl GpuView {
         }
     }
 
-    /// Runs the probe over every GPU; `Err` says why it could not run.
-    async fn probe(&self, bytes: u64, deadline: Duration) -> Result<Vec<P2pResult>, String> {
+    /// Runs the probe over every GPU; `Err` says why it did not run.
+    async fn probe(&self, bytes: u64, deadline: Duration) -> Result<Vec<P2pResult>, NotProbed> {
         let gpus = self.gpu_indices();
         if gpus.len() < 2 {
-            return Err(format!(
-                "P2P needs at least two GPUs; this box has {}",
-                gpus.len()
-            ));
+            return Err(NotProbed {
+                message: format!("P2P needs at least two GPUs; this box has {}", gpus.len()),
+                failed: false,
+            });
         }
         let Some(bin) = default_probe_bin() else {
-            return Err("P2P not probed: siesta-p2p-probe not found next to siesta-control".into());
+            return Err(NotProbed::failed(
+                "P2P not probed: siesta-p2p-probe not found next to siesta-control".into(),
+            ));
         };
         let mut opts = ProbeOptions::new(bin, gpus);
         opts.bytes = if bytes > 0 { bytes } else { self.probe.bytes };
@@ -93,7 +111,9 @@ impl GpuView {
             deadline
         };
         let _one_at_a_time = self.probing.lock().await;
-        run_probe(&opts).await.map_err(|e| unavailable(&e))
+        run_probe(&opts)
+            .await
+            .map_err(|e| NotProbed::failed(unavailable(&e)))
     }
 
     /// Keeps and saves new results. `replace`: place every model again (at
@@ -149,7 +169,9 @@ impl GpuView {
                 .build()
             {
                 Ok(rt) => rt.block_on(self.probe(bytes, deadline)),
-                Err(e) => Err(format!("P2P not probed: no runtime: {e}")),
+                Err(e) => Err(NotProbed::failed(format!(
+                    "P2P not probed: no runtime: {e}"
+                ))),
             },
         };
         match result {
@@ -165,7 +187,7 @@ impl GpuView {
                 );
                 self.keep(&results, now_unix_ms(), true);
             }
-            Err(message) => {
+            Err(NotProbed { message, .. }) => {
                 tracing::warn!(%message, "P2P probe at start did not run; saved results (if any) stay")
             }
         }
@@ -181,12 +203,14 @@ impl GpuView {
                     results,
                     probed_unix_ms: now_ms,
                     message: String::new(),
+                    failed: false,
                 }
             }
-            Err(message) => {
+            Err(NotProbed { message, failed }) => {
                 tracing::warn!(%message, "DiagP2p: probe did not run");
                 P2pDiag {
                     message,
+                    failed,
                     ..Default::default()
                 }
             }

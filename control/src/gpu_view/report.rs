@@ -46,4 +46,6 @@ pub struct P2pDiag {
     pub probed_unix_ms: i64,
     /// Empty when the probe ran.
     pub message: String,
+    /// The probe should have run (two GPUs or more) but could not.
+    pub failed: bool,
 }

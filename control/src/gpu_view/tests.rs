@@ -166,6 +166,7 @@ async fn diag_p2p_without_a_probe_says_why_and_keeps_results() {
         .unwrap();
     let r = view.diag_p2p(0, Duration::from_secs(20), 99).await;
     assert!(r.message.contains("P2P not probed"), "{}", r.message);
+    assert!(r.failed, "two GPUs and no probe run: failed");
     assert!(r.results.is_empty());
     assert_eq!(view.list_gpus(&[]).p2p_probed_unix_ms, 1234);
     assert!(view.placed()["tp01"].p2p_disabled);

@@ -63,6 +63,7 @@ pub fn p2p_diag(d: &P2pDiag) -> pb::DiagP2pResponse {
         results: d.results.iter().map(p2p_to_proto).collect(),
         probed_unix_ms: d.probed_unix_ms,
         message: d.message.clone(),
+        failed: d.failed,
     }
 }
 
