@@ -307,7 +307,53 @@ impl fmt::Display for ConfigError {
     }
 }
 
+/// Whether listening on `addr` with `token` is refused: an address beyond
+/// loopback needs a token. The one rule for siesta-control's gRPC and web
+/// listeners and for `siesta config check`.
+pub fn needs_token(addr: SocketAddr, token: Option<&str>) -> bool {
+    !addr.ip().is_loopback() && token.is_none()
+}
+
 impl Config {
+    /// The bearer token clients must send: `[control] token`, else
+    /// `SIESTA_TOKEN` (an empty one is none).
+    pub fn token(&self) -> Option<String> {
+        self.control
+            .token
+            .clone()
+            .or_else(|| std::env::var("SIESTA_TOKEN").ok())
+            .filter(|t| !t.is_empty())
+    }
+
+    /// What siesta-control refuses to start with: `[control] listen` or
+    /// `web_listen` beyond loopback with no token ([`Config::token`]), one
+    /// problem per key. The daemon checks the addresses it binds (`--listen`
+    /// overrides `listen`); `siesta config check` the file's.
+    pub fn check_tokens(&self) -> Result<(), ConfigError> {
+        let token = self.token();
+        let problems: Vec<Problem> = [
+            Some(("control.listen", self.control.listen)),
+            self.control.web_listen.map(|a| ("control.web_listen", a)),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|(_, addr)| needs_token(*addr, token.as_deref()))
+        .map(|(key, addr)| Problem {
+            key: key.into(),
+            message: format!(
+                "{addr} is beyond loopback and no token is set: siesta-control refuses to start (set [control] token or SIESTA_TOKEN)"
+            ),
+        })
+        .collect();
+        if problems.is_empty() {
+            return Ok(());
+        }
+        Err(ConfigError {
+            origin: self.origin.clone(),
+            problems,
+        })
+    }
+
     /// Reads and validates a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let origin = path.display().to_string();

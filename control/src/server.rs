@@ -50,23 +50,13 @@ pub struct Server {
     stop_bound: StopBound,
 }
 
-/// The bearer token: `[control] token`, else `SIESTA_TOKEN`.
-fn token(config: &Config) -> Option<String> {
-    config
-        .control
-        .token
-        .clone()
-        .or_else(|| std::env::var("SIESTA_TOKEN").ok())
-        .filter(|t| !t.is_empty())
-}
-
 impl Server {
     /// Opens the state store and binds the listener (port 0 picks a free
     /// port). A non-loopback address without a token is refused.
     pub async fn bind(config: Config, opts: ServeOptions) -> Result<Server, Error> {
         let addr = opts.listen.unwrap_or(config.control.listen);
-        let token = token(&config);
-        if !addr.ip().is_loopback() && token.is_none() {
+        let token = config.token();
+        if crate::config::needs_token(addr, token.as_deref()) {
             return Err(Error::TokenRequired(addr));
         }
         let state_dir = config.control.state_dir.clone();

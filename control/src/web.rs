@@ -43,7 +43,7 @@ pub struct Web {
 /// Binds the web listener; a non-loopback address without a token is
 /// refused, as for gRPC.
 pub async fn bind(addr: SocketAddr, token: Option<&str>) -> Result<TcpListener, crate::Error> {
-    if !addr.ip().is_loopback() && token.is_none() {
+    if crate::config::needs_token(addr, token) {
         return Err(crate::Error::TokenRequired(addr));
     }
     TcpListener::bind(addr)

@@ -77,6 +77,41 @@ async fn config_check_prints_each_problem_and_exits_1() {
     assert!(run.stderr.contains("preload"), "{run:#?}");
 }
 
+/// `config check` refuses what the daemon refuses to start with: an
+/// address beyond loopback (`listen`, `web_listen`) and no token. It used
+/// to say "ok" for such a file. A token in the file or in `SIESTA_TOKEN`
+/// satisfies it, as for the daemon.
+#[tokio::test]
+async fn config_check_refuses_an_exposed_listener_without_a_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = "[[model]]\nname = \"chat\"\nmodel = \"m\"\ngpus = 0\n";
+    for (key, control) in [
+        ("control.listen", "listen = \"0.0.0.0:50051\"\n"),
+        ("control.web_listen", "web_listen = \"0.0.0.0:8081\"\n"),
+    ] {
+        let path = dir.path().join("exposed.toml");
+        std::fs::write(&path, format!("[control]\n{control}\n{model}")).unwrap();
+        let file = path.to_str().unwrap();
+        let run = siesta(&["config", "check", file]).await;
+        assert_eq!(run.code, 1, "{key}: {run:#?}");
+        assert!(
+            run.stderr.starts_with(&format!("{file}: {key}: ")) && run.stderr.contains("token"),
+            "{key}: {run:#?}"
+        );
+        assert_eq!(run.stderr.lines().count(), 1, "{key}: {run:#?}");
+        // SIESTA_TOKEN in the environment satisfies it...
+        let run = siesta_env(&["config", "check", file], &[("SIESTA_TOKEN", "t")]).await;
+        assert_eq!(run.code, 0, "{key} with SIESTA_TOKEN: {run:#?}");
+        // ...and so does the file's own token.
+        std::fs::write(
+            &path,
+            format!("[control]\n{control}token = \"t\"\n\n{model}"),
+        )
+        .unwrap();
+        siesta(&["config", "check", file]).await.ok();
+    }
+}
+
 #[tokio::test]
 async fn completion_scripts_are_generated() {
     for shell in ["bash", "zsh", "fish"] {

@@ -18,6 +18,8 @@ pub fn check(path: &Path) -> Result<(), Failure> {
         Failure::Reported
     };
     let config = Config::load(path).map_err(|e| refused(&e))?;
+    // A listener beyond loopback with no token: the daemon would not start.
+    config.check_tokens().map_err(|e| refused(&e))?;
     // The same inventory as the daemon (NVML, else `[[gpu]]`) and the same
     // placement function: what cannot fit is refused with its arithmetic.
     match siesta_control::gpu_view::check(&config).map_err(|e| refused(&e))? {
