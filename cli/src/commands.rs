@@ -17,8 +17,6 @@ mod up;
 mod wake;
 mod watch;
 
-use std::io::Write;
-
 use serde::Serialize;
 use siesta_proto::v1 as pb;
 
@@ -111,18 +109,14 @@ pub async fn run(cli: Cli) -> Result<(), Failure> {
 
 /// Prints a value as pretty JSON on stdout.
 fn print_json<T: Serialize>(value: &T) -> Result<(), Failure> {
-    let mut out = std::io::stdout().lock();
-    serde_json::to_writer_pretty(&mut out, value)?;
-    writeln!(out)?;
+    println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())
 }
 
-/// Prints a value as one line of JSON on stdout and flushes (for streams).
+/// Prints a value as one line of JSON on stdout (written at once: stdout
+/// is line-buffered), for streams.
 fn print_json_line<T: Serialize>(value: &T) -> Result<(), Failure> {
-    let mut out = std::io::stdout().lock();
-    serde_json::to_writer(&mut out, value)?;
-    writeln!(out)?;
-    out.flush()?;
+    println!("{}", serde_json::to_string(value)?);
     Ok(())
 }
 

@@ -1,10 +1,29 @@
 //! `siesta`: the operator's command line for siesta-control.
 #![forbid(unsafe_code)]
 
+// Every `print!` and `println!` of the crate is one of these (defined
+// before the modules, they shadow std's): stdout goes through `out`, where
+// a closed pipe ends the command quietly instead of panicking.
+macro_rules! print {
+    ($($arg:tt)*) => {
+        $crate::out::write(format_args!($($arg)*))
+    };
+}
+
+macro_rules! println {
+    () => {
+        $crate::out::write(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::out::write(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod args;
 mod client;
 mod commands;
 mod failure;
+mod out;
 mod render;
 mod view;
 

@@ -301,3 +301,44 @@ async fn diag_p2p_that_cannot_probe_two_gpus_is_exit_1() {
         assert_eq!(run.stdout, "", "{args:?}: {run:#?}");
     }
 }
+
+/// Output into a pipe whose reader has gone (`siesta status | head -1`)
+/// ends the command quietly, exit 0, streams (`watch`) included. It used
+/// to panic ("failed printing to stdout: Broken pipe", exit 101; clap's
+/// "failed to write completion file" for `completion`), or with `-o json`
+/// fail with "error: Broken pipe (os error 32)" (exit 1).
+#[tokio::test]
+async fn a_closed_stdout_ends_a_command_quietly() {
+    let mut control = spawn_control_with(CONFIG, &["--stop-engines-on-exit"]).await;
+    wait_state(&control, "chat", pb::ModelState::Asleep, Some(1)).await;
+    let url = control.url();
+    for args in [
+        &["status"][..],
+        &["status", "-o", "json"],
+        &["logs", "chat"],
+        &["logs", "chat", "-o", "json"],
+        &["watch"],
+        &["completion", "bash"],
+    ] {
+        let mut cmd = tokio::process::Command::new(bin_path("siesta"));
+        cmd.arg("--control")
+            .arg(&url)
+            .args(args)
+            .env_remove("SIESTA_TOKEN")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().expect("spawning siesta");
+        // The reader goes away before anything is written.
+        drop(child.stdout.take());
+        let out = tokio::time::timeout(DEADLINE, child.wait_with_output())
+            .await
+            .unwrap_or_else(|_| panic!("siesta {args:?} with its stdout closed did not end"))
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
+        assert_eq!(stderr, "", "{args:?}");
+    }
+    control.terminate().await;
+}

@@ -33,6 +33,8 @@ const CONTROL_MARGIN: Duration = Duration::from_secs(5);
 const PROXY_DRAIN: Duration = Duration::from_secs(10);
 
 pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
+    // Serving does not depend on anyone reading what it prints.
+    crate::out::keep_serving();
     // Ctrl-C or SIGTERM from the very start, not only once everything runs.
     let signal = siesta_signal::shutdown_signal().map_err(|e| Failure::Failed(e.to_string()))?;
     let shutdown = CancellationToken::new();
