@@ -168,26 +168,22 @@ impl Models {
         {
             // An attached engine siesta cannot stop is put to sleep, or left
             // asleep: its task ending next would cut the sleep, and nothing
-            // else would ever put it to sleep again. Its answers under way
-            // finish first, as long as an operator's stop lets them (one
-            // stop grace: proxies still forward to it meanwhile); then its
-            // sleep, up to the sleep timeout.
+            // else would ever put it to sleep again. It takes no new
+            // requests (proxies hold them) and its answers under way finish
+            // first, up to one stop grace; then its sleep, up to the sleep
+            // timeout.
             let t = h.cfg().timeouts;
             let mut rx = h.status.clone();
-            let serving = |s: &ModelStatus| matches!(s.state, State::Awake | State::Waking);
-            let began = tokio::time::timeout(t.stop_grace, rx.wait_for(|s| !serving(s)))
-                .await
-                .is_ok();
-            if began {
-                let _ = tokio::time::timeout(
-                    t.sleep + Duration::from_secs(5),
-                    rx.wait_for(|s| s.state != State::Sleeping),
-                )
-                .await;
-            }
+            let settled =
+                |s: &ModelStatus| matches!(s.state, State::Asleep | State::Stopped | State::Failed);
+            let _ = tokio::time::timeout(
+                t.stop_grace + t.sleep + Duration::from_secs(5),
+                rx.wait_for(|s| settled(s)),
+            )
+            .await;
             let s = h.status.borrow().clone();
-            if serving(&s) {
-                tracing::warn!(model = %name, in_flight = s.in_flight, "removed attached engine left awake: its requests did not finish within its stop grace");
+            if !settled(&s) {
+                tracing::warn!(model = %name, in_flight = s.in_flight, "removed attached engine left awake: its requests did not finish within its stop grace, or its sleep did not; it holds GPU memory siesta no longer counts (put it to sleep or stop it by hand)");
             }
         }
         let handle = {

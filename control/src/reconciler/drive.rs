@@ -66,6 +66,14 @@ pub(super) fn begin_yield(
     now: Instant,
     fx: &mut Vec<Effect>,
 ) {
+    let why = format!("yielding its GPUs to \"{to}\", which waited for them");
+    drain_then_sleep(m, level, &why, now, fx);
+}
+
+/// Stops taking requests (published as sleeping: proxies hold new ones),
+/// lets those in flight finish (up to one stop grace), then sleeps at
+/// `level` ([`Phase::Yielding`]); `why` starts its log line.
+fn drain_then_sleep(m: &mut ModelState, level: u8, why: &str, now: Instant, fx: &mut Vec<Effect>) {
     let grace = m.settings.timeouts.stop_grace;
     set_phase(
         m,
@@ -77,8 +85,8 @@ pub(super) fn begin_yield(
         now,
     );
     fx.push(Effect::Log(format!(
-        "yielding its GPUs to \"{to}\", which waited for them: new requests are held, the {} in \
-         flight finish (up to {} s), then it sleeps at level {level}",
+        "{why}: new requests are held, the {} in flight finish (up to {} s), then it sleeps at \
+         level {level}",
         m.in_flight(),
         grace.as_secs()
     )));
@@ -435,11 +443,16 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
                 }
             }
             Desired::Stopped if m.settings.attach => {
-                if let Some(level) = deepest
-                    && m.in_flight() == 0
-                    && m.held() == 0
-                {
-                    begin_sleep(m, level, now, fx);
+                if let Some(level) = deepest {
+                    if m.in_flight() == 0 && m.held() == 0 {
+                        begin_sleep(m, level, now, fx);
+                    } else if m.retiring {
+                        // Removed while serving: steady traffic would keep
+                        // it awake for ever, its memory no longer counted.
+                        let why = "removed from the configuration (siesta cannot stop an \
+                                   attached engine: it sleeps)";
+                        drain_then_sleep(m, level, why, now, fx);
+                    }
                 }
             }
             // An operator's stop lets answers under way finish; a tier's

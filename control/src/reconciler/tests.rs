@@ -419,6 +419,39 @@ fn an_attached_engine_retired_asleep_is_left_asleep() {
     assert!(!s.has(|f| matches!(f, Effect::Wake { .. })), "{:?}", s.fx);
 }
 
+/// An attached engine removed by a reload while it serves steady traffic
+/// stops taking new requests (published as not serving, so proxies hold
+/// them), lets those in flight finish, then sleeps. It stayed awake and
+/// routed before, never idle, so its sleep never came, and once removed
+/// nothing counted the GPU memory it held.
+#[test]
+fn an_attached_engine_retired_while_serving_drains_then_sleeps() {
+    let mut s = Sim::attached();
+    s.ev(Event::HealthOk {
+        epoch: s.m.epoch,
+        asleep: None,
+    });
+    s.report(1, 0);
+    assert_eq!(s.m.phase, Phase::Awake);
+    s.ev(Event::Retire);
+    assert!(
+        matches!(s.m.phase, Phase::Yielding { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    assert!(s.has(|f| matches!(f, Effect::Drain { .. })), "{:?}", s.fx);
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: None,
+    });
+    s.report(0, 0);
+    assert!(
+        matches!(s.m.phase, Phase::Sleeping { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
+
 /// An attached engine found serving after a restart of siesta goes on
 /// with its recorded idle clock; a tier overdue by then waits until the
 /// proxies and its gauge have said what is in flight, as for an adopted

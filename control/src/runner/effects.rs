@@ -8,7 +8,7 @@ use crate::store::EngineRecord;
 use crate::supervisor::{self, free_port, spawn_spec};
 use nix::sys::signal::Signal as NixSignal;
 use std::time::Duration;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 /// Per-probe timeout: engines accept the connection but answer nothing
@@ -171,7 +171,7 @@ impl Runner {
                             let _ = waiting_tx.send(Msg::WaitingFor(w));
                         });
                         shared.admission.admit(&name, waiting).await;
-                        let _ = tx.send(Msg::Event(Event::Admitted { epoch }, None));
+                        hand_over_admission(&tx, epoch).await;
                     }
                     send(match client.wake(call, timeout).await {
                         Ok(()) => Event::WakeStepDone { epoch, step },
@@ -286,7 +286,10 @@ impl Runner {
                 _ = shared.admission.admit(&name, waiting) => {}
                 _ = cancel.cancelled() => return,
             }
-            let _ = tx.send(Msg::Event(Event::Admitted { epoch }, None));
+            tokio::select! {
+                _ = hand_over_admission(&tx, epoch) => {}
+                _ = cancel.cancelled() => return,
+            }
             let guards = tokio::select! {
                 g = shared.locks.acquire(&gpus) => g,
                 _ = cancel.cancelled() => return,
@@ -401,5 +404,23 @@ impl Runner {
             .await;
             let _ = tx.send(Msg::Poll { epoch, result });
         });
+    }
+}
+
+/// Tells the model's task that admission let it in, and waits until the
+/// task has taken that in, before anything is done with the room: a wake
+/// (or start, or resume) deadline the task handled first gives the wait for
+/// room up and ends the operation (its op aborted, its spawn cancelled), so
+/// no engine is woken, started or restored that siesta records asleep or
+/// stopped and placement does not count. (The task's select takes ready
+/// messages and timers in any order: the answer sent alone could be read
+/// after the deadline, while the engine call had already gone.)
+pub(super) async fn hand_over_admission(tx: &mpsc::UnboundedSender<Msg>, epoch: u64) {
+    let (ack, taken) = oneshot::channel();
+    if tx
+        .send(Msg::Event(Event::Admitted { epoch }, Some(ack)))
+        .is_ok()
+    {
+        let _ = taken.await;
     }
 }

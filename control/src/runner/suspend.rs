@@ -154,7 +154,7 @@ impl Runner {
                 let _ = waiting_tx.send(Msg::WaitingFor(w));
             });
             shared.admission.admit(&name, waiting).await;
-            let _ = tx.send(Msg::Event(Event::Admitted { epoch }, None));
+            super::effects::hand_over_admission(&tx, epoch).await;
             let pids = shared
                 .store
                 .engine(&name)
