@@ -580,6 +580,10 @@ pub struct ModelState {
     /// flight are known only once the proxies (every second while they
     /// have any) and its own gauge have reported.
     pub tiers_after: Option<Instant>,
+    /// No tier that needs a wake first (a deeper sleep from asleep) fires
+    /// before this: one found no room on its GPUs. Tiers that need none (a
+    /// stop) go on with the idle clock.
+    pub deepen_after: Option<Instant>,
 }
 
 impl ModelState {
@@ -617,6 +621,7 @@ impl ModelState {
             retiring: false,
             yields_given_up: 0,
             tiers_after: None,
+            deepen_after: None,
         }
     }
 

@@ -315,6 +315,16 @@ impl Core {
                 }
                 plan = without;
             }
+            // A wake no request waits for (to sleep deeper, a preload to
+            // asleep) takes free room only: putting an idle model to sleep
+            // for it would cost that model's next request a wake.
+            if matches!(plan, WakePlan::Evict(_)) && !wanted_awake(&self.queue[i]) {
+                plan = WakePlan::Wait(
+                    "free room on its GPUs (a wake no request waits for, to sleep deeper or \
+                     for a preload, puts no other model to sleep)"
+                        .into(),
+                );
+            }
             match plan {
                 WakePlan::Ready => {
                     let ask = self.queue.remove(i).expect("index in range");

@@ -6,7 +6,7 @@
 use super::queue::{Ask, Core};
 use super::*;
 use crate::config::Config;
-use crate::reconciler::{ModelState, Settings};
+use crate::reconciler::{Desired, ModelState, Reason, Settings};
 use crate::status::{Endpoint, EngineFacts, ModelStatus, State, model_status};
 use proptest::prelude::*;
 use std::sync::Mutex;
@@ -175,6 +175,14 @@ impl World {
                 s.held = u32::from(
                     (matches!(run, Run::Waking(false)) && self.requests_wait[i]) || self.held[i],
                 );
+                // Woken for requests, or (nothing waits for it) by a tier
+                // to sleep deeper.
+                (s.intent.desired, s.intent.reason) =
+                    if matches!(run, Run::Waking(false)) && !self.requests_wait[i] {
+                        (Desired::Asleep(2), Reason::IdleTier)
+                    } else {
+                        (Desired::Awake, Reason::Demand)
+                    };
                 s.state_since_unix_ms = since;
                 if let Some(t) = self.last_activity[i] {
                     s.last_activity_unix_ms = Some(t);
@@ -534,6 +542,35 @@ fn a_wake_to_sleep_deeper_does_not_hold_up_one_someone_waits_for() {
         matches!(asked.as_slice(), [(m, Event::Yield { to })] if m == "m0" && to == "m2"),
         "{asked:?}; told {:?}",
         w.told.lock().unwrap()
+    );
+}
+
+/// A wake only to sleep deeper takes free room only: it puts no idle model
+/// to sleep (whose next request would pay a sleep and a wake so that the
+/// deepening model frees a residual); it waits for room, and then fits.
+#[test]
+fn a_wake_to_sleep_deeper_puts_no_other_model_to_sleep() {
+    let mut w = World::new(&config(1, &[(1, 0.6), (1, 0.6)])).unwrap();
+    w.run[0] = Run::Awake;
+    w.demand(1);
+    w.requests_wait[1] = false;
+    (0..2).for_each(|i| w.publish(i));
+    let mut st = w.statuses();
+    st[1].intent.desired = crate::reconciler::Desired::Asleep(2);
+    st[1].intent.reason = crate::reconciler::Reason::IdleTier;
+    w.core.plan(&st);
+    let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
+    assert!(asked.is_empty(), "{asked:?}");
+    let told = w.told.lock().unwrap()[1].clone().unwrap_or_default();
+    assert!(told.contains("free room"), "{told}");
+    // Wanted awake (a request came), the same ask may put m0 to sleep.
+    st[1].intent.desired = crate::reconciler::Desired::Awake;
+    st[1].intent.reason = crate::reconciler::Reason::Demand;
+    w.core.plan(&st);
+    let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
+    assert!(
+        matches!(asked.as_slice(), [(m, Event::Evict)] if m == "m0"),
+        "{asked:?}"
     );
 }
 
@@ -964,6 +1001,9 @@ async fn nothing_is_admitted_before_every_adopted_engine_is_known() {
         s.name = w.names[i].clone();
         s.state = state;
         s.state_since_unix_ms = w.clock.now_ms() - 600_000;
+        if i == 0 {
+            (s.intent.desired, s.intent.reason) = (Desired::Awake, Reason::Demand);
+        }
         s
     };
     // m0 is adopted asleep with a wake wanted, and asks at once.

@@ -169,13 +169,18 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             fx.push(Effect::Log(format!("wake gave up: {error}")));
             m.last_error = Some(error);
             m.demand_since = None;
-            // Tiers count again from here, like after a failed suspend: a
-            // deeper sleep's tier (which needs this wake) is not due again
-            // at once, so the model does not wait for room for ever, its
-            // ask heading the queue. For a demand, its held requests ended
-            // about now (`max_hold`), and a tier due meanwhile would only
-            // ask for the same room again.
-            m.idle_floor = now;
+            if m.intent.desired == Desired::Awake {
+                // A demand's held requests ended about now (`max_hold`):
+                // tiers count again from here, and one due meanwhile would
+                // only ask for the same room again.
+                m.idle_floor = now;
+            } else {
+                // A tier's deeper sleep (which needs this wake) waits as
+                // long again as the model has been idle, so a GPU that
+                // stays full is not asked again every few minutes; a stop
+                // tier, which needs no wake, keeps to the idle clock.
+                m.deepen_after = Some(now + now.saturating_duration_since(m.idle_start()));
+            }
             set_intent(m, Desired::Asleep(from_level), Reason::Eviction, now);
             set_phase(m, Phase::Asleep { level: from_level }, now);
         }

@@ -658,6 +658,8 @@ pub(super) fn become_awake(m: &mut ModelState, now: Instant) {
     if m.intent.desired == Desired::Awake {
         m.idle_floor = now;
     }
+    // Its next sleep's deeper tier has its own idle clock.
+    m.deepen_after = None;
     set_phase(m, Phase::Awake, now);
 }
 

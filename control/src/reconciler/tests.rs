@@ -844,35 +844,65 @@ fn a_start_deadline_counts_from_admission() {
 /// due again a whole tier later. (It fired again in the same step: the
 /// model was waking for ever, its ask heading the admission queue.)
 #[test]
-fn a_tier_wake_that_finds_no_room_restarts_the_idle_clock() {
+fn a_tier_wake_that_finds_no_room_tries_again_after_as_long_again() {
     let mut s = Sim::new(Preload::Awake);
     s.m.settings.tiers.truncate(2); // 10 s: sleep 1, 20 s: sleep 2
     s.boot();
     s.advance(secs(10));
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     s.advance(secs(10));
-    let waking = |m: &ModelState| {
-        matches!(
-            m.phase,
-            Phase::Waking {
-                from_level: 1,
-                admitted: false,
-                ..
-            }
-        )
-    };
-    assert!(waking(&s.m), "{:?}", s.m.phase);
+    assert!(deepening(&s.m), "{:?}", s.m.phase);
     s.advance(ROOM_WAIT);
     assert_eq!(s.m.phase, Phase::Asleep { level: 1 }, "{:?}", s.fx);
     assert!(s.m.last_error.as_deref().unwrap().contains("no room"));
     assert_eq!(s.m.intent.desired, Desired::Asleep(1));
+    // Idle 20 s + ROOM_WAIT so far: the deeper sleep waits as long again,
+    // so a GPU that stays full is not asked every few minutes.
+    let idle = secs(20) + ROOM_WAIT;
     let gave_up = s.now;
-    assert_eq!(s.timer(), Some(gave_up + secs(20)));
-    s.advance(secs(19));
+    assert_eq!(s.timer(), Some(gave_up + idle));
+    s.advance(idle - secs(1));
     assert_eq!(s.m.phase, Phase::Asleep { level: 1 }, "{:?}", s.fx);
-    // Due again, counted from the give-up: it tries once more.
     s.advance(secs(1));
-    assert!(waking(&s.m), "{:?}", s.m.phase);
+    assert!(deepening(&s.m), "{:?}", s.m.phase);
+}
+
+/// Waking from level 1 to sleep deeper, not yet admitted.
+fn deepening(m: &ModelState) -> bool {
+    matches!(
+        m.phase,
+        Phase::Waking {
+            from_level: 1,
+            admitted: false,
+            ..
+        }
+    )
+}
+
+/// A deeper sleep that found no room holds off that tier alone: a stop
+/// tier (which needs no wake) still comes on the model's idle clock. The
+/// give-up restarted the whole clock before, so with a GPU that stayed full
+/// the level-2 tier came back every few hours and the stop tier never.
+#[test]
+fn a_deeper_sleep_that_found_no_room_does_not_hold_off_the_stop_tier() {
+    let mut s = Sim::new(Preload::Awake); // 10 s: L1, 20 s: L2, 30 s: stop
+    s.boot();
+    s.advance(secs(10));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.advance(secs(10));
+    assert!(deepening(&s.m), "{:?}", s.m.phase);
+    // At the give-up, idle 320 s: the 30 s stop tier is long due.
+    s.advance(ROOM_WAIT);
+    assert!(
+        s.has(|f| matches!(f, Effect::Log(l) if l.starts_with("wake gave up"))),
+        "{:?}",
+        s.fx
+    );
+    assert!(
+        matches!(s.m.phase, Phase::Stopping { .. }),
+        "{:?}",
+        s.m.phase
+    );
 }
 
 #[test]

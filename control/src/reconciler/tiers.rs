@@ -40,18 +40,35 @@ fn idle_eligible(m: &ModelState, now: Instant) -> bool {
         && m.demand_since.is_none()
 }
 
+/// Whether `tier` needs the engine woken first: a sleep (or suspend) from
+/// asleep; a stop does not.
+fn needs_wake(m: &ModelState, tier: &IdleTier) -> bool {
+    matches!(m.phase, Phase::Asleep { .. })
+        && tier_desired(tier, &m.settings).is_some_and(|d| d != Desired::Stopped)
+}
+
+/// When `tier` may fire at the earliest, after `tiers_after` and, for one
+/// that needs a wake, `deepen_after`.
+fn earliest(m: &ModelState, tier: &IdleTier) -> Instant {
+    let at = m.idle_start() + tier.after;
+    let at = m.tiers_after.map_or(at, |after| at.max(after));
+    match m.deepen_after {
+        Some(after) if needs_wake(m, tier) => at.max(after),
+        _ => at,
+    }
+}
+
 /// The deepest tier that is due now and deeper than the current intent.
 pub fn due_tier(m: &ModelState, now: Instant) -> Option<IdleTier> {
-    if !idle_eligible(m, now) || m.tiers_after.is_some_and(|t| now < t) {
+    if !idle_eligible(m, now) {
         return None;
     }
-    let idle = now.saturating_duration_since(m.idle_start());
     let depth = m.intent.desired.depth();
     m.settings
         .tiers
         .iter()
-        .filter(|t| t.after <= idle)
         .filter(|t| tier_depth(t, &m.settings) > depth)
+        .filter(|t| earliest(m, t) <= now)
         .max_by_key(|t| t.after)
         .copied()
 }
@@ -65,9 +82,7 @@ pub fn next_tier(m: &ModelState, now: Instant) -> Option<(IdleTier, Instant)> {
     m.settings
         .tiers
         .iter()
-        .find(|t| tier_depth(t, &m.settings) > depth)
-        .map(|t| {
-            let at = m.idle_start() + t.after;
-            (*t, m.tiers_after.map_or(at, |after| at.max(after)))
-        })
+        .filter(|t| tier_depth(t, &m.settings) > depth)
+        .map(|t| (*t, earliest(m, t)))
+        .min_by_key(|(_, at)| *at)
 }
