@@ -194,7 +194,14 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::PinRequest>,
     ) -> Result<Response<pb::OperationResponse>, Status> {
         let r = req.into_inner();
-        let (s, m) = self.models.pin(&r.name, r.until_unix_ms).await?;
+        let (s, m) = match r.for_ms {
+            0 => self.models.pin(&r.name, r.until_unix_ms).await?,
+            ms => {
+                self.models
+                    .pin_for(&r.name, Duration::from_millis(ms))
+                    .await?
+            }
+        };
         Ok(op(s, m))
     }
 

@@ -396,6 +396,13 @@ impl Models {
         Ok((status, msg))
     }
 
+    /// Pins for `d` from now, on this control plane's clock.
+    pub async fn pin_for(&self, name: &str, d: Duration) -> Result<(ModelStatus, String), OpError> {
+        let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        self.pin(name, self.shared.clock.now_ms().saturating_add(ms))
+            .await
+    }
+
     pub async fn pin(
         &self,
         name: &str,

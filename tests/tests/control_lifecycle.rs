@@ -119,6 +119,7 @@ async fn errors_map_to_status_codes() {
         .pin(pb::PinRequest {
             name: "chat".into(),
             until_unix_ms: 1000,
+            for_ms: 0,
         })
         .await
         .unwrap_err();

@@ -84,11 +84,28 @@ async fn restart_replaces_the_engine_and_pin_blocks_tiers() {
         .pin(pb::PinRequest {
             name: "chat".into(),
             until_unix_ms: now + 60_000,
+            for_ms: 0,
         })
         .await
         .unwrap()
         .into_inner();
     assert!(r.model.unwrap().pinned_until_unix_ms > now);
+    // For a while, on the control plane's clock: an `until` a client with a
+    // clock behind sent in the past is not read.
+    let r = c
+        .pin(pb::PinRequest {
+            name: "chat".into(),
+            until_unix_ms: now - 40_000,
+            for_ms: 60_000,
+        })
+        .await
+        .expect("a pin for 60 s from a client whose clock is behind")
+        .into_inner();
+    let until = r.model.unwrap().pinned_until_unix_ms;
+    assert!(
+        (now + 50_000..now + 120_000).contains(&until),
+        "{until} vs {now}"
+    );
     c.restart(pb::ModelRequest {
         name: "chat".into(),
     })

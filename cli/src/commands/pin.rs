@@ -8,7 +8,6 @@ use super::print_operation;
 use crate::args::Format;
 use crate::client::Conn;
 use crate::failure::Failure;
-use crate::render;
 
 pub async fn pin(
     conn: Conn,
@@ -16,18 +15,20 @@ pub async fn pin(
     duration: Option<Duration>,
     format: Format,
 ) -> Result<(), Failure> {
-    let until_unix_ms = match duration {
+    // The end is counted on the control plane's clock, not this host's.
+    let for_ms = match duration {
         None => 0,
         Some(d) if d.is_zero() => {
             return Err(Failure::Usage("--for must be longer than zero".into()));
         }
-        Some(d) => render::now_ms().saturating_add(d.as_millis().min(i64::MAX as u128) as i64),
+        Some(d) => u64::try_from(d.as_millis()).unwrap_or(u64::MAX),
     };
     let resp = conn
         .call(|mut c| async move {
             c.pin(pb::PinRequest {
                 name: name.to_owned(),
-                until_unix_ms,
+                until_unix_ms: 0,
+                for_ms,
             })
             .await
         })

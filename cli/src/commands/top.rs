@@ -145,6 +145,7 @@ async fn act(conn: Conn, action: Action, tx: mpsc::Sender<Feed>) {
                 c.pin(pb::PinRequest {
                     name: name.clone(),
                     until_unix_ms: 0,
+                    for_ms: 0,
                 })
                 .await
             }

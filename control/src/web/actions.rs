@@ -123,9 +123,14 @@ async fn operation<B>(web: &Web, req: &Request<B>, name: String, op: &str) -> Re
                 Ok(u) => u.unwrap_or(0),
                 Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
             };
+            let for_ms = match number::<u64>(req.uri(), "for_ms") {
+                Ok(f) => f.unwrap_or(0),
+                Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
+            };
             svc.pin(tonic::Request::new(pb::PinRequest {
                 name: name.clone(),
                 until_unix_ms: until,
+                for_ms,
             }))
             .await
         }
