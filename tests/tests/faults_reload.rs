@@ -14,6 +14,22 @@ fn expand(ctl: &Ctl, text: &str) -> String {
         .replace("@FAKE_VLLM@", &siesta_tests::fake_vllm_command())
 }
 
+/// Waits until model `name` is listed (`listed`) or not found.
+async fn wait_listed(c: &Client, name: &str, listed: bool) {
+    let what = format!("{name} {}", if listed { "listed" } else { "gone" });
+    wait_until(&what, LONG, || {
+        let mut c = c.clone();
+        async move {
+            let r = c.get_model(pb::GetModelRequest { name: name.into() }).await;
+            match listed {
+                true => r.is_ok(),
+                false => r.is_err_and(|e| e.code() == tonic::Code::NotFound),
+            }
+        }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn sighup_applies_additions_removals_and_changes_only() {
     let (same, changed, removed) = (
@@ -32,34 +48,14 @@ async fn sighup_applies_additions_removals_and_changes_only() {
     let new = config(&format!("{same}{changed2}{added}"));
     std::fs::write(&ctl.config_path, expand(&ctl, &new)).unwrap();
     ctl.child.signal(Signal::SIGHUP);
-    wait_until("added model listed", LONG, || {
-        let mut c = c.clone();
-        async move {
-            c.get_model(pb::GetModelRequest {
-                name: "added".into(),
-            })
-            .await
-            .is_ok()
-        }
-    })
-    .await;
+    wait_listed(&c, "added", true).await;
     wait_state(&mut c, "added", pb::ModelState::Asleep, LONG).await;
     let s = wait_status(&mut c, "changed", "restarted", LONG, |s| {
         state(s) == pb::ModelState::Awake && s.pid != pids[1]
     })
     .await;
     assert!(s.pid != 0);
-    wait_until("removed model gone", LONG, || {
-        let mut c = c.clone();
-        async move {
-            c.get_model(pb::GetModelRequest {
-                name: "removed".into(),
-            })
-            .await
-            .is_err_and(|e| e.code() == tonic::Code::NotFound)
-        }
-    })
-    .await;
+    wait_listed(&c, "removed", false).await;
     wait_until("removed model's engine stopped", LONG, || async {
         group_members(pids[2] as i32).is_empty()
     })
@@ -270,29 +266,9 @@ stop_grace = "4s"
         ),
         "{cut:?}"
     );
-    wait_until("added model listed", LONG, || {
-        let mut c = c.clone();
-        async move {
-            c.get_model(pb::GetModelRequest {
-                name: "added".into(),
-            })
-            .await
-            .is_ok()
-        }
-    })
-    .await;
+    wait_listed(&c, "added", true).await;
     wait_state(&mut c, "added", pb::ModelState::Asleep, LONG).await;
-    wait_until("removed model gone", LONG, || {
-        let mut c = c.clone();
-        async move {
-            c.get_model(pb::GetModelRequest {
-                name: "slow".into(),
-            })
-            .await
-            .is_err_and(|e| e.code() == tonic::Code::NotFound)
-        }
-    })
-    .await;
+    wait_listed(&c, "slow", false).await;
     wait_until("removed model's engine stopped", LONG, || async {
         group_members(pid as i32).is_empty()
     })
