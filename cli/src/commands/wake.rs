@@ -96,7 +96,9 @@ pub async fn run(
         }
         Ok(())
     } else {
-        let why = [model.last_error.as_str(), resp.message.as_str()]
+        // The daemon's answer says why the wait ended (failed, called off,
+        // timed out); `last_error` may be from before this wake.
+        let why = [resp.message.as_str(), model.last_error.as_str()]
             .into_iter()
             .find(|s| !s.is_empty())
             .unwrap_or("no reason given");
