@@ -332,7 +332,23 @@ async fn a_sigterm_during_recovery_is_not_kept_waiting() {
         .await
         .pid as i32;
     wake(&mut c, "chat", false).await;
-    wait_state(&mut c, "chat", pb::ModelState::Waking, LONG).await;
+    let s = wait_state(&mut c, "chat", pb::ModelState::Waking, LONG).await;
+    // Waking is published before admission answers and the wake call goes:
+    // restart only once the engine has the wake (its /is_sleeping then
+    // waits behind it, as vLLM's does).
+    let is_sleeping = format!("{}/is_sleeping", endpoint(&s));
+    wait_until("the engine waking", LONG, || {
+        let url = is_sleeping.clone();
+        async move {
+            reqwest::Client::new()
+                .get(url)
+                .timeout(std::time::Duration::from_millis(300))
+                .send()
+                .await
+                .is_err()
+        }
+    })
+    .await;
     ctl.restart().await;
     ctl.child
         .output()
