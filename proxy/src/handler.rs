@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
@@ -136,7 +136,9 @@ pub async fn handle_main(
         if authorized(&shared, &req) {
             model_request(&shared, req, waited).await
         } else {
-            (no_model(), ApiError::Unauthorized.into_response())
+            let unread = !req.body().is_end_stream();
+            let resp = ApiError::Unauthorized.into_response();
+            (no_model(), closing_if(unread, req.version(), resp))
         }
     } else if req.method() == Method::OPTIONS
         && let Some(r) = cors::preflight(req.headers())
@@ -150,6 +152,23 @@ pub async fn handle_main(
         cors::allow_origin(&mut resp);
     }
     shared.metrics.request(&model, resp.status());
+    resp
+}
+
+/// An answer given before the request's body was read to its end: hyper
+/// closes the connection after it (the rest of the body would be read as
+/// the next request), and the answer says so, as nginx's does, so that a
+/// keep-alive client does not send its next request into the closing
+/// connection. HTTP/2 closes only the stream and has no such header.
+fn closing_if(
+    unread: bool,
+    version: http::Version,
+    mut resp: Response<ProxyBody>,
+) -> Response<ProxyBody> {
+    if unread && version < http::Version::HTTP_2 {
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
     resp
 }
 
@@ -167,7 +186,12 @@ async fn model_request(
         .and_then(|v| v.parse::<usize>().ok());
     let body = match read_body(shared, body, content_length).await {
         Ok(b) => b,
-        Err(e) => return (no_model(), e.into_response()),
+        Err(e) => {
+            return (
+                no_model(),
+                closing_if(true, parts.version, e.into_response()),
+            );
+        }
     };
     let content_type = parts
         .headers

@@ -170,16 +170,21 @@ impl Core {
     fn call_off_yields(&mut self, ask: &Ask) {
         for y in &ask.yields {
             tracing::info!(model = %ask.model, yielder = %y, "the wake a busy model yields for is over: calling the yield off");
-            self.registry.evict(
-                y,
-                Event::CallOffYield {
-                    to: ask.model.clone(),
-                    why: "no longer waits for room",
-                },
-            );
-            self.metrics.yield_called_off(y);
-            self.asked_to_sleep.remove(y);
+            self.call_off(y, &ask.model, "no longer waits for room");
         }
+    }
+
+    /// Tells `yielder` to serve again rather than sleep for `to`.
+    fn call_off(&mut self, yielder: &str, to: &str, why: &'static str) {
+        self.registry.evict(
+            yielder,
+            Event::CallOffYield {
+                to: to.to_owned(),
+                why,
+            },
+        );
+        self.metrics.yield_called_off(yielder);
+        self.asked_to_sleep.remove(yielder);
     }
 
     /// Nothing waits (answered asks not yet seen in the hub do not count:
@@ -298,15 +303,7 @@ impl Core {
             {
                 for y in &not_needed {
                     tracing::info!(model = %model, yielder = %y, "room found without a busy model's yield: calling it off");
-                    self.registry.evict(
-                        y,
-                        Event::CallOffYield {
-                            to: model.clone(),
-                            why: "found room without it",
-                        },
-                    );
-                    self.metrics.yield_called_off(y);
-                    self.asked_to_sleep.remove(y);
+                    self.call_off(y, &model, "found room without it");
                     self.queue[i].yields.remove(y);
                     self.queue[i].evicted.remove(y);
                     if let Some(r) = rt.get_mut(y) {

@@ -411,3 +411,44 @@ async fn a_body_trickling_in_below_the_minimum_rate_is_cut() {
     );
     assert_eq!(e.count(), 0);
 }
+
+/// An answer given before the request's body was read (too large by its
+/// length, no API key) ends the connection: the unread body would be read
+/// as the next request. The answer says so with `Connection: close`, as
+/// nginx's does, so a keep-alive client does not send its next request
+/// into a closing connection (and see it reset).
+#[tokio::test]
+async fn an_answer_before_the_body_is_read_says_the_connection_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.max_body_bytes = 1024;
+        cfg.api_keys = vec!["k".into()];
+    })
+    .await;
+    for (auth, status) in [("authorization: Bearer k\r\n", "413"), ("", "401")] {
+        let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n{auth}\
+             content-type: application/json\r\ncontent-length: 100000\r\n\r\n{{\"model\":"
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        let mut answer = Vec::new();
+        tokio::time::timeout(DEADLINE, s.read_to_end(&mut answer))
+            .await
+            .unwrap_or_else(|_| panic!("{status}: the connection stayed open"))
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer).to_lowercase();
+        assert!(
+            answer.starts_with(&format!("http/1.1 {status}")),
+            "{answer}"
+        );
+        let head = answer.split("\r\n\r\n").next().unwrap();
+        assert!(
+            head.lines().any(|l| l == "connection: close"),
+            "{status} without connection: close:\n{head}"
+        );
+    }
+    assert_eq!(e.count(), 0);
+}
