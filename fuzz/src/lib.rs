@@ -15,6 +15,7 @@ pub mod errors {
         MissingModel,
         InvalidModel,
         MalformedJson(String),
+        MalformedForm(&'static str),
         BodyTooLarge { limit: usize },
         BodyTimeout(String),
         BodyRead(String),
@@ -24,6 +25,10 @@ pub mod errors {
 /// `proxy/src/model_field.rs`: find the `model` field, splice the served name.
 #[path = "../../proxy/src/model_field.rs"]
 pub mod model_field;
+
+/// `proxy/src/form_field.rs`: the `model` field of a multipart form.
+#[path = "../../proxy/src/form_field.rs"]
+pub mod form_field;
 
 /// Stand-in for `siesta_proxy::handler` around the real `handler/checks.rs`.
 pub mod handler;

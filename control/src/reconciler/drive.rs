@@ -6,7 +6,7 @@ use super::tiers::{due_tier, next_tier, tier_desired};
 use super::*;
 
 /// Grace after SIGKILL for the process to be reaped.
-const KILL_GRACE: Duration = Duration::from_secs(10);
+pub(super) const KILL_GRACE: Duration = Duration::from_secs(10);
 
 pub(super) fn terminate(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     fx.push(Effect::ReleaseStartLock);
@@ -239,10 +239,40 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             };
         }
         Phase::Stopping { killed: true, .. } => {
-            fail(m, "engine did not exit after SIGKILL".into(), now, fx)
+            let error = match m.pid {
+                Some(pid) => format!("stopping: {}", unreaped(pid)),
+                None => "engine did not exit after SIGKILL".into(),
+            };
+            fail(m, error, now, fx)
         }
         _ => {}
     }
+}
+
+/// A failed engine's SIGKILLed process has not exited [`KILL_GRACE`]
+/// after the kill (stuck in the kernel: in the GPU driver, or on a dead
+/// mount): it is not restarted beside it (its GPU memory is still taken),
+/// and its `last_error` says so once, naming the pid, rather than showing a
+/// retry that never comes.
+fn report_unreaped(m: &mut ModelState, fx: &mut Vec<Effect>) {
+    let Some(pid) = m.pid else { return };
+    let first = m.last_error.as_deref().unwrap_or("failed");
+    if first.contains(UNREAPED) {
+        return;
+    }
+    let error = format!("{first}; {}", unreaped(pid));
+    fx.push(Effect::Log(error.clone()));
+    m.last_error = Some(error);
+}
+
+const UNREAPED: &str = " s after SIGKILL (stuck in the kernel?";
+
+fn unreaped(pid: u32) -> String {
+    format!(
+        "its engine (pid {pid}) has not exited {}{UNREAPED} `ps -o pid,stat,wchan -p {pid}`): its \
+         GPU memory stays counted, and it is not started again until that process is gone",
+        KILL_GRACE.as_secs()
+    )
 }
 
 fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
@@ -412,6 +442,9 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             // stopped, and a new engine beside them would find none, until
             // their exit (`ChildExited`) is seen.
             let exiting = !process_gone && !m.settings.attach;
+            if exiting && now >= m.since + KILL_GRACE {
+                report_unreaped(m, fx);
+            }
             if desired == Desired::Stopped && !m.settings.attach {
                 if process_gone {
                     set_phase(m, Phase::Stopped, now);
@@ -551,14 +584,18 @@ fn fit_intent(m: &mut ModelState, fx: &mut Vec<Effect>) {
 pub(super) fn next_wakeup(m: &ModelState, now: Instant) -> Option<Instant> {
     let mut times = Vec::new();
     times.extend(m.phase.deadline());
-    // A retry waiting for the failed engine's exit is woken by it.
+    // A retry waiting for the failed engine's exit is woken by it (and
+    // looks again once that exit is overdue, to say so).
     if let Phase::Failed {
-        retry_at: Some(t),
+        retry_at,
         process_gone,
     } = m.phase
-        && (process_gone || m.settings.attach)
     {
-        times.push(t);
+        if process_gone || m.settings.attach {
+            times.extend(retry_at);
+        } else if now < m.since + KILL_GRACE {
+            times.push(m.since + KILL_GRACE);
+        }
     }
     if let Pin::Until(t) = m.pin {
         times.push(t);

@@ -36,15 +36,17 @@ fn an_engine_alive_after_sigkill_holds_its_gpus_until_it_exits() {
     assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
     s.advance(secs(10));
     assert_eq!(failed_gone(&s.m), Some(false), "{:?}", s.m.phase);
-    assert_eq!(
-        s.m.last_error.as_deref(),
-        Some("engine did not exit after SIGKILL")
+    let said = s.m.last_error.clone().unwrap();
+    assert!(
+        said.starts_with("stopping: its engine (pid 42) has not exited 10 s after SIGKILL"),
+        "{said}"
     );
     // Wanted stopped: still failed (and counted) while they are there, with
-    // no timer spinning on it.
+    // no timer spinning on it, and said once.
     s.advance(secs(600));
     assert_eq!(failed_gone(&s.m), Some(false), "{:?}", s.m.phase);
     assert_eq!(s.timer(), None);
+    assert_eq!(s.m.last_error.as_deref(), Some(&*said));
     // An older generation's exit says nothing of this one's.
     let older = s.m.proc_gen - 1;
     exited(&mut s, older);
@@ -73,8 +75,9 @@ fn a_retry_waits_for_the_killed_engine_to_exit() {
     else {
         panic!("{:?}", s.m.phase)
     };
-    // No timer for a retry that cannot happen yet (the exit wakes it).
-    assert_eq!(s.timer(), None);
+    // No timer for a retry that cannot happen yet (the exit wakes it),
+    // one only to say the exit is overdue.
+    assert_eq!(s.timer(), Some(s.m.since + drive::KILL_GRACE));
     s.now = t + secs(5);
     s.ev(Event::Tick);
     assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })), "{:?}", s.fx);
@@ -173,6 +176,71 @@ fn an_attached_failed_engine_is_never_taken_as_gone() {
     };
     assert_eq!(s.timer(), Some(t));
     s.advance(t - s.now);
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
+
+/// A failed engine whose SIGKILLed process never exits (stuck in the
+/// kernel, in the GPU driver) is not restarted beside it, and once the
+/// exit is overdue its `last_error` says what the model waits for, naming
+/// the pid, once (it showed a retry time long past, for ever). Its exit,
+/// however late, lets the retry go.
+#[test]
+fn a_killed_engine_that_never_exits_is_named_in_last_error() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    for _ in 0..HEALTH_STRIKES {
+        s.ev(Event::HealthFailed {
+            epoch: s.m.epoch,
+            error: "connection refused".into(),
+            timed_out: false,
+        });
+    }
+    assert!(
+        matches!(
+            s.m.phase,
+            Phase::Failed {
+                process_gone: false,
+                ..
+            }
+        ),
+        "{:?}",
+        s.m.phase
+    );
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    // The retry is due, but the killed process is still there.
+    s.advance(secs(5));
+    assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })));
+    assert!(!s.m.last_error.as_deref().unwrap().contains("pid 42"));
+    // The step asks to be woken when the exit is overdue, and says so then.
+    assert_eq!(s.timer(), Some(s.m.since + drive::KILL_GRACE));
+    s.now = s.m.since + drive::KILL_GRACE;
+    s.ev(Event::Tick);
+    let said = s.m.last_error.clone().unwrap();
+    assert!(said.starts_with("health check failed"), "{said}");
+    assert!(
+        said.contains("(pid 42) has not exited 10 s after SIGKILL"),
+        "{said}"
+    );
+    assert!(s.has(|f| matches!(f, Effect::Log(l) if *l == said)));
+    s.advance(secs(60));
+    assert_eq!(s.m.last_error.as_deref(), Some(&*said), "said once");
+    assert!(
+        !s.has(|f| matches!(f, Effect::Log(_))),
+        "said once: {:?}",
+        s.fx
+    );
+    assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })));
+    // Its exit at last: the retry goes.
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "signal: 9 (SIGKILL)".into(),
+        cause: None,
+    });
+    s.advance(secs(8));
     assert!(
         matches!(s.m.phase, Phase::Starting { .. }),
         "{:?}",
