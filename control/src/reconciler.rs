@@ -564,6 +564,9 @@ pub struct ModelState {
     pub busy_timeouts_since: Option<Instant>,
     pub last_error: Option<String>,
     pub pid: Option<u32>,
+    /// The last generation whose exit (`ChildExited`) was seen: a process
+    /// that exits at once may have its exit seen before its `Spawned`.
+    pub exited_gen: Option<u64>,
     pub restarts: u32,
     /// When the transition under way started (for calibration).
     pub transition_start: Instant,
@@ -615,6 +618,7 @@ impl ModelState {
             busy_timeouts_since: None,
             last_error: None,
             pid: None,
+            exited_gen: None,
             restarts: 0,
             transition_start: now,
             calibration: Calibration::default(),

@@ -70,6 +70,10 @@ pub(super) fn set_phase(m: &mut ModelState, phase: Phase, now: Instant) {
     m.since = now;
     m.epoch += 1;
     m.health_strikes = 0;
+    // A busy spell is its engine's in this phase: a restarted or woken
+    // engine, met by the burst of requests held meanwhile, gets the grace
+    // afresh.
+    m.busy_timeouts_since = None;
 }
 
 pub(super) fn set_intent(m: &mut ModelState, desired: Desired, reason: Reason, now: Instant) {
@@ -272,9 +276,11 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     "killing engine pid {pid}: spawned for a start no longer wanted"
                 )));
                 // Its start failed before it landed: until its exit is seen
-                // it holds what it took.
+                // it holds what it took (an exit seen already, from a
+                // process that ended at once, is not seen again).
                 if let Phase::Failed { retry_at, .. } = m.phase
                     && proc_gen == m.proc_gen
+                    && m.exited_gen != Some(proc_gen)
                 {
                     m.phase = Phase::Failed {
                         retry_at,
@@ -312,6 +318,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             if proc_gen != m.proc_gen {
                 return;
             }
+            m.exited_gen = Some(proc_gen);
             m.pid = None;
             m.engine_running = 0;
             m.stable_at = None;

@@ -140,6 +140,25 @@ fn slow_probes_while_busy_are_load_for_a_while_and_refusals_still_count() {
         probe(&mut s, true);
     }
     assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+    // The next engine gets the grace afresh: the requests held through the
+    // restart all come at once, and its first probes may time out for it
+    // (the old spell's start made every timeout a strike, killing it in
+    // seconds, again and again while the load lasted).
+    let current = s.m.proc_gen;
+    s.ev(Event::ChildExited {
+        proc_gen: current,
+        status: "signal: 9 (SIGKILL)".into(),
+        cause: None,
+    });
+    s.advance(secs(1));
+    s.boot();
+    assert_eq!(s.m.phase, Phase::Awake);
+    busy(&mut s, 100);
+    for _ in 0..HEALTH_STRIKES {
+        probe(&mut s, true);
+        s.now += secs(1);
+    }
+    assert_eq!((s.m.phase, s.m.health_strikes), (Phase::Awake, 0));
 
     // Refusals are not slowness: they count even when busy.
     let mut s = Sim::new(Preload::Awake);

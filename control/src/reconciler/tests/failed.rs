@@ -247,3 +247,26 @@ fn a_killed_engine_that_never_exits_is_named_in_last_error() {
         s.m.phase
     );
 }
+
+/// An engine that exits at once (a refused flag) can have its exit seen
+/// before its spawn is reported: the model fails with nothing left of its
+/// engine, and the late `Spawned` does not make it wait for an exit that
+/// was already seen (it stayed failed for ever, its share counted).
+#[test]
+fn an_exit_seen_before_its_spawn_does_not_leave_the_model_waiting_for_it() {
+    let mut s = Sim::new(Preload::Awake);
+    let current = s.m.proc_gen;
+    exited(&mut s, current);
+    assert_eq!(failed_gone(&s.m), Some(true), "{:?}", s.m.phase);
+    s.ev(Event::Spawned {
+        proc_gen: current,
+        pid: 42,
+    });
+    assert_eq!(failed_gone(&s.m), Some(true), "{:?}", s.m.phase);
+    s.advance(secs(1));
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
