@@ -3,7 +3,7 @@
 //! stream per address, reconnecting with jittered, capped backoff and
 //! resuming from the last revision seen.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -155,8 +155,18 @@ const GONE_CHECK: Duration = Duration::from_millis(250);
 #[derive(Debug, Default)]
 struct Addresses {
     running: BTreeMap<SocketAddr, (SourceId, CancellationToken)>,
-    /// Left DNS at that instant: watch stopped, models kept a while.
-    gone: Vec<(SourceId, tokio::time::Instant)>,
+    /// Left DNS: watch stopped, models kept a while.
+    gone: Vec<Gone>,
+}
+
+/// An address that left DNS.
+#[derive(Debug)]
+struct Gone {
+    source: SourceId,
+    since: tokio::time::Instant,
+    /// The addresses synced when it left: other boxes behind the same
+    /// name (a headless Service over a DaemonSet), not its replacement.
+    synced_then: BTreeSet<SourceId>,
 }
 
 impl Addresses {
@@ -168,14 +178,25 @@ impl Addresses {
         addrs: std::collections::BTreeSet<SocketAddr>,
         shutdown: &CancellationToken,
     ) {
+        let synced_then: BTreeSet<SourceId> = self
+            .running
+            .values()
+            .map(|(s, _)| s)
+            .filter(|s| ctx.table.synced(s))
+            .cloned()
+            .collect();
         for (addr, (source, token)) in std::mem::take(&mut self.running) {
             if addrs.contains(&addr) {
                 self.running.insert(addr, (source, token));
             } else {
-                tracing::info!(control = %url.url, %addr, "control plane address gone; its models stay routed until another address syncs");
+                tracing::info!(control = %url.url, %addr, "control plane address gone; its models stay routed until a new address syncs");
                 token.cancel();
                 ctx.controls.forget(&source);
-                self.gone.push((source, tokio::time::Instant::now()));
+                self.gone.push(Gone {
+                    source,
+                    since: tokio::time::Instant::now(),
+                    synced_then: synced_then.clone(),
+                });
             }
         }
         for addr in addrs {
@@ -183,7 +204,7 @@ impl Addresses {
                 let source = url.source_for(addr);
                 tracing::info!(control = %url.url, %addr, "watching control plane address");
                 // An address back in DNS is watched afresh.
-                self.gone.retain(|(s, _)| *s != source);
+                self.gone.retain(|g| g.source != source);
                 let token = shutdown.child_token();
                 tokio::spawn(watch_source(
                     ctx.clone(),
@@ -196,17 +217,21 @@ impl Addresses {
         }
     }
 
-    /// Forgets the gone addresses once another address has synced (its
-    /// snapshot is in the table), or after [`GONE_GRACE`].
+    /// Forgets a gone address once an address that was not synced when it
+    /// left has synced (its snapshot is in the table: the control plane
+    /// back at a new address), or after [`GONE_GRACE`].
     fn settle(&mut self, table: &RouteTable) {
         if self.gone.is_empty() {
             return;
         }
-        let replaced = self.running.values().any(|(s, _)| table.synced(s));
-        self.gone.retain(|(source, since)| {
-            let keep = !replaced && since.elapsed() < GONE_GRACE;
+        let running = &self.running;
+        self.gone.retain(|g| {
+            let replaced = running
+                .values()
+                .any(|(s, _)| !g.synced_then.contains(s) && table.synced(s));
+            let keep = !replaced && g.since.elapsed() < GONE_GRACE;
             if !keep {
-                table.remove_source(source);
+                table.remove_source(&g.source);
             }
             keep
         });
@@ -393,6 +418,41 @@ mod tests {
         assert!(!ctx.table.synced(&old), "the old address is forgotten");
         let view = ctx.table.view();
         assert_eq!(*view.by_name["m"].sources, [url.source_for(new)]);
+        shutdown.cancel();
+    }
+
+    /// One `--control` name for several boxes (a headless Service over a
+    /// DaemonSet): a box whose control plane leaves DNS (its pod
+    /// restarting) keeps its models routed; another box that was synced
+    /// all along is no replacement for it (its models got 404 at once,
+    /// held requests too). A new address that then syncs is.
+    #[tokio::test(start_paused = true)]
+    async fn a_gone_address_is_not_replaced_by_another_box_synced_before() {
+        let (ctx, url, mut addresses, old) = setup();
+        let shutdown = CancellationToken::new();
+        let other: SocketAddr = "127.0.0.3:9".parse().unwrap();
+        let other_source = url.source_for(other);
+        ctx.table.apply(
+            &other_source,
+            crate::route_table::tests::snapshot(1, vec![status("n", ModelState::Asleep, &[])]),
+        );
+        addresses
+            .running
+            .insert(other, (other_source, CancellationToken::new()));
+        addresses.resolved(&ctx, &url, [other].into(), &shutdown);
+        addresses.settle(&ctx.table);
+        assert!(ctx.table.view().by_name.contains_key("m"), "m kept");
+        assert_eq!(addresses.gone.len(), 1);
+        // Its pod back at a new address, synced: that replaces it.
+        let new: SocketAddr = "127.0.0.2:9".parse().unwrap();
+        addresses.resolved(&ctx, &url, [other, new].into(), &shutdown);
+        ctx.table.apply(&url.source_for(new), snapshot());
+        addresses.settle(&ctx.table);
+        assert!(addresses.gone.is_empty());
+        assert!(!ctx.table.synced(&old));
+        let view = ctx.table.view();
+        assert_eq!(*view.by_name["m"].sources, [url.source_for(new)]);
+        assert!(view.by_name.contains_key("n"));
         shutdown.cancel();
     }
 
