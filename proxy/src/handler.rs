@@ -339,10 +339,16 @@ async fn route_loop(
                 }
             }
         }
+        let held_before = held_since.is_some();
         let since = *held_since.get_or_insert_with(Instant::now);
         clock.since.get_or_insert(since);
         let deadline = since + Duration::from_millis(route.max_hold_ms);
         if ticket.is_none() {
+            // Held its while already (in the waiting room, or released to a
+            // model that went back to sleep): timed out, not admitted anew.
+            if held_before && Instant::now() >= deadline {
+                return Err(hold_timeout(shared, &route));
+            }
             ticket = Some(shared.holds.admit(&route, since)?);
         }
         let poll = route.is_awake().then_some(SUSPECT_POLL);
@@ -354,7 +360,11 @@ async fn route_loop(
                 return Err(ApiError::UnknownModel(requested.to_owned()));
             }
             Wait::Released(Release::Fail(e)) => return Err(e),
-            Wait::Timeout => return Err(hold_timeout(shared, &route)),
+            Wait::Timeout => {
+                // Retry-After from what the model does now, not before.
+                let now = shared.table.view().by_name.get(&**model).cloned();
+                return Err(hold_timeout(shared, now.as_ref().unwrap_or(&route)));
+            }
             Wait::Draining => {
                 return Err(ApiError::Shed {
                     reason: ShedReason::ShuttingDown,

@@ -130,6 +130,51 @@ async fn held_past_max_hold_gets_503() {
     assert!(r.retry_after().unwrap() >= 1);
 }
 
+/// A request held on a fresh connection waits in the waiting room; past
+/// its hold it is a `hold_timeout`, as on a reused connection: not
+/// admitted again at its deadline (it was shed as `wait_too_long`, "needs
+/// about 100 ms, longer than its hold limit", for a calibrated model, and
+/// sent a second demand for an uncalibrated one).
+#[tokio::test]
+async fn a_first_request_held_past_max_hold_is_a_hold_timeout() {
+    for calibrated in [true, false] {
+        let mut m = held("m", 8, 300);
+        if calibrated {
+            m.calibration = Some(Calibration {
+                wake_l1_ms: 100,
+                wake_l1_samples: 1,
+                ..Default::default()
+            });
+        }
+        let c = ScriptedControl::start(vec![m]);
+        let p = ready_proxy(vec![c.url()], |_| {}).await;
+        let body = chat("m");
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let t0 = Instant::now();
+        let line = raw(p.addr, req.as_bytes()).await;
+        assert!(t0.elapsed() >= Duration::from_millis(300));
+        assert!(line.contains(" 503 "), "{line}");
+        let m = p.metrics().await;
+        let shed = |code: &str| {
+            metric(
+                &m,
+                &format!("siesta_proxy_shed_total{{model=\"m\",reason=\"{code}\"}}"),
+            )
+            .unwrap_or(0.0)
+        };
+        assert_eq!(
+            (shed("hold_timeout"), shed("wait_too_long")),
+            (1.0, 0.0),
+            "calibrated: {calibrated}\n{m}"
+        );
+        assert_eq!(c.demands().len(), 1, "calibrated: {calibrated}");
+    }
+}
+
 /// A first request that is not valid HTTP (a signed `Content-Length`, which
 /// hyper refuses) is refused at once: not held for its model first (and the
 /// model woken for it), to be refused only after the wake.
