@@ -213,7 +213,7 @@ pub fn model_status(
         Phase::Awake => (State::Awake, 0),
         Phase::Sleeping { level, .. } | Phase::Yielding { level, .. } => (State::Sleeping, level),
         Phase::Asleep { level } => (State::Asleep, level),
-        Phase::Waking { .. } => (State::Waking, 0),
+        Phase::Waking { from_level, .. } => (State::Waking, from_level),
         Phase::Draining { .. } | Phase::Stopping { .. } => (State::Stopping, 0),
         Phase::Failed { .. } => (State::Failed, 0),
         Phase::Suspending { under, .. } => (State::Suspending, under),

@@ -139,3 +139,22 @@ async fn a_yielding_model_is_published_as_sleeping_with_why() {
     );
     assert_eq!(s.yields_given_up, 3);
 }
+
+/// A waking model says the level it wakes from: the proxies estimate its
+/// wait by it (shedding a request whose level-2 wake outlasts its hold),
+/// and the CLI and web page time its progress by it. It was 0, so every
+/// waking model was timed as a level-1 wake.
+#[tokio::test]
+async fn a_waking_model_says_the_level_it_wakes_from() {
+    for level in [1, 2] {
+        let (s, _) = status_of(|m, now| {
+            m.phase = Phase::Waking {
+                from_level: level,
+                step: 0,
+                deadline: now + Duration::from_secs(30),
+                admitted: true,
+            };
+        });
+        assert_eq!((s.state, s.sleep_level), (State::Waking, level));
+    }
+}

@@ -76,7 +76,7 @@ pub fn encode(
     let level = Family::<ModelLabels, G>::default();
     reg.register(
         "model_sleep_level",
-        "Sleep level of each model (0 when not asleep or sleeping)",
+        "Sleep level of each model: asleep or sleeping at it, or waking from it (0 otherwise)",
         level.clone(),
     );
     let in_flight = Family::<ModelLabels, G>::default();

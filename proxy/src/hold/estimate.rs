@@ -54,6 +54,8 @@ fn estimate_status(state: ModelState, s: &ModelStatus, now_ms: i64) -> Estimate 
     let remaining = |(ms, cal): (u64, bool)| (ms.saturating_sub(elapsed), cal);
     let (ms, calibrated) = match state {
         ModelState::Awake => (0, true),
+        // By the level it wakes from (0: not said, by an older control plane).
+        ModelState::Waking if s.sleep_level > 0 => remaining(wake(s.sleep_level)),
         ModelState::Waking => {
             let l1 = wake(1);
             remaining(if l1.1 { l1 } else { wake(2) })
@@ -119,6 +121,10 @@ mod tests {
         assert_eq!(e(st(ModelState::Asleep, 1, now)).ms, 1_000);
         assert_eq!(e(st(ModelState::Asleep, 2, now)).ms, 3_000);
         assert_eq!(e(st(ModelState::Waking, 0, now - 400)).ms, 600);
+        // A level-2 wake is timed as one (it was timed as level 1: held
+        // past its hold rather than shed with the Retry-After it needs).
+        assert_eq!(e(st(ModelState::Waking, 2, now - 1_000)).ms, 2_000);
+        assert_eq!(e(st(ModelState::Waking, 1, now - 400)).ms, 600);
         assert_eq!(e(st(ModelState::Starting, 0, now - 5_000)).ms, 15_000);
         assert_eq!(e(st(ModelState::Stopped, 0, now)).ms, 20_000);
         let mut f = st(ModelState::Failed, 0, now);
