@@ -105,6 +105,15 @@ impl HoldQueue {
     }
 
     /// Reports to `to` from now on (the best control plane may change).
+    fn new(model: Arc<str>) -> Arc<Self> {
+        Arc::new(HoldQueue {
+            model,
+            inner: Mutex::new(QueueInner::default()),
+            report: Mutex::new(None),
+            leaving: Arc::new(Semaphore::new(LEAVING_AT_ONCE)),
+        })
+    }
+
     fn report_to(&self, to: Arc<ActivityCounters>) {
         let mut r = self.report.lock().unwrap();
         if let Some(old) = r.as_ref()
@@ -242,20 +251,6 @@ impl Holds {
         self.shed_at.send_replace(Some(at));
     }
 
-    fn queue(&self, model: &Arc<str>) -> Arc<HoldQueue> {
-        let mut map = self.queues.lock().unwrap();
-        map.entry(model.clone())
-            .or_insert_with(|| {
-                Arc::new(HoldQueue {
-                    model: model.clone(),
-                    inner: Mutex::new(QueueInner::default()),
-                    report: Mutex::new(None),
-                    leaving: Arc::new(Semaphore::new(LEAVING_AT_ONCE)),
-                })
-            })
-            .clone()
-    }
-
     /// Queue depth now (for tests and Retry-After).
     pub fn depth(&self, model: &str) -> usize {
         let map = self.queues.lock().unwrap();
@@ -290,11 +285,21 @@ impl Holds {
         let hold_left = Duration::from_millis(route.max_hold_ms)
             .saturating_sub(held_since.elapsed())
             .as_millis() as u64;
-        let queue = self.queue(&route.name);
+        // Locked before the map lets it go: a view without the model lets
+        // an empty queue go from the map, and a waiter put in one no longer
+        // there would never be seen by a view again.
+        let queue: Arc<HoldQueue>;
+        let mut q = {
+            let mut map = self.queues.lock().unwrap();
+            queue = map
+                .entry(route.name.clone())
+                .or_insert_with(|| HoldQueue::new(route.name.clone()))
+                .clone();
+            queue.inner.lock().unwrap()
+        };
         if let Some(source) = route.sources.first() {
             queue.report_to(self.activity.counters(source, &route.name));
         }
-        let mut q = queue.inner.lock().unwrap();
         let depth = q.waiters.len();
         if est.calibrated && est.ms > hold_left {
             // Shed, but still ask for the wake: a model whose start outlasts
@@ -362,14 +367,11 @@ impl Holds {
         // gone, and no later view would release this one. The view now is
         // published before its release runs, so reading it after queueing
         // leaves no gap.
-        let awake_now = !route.is_awake()
-            && self
-                .table
-                .view()
-                .by_name
-                .get(&*route.name)
-                .is_some_and(|r| r.is_awake());
-        if awake_now {
+        // So for a model removed in between (`on_view` found no waiter).
+        let now = self.table.view().by_name.get(&*route.name).cloned();
+        if now.is_none() {
+            queue.release_all(|| Release::Gone);
+        } else if !route.is_awake() && now.is_some_and(|r| r.is_awake()) {
             queue.release_all(|| Release::Go);
         } else if let Some(episode) = new_episode {
             tokio::spawn(self.clone().demand_episode(queue.clone(), episode));
@@ -574,6 +576,42 @@ mod tests {
             .wait(Instant::now() + Duration::from_secs(5), None)
             .await;
         assert!(matches!(waited, Wait::Released(Release::Go)), "{waited:?}");
+        assert_eq!(holds.depth("m"), 0);
+    }
+
+    /// The same for a model removed meanwhile: the view without it found
+    /// no waiter to answer; the request gets its 404 at once, not a 503
+    /// at `max_hold`.
+    #[tokio::test]
+    async fn a_request_queued_just_after_its_model_was_removed_is_answered() {
+        let activity = Arc::new(Activity::default());
+        let table = Arc::new(RouteTable::new(activity.clone()));
+        let src: crate::route_table::SourceId = Arc::from("http://c");
+        table.apply(
+            &src,
+            snapshot(1, vec![status("m", ModelState::Asleep, &[])]),
+        );
+        let stale = table.view().by_name["m"].clone();
+        table.apply(
+            &src,
+            snapshot(2, vec![status("n", ModelState::Asleep, &[])]),
+        );
+        let holds = Arc::new(Holds::new(
+            table,
+            Arc::new(Controls::new(None).unwrap()),
+            Arc::new(Metrics::new()),
+            activity,
+            "p".into(),
+            CancellationToken::new(),
+        ));
+        let mut ticket = holds.admit(&stale, Instant::now()).unwrap();
+        let waited = ticket
+            .wait(Instant::now() + Duration::from_secs(5), None)
+            .await;
+        assert!(
+            matches!(waited, Wait::Released(Release::Gone)),
+            "{waited:?}"
+        );
         assert_eq!(holds.depth("m"), 0);
     }
 }
