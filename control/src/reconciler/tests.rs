@@ -481,6 +481,8 @@ fn an_attached_engine_found_serving_waits_for_reports_before_an_overdue_tier() {
 #[test]
 fn backoff_doubles_and_is_capped() {
     let mut s = Sim::new(Preload::Awake);
+    // No stop tier to end the retries (see `failed::a_failing_model_nobody_waits_for_is_stopped_by_its_stop_tier`).
+    s.m.settings.tiers.clear();
     let mut delays = vec![];
     for _ in 0..6 {
         s.ev(Event::SpawnFailed {
@@ -823,6 +825,7 @@ fn a_start_that_finds_no_room_gives_up_without_counting_a_failure() {
 #[test]
 fn a_start_deadline_counts_from_admission() {
     let mut s = Sim::new(Preload::None);
+    s.m.settings.tiers.clear();
     s.ev(Event::Demand);
     s.advance(ROOM_WAIT - secs(1));
     s.ev(Event::Admitted { epoch: s.m.epoch });

@@ -28,16 +28,33 @@ fn tier_depth(tier: &IdleTier, s: &Settings) -> u8 {
 /// nothing in flight or held, no demand waiting to be served, and not
 /// leaving with a reload (its retirement is the last word: an attached
 /// engine retired asleep was put to a deeper sleep by its old tier).
+///
+/// A failed engine spawned by siesta, retried with backoff, is idle too
+/// while nothing waits for it: its stop tier ends the retries. A model
+/// that crashed over and over (out of memory on each start) was restarted
+/// every few minutes for ever, each start asking for room on its GPUs. A
+/// demand not yet served still wins (it is retried until served).
 fn idle_eligible(m: &ModelState, now: Instant) -> bool {
+    let serving = matches!(
+        m.phase,
+        Phase::Awake | Phase::Asleep { .. } | Phase::Suspended { .. }
+    );
     !m.retiring
-        && matches!(
-            m.phase,
-            Phase::Awake | Phase::Asleep { .. } | Phase::Suspended { .. }
-        )
+        && (serving || failed_idle(m))
         && !m.pinned(now)
         && m.in_flight() == 0
         && m.held() == 0
         && m.demand_since.is_none()
+}
+
+fn failed_idle(m: &ModelState) -> bool {
+    matches!(m.phase, Phase::Failed { .. }) && !m.settings.attach
+}
+
+/// Whether `tier` may fire in the model's phase: only a stop for a failed
+/// model (it has no engine to put to sleep).
+fn fits_phase(m: &ModelState, tier: &IdleTier) -> bool {
+    !failed_idle(m) || tier_desired(tier, &m.settings) == Some(Desired::Stopped)
 }
 
 /// Whether `tier` needs the engine woken first: a sleep (or suspend) from
@@ -67,7 +84,7 @@ pub fn due_tier(m: &ModelState, now: Instant) -> Option<IdleTier> {
     m.settings
         .tiers
         .iter()
-        .filter(|t| tier_depth(t, &m.settings) > depth)
+        .filter(|t| tier_depth(t, &m.settings) > depth && fits_phase(m, t))
         .filter(|t| earliest(m, t) <= now)
         .max_by_key(|t| t.after)
         .copied()
@@ -82,7 +99,7 @@ pub fn next_tier(m: &ModelState, now: Instant) -> Option<(IdleTier, Instant)> {
     m.settings
         .tiers
         .iter()
-        .filter(|t| tier_depth(t, &m.settings) > depth)
+        .filter(|t| tier_depth(t, &m.settings) > depth && fits_phase(m, t))
         .map(|t| (*t, earliest(m, t)))
         .min_by_key(|(_, at)| *at)
 }

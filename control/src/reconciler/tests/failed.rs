@@ -137,6 +137,7 @@ fn a_failure_without_a_live_process_leaves_nothing() {
 #[test]
 fn a_stray_spawn_landing_on_a_failed_model_is_waited_for() {
     let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
     let proc_gen = s.m.proc_gen;
     s.ev(Event::Admitted { epoch: s.m.epoch });
     // The start lock never came within twice the start timeout.
@@ -191,6 +192,7 @@ fn an_attached_failed_engine_is_never_taken_as_gone() {
 #[test]
 fn a_killed_engine_that_never_exits_is_named_in_last_error() {
     let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
     s.boot();
     for _ in 0..HEALTH_STRIKES {
         s.ev(Event::HealthFailed {
@@ -264,6 +266,58 @@ fn an_exit_seen_before_its_spawn_does_not_leave_the_model_waiting_for_it() {
     });
     assert_eq!(failed_gone(&s.m), Some(true), "{:?}", s.m.phase);
     s.advance(secs(1));
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
+
+/// A model whose engine keeps crashing (out of memory on each start) is
+/// retried with backoff; once nothing waits for it and it has been idle
+/// past its stop tier, the tier ends the retries (it was restarted every
+/// few minutes for ever, and idle tiers never fired). The next request
+/// starts it again.
+#[test]
+fn a_failing_model_nobody_waits_for_is_stopped_by_its_stop_tier() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    let spawns = std::cell::Cell::new(0);
+    let crash = |s: &mut Sim| {
+        if let Phase::Starting { spawned: false, .. } = s.m.phase {
+            spawns.set(spawns.get() + 1);
+            s.ev(Event::Spawned {
+                proc_gen: s.m.proc_gen,
+                pid: 42,
+            });
+        }
+        if s.m.pid.is_some() {
+            let current = s.m.proc_gen;
+            exited(s, current);
+        }
+    };
+    // Serving: a request in flight, then the crash.
+    s.report(1, 0);
+    crash(&mut s);
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+    for _ in 0..60 {
+        s.advance(secs(1));
+        crash(&mut s);
+        if s.m.phase == Phase::Stopped {
+            break;
+        }
+    }
+    assert!(spawns.get() >= 3, "{}", spawns.get());
+    assert_eq!(s.m.phase, Phase::Stopped, "{:?}", s.m);
+    assert_eq!(s.m.intent.desired, Desired::Stopped);
+    let before = spawns.get();
+    for _ in 0..600 {
+        s.advance(secs(1));
+        crash(&mut s);
+    }
+    assert_eq!(spawns.get(), before, "retried after its stop tier");
+    // The next request starts it again.
+    s.ev(Event::Demand);
     assert!(
         matches!(s.m.phase, Phase::Starting { .. }),
         "{:?}",
