@@ -7,7 +7,12 @@ use siesta_tests::{DEADLINE, spawn_fake_vllm, spawn_fake_vllm_nowait};
 
 /// Runs fake-vllm with `args` and expects it to exit by itself; returns (code, output).
 async fn exits(args: &[&str]) -> (Option<i32>, String) {
-    let mut child = spawn_fake_vllm_nowait(args, &[]);
+    exits_env(args, &[]).await
+}
+
+/// [`exits`] with extra environment.
+async fn exits_env(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut child = spawn_fake_vllm_nowait(args, env);
     let status = child.wait_exit(DEADLINE).await;
     // The output readers may lag the exit a little.
     let out = child.output().clone();
@@ -33,6 +38,21 @@ async fn unknown_and_mistyped_flags_exit_2_like_argparse() {
     let (code, out) = exits(&["m", "--gpu-memory-utilisation", "0.5"]).await;
     assert_eq!(code, Some(2), "{out}");
     assert!(out.contains("--gpu-memory-utilisation"), "{out}");
+
+    // uvicorn's keep-alive is no `vllm serve` flag (VLLM_HTTP_TIMEOUT_KEEP_ALIVE sets it).
+    let (code, out) = exits(&["m", "--timeout-keep-alive", "1"]).await;
+    assert_eq!(code, Some(2), "{out}");
+    assert!(
+        out.contains("unrecognized arguments: --timeout-keep-alive"),
+        "{out}"
+    );
+
+    let (code, out) = exits_env(&["m"], &[("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "2s")]).await;
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("invalid literal for int() with base 10: \"2s\""),
+        "{out}"
+    );
 
     // A known flag with a bad value is an argument error too.
     let (code, out) = exits(&["m", "--gpu-memory-utilization", "1.5"]).await;
@@ -80,8 +100,6 @@ async fn every_flag_siesta_and_the_examples_pass_is_accepted() {
         "{\"image\": 4}",
         "--max_num_batched_tokens",
         "8192",
-        "--timeout-keep-alive",
-        "5",
         "--startup-time",
         "10ms",
     ])

@@ -4,7 +4,9 @@
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use siesta_tests::{DEADLINE, any_alive, proc_stat, spawn_fake_vllm, wait_until};
+use siesta_tests::{
+    DEADLINE, any_alive, proc_stat, spawn_fake_vllm, spawn_fake_vllm_env, wait_until,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -122,7 +124,11 @@ async fn closed(stream: &mut TcpStream) -> Instant {
 
 #[tokio::test]
 async fn idle_keep_alive_connections_are_closed_but_busy_ones_are_not() {
-    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--timeout-keep-alive", "1"]).await;
+    let fv = spawn_fake_vllm_env(
+        &["m", "--enable-sleep-mode"],
+        &[("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "1")],
+    )
+    .await;
     let mut s = TcpStream::connect(fv.addr).await.unwrap();
     assert!(
         http_get(&mut s, "/health")

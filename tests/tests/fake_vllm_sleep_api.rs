@@ -68,11 +68,20 @@ async fn version_0_33_bodies_and_422s() {
     assert_eq!(status, 200);
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v, json!({"status": "sleeping", "level": 1}));
-    let r = fv.post("/wake_up?tags=bogus").await;
-    assert_eq!(r.status(), 422);
+    // vLLM checks no tag: an unknown one makes the executor do nothing.
+    let v: Value = fv.post("/wake_up?tags=bogus").await.json().await.unwrap();
+    assert_eq!(v, json!({"status": "sleeping", "tags": ["bogus"]}));
     // Weights awake, KV cache asleep: "sleeping", and the scheduler stays paused.
     let v: Value = fv.post("/wake_up?tags=weights").await.json().await.unwrap();
     assert_eq!(v, json!({"status": "sleeping", "tags": ["weights"]}));
+    // Naming a tag that is awake again makes the whole call do nothing.
+    let v: Value = fv
+        .post("/wake_up?tags=weights&tags=kv_cache")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["status"], "sleeping");
     let v: Value = fv
         .post("/wake_up?tags=kv_cache")
         .await
@@ -98,7 +107,7 @@ async fn version_0_24_empty_bodies_and_level_3_as_level_2() {
 }
 
 #[tokio::test]
-async fn level_0_pauses_without_freeing_and_needs_scheduling_woken() {
+async fn level_0_pauses_without_freeing_and_any_wake_resumes_it() {
     let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode"]).await;
     let before = fv.stats().await["device_bytes"].clone();
     let v: Value = fv.post("/sleep?level=0").await.json().await.unwrap();
@@ -106,11 +115,12 @@ async fn level_0_pauses_without_freeing_and_needs_scheduling_woken() {
     let s = fv.stats().await;
     assert_eq!(s["is_sleeping"], true);
     assert_eq!(s["device_bytes"], before, "level 0 frees nothing");
+    assert_eq!(fv.sleep_state().await, (0.0, 0.0, 0.0));
     let req = held_completion(&fv).await;
+    // The executor is not asleep: a wake with any tag resumes the scheduler.
     let v: Value = fv.post("/wake_up?tags=weights").await.json().await.unwrap();
-    assert_eq!(v["status"], "sleeping", "weights were never asleep");
-    let v: Value = fv.post("/wake_up").await.json().await.unwrap();
-    assert_eq!(v["status"], "awake");
+    assert_eq!(v, json!({"status": "awake", "tags": ["weights"]}));
+    assert_eq!(fv.stats().await["is_sleeping"], false);
     let v = tokio::time::timeout(DEADLINE, req).await.unwrap().unwrap();
     assert_eq!(v["choices"][0]["finish_reason"], "length");
 }
@@ -228,10 +238,158 @@ async fn a_sleep_whose_client_went_away_still_finishes() {
         .await;
     assert!(gone.is_err(), "the sleep waits for the running request");
     assert_eq!(running.await.unwrap(), 200);
+    // (`/is_sleeping` says true from the start of the drain.)
     wait_until("the engine asleep", DEADLINE, || async {
-        let v: Value = fv.get("/is_sleeping").await.json().await.unwrap();
-        v["is_sleeping"] == true
+        fv.stats().await["sleeps"] == 1
     })
     .await;
-    assert_eq!(fv.stats().await["sleeps"], 1);
+    assert_eq!(fv.sleep_state().await, (0.0, 1.0, 0.0));
+}
+
+/// After `wake_up?tags=weights` alone `/is_sleeping` stays true in every version, but
+/// `vllm:engine_sleep_state` differs: 0.24's `AsyncLLM.wake_up` records awake after every
+/// wake, 0.32 and later only after a full one.
+#[tokio::test]
+async fn the_sleep_metric_after_a_partial_wake_depends_on_the_version() {
+    for (version, metric) in [("0.24.0", (1.0, 0.0, 0.0)), ("0.33.0", (0.0, 1.0, 0.0))] {
+        let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--imitate-version", version]).await;
+        assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
+        assert_eq!(fv.post("/wake_up?tags=weights").await.status(), 200);
+        let v: Value = fv.get("/is_sleeping").await.json().await.unwrap();
+        assert_eq!(v["is_sleeping"], true, "{version}");
+        assert_eq!(fv.sleep_state().await, metric, "{version}");
+        // Held, not run: the scheduler resumes only with the KV cache awake.
+        let req = held_completion(&fv).await;
+        assert_eq!(fv.post("/wake_up?tags=kv_cache").await.status(), 200);
+        let v = tokio::time::timeout(DEADLINE, req).await.unwrap().unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "length", "{version}: {v}");
+        assert_eq!(fv.sleep_state().await, (1.0, 0.0, 0.0), "{version}");
+    }
+}
+
+/// `/collective_rpc` of a method the worker lacks fails in the engine core: a 500 with the
+/// utility call's message (`run_method`'s NotImplementedError; TP > 1: the worker's
+/// AttributeError).
+#[tokio::test]
+async fn collective_rpc_of_an_unknown_method_is_a_500() {
+    for (tp, message) in [
+        (
+            "1",
+            "Call to collective_rpc method failed: Method 'nope' is not implemented.",
+        ),
+        (
+            "2",
+            "Call to collective_rpc method failed: Worker failed with error ''Worker' object \
+             has no attribute 'nope'', please check the stack trace above for the root cause",
+        ),
+    ] {
+        let fv = spawn_fake_vllm(&["m", "--tensor-parallel-size", tp]).await;
+        let r = reqwest::Client::new()
+            .post(fv.at("/collective_rpc"))
+            .json(&json!({"method": "nope"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 500);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(
+            v,
+            json!({"error": {"message": message, "type": "InternalServerError",
+                             "param": null, "code": 500}})
+        );
+    }
+}
+
+/// `/sleep?mode=wait` with a request running (vLLM's `EngineCore.sleep`: the pause is a
+/// Future, the executor sleeps in its callback): `/is_sleeping` says true at once and the
+/// metric still says awake; a `/wake_up` meanwhile finds the executor awake, resumes the
+/// scheduler and answers "awake", yet the executor still goes to sleep once the request is
+/// done, under a running scheduler: the next request reaches freed memory and the engine
+/// core dies.
+#[tokio::test]
+async fn a_wake_during_a_draining_sleep_does_not_stop_the_sleep() {
+    let mut fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--tokens-per-second", "5"]).await;
+    let url = fv.at("/v1/completions");
+    let running = tokio::spawn(async move {
+        let r = reqwest::Client::new()
+            .post(url)
+            .json(&json!({"prompt": "hi", "max_tokens": 10}))
+            .send()
+            .await
+            .unwrap();
+        r.status().as_u16()
+    });
+    wait_until("the request to run", DEADLINE, || async {
+        fv.stats().await["running"].as_u64().unwrap() > 0
+    })
+    .await;
+    let url = fv.at("/sleep?level=1&mode=wait");
+    let sleep = tokio::spawn(async move {
+        let r = reqwest::Client::new().post(url).send().await.unwrap();
+        (Instant::now(), r.status().as_u16())
+    });
+    wait_until("the sleep to pause the scheduler", DEADLINE, || async {
+        fv.stats().await["is_sleeping"] == true
+    })
+    .await;
+    let asked = Instant::now();
+    let v: Value = fv.get("/is_sleeping").await.json().await.unwrap();
+    assert_eq!(v["is_sleeping"], true);
+    assert!(
+        asked.elapsed() < Duration::from_millis(500),
+        "/is_sleeping answers during the drain"
+    );
+    assert_eq!(
+        fv.sleep_state().await,
+        (1.0, 0.0, 0.0),
+        "recorded at its end"
+    );
+
+    let v: Value = fv.post("/wake_up").await.json().await.unwrap();
+    let woken = Instant::now();
+    assert_eq!(v, json!({"status": "awake", "tags": null}));
+    assert_eq!(fv.stats().await["is_sleeping"], false);
+    assert!(
+        !sleep.is_finished(),
+        "the sleep still waits for the request"
+    );
+
+    assert_eq!(running.await.unwrap(), 200);
+    let (slept, status) = sleep.await.unwrap();
+    assert_eq!(status, 200);
+    assert!(slept > woken);
+    let v: Value = fv.get("/is_sleeping").await.json().await.unwrap();
+    assert_eq!(v["is_sleeping"], true, "the executor slept after the wake");
+    assert_eq!(fv.sleep_state().await, (0.0, 1.0, 0.0));
+
+    // The scheduler runs: the next request is scheduled onto freed memory.
+    let r = reqwest::Client::new()
+        .post(fv.at("/v1/completions"))
+        .json(&json!({"prompt": "hi", "max_tokens": 2}))
+        .send()
+        .await;
+    assert!(r.is_err(), "{r:?}");
+    let status = fv.child.wait_exit(DEADLINE).await;
+    assert_eq!(status.code(), Some(1));
+    assert!(
+        fv.child
+            .output()
+            .text()
+            .contains("an illegal memory access was encountered")
+    );
+}
+
+/// A half-woken executor (KV cache asleep) sleeps again from 0.32; 0.24 calls it
+/// "already sleeping" and keeps the weights where they are.
+#[tokio::test]
+async fn a_sleep_after_a_partial_wake_depends_on_the_version() {
+    for (version, weights_asleep) in [("0.24.0", false), ("0.33.0", true)] {
+        let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--imitate-version", version]).await;
+        assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
+        assert_eq!(fv.post("/wake_up?tags=weights").await.status(), 200);
+        assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
+        let s = fv.stats().await;
+        assert_eq!(s["weights_asleep"], weights_asleep, "{version}: {s}");
+        assert_eq!(s["kv_cache_asleep"], true, "{version}: {s}");
+    }
 }

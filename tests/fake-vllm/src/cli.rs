@@ -108,9 +108,6 @@ pub struct ServeArgs {
     /// SGLang's `--enable-metrics` (the sglang argv sets it).
     #[arg(long, hide = true)]
     pub sglang_metrics: bool,
-    /// Seconds an idle HTTP/1 keep-alive connection stays open (uvicorn's, default 5).
-    #[arg(long, default_value_t = 5)]
-    pub timeout_keep_alive: u64,
     /// Simulation knobs.
     #[command(flatten)]
     pub sim: SimArgs,
@@ -389,7 +386,6 @@ mod tests {
         assert_eq!(s.sim.tokens_per_second, 0.0);
         assert!(!s.faults.hang_on_wake && s.faults.crash_after_requests.is_none());
         assert_eq!(s.gpu_memory_utilization, 0.92);
-        assert_eq!(s.timeout_keep_alive, 5);
         assert_eq!(s.sim.imitate_version, "0.33.0");
         assert_eq!(s.asleep_residual_bytes(), 836 << 20);
         assert!(!s.pooling() && !s.faults.engine_core_dies_with_parent);

@@ -1,5 +1,5 @@
-//! One HTTP/1 connection, closed like uvicorn's: after `--timeout-keep-alive` seconds (5 by
-//! default) with no request in flight, the server closes it, so a client that reuses a pooled
+//! One HTTP/1 connection, closed like uvicorn's: after `VLLM_HTTP_TIMEOUT_KEEP_ALIVE` seconds
+//! (5 by default) with no request in flight, the server closes it, so a client that reuses a pooled
 //! connection later finds it gone.
 
 use std::convert::Infallible;

@@ -6,9 +6,8 @@ use http::{Method, StatusCode, Uri};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
-use crate::engine::{EngineError, SleepMode, WakeTags};
+use crate::engine::{EngineError, SleepMode};
 use crate::http::{Resp, detail, empty, error, json, query_pairs, read_json};
-use crate::memory::Tags;
 use crate::server::App;
 
 /// Whether `VLLM_SERVER_DEV_MODE` enables the dev routes (vLLM: `bool(int(value))`).
@@ -65,18 +64,25 @@ async fn collective_rpc(app: &App, body: Incoming) -> Resp {
     let Some(method) = v["method"].as_str() else {
         return detail(StatusCode::BAD_REQUEST, "Missing 'method' in request body");
     };
+    let tp = app.engine.args.tensor_parallel_size.max(1);
     let result = match method {
         "reload_weights" => app.engine.reload_weights().await,
-        // Other worker methods are accepted and do nothing.
-        _ => Ok(()),
+        // A method the worker lacks: `run_method`'s NotImplementedError in the engine core
+        // (TP=1), the worker process's AttributeError with TP > 1; the engine core's utility
+        // call fails, and the API server answers its message as a 500.
+        _ if tp == 1 => Err(EngineError::RpcFailed(format!(
+            "Method '{method}' is not implemented."
+        ))),
+        _ => Err(EngineError::RpcFailed(format!(
+            "Worker failed with error ''Worker' object has no attribute '{method}'', please \
+             check the stack trace above for the root cause"
+        ))),
     };
     if let Err(e) = result {
         return engine_error(&e);
     }
     // One result per worker; `None` from reload_weights serializes as null.
-    let results: Vec<Value> = (0..app.engine.args.tensor_parallel_size.max(1))
-        .map(|_| Value::Null)
-        .collect();
+    let results: Vec<Value> = (0..tp).map(|_| Value::Null).collect();
     json(StatusCode::OK, &json!({"results": results}))
 }
 
@@ -142,43 +148,25 @@ async fn sleep(app: &App, q: &[(String, String)]) -> Resp {
     }
 }
 
-/// `POST /wake_up[?tags=..]`: 0.33 answers `{"status":"awake"|"sleeping","tags":[..]}`
-/// ("sleeping" while a tag is still asleep), older an empty 200.
+/// `POST /wake_up[?tags=..]`: 0.32 and later answer `{"status":"awake"|"sleeping","tags":
+/// [..]}` ("sleeping" while an executor tag is still asleep; `tags` as given, `null` when
+/// none), older an empty 200. vLLM checks no tag: one it does not know makes the executor do
+/// nothing, and the answer is still 200.
 async fn wake_up(app: &App, q: &[(String, String)]) -> Resp {
     let json_bodies = app.engine.version().json_sleep_bodies();
-    let named: Vec<&str> = q
+    let named: Vec<String> = q
         .iter()
         .filter(|(k, _)| k == "tags")
-        .map(|(_, v)| v.as_str())
+        .map(|(_, v)| v.clone())
         .collect();
-    let known: &[&str] = if json_bodies {
-        &["weights", "kv_cache", "scheduling"]
-    } else {
-        &["weights", "kv_cache"]
-    };
-    if let Some(bad) = named.iter().find(|t| !known.contains(t)) {
-        let quoted: Vec<String> = known.iter().map(|k| format!("'{k}'")).collect();
-        let msg = format!("Input should be {}", quoted.join(", "));
-        return unprocessable("literal_error", "tags", &msg, bad);
-    }
-    let tags = if named.is_empty() {
-        WakeTags::ALL
-    } else {
-        WakeTags {
-            memory: Tags {
-                weights: named.contains(&"weights"),
-                kv_cache: named.contains(&"kv_cache"),
-            },
-            scheduling: named.contains(&"scheduling"),
-        }
-    };
-    tracing::info!(?tags, "wake up the engine");
-    match app.engine.wake(tags).await {
-        Ok(st) if json_bodies => json(
+    let tags = (!named.is_empty()).then_some(named);
+    tracing::info!("wake up the engine with tags: {tags:?}");
+    match app.engine.wake(tags.as_deref()).await {
+        Ok(w) if json_bodies => json(
             StatusCode::OK,
             &json!({
-                "status": if st.is_sleeping() { "sleeping" } else { "awake" },
-                "tags": tags.names(),
+                "status": if w.fully_awake { "awake" } else { "sleeping" },
+                "tags": tags,
             }),
         ),
         Ok(_) => empty(StatusCode::OK),

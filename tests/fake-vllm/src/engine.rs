@@ -38,54 +38,42 @@ struct Gate {
 /// Which parts are asleep.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SleepState {
-    /// The level the engine reports (`vllm:engine_sleep_state`): that of the last `/sleep`,
-    /// even when a repeated sleep changed nothing (level 2 over level 1 keeps the weights).
+    /// The level of the last `/sleep`, even when a repeated sleep changed nothing (level 2
+    /// over level 1 keeps the weights).
     pub level: u8,
-    /// Weights not yet woken.
+    /// What `vllm:engine_sleep_state` says: asleep at `level` from the end of a `/sleep`
+    /// until a wake records awake (`AsyncLLM.wake_up`: after every wake in 0.24, only after
+    /// a full one from 0.32).
+    pub recorded_asleep: bool,
+    /// Weights not yet woken (in the executor's `sleeping_tags`).
     pub weights_asleep: bool,
     /// KV cache not yet woken.
     pub kv_asleep: bool,
-    /// Scheduling paused (every sleep, level 0 included).
+    /// Scheduling paused: by every sleep (level 0 included) from its start, a draining
+    /// `mode=wait` one too; resumed by a wake that leaves no executor tag asleep.
     pub paused: bool,
 }
 
 impl SleepState {
-    /// `GET /is_sleeping`: true until every tag is awake.
+    /// `GET /is_sleeping` (`EngineCore.is_sleeping`: scheduler paused or executor asleep):
+    /// true until every tag is awake.
     pub fn is_sleeping(&self) -> bool {
-        self.weights_asleep || self.kv_asleep || self.paused
+        self.executor_asleep() || self.paused
+    }
+
+    /// The executor holds a tag asleep.
+    pub fn executor_asleep(&self) -> bool {
+        self.weights_asleep || self.kv_asleep
     }
 }
 
-/// What a wake restores: the memory tags and, from vLLM 0.33, `scheduling`.
+/// What a `/wake_up` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WakeTags {
-    /// `weights` and `kv_cache`.
-    pub memory: Tags,
-    /// `scheduling` (resumes a level-0 sleep).
-    pub scheduling: bool,
-}
-
-impl WakeTags {
-    /// A wake without `tags`.
-    pub const ALL: WakeTags = WakeTags {
-        memory: Tags::ALL,
-        scheduling: true,
-    };
-
-    /// The tag names, as `/wake_up` answers them.
-    pub fn names(&self) -> Vec<&'static str> {
-        let mut v = Vec::new();
-        if self.memory.weights {
-            v.push("weights");
-        }
-        if self.memory.kv_cache {
-            v.push("kv_cache");
-        }
-        if self.scheduling {
-            v.push("scheduling");
-        }
-        v
-    }
+pub struct Woken {
+    /// The state after it.
+    pub state: SleepState,
+    /// No executor tag is asleep (`EngineCore.wake_up`'s answer, `"status": "awake"`).
+    pub fully_awake: bool,
 }
 
 /// A request stopped by an aborting sleep.
@@ -111,6 +99,13 @@ pub enum EngineError {
          /workspace/csrc/cumem_allocator.cpp:163"
     )]
     WakeOutOfMemory,
+    /// A tag named twice in one `/wake_up`: the executor's second `sleeping_tags.remove`
+    /// raises `KeyError` after the wake.
+    #[error("Call to wake_up method failed: '{0}'")]
+    WakeTagTwice(String),
+    /// `/collective_rpc` of a method the worker lacks.
+    #[error("Call to collective_rpc method failed: {0}")]
+    RpcFailed(String),
 }
 
 /// The engine, shared by every connection.
@@ -292,8 +287,9 @@ impl Engine {
         }
     }
 
-    /// Applies a `/sleep` `mode` to the requests in flight and held.
-    async fn pause(&self, mode: SleepMode) {
+    /// Applies a `/sleep` `mode` to the requests in flight and held (`pause_scheduler`):
+    /// `abort` and `keep` stop them at once, `wait` only stops admitting new ones.
+    fn pause(&self, mode: SleepMode) {
         match mode {
             SleepMode::Abort => self.gate.send_modify(|g| {
                 g.admit = false;
@@ -304,50 +300,88 @@ impl Engine {
                 g.admit = false;
                 g.run = false;
             }),
-            SleepMode::Wait => {
-                self.gate.send_modify(|g| g.admit = false);
-                while self.running.load(Ordering::SeqCst) > 0 {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                self.gate.send_modify(|g| g.run = false);
-            }
+            SleepMode::Wait => self.gate.send_modify(|g| g.admit = false),
         }
+        self.sleep.lock().unwrap().paused = true;
     }
 
-    /// `POST /sleep?level=0|1|2`. Asleep already: re-applies `mode` (the default `abort`
-    /// aborts requests held meanwhile) and reports the new level, freeing nothing more.
+    /// `POST /sleep?level=0|1|2`, as vLLM's `EngineCore.sleep`: the scheduler is paused at
+    /// once (so `/is_sleeping` answers true from then on); with `mode=wait` and requests in
+    /// flight the executor sleeps only once they are done, and the engine core serves other
+    /// calls meanwhile: `/is_sleeping` answers, and a `/wake_up` finds the executor awake and
+    /// resumes the scheduler, yet the executor still goes to sleep when the drain ends, with
+    /// the scheduler running (a request then reaches freed memory: see
+    /// [`Engine::executor_freed`]). Asleep already: re-applies `mode` (the default `abort`
+    /// aborts requests held meanwhile) and records the new level, freeing nothing more.
     pub async fn sleep(&self, level: u8, mode: SleepMode) -> Result<(), EngineError> {
         self.sleep_allowed()?;
-        let _op = self.ops.lock().await;
-        self.pause(mode).await;
-        if self.sleep_state().is_sleeping() {
-            tracing::warn!(level, ?mode, "Executor is already sleeping.");
-            if level > 0 {
-                self.sleep.lock().unwrap().level = level;
-            }
-            return Ok(());
-        }
-        tokio::time::sleep(self.args.sim.sleep_time).await;
-        if level > 0 && self.args.enable_sleep_mode {
-            let lv = if level == 1 { Level::One } else { Level::Two };
-            self.blocking(move |m| m.sleep(lv)).await?;
-        }
-        let st = SleepState {
-            level,
-            weights_asleep: level > 0,
-            kv_asleep: level > 0,
-            paused: true,
+        let (before, drain) = {
+            let _op = self.ops.lock().await;
+            let before = self.sleep_state();
+            self.pause(mode);
+            (
+                before,
+                mode == SleepMode::Wait && self.running.load(Ordering::SeqCst) > 0,
+            )
         };
+        if drain {
+            tracing::info!("Waiting for in-flight requests to complete before sleeping...");
+            // `has_work()`: requests the scheduler runs, those admitted after a resume too.
+            while self.running.load(Ordering::SeqCst) > 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let _op = self.ops.lock().await;
+        self.gate.send_modify(|g| {
+            if !g.admit {
+                g.run = false;
+            }
+        });
+        let mut st = self.sleep_state();
+        // The executor's "already sleeping": any tag asleep in 0.24, the weights from 0.32
+        // (a half-woken executor sleeps again).
+        let already = if self.version().sleep_rework() {
+            st.weights_asleep
+        } else {
+            st.executor_asleep()
+        };
+        if level == 0 {
+            if !before.is_sleeping() {
+                tokio::time::sleep(self.args.sim.sleep_time).await;
+                self.sleeps.fetch_add(1, Ordering::SeqCst);
+            }
+        } else if already {
+            tracing::warn!(level, ?mode, "Executor is already sleeping.");
+        } else {
+            tokio::time::sleep(self.args.sim.sleep_time).await;
+            if self.args.enable_sleep_mode {
+                let lv = if level == 1 { Level::One } else { Level::Two };
+                self.blocking(move |m| m.sleep(lv)).await?;
+            }
+            st.weights_asleep = true;
+            st.kv_asleep = true;
+            self.set_gpu_usage(self.gpu_usage(st), false)?;
+            self.sleeps.fetch_add(1, Ordering::SeqCst);
+        }
+        // `AsyncLLM.sleep` records the level once the engine core answered.
+        st.level = level;
+        st.recorded_asleep = true;
         *self.sleep.lock().unwrap() = st;
-        self.set_gpu_usage(self.gpu_usage(st), false)?;
-        self.sleeps.fetch_add(1, Ordering::SeqCst);
+        if st.executor_asleep() && !st.paused {
+            tracing::warn!(
+                "the executor went to sleep after a drain during which a wake resumed the \
+                 scheduler: requests now reach freed memory"
+            );
+        }
         tracing::info!(level, ?mode, "engine asleep");
         Ok(())
     }
 
-    /// `POST /wake_up`: wakes `tags`; requests resume once every tag is awake. Returns the
-    /// state after the wake.
-    pub async fn wake(&self, tags: WakeTags) -> Result<SleepState, EngineError> {
+    /// `POST /wake_up`, as vLLM's `EngineCore.wake_up`: `tags` (none: every tag asleep) minus
+    /// `scheduling` go to the executor, which does nothing when no tag is asleep or when one
+    /// named is not asleep (an unknown one too); the scheduler resumes whenever no executor
+    /// tag is left asleep. A tag named twice wakes, then fails as vLLM's `set.remove` does.
+    pub async fn wake(&self, tags: Option<&[String]>) -> Result<Woken, EngineError> {
         self.sleep_allowed()?;
         let _op = self.ops.lock().await;
         if self.args.faults.hang_on_wake {
@@ -355,36 +389,90 @@ impl Engine {
             std::future::pending::<()>().await;
         }
         let before = self.sleep_state();
-        if tags.memory.weights && before.weights_asleep {
-            tokio::time::sleep(self.args.sim.wake_time).await;
-        }
+        let rest: Option<Vec<&str>> = tags.map(|t| {
+            t.iter()
+                .map(String::as_str)
+                .filter(|t| *t != "scheduling")
+                .collect()
+        });
+        let asleep = |t: &str| match t {
+            "weights" => before.weights_asleep,
+            "kv_cache" => before.kv_asleep,
+            _ => false,
+        };
+        let woken: Option<Tags> = match &rest {
+            Some(r) if r.is_empty() => None,
+            _ if !before.executor_asleep() => {
+                tracing::warn!("Executor is not sleeping.");
+                None
+            }
+            None => Some(Tags {
+                weights: before.weights_asleep,
+                kv_cache: before.kv_asleep,
+            }),
+            Some(r) => match r.iter().find(|t| !asleep(t)) {
+                Some(t) => {
+                    tracing::warn!("Tag {t} is not in sleeping tags");
+                    None
+                }
+                None => Some(Tags {
+                    weights: r.contains(&"weights"),
+                    kv_cache: r.contains(&"kv_cache"),
+                }),
+            },
+        };
         let mut after = before;
-        after.weights_asleep &= !tags.memory.weights;
-        after.kv_asleep &= !tags.memory.kv_cache;
-        if !after.weights_asleep && !after.kv_asleep && (tags.scheduling || before.level > 0) {
+        if let Some(t) = woken {
+            if t.weights {
+                tokio::time::sleep(self.args.sim.wake_time).await;
+            }
+            let mut state = after;
+            state.weights_asleep &= !t.weights;
+            state.kv_asleep &= !t.kv_cache;
+            self.set_gpu_usage(self.gpu_usage(state), true)
+                .map_err(|e| match e {
+                    SimGpuError::OutOfMemory { .. } => {
+                        // The engine core's log line; the answer says less.
+                        tracing::error!(
+                            "RuntimeError: CUDA Error: out of memory at \
+                             /workspace/csrc/cumem_allocator.cpp:163 ({e})"
+                        );
+                        EngineError::WakeOutOfMemory
+                    }
+                    e => e.into(),
+                })?;
+            if self.args.enable_sleep_mode {
+                self.blocking(move |m| m.wake(t)).await?;
+            }
+            // Then each named tag leaves `sleeping_tags` in turn.
+            match &rest {
+                None => after = state,
+                Some(r) => {
+                    for (i, tag) in r.iter().enumerate() {
+                        if r[..i].contains(tag) {
+                            *self.sleep.lock().unwrap() = after;
+                            return Err(EngineError::WakeTagTwice(tag.to_string()));
+                        }
+                        match *tag {
+                            "weights" => after.weights_asleep = false,
+                            _ => after.kv_asleep = false,
+                        }
+                    }
+                }
+            }
+        }
+        let fully_awake = !after.executor_asleep();
+        if fully_awake {
             after.paused = false;
         }
-        self.set_gpu_usage(self.gpu_usage(after), true)
-            .map_err(|e| match e {
-                SimGpuError::OutOfMemory { .. } => {
-                    // The engine core's log line; the answer says less.
-                    tracing::error!(
-                        "RuntimeError: CUDA Error: out of memory at \
-                         /workspace/csrc/cumem_allocator.cpp:163 ({e})"
-                    );
-                    EngineError::WakeOutOfMemory
-                }
-                e => e.into(),
-            })?;
-        if self.args.enable_sleep_mode {
-            let t = tags.memory;
-            self.blocking(move |m| m.wake(t)).await?;
+        if fully_awake || !self.version().sleep_rework() {
+            after.recorded_asleep = false;
         }
         if !after.is_sleeping() {
             after.level = 0;
         }
         *self.sleep.lock().unwrap() = after;
-        if !after.is_sleeping() && !self.gate.borrow().admit {
+        if fully_awake && !self.gate.borrow().admit {
             self.last_wake_finished_ns
                 .store(unix_ns(), Ordering::SeqCst);
             self.wakes.fetch_add(1, Ordering::SeqCst);
@@ -394,7 +482,17 @@ impl Engine {
             });
             tracing::info!(intact = self.weights_intact(), "engine awake");
         }
-        Ok(after)
+        Ok(Woken {
+            state: after,
+            fully_awake,
+        })
+    }
+
+    /// A request is about to run on an executor whose memory a sleep freed (the scheduler was
+    /// resumed during a draining sleep): what it reads is unmapped, so the engine core dies
+    /// of a CUDA error. Without `--enable-sleep-mode` nothing was freed.
+    pub fn executor_freed(&self) -> bool {
+        self.args.enable_sleep_mode && self.sleep_state().executor_asleep()
     }
 
     /// `GET /is_sleeping`: a utility call that waits behind a running wake or RPC.

@@ -72,9 +72,12 @@ pub fn metrics(app: &App) -> Resp {
         "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; \
          weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
         &[
-            state("awake", !st.is_sleeping()),
-            state("weights_offloaded", st.is_sleeping() && st.level == 1),
-            state("discard_all", st.is_sleeping() && st.level == 2),
+            // What the last `/sleep` or `/wake_up` recorded, not `/is_sleeping`: up to 0.24
+            // every wake records awake (`tags=weights` alone too), and a draining sleep
+            // records its level only once the drain is over.
+            state("awake", !st.recorded_asleep),
+            state("weights_offloaded", st.recorded_asleep && st.level == 1),
+            state("discard_all", st.recorded_asleep && st.level == 2),
         ],
     );
     let mut counter = |name: &str, help: &str, v: u64| {
@@ -133,8 +136,10 @@ pub fn verify(app: &App) -> Resp {
 pub fn stats(app: &App) -> Resp {
     let e = &app.engine;
     let st = e.sleep_state();
-    let state = match (st.is_sleeping(), st.level) {
+    // As `vllm:engine_sleep_state` says.
+    let state = match (st.recorded_asleep, st.level) {
         (false, _) => "awake",
+        (true, 0) => "paused",
         (true, 1) => "weights_offloaded",
         (true, _) => "discard_all",
     };

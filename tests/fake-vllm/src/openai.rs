@@ -132,6 +132,7 @@ pub async fn embeddings(app: Arc<App>, body: Incoming) -> Resp {
         }
         .resp();
     }
+    app.run_request();
     let prompt_tokens: u64 = inputs.iter().map(|s| count_tokens(s)).sum();
     let data: Vec<Value> = inputs
         .iter()
@@ -278,6 +279,7 @@ async fn run_tokens(
     // client that hangs up mid-answer aborts it (vLLM's `with_cancellation`
     // cancels the handler, which aborts the request; before, the gauge
     // kept counting it for ever and the engine never looked idle).
+    app.run_request();
     let running = Running::start(engine);
     let garbage = !engine.weights_intact();
     let natural = ANSWER.len() as u64;

@@ -47,6 +47,10 @@ pub enum ServeError {
     /// The simulated GPU has too little free memory.
     #[error("Engine core initialization failed. See root cause above. ({0})")]
     Gpu(#[from] SimGpuError),
+    /// `VLLM_HTTP_TIMEOUT_KEEP_ALIVE` is not an integer (vLLM's `int()` raises when the
+    /// server reads it).
+    #[error("ValueError: invalid literal for int() with base 10: {0:?}")]
+    KeepAlive(String),
     /// The engine core process died.
     #[error("Engine core proc EngineCore_DP0 died unexpectedly, shutting down client.")]
     EngineDied,
@@ -123,6 +127,22 @@ impl App {
         Ok(())
     }
 
+    /// A request is about to run: where a sleep freed the executor's memory under a running
+    /// scheduler ([`crate::engine::Engine::executor_freed`]), the engine core dies of the CUDA
+    /// error and the server with it, as for `--crash-after-requests`.
+    pub fn run_request(&self) {
+        if self.engine.executor_freed() {
+            tracing::error!(
+                "EngineCore encountered a fatal error: CUDA error: an illegal memory access \
+                 was encountered (a request scheduled while the executor sleeps)"
+            );
+            if let Some(core) = &self.core {
+                core.stop(Duration::ZERO);
+            }
+            std::process::exit(1);
+        }
+    }
+
     fn crash(&self, n: u64) -> ! {
         tracing::error!(
             request = n,
@@ -141,6 +161,7 @@ pub async fn serve(
     argv: &[OsString],
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
+    let keep_alive = keep_alive_from_env()?;
     let socket = bind_socket(&args.host, args.port)
         .await
         .map_err(|e| ServeError::Bind {
@@ -164,7 +185,6 @@ pub async fn serve(
     };
     let memory = memory::from_settings(args.sim.gpu_memory)?;
     let host = args.host.clone();
-    let keep_alive = Duration::from_secs(args.timeout_keep_alive);
     let gpu = SimGpu::from_args(&args);
     let engine = Engine::new(args, memory, gpu);
     if let Some(pid) = core.as_ref().and_then(EngineCore::pid) {
@@ -215,6 +235,35 @@ pub async fn serve(
     }
     app.engine.release_gpu();
     Ok(())
+}
+
+/// uvicorn's keep-alive: an idle connection is closed after `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`
+/// seconds (vLLM's `envs.py`: `int(os.environ.get(.., "5"))`); `vllm serve` has no flag for
+/// it. Python's `int()` takes surrounding blanks, a sign and `_` between digits; 0 or less
+/// closes a connection after each response.
+pub fn keep_alive_from_env() -> Result<Duration, ServeError> {
+    let Ok(raw) = std::env::var("VLLM_HTTP_TIMEOUT_KEEP_ALIVE") else {
+        return Ok(Duration::from_secs(5));
+    };
+    let t = raw.trim();
+    let (neg, digits) = match t.strip_prefix('-') {
+        Some(d) => (true, d),
+        None => (false, t.strip_prefix('+').unwrap_or(t)),
+    };
+    let well_formed = !digits.is_empty()
+        && !digits.starts_with('_')
+        && !digits.ends_with('_')
+        && !digits.contains("__")
+        && digits.chars().all(|c| c.is_ascii_digit() || c == '_');
+    if !well_formed {
+        return Err(ServeError::KeepAlive(raw));
+    }
+    let secs: u64 = digits.replace('_', "").parse().unwrap_or(u64::MAX);
+    Ok(if neg {
+        Duration::ZERO
+    } else {
+        Duration::from_secs(secs)
+    })
 }
 
 /// Watches the engine core: once it is gone, /health answers 503 and, a moment later, the

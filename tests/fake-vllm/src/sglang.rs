@@ -19,7 +19,7 @@ use http::{Method, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
-use crate::engine::{SleepMode, WakeTags};
+use crate::engine::SleepMode;
 use crate::http::{Resp, detail, empty, full};
 use crate::server::App;
 
@@ -286,7 +286,7 @@ async fn resume(app: &App, tags: Vec<String>) -> Resp {
     if !app.engine.args.sglang_memory_saver {
         return null_ok();
     }
-    match app.engine.wake(WakeTags::ALL).await {
+    match app.engine.wake(None).await {
         Ok(_) => null_ok(),
         Err(err) => die(app, &format!("resume failed: {err}")),
     }

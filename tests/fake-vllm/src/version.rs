@@ -20,6 +20,17 @@ impl Imitated {
         patch: 0,
     };
 
+    /// The first release read (0.32.0; 0.24.0 does neither, releases between were not read)
+    /// whose `AsyncLLM.wake_up` records `vllm:engine_sleep_state` awake only after a full wake
+    /// (0.24 records it after every wake, `tags=weights` alone too, while `/is_sleeping` stays
+    /// true), and whose executor sleeps again when only its KV cache is asleep (0.24: "already
+    /// sleeping" while any tag is).
+    pub const SLEEP_REWORK: Imitated = Imitated {
+        major: 0,
+        minor: 32,
+        patch: 0,
+    };
+
     /// Parses `0.33.0`, `0.24` (a suffix like `0.33.0rc1` or `+cu128` is ignored).
     pub fn parse(s: &str) -> Result<Imitated, String> {
         let core = s
@@ -48,6 +59,11 @@ impl Imitated {
     /// (0.33 and later); before, both answer an empty 200.
     pub fn json_sleep_bodies(self) -> bool {
         self >= Self::JSON_SLEEP
+    }
+
+    /// See [`Imitated::SLEEP_REWORK`].
+    pub fn sleep_rework(self) -> bool {
+        self >= Self::SLEEP_REWORK
     }
 }
 
