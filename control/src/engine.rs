@@ -72,9 +72,13 @@ pub struct EngineMetrics {
     pub running: u32,
     /// From `vllm:engine_sleep_state`: 0 awake, 1 weights offloaded, 2 all
     /// discarded (the deepest when several engines report). Never enough on
-    /// its own to call an engine awake: after `wake_up?tags=weights` it reads
-    /// awake while `/is_sleeping` is still true.
+    /// its own to call an engine awake: vLLM 0.24 records awake after
+    /// `wake_up?tags=weights` while `/is_sleeping` is still true, and a
+    /// `/sleep?mode=wait` records its level only once its requests are done.
     pub sleep_level: Option<u8>,
+    /// `/is_sleeping`, asked by the periodic probe of an awake engine when
+    /// the metric does not say asleep (None: not asked, or no answer in time).
+    pub is_sleeping: Option<bool>,
     /// Whether any `vllm:` metric was served (none with `--disable-log-stats`).
     pub has_vllm_metrics: bool,
 }
@@ -369,6 +373,44 @@ impl EngineClient {
             ));
         }
         Ok(())
+    }
+
+    /// Waits, up to `within`, while a draining sleep is under way: vLLM's
+    /// `/sleep?mode=wait` pauses the scheduler at once (`/is_sleeping` true)
+    /// but frees the memory, and records its level in the metric, only once
+    /// the requests in flight are done. A `/wake_up` before that finds the
+    /// memory awake, resumes the scheduler and answers "awake", and the
+    /// memory is freed after it all the same, under a running scheduler: the
+    /// next request reaches freed memory. Returns how many requests were
+    /// running when the wait began (0: nothing to wait for, or no way to
+    /// tell: no metrics, no answer).
+    pub async fn wait_for_drain(&self, within: Duration) -> u32 {
+        const EVERY: Duration = Duration::from_millis(100);
+        const PROBE: Duration = Duration::from_secs(1);
+        if self.kind != EngineKind::Vllm {
+            return 0;
+        }
+        let draining = || async {
+            let m = self.metrics(PROBE).await.ok()?;
+            if m.sleep_level != Some(0) || m.running == 0 {
+                return None;
+            }
+            match self.is_sleeping_within(PROBE).await {
+                Ok(Some(true)) => Some(m.running),
+                _ => None,
+            }
+        };
+        let Some(first) = draining().await else {
+            return 0;
+        };
+        let until = tokio::time::Instant::now() + within;
+        while tokio::time::Instant::now() < until {
+            tokio::time::sleep(EVERY).await;
+            if draining().await.is_none() {
+                break;
+            }
+        }
+        first
     }
 
     /// `GET /metrics`, parsed (an engine kind without an activity gauge is

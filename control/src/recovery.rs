@@ -180,8 +180,9 @@ async fn observe(client: &EngineClient, rec: &EngineRecord, wake_timeout: Durati
     match answer {
         Ok(Some(false)) => Observed::Awake,
         Ok(Some(true)) => {
-            // The metric alone never says awake (it reads awake after
-            // `wake_up?tags=weights`); it only refines a deeper level.
+            // The metric alone never says awake (vLLM 0.24 records awake
+            // after `wake_up?tags=weights`, and a draining sleep records its
+            // level only at its end); it only refines a deeper level.
             let metric = client
                 .metrics(PROBE_TIMEOUT)
                 .await

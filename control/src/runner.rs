@@ -465,7 +465,14 @@ impl Runner {
                         // Asleep in two polls in a row (a second apart), not
                         // in one: a wake seen half done, or a direct sleep
                         // and wake of a pinned engine, is left alone.
-                        let asleep = metrics.and_then(|m| m.sleep_level).filter(|l| *l > 0);
+                        // `/is_sleeping` true with the metric saying awake
+                        // (a partial wake, a draining sleep): the level is
+                        // unknown, and a level-2 wake is right for any.
+                        let asleep = metrics.and_then(|m| {
+                            m.sleep_level
+                                .filter(|l| *l > 0)
+                                .or((m.is_sleeping == Some(true)).then_some(2))
+                        });
                         let before =
                             std::mem::replace(&mut self.found_asleep, asleep.map(|_| epoch));
                         if let Some(level) = asleep {

@@ -20,7 +20,8 @@ const PROBE_EVERY: Duration = Duration::from_millis(200);
 const CALL_SLACK: Duration = Duration::from_secs(5);
 
 /// Whether an attach engine sleeps, and at which level. `/is_sleeping`
-/// decides (the metric alone reads awake after `wake_up?tags=weights`); it
+/// decides (vLLM 0.24's metric alone reads awake after
+/// `wake_up?tags=weights`); it
 /// waits behind a running wake, so "no answer" is waited on up to the wake
 /// timeout and never taken for awake.
 pub(super) async fn sleep_level(
@@ -172,6 +173,13 @@ impl Runner {
                         });
                         shared.admission.admit(&name, waiting).await;
                         hand_over_admission(&tx, epoch).await;
+                        // A sleep still draining (one sent to the engine
+                        // directly, or siesta's own before a restart) would
+                        // free the memory after this wake: let it end first.
+                        let running = client.wait_for_drain(timeout / 2).await;
+                        if running > 0 {
+                            tracing::info!(model = %name, running, "waited for a draining sleep to finish before waking");
+                        }
                     }
                     send(match client.wake(call, timeout).await {
                         Ok(()) => Event::WakeStepDone { epoch, step },
@@ -378,6 +386,7 @@ impl Runner {
         let epoch = self.state.epoch;
         let timeout = PROBE_TIMEOUT * 2;
         let has_metric = self.cfg.engine.capabilities().activity_metric.is_some();
+        let sleep_query = self.cfg.engine.capabilities().sleep_query;
         let (gate, frozen) = (self.probe_gate.clone(), self.frozen.clone());
         tokio::spawn(async move {
             // Nothing may reach a suspended engine (a request reaching a
@@ -396,7 +405,19 @@ impl Runner {
                 // generation reaching released memory kills the engine.
                 client.probe(timeout).await?;
                 if awake && has_metric {
-                    Ok(Some(client.metrics_probe(timeout).await?))
+                    let mut m = client.metrics_probe(timeout).await?;
+                    // The metric alone never says awake (vLLM 0.24 records
+                    // awake after `wake_up?tags=weights`; a draining sleep
+                    // records only at its end): `/is_sleeping` says whether
+                    // the scheduler takes requests.
+                    if sleep_query && m.sleep_level.is_none_or(|l| l == 0) {
+                        m.is_sleeping = client
+                            .is_sleeping_within(PROBE_TIMEOUT)
+                            .await
+                            .ok()
+                            .flatten();
+                    }
+                    Ok(Some(m))
                 } else {
                     Ok(None)
                 }
