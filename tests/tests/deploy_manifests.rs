@@ -157,3 +157,19 @@ fn control_unit_leaves_engines_to_be_adopted() {
             .contains("--stop-engines-on-exit")
     );
 }
+
+/// siesta-control is not PID 1 of its pod: the pause process is, and reaps
+/// the engine workers handed to PID 1 when their leader is SIGKILLed
+/// (siesta-control waits only for what it spawned; as PID 1 they would
+/// pile up as zombies).
+#[test]
+fn control_pods_have_an_init_to_reap_orphans() {
+    let manifest =
+        std::fs::read_to_string(repo().join("deploy/kubernetes/control-daemonset.yaml")).unwrap();
+    assert!(
+        manifest
+            .lines()
+            .any(|l| l.trim() == "shareProcessNamespace: true"),
+        "control-daemonset.yaml: no shareProcessNamespace: true"
+    );
+}
