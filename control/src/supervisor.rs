@@ -7,6 +7,7 @@ mod exit_cause;
 mod group;
 mod logs;
 pub mod procfs;
+mod tail;
 
 pub use adopt::adopt;
 pub use argv::spawn_spec;
@@ -16,10 +17,10 @@ pub use group::{
     sweep_group,
 };
 pub use logs::{LogLine, LogRing};
+pub(crate) use tail::{ENGINE_LOG_MAX, appends, fresh_log, tail};
 
 use nix::sys::signal::Signal as NixSignal;
 use std::collections::BTreeMap;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -212,8 +213,8 @@ pub fn spawn(
     };
     std::fs::create_dir_all(log_dir).map_err(at(log_dir))?;
     let [(out_path, _), (err_path, _)] = log_paths(name, log_dir);
-    let out = std::fs::File::create(&out_path).map_err(at(&out_path))?;
-    let err = std::fs::File::create(&err_path).map_err(at(&err_path))?;
+    let out = fresh_log(&out_path).map_err(at(&out_path))?;
+    let err = fresh_log(&err_path).map_err(at(&err_path))?;
     let mut cmd = tokio::process::Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -259,6 +260,7 @@ pub fn spawn(
             name.to_string(),
             logs.clone(),
             exited.clone(),
+            Some(ENGINE_LOG_MAX),
         ));
     }
     Ok(ProcHandle {
@@ -266,51 +268,6 @@ pub fn spawn(
         proc_gen,
         exited,
     })
-}
-
-/// Follows a log file line by line from byte `from` into the ring buffer
-/// until the process has exited.
-pub(crate) async fn tail(
-    path: PathBuf,
-    from: u64,
-    stream: &'static str,
-    model: String,
-    logs: Arc<LogRing>,
-    exited: watch::Receiver<bool>,
-) {
-    let Ok(mut file) = std::fs::File::open(&path) else {
-        return;
-    };
-    let mut pos = from;
-    let mut partial = Vec::new();
-    loop {
-        let done = *exited.borrow();
-        let mut buf = Vec::new();
-        if file.seek(SeekFrom::Start(pos)).is_ok()
-            && let Ok(n) = file.read_to_end(&mut buf)
-        {
-            pos += n as u64;
-            partial.extend_from_slice(&buf);
-            while let Some(i) = partial.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = partial.drain(..=i).collect();
-                let text = String::from_utf8_lossy(&line[..line.len() - 1])
-                    .trim_end()
-                    .to_string();
-                // Engine output lives in its files and `siesta logs`; repeating it
-                // (a /health access line every second) would flood the daemon's log.
-                // `RUST_LOG=info,siesta::engine=trace` shows it anyway.
-                tracing::trace!(target: "siesta::engine", model = %model, stream, "{text}");
-                logs.push(stream, text);
-            }
-        }
-        if done {
-            if !partial.is_empty() {
-                logs.push(stream, String::from_utf8_lossy(&partial).to_string());
-            }
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Engines sharing a GPU start one after another: one lock per GPU.

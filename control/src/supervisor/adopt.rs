@@ -2,7 +2,9 @@
 //! child, so its end is noticed by polling `/proc` (pid and start time),
 //! and its output files are tailed from where they are.
 
-use super::{Exit, LogRing, ProcHandle, log_paths, procfs, sweep_group, tail};
+use super::{
+    ENGINE_LOG_MAX, Exit, LogRing, ProcHandle, appends, log_paths, procfs, sweep_group, tail,
+};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,8 +41,10 @@ pub fn adopt(
         on_exit(Exit::read(status, model, dir).await);
         let _ = exited_tx.send(true);
     });
-    for (path, stream) in log_paths(name, log_dir) {
+    for ((path, stream), fd) in log_paths(name, log_dir).into_iter().zip([1, 2]) {
         let len = std::fs::metadata(&path).map_or(0, |m| m.len());
+        // Rotated only when the engine appends (spawned by this version).
+        let max = appends(pid, fd).then_some(ENGINE_LOG_MAX);
         tokio::spawn(tail(
             path,
             len.saturating_sub(BACKLOG),
@@ -48,6 +52,7 @@ pub fn adopt(
             name.to_string(),
             logs.clone(),
             exited.clone(),
+            max,
         ));
     }
     ProcHandle {
