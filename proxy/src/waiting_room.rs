@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::handler::Shared;
 use crate::handler::checks::{forwardable_path, key_ok};
 use crate::hold::{Release, Wait};
+use crate::metrics::ModelLabels;
 use crate::request_model::{find_request_model, route_for};
 
 /// What the waiting room read and how long the request has been held.
@@ -114,6 +115,7 @@ pub async fn enter(
     buf.shrink_to_fit();
     let prefix = Bytes::from(buf);
     let deadline = since + Duration::from_millis(route.max_hold_ms);
+    let model = route.name.clone();
     drop(route);
     let mut one = [0u8; 1];
     let (released, mut closed) = tokio::select! {
@@ -133,6 +135,15 @@ pub async fn enter(
             p = leaving.acquire_owned() => gate = p.ok(),
             n = stream.peek(&mut one) => closed = matches!(n, Ok(0) | Err(_)),
         }
+    }
+    if closed {
+        // The handler never sees it: its wait counts here (the waits
+        // clients gave up on, as on a reused connection).
+        shared
+            .metrics
+            .hold_wait
+            .get_or_create(&ModelLabels { model })
+            .observe(since.elapsed().as_secs_f64());
     }
     Entry {
         prefix,

@@ -234,6 +234,10 @@ async fn disconnect_while_held_frees_the_slot() {
     wait_until("held", || async { held_now(&p, "m").await == 1.0 }).await;
     first.abort();
     wait_until("slot freed", || async { held_now(&p, "m").await == 0.0 }).await;
+    // Its wait counts, as one that hung up on a reused connection does
+    // (the waiting room's were missing: the waits clients gave up on).
+    let waits = |m: String| metric(&m, "siesta_proxy_hold_wait_seconds_count{model=\"m\"}");
+    assert_eq!(waits(p.metrics().await), Some(1.0));
     let url = p.url("/v1/chat/completions");
     let second = tokio::spawn(async move { post(&url, &chat("m")).await });
     wait_until("second held", || async { held_now(&p, "m").await == 1.0 }).await;
