@@ -547,11 +547,11 @@ mod tests {
     use super::*;
     use crate::route_table::tests::{event, snapshot, status};
 
-    /// A request that read the route while the model was asleep and queued
-    /// itself just after the model woke (its release came and went with the
-    /// queue empty) is released at once, not left until the hold limit.
-    #[tokio::test]
-    async fn a_request_queued_just_after_the_wake_is_released() {
+    /// Holds over a table whose model `m`, read asleep (the route
+    /// returned), then changed by `change` before any release ran.
+    fn stale_route(
+        change: impl FnOnce(&RouteTable, &crate::route_table::SourceId),
+    ) -> (Arc<Holds>, Arc<ModelRoute>) {
         let activity = Arc::new(Activity::default());
         let table = Arc::new(RouteTable::new(activity.clone()));
         let src: crate::route_table::SourceId = Arc::from("http://c");
@@ -560,9 +560,7 @@ mod tests {
             snapshot(1, vec![status("m", ModelState::Asleep, &[])]),
         );
         let stale = table.view().by_name["m"].clone();
-        let awake = status("m", ModelState::Awake, &["http://127.0.0.1:9"]);
-        assert!(table.apply(&src, event(2, awake)));
-        // No release task runs: the awake view's release has come and gone.
+        change(&table, &src);
         let holds = Arc::new(Holds::new(
             table,
             Arc::new(Controls::new(None).unwrap()),
@@ -571,6 +569,19 @@ mod tests {
             "p".into(),
             CancellationToken::new(),
         ));
+        (holds, stale)
+    }
+
+    /// A request that read the route while the model was asleep and queued
+    /// itself just after the model woke (its release came and went with the
+    /// queue empty) is released at once, not left until the hold limit.
+    #[tokio::test]
+    async fn a_request_queued_just_after_the_wake_is_released() {
+        let (holds, stale) = stale_route(|table, src| {
+            let awake = status("m", ModelState::Awake, &["http://127.0.0.1:9"]);
+            assert!(table.apply(src, event(2, awake)));
+        });
+        // No release task runs: the awake view's release has come and gone.
         let mut ticket = holds.admit(&stale, Instant::now()).unwrap();
         let waited = ticket
             .wait(Instant::now() + Duration::from_secs(5), None)
@@ -584,26 +595,9 @@ mod tests {
     /// at `max_hold`.
     #[tokio::test]
     async fn a_request_queued_just_after_its_model_was_removed_is_answered() {
-        let activity = Arc::new(Activity::default());
-        let table = Arc::new(RouteTable::new(activity.clone()));
-        let src: crate::route_table::SourceId = Arc::from("http://c");
-        table.apply(
-            &src,
-            snapshot(1, vec![status("m", ModelState::Asleep, &[])]),
-        );
-        let stale = table.view().by_name["m"].clone();
-        table.apply(
-            &src,
-            snapshot(2, vec![status("n", ModelState::Asleep, &[])]),
-        );
-        let holds = Arc::new(Holds::new(
-            table,
-            Arc::new(Controls::new(None).unwrap()),
-            Arc::new(Metrics::new()),
-            activity,
-            "p".into(),
-            CancellationToken::new(),
-        ));
+        let (holds, stale) = stale_route(|table, src| {
+            table.apply(src, snapshot(2, vec![status("n", ModelState::Asleep, &[])]));
+        });
         let mut ticket = holds.admit(&stale, Instant::now()).unwrap();
         let waited = ticket
             .wait(Instant::now() + Duration::from_secs(5), None)

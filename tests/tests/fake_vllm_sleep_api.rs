@@ -21,6 +21,26 @@ async fn complete(fv: &FakeVllm) -> Value {
     r.json().await.unwrap()
 }
 
+/// A completion of `max_tokens` sent in the background, once it runs; its
+/// status when it ends.
+async fn running_request(fv: &FakeVllm, max_tokens: u32) -> tokio::task::JoinHandle<u16> {
+    let url = fv.at("/v1/completions");
+    let running = tokio::spawn(async move {
+        let r = reqwest::Client::new()
+            .post(url)
+            .json(&json!({"prompt": "hi", "max_tokens": max_tokens}))
+            .send()
+            .await
+            .unwrap();
+        r.status().as_u16()
+    });
+    wait_until("the request to run", DEADLINE, || async {
+        fv.stats().await["running"].as_u64().unwrap() > 0
+    })
+    .await;
+    running
+}
+
 /// Sends a completion that the sleeping engine holds; returns its task once it is held.
 async fn held_completion(fv: &FakeVllm) -> tokio::task::JoinHandle<Value> {
     let before = fv.stats().await["held"].as_u64().unwrap();
@@ -217,20 +237,7 @@ async fn disable_log_stats_removes_every_vllm_metric() {
 #[tokio::test]
 async fn a_sleep_whose_client_went_away_still_finishes() {
     let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--tokens-per-second", "8"]).await;
-    let url = fv.at("/v1/completions");
-    let running = tokio::spawn(async move {
-        let r = reqwest::Client::new()
-            .post(url)
-            .json(&json!({"prompt": "hi", "max_tokens": 8}))
-            .send()
-            .await
-            .unwrap();
-        r.status().as_u16()
-    });
-    wait_until("the request to run", DEADLINE, || async {
-        fv.stats().await["running"].as_u64().unwrap() > 0
-    })
-    .await;
+    let running = running_request(&fv, 8).await;
     let gone = reqwest::Client::new()
         .post(fv.at("/sleep?level=1&mode=wait"))
         .timeout(Duration::from_millis(200))
@@ -309,20 +316,7 @@ async fn collective_rpc_of_an_unknown_method_is_a_500() {
 #[tokio::test]
 async fn a_wake_during_a_draining_sleep_does_not_stop_the_sleep() {
     let mut fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--tokens-per-second", "5"]).await;
-    let url = fv.at("/v1/completions");
-    let running = tokio::spawn(async move {
-        let r = reqwest::Client::new()
-            .post(url)
-            .json(&json!({"prompt": "hi", "max_tokens": 10}))
-            .send()
-            .await
-            .unwrap();
-        r.status().as_u16()
-    });
-    wait_until("the request to run", DEADLINE, || async {
-        fv.stats().await["running"].as_u64().unwrap() > 0
-    })
-    .await;
+    let running = running_request(&fv, 10).await;
     let url = fv.at("/sleep?level=1&mode=wait");
     let sleep = tokio::spawn(async move {
         let r = reqwest::Client::new().post(url).send().await.unwrap();
