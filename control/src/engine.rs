@@ -79,6 +79,9 @@ pub struct EngineMetrics {
     /// `/is_sleeping`, asked by the periodic probe of an awake engine when
     /// the metric does not say asleep (None: not asked, or no answer in time).
     pub is_sleeping: Option<bool>,
+    /// `vllm:generation_tokens_total`: tokens generated so far (a drain's
+    /// requests make progress; requests held by a paused scheduler do not).
+    pub generation_tokens: u64,
     /// Whether any `vllm:` metric was served (none with `--disable-log-stats`).
     pub has_vllm_metrics: bool,
 }
@@ -381,9 +384,12 @@ impl EngineClient {
     /// the requests in flight are done. A `/wake_up` before that finds the
     /// memory awake, resumes the scheduler and answers "awake", and the
     /// memory is freed after it all the same, under a running scheduler: the
-    /// next request reaches freed memory. Returns how many requests were
-    /// running when the wait began (0: nothing to wait for, or no way to
-    /// tell: no metrics, no answer).
+    /// next request reaches freed memory. A drain makes progress: requests
+    /// that generate nothing for [`DRAIN_STALL`] are held by a paused
+    /// scheduler (`mode=keep`), which only the wake lets go, and are not
+    /// waited for. Returns how many requests were running when the wait
+    /// began (0: nothing to wait for, or no way to tell: no metrics, no
+    /// answer).
     pub async fn wait_for_drain(&self, within: Duration) -> u32 {
         const EVERY: Duration = Duration::from_millis(100);
         const PROBE: Duration = Duration::from_secs(1);
@@ -396,17 +402,26 @@ impl EngineClient {
                 return None;
             }
             match self.is_sleeping_within(PROBE).await {
-                Ok(Some(true)) => Some(m.running),
+                Ok(Some(true)) => Some((m.running, m.generation_tokens)),
                 _ => None,
             }
         };
-        let Some(first) = draining().await else {
+        let Some((first, mut tokens)) = draining().await else {
             return 0;
         };
-        let until = tokio::time::Instant::now() + within;
+        let start = tokio::time::Instant::now();
+        let until = start + within;
+        let mut progressed = start;
         while tokio::time::Instant::now() < until {
             tokio::time::sleep(EVERY).await;
-            if draining().await.is_none() {
+            let Some((_, now_tokens)) = draining().await else {
+                break;
+            };
+            let now = tokio::time::Instant::now();
+            if now_tokens > tokens {
+                (tokens, progressed) = (now_tokens, now);
+            } else if now - progressed >= DRAIN_STALL {
+                tracing::info!(running = first, "requests paused, not draining: waking");
                 break;
             }
         }
@@ -432,6 +447,11 @@ impl EngineClient {
     }
 }
 
+/// How long requests under a paused scheduler may generate nothing before
+/// they are taken for held (`mode=keep`), not draining (see
+/// [`EngineClient::wait_for_drain`]).
+pub const DRAIN_STALL: Duration = Duration::from_secs(2);
+
 /// Reads the gauges siesta uses from Prometheus text.
 pub fn parse_metrics(text: &str) -> EngineMetrics {
     let mut m = EngineMetrics::default();
@@ -445,6 +465,9 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
         match s.name.as_str() {
             // SGLang's gauge (`--enable-metrics`), one sample per DP rank.
             "vllm:num_requests_running" | "sglang:num_running_reqs" => running += s.value,
+            "vllm:generation_tokens_total" if s.value >= 0.0 => {
+                m.generation_tokens += s.value as u64;
+            }
             "vllm:engine_sleep_state" if s.value >= 1.0 => {
                 let level = match s.label("sleep_state") {
                     Some("awake") => 0,

@@ -2,7 +2,8 @@
 
 use super::test_server::{Act, engine, engine_at};
 use super::*;
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 const T: Duration = Duration::from_secs(10);
 
@@ -152,4 +153,63 @@ async fn an_engine_on_ipv6_loopback_is_reached_through_its_base_url() {
     let c = EngineClient::new(&base_url("::1", port));
     c.health(T).await.unwrap();
     assert_eq!(e.requests.lock().unwrap().len(), 1);
+}
+
+/// Scripted `/metrics` for [`wait_for_drain`](EngineClient::wait_for_drain):
+/// awake by the metric, `running` requests, `tokens` generated so far.
+fn drain_metrics(running: u32, tokens: usize) -> Act {
+    Act::Ok(Box::leak(
+        format!(
+            "vllm:engine_sleep_state{{engine=\"0\",sleep_state=\"awake\"}} 1\n\
+             vllm:num_requests_running{{engine=\"0\"}} {running}\n\
+             vllm:generation_tokens_total{{engine=\"0\"}} {tokens}\n"
+        )
+        .into_boxed_str(),
+    ))
+}
+
+/// A wake waits while a sleep drains (`/is_sleeping` true, the metric
+/// still awake, its requests making progress), and not for requests held
+/// by a paused scheduler (`mode=keep`), which generate nothing and which
+/// only the wake lets go: it waited half the wake timeout for them.
+#[tokio::test]
+async fn a_wake_waits_for_a_drain_but_not_for_requests_a_pause_holds() {
+    let sleeping = |line: &str| line.contains("/is_sleeping");
+    let paused = engine(move |_, _, line| {
+        if sleeping(line) {
+            Act::Ok(r#"{"is_sleeping":true}"#)
+        } else {
+            drain_metrics(1, 40)
+        }
+    })
+    .await;
+    let t0 = std::time::Instant::now();
+    let c = EngineClient::new(&paused.url);
+    assert_eq!(c.wait_for_drain(Duration::from_secs(120)).await, 1);
+    let took = t0.elapsed();
+    assert!(took >= DRAIN_STALL, "{took:?}");
+    assert!(
+        took < Duration::from_secs(60),
+        "waited for paused requests: {took:?}"
+    );
+
+    let polls = Arc::new(AtomicUsize::new(0));
+    let seen = polls.clone();
+    let draining = engine(move |_, _, line| {
+        if sleeping(line) {
+            Act::Ok(r#"{"is_sleeping":true}"#)
+        } else {
+            let i = seen.fetch_add(1, Ordering::SeqCst);
+            // Progress on every poll, for 30 of them, then done.
+            drain_metrics(u32::from(i < 30), 40 + i)
+        }
+    })
+    .await;
+    let c = EngineClient::new(&draining.url);
+    assert_eq!(c.wait_for_drain(Duration::from_secs(120)).await, 1);
+    assert_eq!(
+        polls.load(Ordering::SeqCst),
+        31,
+        "left before the drain ended"
+    );
 }

@@ -305,6 +305,9 @@ async fn run_tokens(
             ANSWER[(i % natural) as usize]
         };
         produced += 1;
+        // Counted per step, as vLLM's iteration stats are (a drain's
+        // progress shows in the counter while it runs).
+        engine.generation_tokens.fetch_add(1, Ordering::SeqCst);
         if !emit(tok) {
             finish = "abort";
             break;
@@ -314,9 +317,6 @@ async fn run_tokens(
     engine
         .prompt_tokens
         .fetch_add(job.prompt_tokens, Ordering::SeqCst);
-    engine
-        .generation_tokens
-        .fetch_add(produced, Ordering::SeqCst);
     engine.served.fetch_add(1, Ordering::SeqCst);
     (produced, finish)
 }
