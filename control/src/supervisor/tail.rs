@@ -60,37 +60,52 @@ pub(crate) async fn tail(
     };
     let mut pos = from;
     let mut partial = Vec::new();
+    // After a failed rotation, the next try waits for this size.
+    let mut retry_at = 0;
+    let mut read_to = |file: &mut std::fs::File, pos: &mut u64, end: Option<u64>| {
+        let mut buf = Vec::new();
+        if file.seek(SeekFrom::Start(*pos)).is_err() {
+            return;
+        }
+        let read = match end {
+            Some(end) => file.take(end.saturating_sub(*pos)).read_to_end(&mut buf),
+            None => file.read_to_end(&mut buf),
+        };
+        let Ok(n) = read else { return };
+        *pos += n as u64;
+        partial.extend_from_slice(&buf);
+        while let Some(i) = partial.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = partial.drain(..=i).collect();
+            let text = String::from_utf8_lossy(&line[..line.len() - 1])
+                .trim_end()
+                .to_string();
+            // Engine output lives in its files and `siesta logs`; repeating it
+            // (a /health access line every second) would flood the daemon's log.
+            // `RUST_LOG=info,siesta::engine=trace` shows it anyway.
+            tracing::trace!(target: "siesta::engine", model = %model, stream, "{text}");
+            logs.push(stream, text);
+        }
+    };
     loop {
         let done = *exited.borrow();
-        let mut buf = Vec::new();
-        if file.seek(SeekFrom::Start(pos)).is_ok()
-            && let Ok(n) = file.read_to_end(&mut buf)
-        {
-            pos += n as u64;
-            partial.extend_from_slice(&buf);
-            while let Some(i) = partial.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = partial.drain(..=i).collect();
-                let text = String::from_utf8_lossy(&line[..line.len() - 1])
-                    .trim_end()
-                    .to_string();
-                // Engine output lives in its files and `siesta logs`; repeating it
-                // (a /health access line every second) would flood the daemon's log.
-                // `RUST_LOG=info,siesta::engine=trace` shows it anyway.
-                tracing::trace!(target: "siesta::engine", model = %model, stream, "{text}");
-                logs.push(stream, text);
-            }
-        }
+        read_to(&mut file, &mut pos, None);
         if let Some(max) = max
-            && pos > max
+            && pos > max.max(retry_at)
             && !done
         {
             match rotate(&path) {
-                Ok(()) => {
+                Ok(copied) => {
+                    // Written between the read and the copy: in `.1`, and
+                    // into the ring too.
+                    read_to(&mut file, &mut pos, Some(copied));
                     tracing::info!(model = %model, stream, file = %path.display(), max, "engine log rotated");
                     pos = 0;
                 }
                 Err(e) => {
-                    tracing::warn!(model = %model, stream, file = %path.display(), error = %e, "cannot rotate the engine log; it grows on");
+                    // Not again at once (a full disk would be written to
+                    // ten times a second): once it has grown an eighth more.
+                    retry_at = pos + max / 8;
+                    tracing::warn!(model = %model, stream, file = %path.display(), error = %e, "cannot empty the engine log; it grows on");
                 }
             }
         }
@@ -104,15 +119,23 @@ pub(crate) async fn tail(
     }
 }
 
-/// `path` copied to `path.1`, then emptied.
-fn rotate(path: &Path) -> std::io::Result<()> {
+/// `path` copied to `path.1`, then emptied; how much was copied. A copy
+/// that fails (a full disk) is given up, `.1` removed: the file is emptied
+/// all the same, its old lines lost rather than the disk filled.
+fn rotate(path: &Path) -> std::io::Result<u64> {
     let mut old = path.as_os_str().to_owned();
     old.push(".1");
-    std::fs::copy(path, PathBuf::from(old))?;
+    let old = PathBuf::from(old);
+    let copied = std::fs::copy(path, &old).unwrap_or_else(|e| {
+        tracing::warn!(file = %path.display(), error = %e, "cannot keep the engine log's earlier part; emptied without it");
+        let _ = std::fs::remove_file(&old);
+        0
+    });
     std::fs::OpenOptions::new()
         .write(true)
         .open(path)?
-        .set_len(0)
+        .set_len(0)?;
+    Ok(copied)
 }
 
 #[cfg(test)]
