@@ -3,7 +3,7 @@
 //! stream per address, reconnecting with jittered, capped backoff and
 //! resuming from the last revision seen.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -164,9 +164,6 @@ struct Addresses {
 struct Gone {
     source: SourceId,
     since: tokio::time::Instant,
-    /// The addresses synced when it left: other boxes behind the same
-    /// name (a headless Service over a DaemonSet), not its replacement.
-    synced_then: BTreeSet<SourceId>,
 }
 
 impl Addresses {
@@ -178,13 +175,6 @@ impl Addresses {
         addrs: std::collections::BTreeSet<SocketAddr>,
         shutdown: &CancellationToken,
     ) {
-        let synced_then: BTreeSet<SourceId> = self
-            .running
-            .values()
-            .map(|(s, _)| s)
-            .filter(|s| ctx.table.synced(s))
-            .cloned()
-            .collect();
         for (addr, (source, token)) in std::mem::take(&mut self.running) {
             if addrs.contains(&addr) {
                 self.running.insert(addr, (source, token));
@@ -195,7 +185,6 @@ impl Addresses {
                 self.gone.push(Gone {
                     source,
                     since: tokio::time::Instant::now(),
-                    synced_then: synced_then.clone(),
                 });
             }
         }
@@ -217,18 +206,22 @@ impl Addresses {
         }
     }
 
-    /// Forgets a gone address once an address that was not synced when it
-    /// left has synced (its snapshot is in the table: the control plane
-    /// back at a new address), or after [`GONE_GRACE`].
+    /// Forgets a gone address once every model it had is served by
+    /// another synced source (its control plane back at a new address,
+    /// synced), or after [`GONE_GRACE`]. Other boxes behind the same name
+    /// (a headless Service over a DaemonSet), synced before or new, serve
+    /// other models: they are no replacement for it.
     fn settle(&mut self, table: &RouteTable) {
         if self.gone.is_empty() {
             return;
         }
-        let running = &self.running;
+        let view = table.view();
         self.gone.retain(|g| {
-            let replaced = running
+            let replaced = view
+                .by_name
                 .values()
-                .any(|(s, _)| !g.synced_then.contains(s) && table.synced(s));
+                .filter(|r| r.sources.contains(&g.source))
+                .all(|r| r.sources.iter().any(|s| *s != g.source && table.synced(s)));
             let keep = !replaced && g.since.elapsed() < GONE_GRACE;
             if !keep {
                 table.remove_source(&g.source);
@@ -443,9 +436,19 @@ mod tests {
         addresses.settle(&ctx.table);
         assert!(ctx.table.view().by_name.contains_key("m"), "m kept");
         assert_eq!(addresses.gone.len(), 1);
+        // A new box (scaled out, or another's pod rolled) is none either.
+        let more: SocketAddr = "127.0.0.4:9".parse().unwrap();
+        addresses.resolved(&ctx, &url, [other, more].into(), &shutdown);
+        ctx.table.apply(
+            &url.source_for(more),
+            crate::route_table::tests::snapshot(1, vec![status("o", ModelState::Asleep, &[])]),
+        );
+        addresses.settle(&ctx.table);
+        assert!(ctx.table.view().by_name.contains_key("m"), "m kept");
+        assert_eq!(addresses.gone.len(), 1);
         // Its pod back at a new address, synced: that replaces it.
         let new: SocketAddr = "127.0.0.2:9".parse().unwrap();
-        addresses.resolved(&ctx, &url, [other, new].into(), &shutdown);
+        addresses.resolved(&ctx, &url, [other, more, new].into(), &shutdown);
         ctx.table.apply(&url.source_for(new), snapshot());
         addresses.settle(&ctx.table);
         assert!(addresses.gone.is_empty());
