@@ -114,12 +114,17 @@ pub async fn handle_main(
     let path = req.uri().path();
     // Sent by a web page: what the proxy answers itself carries CORS headers.
     let page = req.headers().contains_key(header::ORIGIN);
+    // Answered here, without reading a body it has (see `closing_if`).
+    let answered_unread = |req: &Request<Incoming>, resp| {
+        closing_if(!req.body().is_end_stream(), req.version(), resp)
+    };
     let (model, mut resp) = if req.method() == Method::GET {
         if let Some(r) = health(&shared, path) {
             return r;
         }
         if !authorized(&shared, &req) {
-            (no_model(), ApiError::Unauthorized.into_response())
+            let resp = ApiError::Unauthorized.into_response();
+            (no_model(), answered_unread(&req, resp))
         } else if path.starts_with("/v1/models")
             && let Err(e) = ready_view(&shared).await
         {
@@ -136,9 +141,8 @@ pub async fn handle_main(
         if authorized(&shared, &req) {
             model_request(&shared, req, waited).await
         } else {
-            let unread = !req.body().is_end_stream();
             let resp = ApiError::Unauthorized.into_response();
-            (no_model(), closing_if(unread, req.version(), resp))
+            (no_model(), answered_unread(&req, resp))
         }
     } else if req.method() == Method::OPTIONS
         && let Some(r) = cors::preflight(req.headers())
@@ -146,7 +150,7 @@ pub async fn handle_main(
         return r;
     } else {
         let e = ApiError::NoRoute(format!("{} {path}", req.method()));
-        (no_model(), e.into_response())
+        (no_model(), answered_unread(&req, e.into_response()))
     };
     if page {
         cors::allow_origin(&mut resp);

@@ -71,6 +71,9 @@ struct QueueInner {
     episodes: u64,
     /// When a request shed as `wait_too_long` last asked for the wake.
     shed_demand_at: Option<Instant>,
+    /// Let go from the map (its model left the view while it was empty):
+    /// a waiter put in it would never be seen by a view again.
+    removed: bool,
 }
 
 #[derive(Debug)]
@@ -104,7 +107,7 @@ impl HoldQueue {
         }
     }
 
-    /// Reports to `to` from now on (the best control plane may change).
+    /// An empty queue for `model`.
     fn new(model: Arc<str>) -> Arc<Self> {
         Arc::new(HoldQueue {
             model,
@@ -114,6 +117,7 @@ impl HoldQueue {
         })
     }
 
+    /// Reports to `to` from now on (the best control plane may change).
     fn report_to(&self, to: Arc<ActivityCounters>) {
         let mut r = self.report.lock().unwrap();
         if let Some(old) = r.as_ref()
@@ -285,18 +289,19 @@ impl Holds {
         let hold_left = Duration::from_millis(route.max_hold_ms)
             .saturating_sub(held_since.elapsed())
             .as_millis() as u64;
-        // Locked before the map lets it go: a view without the model lets
-        // an empty queue go from the map, and a waiter put in one no longer
-        // there would never be seen by a view again.
-        let queue: Arc<HoldQueue>;
-        let mut q = {
-            let mut map = self.queues.lock().unwrap();
-            queue = map
-                .entry(route.name.clone())
-                .or_insert_with(|| HoldQueue::new(route.name.clone()))
-                .clone();
-            queue.inner.lock().unwrap()
-        };
+        let queue = self
+            .queues
+            .lock()
+            .unwrap()
+            .entry(route.name.clone())
+            .or_insert_with(|| HoldQueue::new(route.name.clone()))
+            .clone();
+        let mut q = queue.inner.lock().unwrap();
+        if q.removed {
+            // A view without the model let it go since: the map's now.
+            drop(q);
+            return self.admit(route, held_since);
+        }
         if let Some(source) = route.sources.first() {
             queue.report_to(self.activity.counters(source, &route.name));
         }
@@ -495,7 +500,10 @@ impl Holds {
         let queues: Vec<Arc<HoldQueue>> = {
             let mut map = self.queues.lock().unwrap();
             map.retain(|name, q| {
-                view.by_name.contains_key(&**name) || !q.inner.lock().unwrap().waiters.is_empty()
+                let mut inner = q.inner.lock().unwrap();
+                let keep = view.by_name.contains_key(&**name) || !inner.waiters.is_empty();
+                inner.removed = !keep;
+                keep
             });
             map.values().cloned().collect()
         };

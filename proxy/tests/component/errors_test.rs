@@ -427,10 +427,18 @@ async fn an_answer_before_the_body_is_read_says_the_connection_closes() {
         cfg.api_keys = vec!["k".into()];
     })
     .await;
-    for (auth, status) in [("authorization: Bearer k\r\n", "413"), ("", "401")] {
+    for (target, auth, status) in [
+        (
+            "POST /v1/chat/completions",
+            "authorization: Bearer k\r\n",
+            "413",
+        ),
+        ("POST /v1/chat/completions", "", "401"),
+        ("POST /nowhere", "authorization: Bearer k\r\n", "404"),
+    ] {
         let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
         let head = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n{auth}\
+            "{target} HTTP/1.1\r\nhost: x\r\n{auth}\
              content-type: application/json\r\ncontent-length: 100000\r\n\r\n{{\"model\":"
         );
         s.write_all(head.as_bytes()).await.unwrap();
