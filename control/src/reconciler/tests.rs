@@ -843,19 +843,14 @@ fn a_start_deadline_counts_from_admission() {
 }
 
 /// A deeper sleep an idle tier asks for needs a wake first; a wake that
-/// finds no room gives up, and the idle clock restarts there: the tier is
-/// due again a whole tier later. (It fired again in the same step: the
-/// model was waking for ever, its ask heading the admission queue.)
+/// finds no room gives up, and that tier waits as long again as the model
+/// has been idle. (It fired again in the same step before: the model was
+/// waking for ever, its ask heading the admission queue.)
 #[test]
 fn a_tier_wake_that_finds_no_room_tries_again_after_as_long_again() {
     let mut s = Sim::new(Preload::Awake);
     s.m.settings.tiers.truncate(2); // 10 s: sleep 1, 20 s: sleep 2
-    s.boot();
-    s.advance(secs(10));
-    s.ev(Event::SleepDone { epoch: s.m.epoch });
-    s.advance(secs(10));
-    assert!(deepening(&s.m), "{:?}", s.m.phase);
-    s.advance(ROOM_WAIT);
+    deepen_without_room(&mut s);
     assert_eq!(s.m.phase, Phase::Asleep { level: 1 }, "{:?}", s.fx);
     assert!(s.m.last_error.as_deref().unwrap().contains("no room"));
     assert_eq!(s.m.intent.desired, Desired::Asleep(1));
@@ -868,6 +863,17 @@ fn a_tier_wake_that_finds_no_room_tries_again_after_as_long_again() {
     assert_eq!(s.m.phase, Phase::Asleep { level: 1 }, "{:?}", s.fx);
     s.advance(secs(1));
     assert!(deepening(&s.m), "{:?}", s.m.phase);
+}
+
+/// Booted, asleep at level 1 by the 10 s tier, then the 20 s tier's wake
+/// to sleep deeper finds no room for `ROOM_WAIT`.
+fn deepen_without_room(s: &mut Sim) {
+    s.boot();
+    s.advance(secs(10));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.advance(secs(10));
+    assert!(deepening(&s.m), "{:?}", s.m.phase);
+    s.advance(ROOM_WAIT);
 }
 
 /// Waking from level 1 to sleep deeper, not yet admitted.
@@ -889,13 +895,8 @@ fn deepening(m: &ModelState) -> bool {
 #[test]
 fn a_deeper_sleep_that_found_no_room_does_not_hold_off_the_stop_tier() {
     let mut s = Sim::new(Preload::Awake); // 10 s: L1, 20 s: L2, 30 s: stop
-    s.boot();
-    s.advance(secs(10));
-    s.ev(Event::SleepDone { epoch: s.m.epoch });
-    s.advance(secs(10));
-    assert!(deepening(&s.m), "{:?}", s.m.phase);
     // At the give-up, idle 320 s: the 30 s stop tier is long due.
-    s.advance(ROOM_WAIT);
+    deepen_without_room(&mut s);
     assert!(
         s.has(|f| matches!(f, Effect::Log(l) if l.starts_with("wake gave up"))),
         "{:?}",

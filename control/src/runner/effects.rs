@@ -21,9 +21,8 @@ const CALL_SLACK: Duration = Duration::from_secs(5);
 
 /// Whether an attach engine sleeps, and at which level. `/is_sleeping`
 /// decides (vLLM 0.24's metric alone reads awake after
-/// `wake_up?tags=weights`); it
-/// waits behind a running wake, so "no answer" is waited on up to the wake
-/// timeout and never taken for awake.
+/// `wake_up?tags=weights`); it waits behind a running wake, so "no answer"
+/// is waited on up to the wake timeout and never taken for awake.
 pub(super) async fn sleep_level(
     client: &crate::engine::EngineClient,
     name: &str,
