@@ -587,6 +587,11 @@ pub struct ModelState {
     /// before this: one found no room on its GPUs. Tiers that need none (a
     /// stop) go on with the idle clock.
     pub deepen_after: Option<Instant>,
+    /// When an operator last asked for a restart of a running engine:
+    /// persisted with the intent, so a control plane restarted before the
+    /// old engine stopped (its drain takes up to a stop grace) does not
+    /// adopt an engine spawned before this, and the restart is not lost.
+    pub restart_asked: Option<Instant>,
 }
 
 impl ModelState {
@@ -626,6 +631,7 @@ impl ModelState {
             yields_given_up: 0,
             tiers_after: None,
             deepen_after: None,
+            restart_asked: None,
         }
     }
 

@@ -31,7 +31,7 @@ use crate::engine::EngineClient;
 use crate::placement::Placed;
 use crate::placement::default_placement;
 use crate::reconciler::Observed;
-use crate::store::{EngineRecord, Store};
+use crate::store::{EngineRecord, IntentRecord, Store};
 use crate::supervisor::{
     SWEEP_DEADLINE, TAG_ENV, command_hash, kill_group_leftovers, procfs, signal_group, spawn_spec,
     state_marker, sweep_group, wait_gone,
@@ -50,6 +50,8 @@ const STOP_WAIT_MAX: Duration = Duration::from_secs(60);
 pub struct Adopted {
     pub pid: u32,
     pub start_time: u64,
+    /// Its `SIESTA_ENGINE_TAG`: finds its processes that left its group.
+    pub tag: String,
     pub port: u16,
     pub proc_gen: u64,
     pub observed: Observed,
@@ -123,10 +125,14 @@ fn unwanted(
     rec: &EngineRecord,
     cfg: Option<&ModelConfig>,
     placed: &BTreeMap<String, Placed>,
+    intent: Option<&IntentRecord>,
 ) -> Option<&'static str> {
     let Some(cfg) = cfg else {
         return Some("model no longer configured");
     };
+    if intent.is_some_and(|i| i.restart_pending(rec)) {
+        return Some("an operator's restart was under way when the control plane stopped");
+    }
     if !matches!(cfg.launch, Launch::Process { .. }) {
         return Some("model is now an attach engine");
     }
@@ -245,7 +251,7 @@ async fn stop(
         signal_group(pid, Signal::SIGKILL);
         wait_gone(leader, SWEEP_DEADLINE).await;
     }
-    sweep_group(&name, pid, Some(start)).await;
+    sweep_group(&name, pid, Some(start), &rec.tag).await;
     store.remove_engine(&name, Some(rec.proc_gen));
     tracing::info!(model = %name, pid, "stopped an engine no longer wanted");
 }
@@ -277,7 +283,7 @@ pub async fn recover(
             continue;
         };
         let cfg = config.models.iter().find(|m| m.name == name);
-        if let Some(why) = unwanted(&rec, cfg, placed) {
+        if let Some(why) = unwanted(&rec, cfg, placed, store.get(&name).as_ref()) {
             tracing::info!(model = %name, pid, reason = why, "stopping a recorded engine");
             let grace = cfg
                 .map_or(config.defaults.timeouts.stop_grace, |c| {
@@ -309,6 +315,7 @@ pub async fn recover(
             let a = Adopted {
                 pid,
                 start_time,
+                tag: rec.tag.clone(),
                 port: rec.port,
                 proc_gen: rec.proc_gen,
                 observed,
@@ -389,6 +396,71 @@ mod tests {
             suspended_pids: Vec::new(),
             spawned_unix_ms: 0,
         }
+    }
+
+    /// An operator's restart drains the old engine first (up to a stop
+    /// grace); a control plane stopped meanwhile must not adopt it, or the
+    /// restart is lost. The new engine is adopted as usual.
+    #[test]
+    fn an_engine_spawned_before_an_operators_restart_is_not_adopted() {
+        use crate::reconciler::{Command, Event, ModelState, Phase, Settings, adopt, step};
+        use crate::status::Clock;
+        let config = Config::demo(vec!["x".into()]);
+        let cfg = &config.models[0];
+        let clock = Clock::new();
+        let now = tokio::time::Instant::now();
+        let mut old = record(1, 1, "t");
+        old.command_hash = command_hash(&spawn_spec(cfg, old.port, &default_placement(cfg)));
+        old.spawned_unix_ms = clock.unix_ms(now) - 60_000;
+        let mut m = ModelState::new(Settings::from_config(cfg), cfg.preload, now);
+        adopt(&mut m, 1, 1, Observed::Awake, now);
+        let before = IntentRecord::from_state(&m, &clock);
+        assert_eq!(
+            unwanted(&old, Some(cfg), &BTreeMap::new(), Some(&before)),
+            None
+        );
+
+        let at = now + Duration::from_secs(1);
+        let (m, fx) = step(m, Event::Command(Command::Restart), at);
+        assert!(matches!(m.phase, Phase::Draining { .. }));
+        assert!(fx.contains(&crate::reconciler::Effect::Persist), "{fx:?}");
+        let asked = IntentRecord::from_state(&m, &clock);
+        let why = unwanted(&old, Some(cfg), &BTreeMap::new(), Some(&asked));
+        assert!(why.is_some_and(|w| w.contains("restart")), "{why:?}");
+
+        // The restart done: its new engine, spawned after, is kept.
+        let mut new = old.clone();
+        new.spawned_unix_ms = clock.unix_ms(at) + 5_000;
+        assert_eq!(
+            unwanted(&new, Some(cfg), &BTreeMap::new(), Some(&asked)),
+            None
+        );
+        // and once it runs, the ask is done and no longer written.
+        let epoch = m.epoch;
+        let (m, _) = step(m, Event::Drained { epoch, error: None }, at);
+        let exited = Event::ChildExited {
+            proc_gen: 1,
+            status: "exit 0".into(),
+            cause: None,
+        };
+        let (m, fx) = step(m, exited, at + Duration::from_secs(6));
+        let spawn_gen = fx.iter().find_map(|f| match f {
+            crate::reconciler::Effect::Spawn { proc_gen, .. } => Some(*proc_gen),
+            _ => None,
+        });
+        let spawn_gen = spawn_gen.expect("a fresh start");
+        let (m, _) = step(
+            m,
+            Event::Spawned {
+                proc_gen: spawn_gen,
+                pid: 2,
+            },
+            at + Duration::from_secs(7),
+        );
+        assert_eq!(
+            IntentRecord::from_state(&m, &clock).restart_asked_unix_ms,
+            0
+        );
     }
 
     #[test]

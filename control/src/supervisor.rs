@@ -9,7 +9,7 @@ mod logs;
 pub mod procfs;
 mod tail;
 
-pub use adopt::adopt;
+pub use adopt::{Leader, adopt};
 pub use argv::spawn_spec;
 pub(crate) use group::wait_gone;
 pub use group::{
@@ -240,6 +240,7 @@ pub fn spawn(
     let start = procfs::start_time(pid);
     let (exited_tx, exited) = watch::channel(false);
     let name_owned = name.to_string();
+    let tag_owned = tag.to_string();
     let log_dir = log_dir.to_path_buf();
     tokio::spawn(async move {
         let status = match child.wait().await {
@@ -248,7 +249,7 @@ pub fn spawn(
         };
         // The leader is gone; nothing of its group may stay behind, and
         // the engine has ended only once the rest is gone too.
-        sweep_group(&name_owned, pid, start).await;
+        sweep_group(&name_owned, pid, start, &tag_owned).await;
         on_exit(Exit::read(status, name_owned, log_dir).await);
         let _ = exited_tx.send(true);
     });
@@ -424,6 +425,53 @@ mod tests {
         // Ended means gone: a killed member keeps its (GPU) memory until it
         // has exited, so the engine may not count as stopped before.
         assert_eq!(procfs::group_members(pid), Vec::<u32>::new());
+    }
+
+    /// A worker that left the engine's process group (`setsid`) is out of
+    /// reach of its group's signals, but keeps the engine's tag: the engine
+    /// has ended only once it is killed and gone too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_that_left_the_group_is_killed_when_the_engine_exits() {
+        let dir = tempfile::tempdir().unwrap();
+        let go = dir.path().join("go");
+        let script = format!(
+            "setsid sleep 600 & while [ ! -e '{}' ]; do sleep 0.05; done",
+            go.display()
+        );
+        let spec = SpawnSpec {
+            program: "sh".into(),
+            args: vec!["-c".into(), script],
+            env: vec![],
+        };
+        let tag = format!("tag-setsid-{}", std::process::id());
+        let logs = Arc::new(LogRing::new(10));
+        let h = spawn("m", &spec, &tag, dir.path(), 1, logs, |_| {}).unwrap();
+        let pid = h.pid;
+        let escaped = || {
+            procfs::pids_with_env(TAG_ENV, &tag)
+                .into_iter()
+                .filter(|p| procfs::pgid(*p).is_some_and(|g| g != pid))
+                .collect::<Vec<_>>()
+        };
+        for _ in 0..500 {
+            if !escaped().is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let worker = escaped();
+        assert_eq!(worker.len(), 1, "the setsid worker: {worker:?}");
+        std::fs::write(&go, "").unwrap();
+        let mut exited = h.exited.clone();
+        tokio::time::timeout(Duration::from_secs(20), exited.wait_for(|e| *e))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            !procfs::alive(worker[0], None),
+            "worker {} outlived its engine",
+            worker[0]
+        );
     }
 
     #[tokio::test]

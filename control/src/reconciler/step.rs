@@ -9,7 +9,7 @@ use crate::config::IdleAction;
 /// Applies `event` at `now`; returns the new state and what to do.
 pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<Effect>) {
     let mut fx = Vec::new();
-    let intent_before = m.intent;
+    let (intent_before, restart_before) = (m.intent, m.restart_asked);
     let (epoch_before, calibration_before) = (m.epoch, m.calibration);
     let history_before = (m.restarts, m.last_activity, m.idle_floor);
     expire_pin(&mut m, now);
@@ -22,7 +22,7 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
         // Served: the proxies release what they held.
         m.demand_since = None;
     }
-    if m.intent != intent_before {
+    if m.intent != intent_before || m.restart_asked != restart_before {
         fx.push(Effect::Persist);
     } else if (m.restarts, m.last_activity, m.idle_floor) != history_before {
         fx.push(Effect::PersistHistory);
@@ -292,6 +292,8 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 fx.push(Effect::KeepSpawned { proc_gen });
                 m.pid = Some(pid);
                 m.restarts = m.restarts.saturating_add(1);
+                // An operator's restart is done once a new engine runs.
+                m.restart_asked = None;
                 m.transition_start = now;
                 m.phase = Phase::Starting {
                     deadline: now + m.settings.timeouts.start,
@@ -749,8 +751,10 @@ fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut Vec<Effect>)
             );
             if matches!(m.phase, Phase::Awake | Phase::Yielding { .. }) && !m.settings.attach {
                 // Answers under way finish first.
+                m.restart_asked = Some(now);
                 drain(m, now, fx);
             } else if running && !m.settings.attach {
+                m.restart_asked = Some(now);
                 terminate(m, now, fx);
             }
         }

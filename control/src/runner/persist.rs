@@ -47,8 +47,11 @@ pub(super) fn take_over(
     };
     let handle = crate::supervisor::adopt(
         name,
-        a.pid,
-        a.start_time,
+        crate::supervisor::Leader {
+            pid: a.pid,
+            start_time: a.start_time,
+            tag: &a.tag,
+        },
         &shared.log_dir,
         a.proc_gen,
         logs.clone(),

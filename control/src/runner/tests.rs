@@ -360,6 +360,7 @@ async fn an_attached_engine_found_serving_after_a_restart_keeps_its_idle_clock()
             restarts: 0,
             last_activity_unix_ms: ago,
             idle_floor_unix_ms: ago - 1000,
+            restart_asked_unix_ms: 0,
         },
     );
     let cancel = CancellationToken::new();

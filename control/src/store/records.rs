@@ -31,6 +31,14 @@ pub struct IntentRecord {
     /// adoption: the engine's idle clock goes on across a restart.
     #[serde(default)]
     pub idle_floor_unix_ms: i64,
+    /// An operator's last restart of a running engine (0: none): an engine
+    /// spawned before it is not adopted (see [`IntentRecord::restart_pending`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub restart_asked_unix_ms: i64,
+}
+
+fn is_zero(v: &i64) -> bool {
+    *v == 0
 }
 
 fn reason_name(r: Reason) -> &'static str {
@@ -70,7 +78,15 @@ impl IntentRecord {
             restarts: m.restarts,
             last_activity_unix_ms: m.last_activity.map_or(0, |t| clock.unix_ms(t)),
             idle_floor_unix_ms: clock.unix_ms(m.idle_floor),
+            restart_asked_unix_ms: m.restart_asked.map_or(0, |t| clock.unix_ms(t)),
         }
+    }
+
+    /// An operator asked for a restart after `engine` was spawned, and the
+    /// control plane stopped before the old engine did: adopting it would
+    /// lose the restart.
+    pub fn restart_pending(&self, engine: &EngineRecord) -> bool {
+        self.restart_asked_unix_ms > 0 && self.restart_asked_unix_ms >= engine.spawned_unix_ms
     }
 
     /// The record of a published status: what a model wanted (and was
@@ -92,6 +108,7 @@ impl IntentRecord {
             last_activity_unix_ms: s.last_activity_unix_ms.unwrap_or(0),
             // A new engine: its readiness starts its idle clock.
             idle_floor_unix_ms: 0,
+            restart_asked_unix_ms: 0,
         }
     }
 

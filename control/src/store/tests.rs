@@ -85,6 +85,7 @@ fn engine_records_and_calibration_round_trip() {
             restarts: 0,
             last_activity_unix_ms: 0,
             idle_floor_unix_ms: 0,
+            restart_asked_unix_ms: 0,
         },
     );
     assert_eq!(s.intent_names(), ["a"]);

@@ -15,14 +15,23 @@ const POLL: Duration = Duration::from_millis(200);
 /// How much of an adopted engine's earlier output goes into the log ring.
 const BACKLOG: u64 = 16 * 1024;
 
-/// Supervises the running process `pid` (started at `start_time`, leading
-/// its own process group) as [`spawn`](super::spawn) does its children:
-/// `on_exit` runs once it is gone and the rest of its group was killed
-/// and is gone too.
+/// A running engine found by recovery: the leader of its own process
+/// group, and the `SIESTA_ENGINE_TAG` its processes carry.
+#[derive(Debug, Clone, Copy)]
+pub struct Leader<'a> {
+    pub pid: u32,
+    /// `/proc/PID/stat` start time: tells a reused pid apart.
+    pub start_time: u64,
+    pub tag: &'a str,
+}
+
+/// Supervises the running engine `leader` as [`spawn`](super::spawn) does
+/// its children: `on_exit` runs once it is gone and the rest of its
+/// processes (its group, and those carrying its tag) were killed and are
+/// gone too.
 pub fn adopt(
     name: &str,
-    pid: u32,
-    start_time: u64,
+    leader: Leader<'_>,
     log_dir: &Path,
     proc_gen: u64,
     logs: Arc<LogRing>,
@@ -31,12 +40,18 @@ pub fn adopt(
     let (exited_tx, exited) = watch::channel(false);
     let model = name.to_string();
     let dir = log_dir.to_path_buf();
+    let Leader {
+        pid,
+        start_time,
+        tag,
+    } = leader;
+    let tag = tag.to_string();
     tokio::spawn(async move {
         while procfs::alive(pid, Some(start_time)) {
             tokio::time::sleep(POLL).await;
         }
         // The leader is gone; nothing of its group may stay behind.
-        sweep_group(&model, pid, Some(start_time)).await;
+        sweep_group(&model, pid, Some(start_time), &tag).await;
         let status = "exited (adopted engine: exit status unknown)".to_string();
         on_exit(Exit::read(status, model, dir).await);
         let _ = exited_tx.send(true);

@@ -49,28 +49,57 @@ pub fn kill_group_leftovers(pgid: u32, leader_start: Option<u64>) -> bool {
     true
 }
 
-/// The leader of `pgid` is gone: SIGKILL to the rest of its group, then
-/// waits (up to [`SWEEP_DEADLINE`]) until no member lives. Zombies count as
-/// gone: they hold no memory. Returns the members still there at the
+/// The leader of `pgid` is gone: SIGKILL to the rest of its group, and to
+/// the group of every process that left it but still carries the engine's
+/// `tag` in its environment (a worker started with `setsid`); then waits
+/// (up to [`SWEEP_DEADLINE`]) until none of them lives. Zombies count as
+/// gone: they hold no memory. Returns the processes still there at the
 /// deadline.
-pub async fn sweep_group(model: &str, pgid: u32, leader_start: Option<u64>) -> Vec<u32> {
-    if !kill_group_leftovers(pgid, leader_start) {
-        return Vec::new();
+pub async fn sweep_group(model: &str, pgid: u32, leader_start: Option<u64>, tag: &str) -> Vec<u32> {
+    let signalled = kill_group_leftovers(pgid, leader_start);
+    let escaped = escaped_groups(tag, pgid);
+    for g in &escaped {
+        tracing::warn!(model, pgid = g, tag, pids = ?procfs::group_members(*g),
+            "killing engine processes that left its process group (found by its tag)");
+        signal_group(*g, NixSignal::SIGKILL);
     }
-    let killed = procfs::group_members(pgid);
+    let members = || {
+        let mut left = if signalled {
+            procfs::group_members(pgid)
+        } else {
+            Vec::new()
+        };
+        left.extend(escaped.iter().flat_map(|g| procfs::group_members(*g)));
+        left
+    };
+    let killed = members();
     if killed.is_empty() {
         return killed;
     }
     let began = tokio::time::Instant::now();
-    let left = wait_gone(|| procfs::group_members(pgid), SWEEP_DEADLINE).await;
+    let left = wait_gone(members, SWEEP_DEADLINE).await;
     let waited_ms = began.elapsed().as_millis() as u64;
     if left.is_empty() {
-        tracing::info!(model, pgid, pids = ?killed, waited_ms, "killed what was left of the engine's process group: gone");
+        tracing::info!(model, pgid, pids = ?killed, waited_ms, "killed what was left of the engine's processes: gone");
     } else {
         tracing::warn!(model, pgid, pids = ?left, waited_ms,
             "engine processes still there after SIGKILL: taken as ended, but they may hold GPU memory");
     }
     left
+}
+
+/// The process groups, other than `pgid` and this process's own, of live
+/// processes whose environment carries the engine tag `tag`.
+fn escaped_groups(tag: &str, pgid: u32) -> BTreeSet<u32> {
+    if tag.is_empty() {
+        return BTreeSet::new();
+    }
+    let own = procfs::pgid(std::process::id());
+    procfs::pids_with_env(super::TAG_ENV, tag)
+        .into_iter()
+        .filter_map(procfs::pgid)
+        .filter(|g| *g > 1 && *g != pgid && Some(*g) != own)
+        .collect()
 }
 
 /// The process groups of the live engine processes spawned for the state
