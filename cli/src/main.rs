@@ -19,6 +19,15 @@ macro_rules! println {
     };
 }
 
+// And `eprintln!`: a stderr that is gone (`siesta up 2>&1 | tee log` after
+// Ctrl-C, a dropped SSH session) drops the line. std's panics, and a panic
+// in `siesta up`'s shutdown would leave its engines running unmanaged.
+macro_rules! eprintln {
+    ($($arg:tt)*) => {
+        $crate::out::note(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
 mod args;
 mod client;
 mod commands;

@@ -27,6 +27,12 @@ pub fn write(args: fmt::Arguments<'_>) {
     }
 }
 
+/// Writes to stderr; a line that cannot be written is dropped (see
+/// `eprintln!` in main.rs).
+pub fn note(args: fmt::Arguments<'_>) {
+    let _ = io::stderr().lock().write_fmt(args);
+}
+
 /// Stdout cannot be written: a closed pipe ends the command, exit 0; any
 /// other error exits 1 saying so.
 fn failed(e: &io::Error) {

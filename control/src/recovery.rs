@@ -60,7 +60,7 @@ pub struct Adopted {
 /// The leader of the recorded engine's process group, and its start time.
 /// None: the engine is gone, and whatever its group left behind was killed.
 fn locate(rec: &EngineRecord) -> Option<(u32, u64)> {
-    if rec.pid > 1 && procfs::alive(rec.pid, Some(rec.start_time)) {
+    if rec.pid > 1 && procfs::alive(rec.pid, Some(rec.start_time)) && !foreign(rec.pid, rec) {
         return Some((rec.pid, rec.start_time));
     }
     let tagged = procfs::pids_with_env(TAG_ENV, &rec.tag);
@@ -86,6 +86,18 @@ fn locate(rec: &EngineRecord) -> Option<(u32, u64)> {
     }
 }
 
+/// `pid` is a live process that does not carry the engine's tag: the
+/// recorded pid and start time were matched by another process (after a
+/// reboot, a daemon started as early as the engine was), which is neither
+/// adopted nor signalled.
+fn foreign(pid: u32, rec: &EngineRecord) -> bool {
+    let foreign = !rec.tag.is_empty() && procfs::carries_env(pid, TAG_ENV, &rec.tag) == Some(false);
+    if foreign {
+        tracing::warn!(pid, tag = %rec.tag, "the recorded engine's pid is now another process (no engine tag): left alone");
+    }
+    foreign
+}
+
 /// The leader is gone; no member of its group may stay behind (vLLM's
 /// engine core and TP workers do not watch their parent and keep their GPU
 /// memory): SIGKILL to the recorded group, found by its id, and to the
@@ -93,7 +105,7 @@ fn locate(rec: &EngineRecord) -> Option<(u32, u64)> {
 /// the group keeps the tag in its environment).
 fn sweep(rec: &EngineRecord, tagged: &[u32]) {
     let mut groups: Vec<u32> = tagged.iter().filter_map(|p| procfs::pgid(*p)).collect();
-    if rec.pgid > 1 {
+    if rec.pgid > 1 && !foreign(rec.pgid, rec) {
         let left = procfs::group_members(rec.pgid);
         if !left.is_empty() {
             tracing::warn!(pgid = rec.pgid, pids = ?left, tag = %rec.tag, "killing what is left of a dead engine's process group");
@@ -252,7 +264,7 @@ async fn stop(
         wait_gone(leader, SWEEP_DEADLINE).await;
     }
     sweep_group(&name, pid, Some(start), &rec.tag).await;
-    store.remove_engine(&name, Some(rec.proc_gen));
+    store.remove_engine(&name, &rec.tag);
     tracing::info!(model = %name, pid, "stopped an engine no longer wanted");
 }
 
@@ -279,7 +291,7 @@ pub async fn recover(
                 tracing::warn!(model = %name, pids = ?left, "a dead engine's processes still there after SIGKILL: they may hold GPU memory");
             }
             tracing::info!(model = %name, pid = rec.pid, "recorded engine is gone");
-            store.remove_engine(&name, Some(rec.proc_gen));
+            store.remove_engine(&name, &rec.tag);
             continue;
         };
         let cfg = config.models.iter().find(|m| m.name == name);
@@ -564,6 +576,39 @@ mod tests {
         assert!(recover(&config, &BTreeMap::new(), &store).await.is_empty());
         assert_eq!(procfs::group_members(pid), Vec::<u32>::new());
         assert!(store.engines().is_empty());
+    }
+
+    /// After a reboot another process may have the recorded pid and even
+    /// its start time (a daemon started as early at boot as the engine
+    /// was): without the engine's tag it is neither adopted nor killed.
+    #[test]
+    fn a_process_that_took_the_recorded_pid_is_left_alone() {
+        let mut other = std::process::Command::new("sleep")
+            .arg("60")
+            .env_remove(TAG_ENV)
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pid = other.id();
+        let start = procfs::start_time(pid).unwrap();
+        // Its environment is readable once exec is done.
+        assert!(eventually(
+            || procfs::carries_env(pid, TAG_ENV, "x") == Some(false)
+        ));
+        let rec = record(
+            pid,
+            start,
+            &format!("recovery-foreign-{}", std::process::id()),
+        );
+        assert_eq!(locate(&rec), None);
+        assert!(leftovers(&rec).is_empty());
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            other.try_wait().unwrap().is_none(),
+            "a process that is not the engine was killed"
+        );
+        other.kill().unwrap();
+        other.wait().unwrap();
     }
 
     #[test]

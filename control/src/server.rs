@@ -48,12 +48,18 @@ pub struct Server {
     /// `[control] web_listen`, bound.
     web: Option<TcpListener>,
     stop_bound: StopBound,
+    /// Installed first thing in [`Server::bind`]: a SIGHUP during start-up
+    /// (`systemctl reload` right after the start, or a harness that sends
+    /// one once the address file is there) is a reload once serving, not
+    /// the default action, which ends the process.
+    hup: siesta_signal::ReloadSignal,
 }
 
 impl Server {
     /// Opens the state store and binds the listener (port 0 picks a free
     /// port). A non-loopback address without a token is refused.
     pub async fn bind(config: Config, opts: ServeOptions) -> Result<Server, Error> {
+        let hup = siesta_signal::reload_signal()?;
         let addr = opts.listen.unwrap_or(config.control.listen);
         let token = config.token();
         if crate::config::needs_token(addr, token.as_deref()) {
@@ -86,6 +92,7 @@ impl Server {
             store,
             web,
             stop_bound,
+            hup,
         })
     }
 
@@ -125,9 +132,8 @@ impl Server {
             store,
             web,
             stop_bound,
+            hup,
         } = self;
-        // Before anything starts, so a failure leaves nothing running.
-        let hup = siesta_signal::reload_signal()?;
         // Watch streams on threads of their own (see grpc.rs).
         let watch_rt = WatchRuntime::from_env()?;
         let state_dir = config.control.state_dir.clone();

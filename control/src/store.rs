@@ -250,11 +250,14 @@ impl Store {
         self.put(ENGINES, name, record)
     }
 
-    /// Removes a model's engine record if it is of process generation
-    /// `proc_gen` (None: whichever).
-    pub fn remove_engine(&self, name: &str, proc_gen: Option<u64>) {
+    /// Removes a model's engine record if it is the engine tagged `tag`.
+    /// Not by process generation: generations count from 1 again in every
+    /// daemon, so a late exit (or stop) of an engine from before would
+    /// take the record of the new engine of the same generation, which
+    /// the next restart would then kill as unrecorded.
+    pub fn remove_engine(&self, name: &str, tag: &str) {
         match self.engine(name) {
-            Some(r) if proc_gen.is_none_or(|g| g == r.proc_gen) => {
+            Some(r) if r.tag == tag => {
                 self.delete(&[ENGINES], name);
             }
             _ => {}

@@ -414,3 +414,97 @@ async fn up_with_a_config_token_serves_without_one_in_the_environment() {
     let exit = up.wait_exit(Duration::from_secs(60)).await;
     assert!(exit.success(), "{exit}: {}", up.output().text());
 }
+
+/// `siesta up 2>&1 | tee up.log`, then Ctrl-C: the SIGINT reaches the whole
+/// pipeline, `tee` is gone first, and `up`'s "shutting down" meets a closed
+/// pipe. The line is lost, the shutdown is not: `up` exits 0 and every
+/// engine it started is stopped (std's `eprintln!` panicked here, exit 101,
+/// and the engines ran on unmanaged).
+#[tokio::test]
+async fn ctrl_c_with_stderr_gone_still_stops_the_engines() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let mut child = Command::new(bin_path("siesta"))
+        .args([
+            "up",
+            "--listen",
+            "127.0.0.1:0",
+            "--control-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--addr-file")
+        .arg(&addr_file)
+        .env("TMPDIR", dir.path())
+        .env("SIESTA_TEST_TAG", dir.path())
+        .env_remove("SIESTA_TOKEN")
+        .process_group(0)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(writer)
+        .spawn()
+        .unwrap();
+    let tag = dir.path().to_string_lossy().into_owned();
+    let _cleanup = scopeguard(child.id(), format!("SIESTA_TEST_TAG={tag}"));
+    let grpc = wait_until_some("up's addresses", DEADLINE, || {
+        siesta_tests::read_addr_file(&addr_file)
+            .and_then(|a| a.into_iter().find(|(k, _)| k == "grpc").map(|(_, v)| v))
+    })
+    .await;
+    wait_until("chat's engine asleep", Duration::from_secs(60), || async {
+        model(&status(grpc), "chat")["state"] == "asleep"
+    })
+    .await;
+    let engines: Vec<i32> = pids_with_env("SIESTA_TEST_TAG", &tag)
+        .into_iter()
+        .filter(|p| *p != child.id() as i32)
+        .collect();
+    assert!(!engines.is_empty(), "the demo's engines run");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        Signal::SIGINT,
+    )
+    .unwrap();
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "up never exited");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "siesta up exited with {status}");
+    wait_until("engines gone", DEADLINE, || {
+        let left = any_alive(&engines);
+        async move { left.is_empty() }
+    })
+    .await;
+}
+
+/// Polls `f` (every 50 ms, up to `deadline`) until it gives a value.
+async fn wait_until_some<T>(what: &str, deadline: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = std::time::Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// On drop (a failed test too): SIGKILL to `pid`, then to every process
+/// carrying `tag` (its engines), as [`Up`] does.
+fn scopeguard(pid: u32, tag: String) -> impl Drop {
+    struct Guard(u32, String);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.0 as i32), Signal::SIGKILL);
+            kill_tagged(&self.1);
+        }
+    }
+    Guard(pid, tag)
+}

@@ -86,7 +86,15 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         shed_held_on_shutdown: true,
         ..Default::default()
     })
-    .map_err(|e| Failure::Failed(format!("siesta-proxy: {e}")))?;
+    .map_err(|e| match e {
+        // The proxy's own hint names its --reuse-port, which `up` has not.
+        siesta_proxy::Error::AddrInUse { addr, .. } => Failure::Failed(format!(
+            "siesta-proxy: cannot listen on {addr}: the address is already in use \
+             (another siesta up or server holds it; pick another with --listen ADDR or \
+             --admin-listen ADDR, port 0 for any free one)"
+        )),
+        e => Failure::Failed(format!("siesta-proxy: {e}")),
+    })?;
     let (http, admin) = (proxy.local_addr(), proxy.admin_addr());
 
     let halves = Halves {

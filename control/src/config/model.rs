@@ -5,6 +5,9 @@ use super::validate::{read_backoff, read_tiers, read_timeouts};
 use super::*;
 use toml::Value;
 
+/// A byte-sized `gpu_memory` below this is a slip (no engine loads in 1 MiB).
+const MIN_GPU_MEMORY_BYTES: i64 = 1 << 20;
+
 pub(super) fn read_model(
     p: &mut Problems,
     d: &Defaults,
@@ -73,6 +76,14 @@ pub(super) fn read_model(
         );
     }
     let port = r.uint(p, "port", 65535).map(|n| n as u16);
+    if port == Some(0) {
+        // The engine would bind any free port while siesta probes port 0.
+        p.push(
+            r.key("port"),
+            "0 is not a port an engine can be reached on: leave `port` out and siesta picks a \
+             free one",
+        );
+    }
     let served = r.string(p, "served_model_name");
     let launch = match launch_kind.as_str() {
         "process" => {
@@ -238,6 +249,27 @@ pub(super) fn read_model(
             p.push(
                 r.key("gpu_memory"),
                 format!("{f} is not a fraction in (0, 1]"),
+            );
+            None
+        }
+        Value::Integer(n @ 0..=1) => {
+            // `gpu_memory = 1` meant the whole GPU, not one byte.
+            p.push(
+                r.key("gpu_memory"),
+                format!(
+                    "{n} would be {n} byte(s): write a fraction such as {n}.0, or a size such \
+                     as \"40GiB\""
+                ),
+            );
+            None
+        }
+        Value::Integer(n) if *n < MIN_GPU_MEMORY_BYTES => {
+            p.push(
+                r.key("gpu_memory"),
+                format!(
+                    "{n} bytes is too little for any engine (under 1 MiB): write a fraction \
+                     such as 0.5, or a size such as \"40GiB\""
+                ),
             );
             None
         }

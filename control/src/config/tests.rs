@@ -264,3 +264,38 @@ fn web_listen_is_off_by_default_and_checked() {
         "{err}"
     );
 }
+
+/// Slips that parse but could never run: an engine on port 0 (it binds any
+/// free port while siesta probes 0) and `gpu_memory = 1` (one byte, not the
+/// whole GPU: placed anywhere, then too small for vLLM's KV cache).
+#[test]
+fn port_zero_and_a_gpu_memory_of_a_few_bytes_are_refused() {
+    let model = |extra: &str| format!("[[model]]\nname = \"chat\"\nmodel = \"m\"\n{extra}\n");
+    let err = |extra: &str| match Config::parse(&model(extra), "a.toml") {
+        Ok(_) => String::new(),
+        Err(e) => e.to_string(),
+    };
+    let e = err("port = 0");
+    assert!(e.contains("a.toml: model[0].port: 0 is not a port"), "{e}");
+    let e = err("gpu_memory = 1");
+    assert!(
+        e.contains(
+            "a.toml: model[0].gpu_memory: 1 would be 1 byte(s): write a fraction such as 1.0"
+        ),
+        "{e}"
+    );
+    let e = err("gpu_memory = 4096");
+    assert!(
+        e.contains("model[0].gpu_memory: 4096 bytes is too little"),
+        "{e}"
+    );
+    // What is right still parses.
+    for ok in [
+        "port = 8101",
+        "gpu_memory = 1.0",
+        "gpu_memory = 42949672960",
+        "gpu_memory = \"40GiB\"",
+    ] {
+        assert_eq!(err(ok), "", "{ok}");
+    }
+}

@@ -313,9 +313,9 @@ impl Runner {
             }
             let exit_tx = tx.clone();
             let store = shared.store.clone();
-            let exit_name = name.clone();
+            let (exit_name, exit_tag) = (name.clone(), record.tag.clone());
             let on_exit = move |exit: crate::supervisor::Exit| {
-                store.remove_engine(&exit_name, Some(proc_gen));
+                store.remove_engine(&exit_name, &exit_tag);
                 let _ = exit_tx.send(Msg::Event(Event::ChildExited {
                 proc_gen,
                 status: exit.status,
@@ -354,7 +354,7 @@ impl Runner {
                     }
                 }
                 Err(e) => {
-                    shared.store.remove_engine(&name, Some(proc_gen));
+                    shared.store.remove_engine(&name, &record.tag);
                     let error = e.to_string();
                     let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
                     return;

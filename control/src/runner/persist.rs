@@ -33,9 +33,9 @@ pub(super) fn take_over(
     let fx = adopt(state, a.proc_gen, a.pid, a.observed, now);
     let exit_tx = tx.clone();
     let proc_gen = a.proc_gen;
-    let (store, model) = (shared.store.clone(), name.to_string());
+    let (store, model, tag) = (shared.store.clone(), name.to_string(), a.tag.clone());
     let on_exit = move |exit: crate::supervisor::Exit| {
-        store.remove_engine(&model, Some(proc_gen));
+        store.remove_engine(&model, &tag);
         let _ = exit_tx.send(Msg::Event(
             Event::ChildExited {
                 proc_gen,

@@ -78,6 +78,14 @@ pub fn env_value(pid: u32, key: &str) -> Option<String> {
         .map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
+/// Whether `pid`'s environment holds `key=value`; None when it cannot be
+/// read (the process is gone, or another user's).
+pub fn carries_env(pid: u32, key: &str, value: &str) -> Option<bool> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let needle = format!("{key}={value}");
+    Some(env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
