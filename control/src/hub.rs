@@ -342,6 +342,15 @@ impl Hub {
         self.subscribe_inner((since_revision > 0).then_some(since_revision), false)
     }
 
+    /// Subscribes with a snapshot marked `resync`: for a client whose
+    /// resume point cannot be placed in this process's history (the web
+    /// listener's ids of an earlier incarnation), so it replaces what it
+    /// holds rather than applying the events after a revision that means
+    /// something else here.
+    pub fn subscribe_resync(self: &Arc<Self>) -> Option<Subscription> {
+        self.subscribe_inner(None, true)
+    }
+
     fn subscribe_inner(self: &Arc<Self>, since: Option<u64>, resync: bool) -> Option<Subscription> {
         let mut inner = self.inner.lock().unwrap();
         if inner.unsubscribed {

@@ -120,6 +120,10 @@ async fn handle(
         tracing::info!(path = %req.uri().path(), "web: request without the right token refused");
         return error(StatusCode::UNAUTHORIZED, TOKEN_REFUSED);
     }
+    if let Err(why) = same_origin(web.token.is_some(), &req) {
+        tracing::info!(path = %req.uri().path(), why, "web: cross-origin request refused");
+        return error(StatusCode::FORBIDDEN, &why);
+    }
     let path = req.uri().path().to_string();
     match (req.method(), path.as_str()) {
         (&Method::GET, "/") => asset(INDEX_HTML, "text/html; charset=utf-8"),
@@ -168,6 +172,65 @@ fn authorized<B>(token: Option<&str>, req: &Request<B>) -> bool {
     let query = query_param(req.uri(), "token");
     let given = header.map(str::to_string).or(query).unwrap_or_default();
     bool::from(given.as_bytes().ct_eq(token.as_bytes()))
+}
+
+/// Refuses what another web site could make a browser send. Without a
+/// token (allowed on loopback, as `siesta up` runs) `POST /api/models/...`
+/// is a CORS "simple request": any page the operator visits could stop or
+/// restart models. So a state-changing request whose `Origin` is not this
+/// listener's own (scheme-less `host:port`, as in `Host`), or whose
+/// `Sec-Fetch-Site` says it came from another site, is refused; the page's
+/// own `fetch` calls are same-origin and pass, and tools such as curl send
+/// neither header. Without a token every request must also name the
+/// listener by an IP literal or `localhost`: a DNS-rebinding page (its own
+/// name resolved to 127.0.0.1) is same-origin to the browser, and only its
+/// `Host` gives it away. With a token the token is the guard (a listener
+/// beyond loopback is reached by name).
+fn same_origin<B>(token: bool, req: &Request<B>) -> Result<(), String> {
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let host = header("host");
+    if !token && let Some(h) = host.filter(|h| !loopback_name(h)) {
+        return Err(format!(
+            "Host {h:?} is not an IP address or localhost: without a token the web listener answers only to those (DNS rebinding); open it as http://127.0.0.1:PORT/ or configure a token"
+        ));
+    }
+    if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
+        return Ok(());
+    }
+    cross_site(host, header("origin"), header("sec-fetch-site"))
+        .map_or(Ok(()), |why| Err(format!("cross-origin request refused ({why}): operations are accepted from this listener's own page or from tools, not from other web sites")))
+}
+
+/// Why a request comes from another site, if it says so: a `Sec-Fetch-Site`
+/// other than `same-origin` or `none` (typed by the user), or an `Origin`
+/// whose `host:port` is not the `Host` it was sent to.
+fn cross_site(host: Option<&str>, origin: Option<&str>, site: Option<&str>) -> Option<String> {
+    if let Some(site) = site.filter(|s| !matches!(*s, "same-origin" | "none")) {
+        return Some(format!("Sec-Fetch-Site: {site}"));
+    }
+    let origin = origin?;
+    let same = host.is_some_and(|h| origin_host(origin).eq_ignore_ascii_case(h));
+    (!same).then(|| format!("Origin {origin:?}, Host {:?}", host.unwrap_or_default()))
+}
+
+/// `http://host:port` → `host:port` (what a browser puts in `Host`);
+/// `null` and other opaque origins stay as they are and match no `Host`.
+fn origin_host(origin: &str) -> &str {
+    origin
+        .split_once("://")
+        .map_or(origin, |(_, rest)| rest.trim_end_matches('/'))
+}
+
+/// `Host` is an IP literal (`127.0.0.1:8081`, `[::1]:8081`) or `localhost`
+/// (or a name under it, which browsers resolve to loopback themselves).
+fn loopback_name(host: &str) -> bool {
+    let name = match host.rsplit_once(':') {
+        Some((n, port)) if port.bytes().all(|b| b.is_ascii_digit()) && !n.ends_with(':') => n,
+        _ => host,
+    };
+    let name = name.trim_start_matches('[').trim_end_matches(']');
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    name.parse::<std::net::IpAddr>().is_ok() || name == "localhost" || name.ends_with(".localhost")
 }
 
 /// A query parameter, percent-decoded.
@@ -246,6 +309,103 @@ mod tests {
         assert_eq!(query_param(&uri, "x"), None);
         let bad: hyper::Uri = "/?token=%4".parse().unwrap();
         assert_eq!(query_param(&bad, "token").as_deref(), Some("%4"));
+    }
+
+    fn post(host: Option<&str>, headers: &[(&str, &str)]) -> Request<()> {
+        let mut b = Request::builder()
+            .method(Method::POST)
+            .uri("/api/models/m/stop");
+        if let Some(h) = host {
+            b = b.header("host", h);
+        }
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(()).unwrap()
+    }
+
+    /// The page's own fetch (same origin) and tools (no Origin) pass.
+    #[test]
+    fn same_origin_and_tools_may_operate() {
+        let host = Some("127.0.0.1:8081");
+        assert_eq!(same_origin(false, &post(host, &[])), Ok(()));
+        let page = [
+            ("origin", "http://127.0.0.1:8081"),
+            ("sec-fetch-site", "same-origin"),
+        ];
+        assert_eq!(same_origin(false, &post(host, &page)), Ok(()));
+        let v6 = [("origin", "http://[::1]:8081")];
+        assert_eq!(same_origin(false, &post(Some("[::1]:8081"), &v6)), Ok(()));
+        let named = [("origin", "http://LocalHost:8081")];
+        assert_eq!(
+            same_origin(false, &post(Some("localhost:8081"), &named)),
+            Ok(())
+        );
+        assert_eq!(same_origin(false, &post(None, &[])), Ok(()));
+    }
+
+    /// Another site's page: refused by its Origin or its Sec-Fetch-Site.
+    #[test]
+    fn cross_origin_operations_are_refused() {
+        let host = Some("127.0.0.1:8081");
+        for headers in [
+            &[("origin", "http://evil.example")][..],
+            &[("origin", "http://127.0.0.1:9999")][..],
+            &[("origin", "null")][..],
+            &[("sec-fetch-site", "cross-site")][..],
+            &[("sec-fetch-site", "same-site")][..],
+        ] {
+            for token in [false, true] {
+                let err = same_origin(token, &post(host, headers)).unwrap_err();
+                assert!(err.contains("cross-origin"), "{headers:?}: {err}");
+            }
+        }
+        // Reads carry nothing another site could act with.
+        let get = Request::builder()
+            .uri("/api/models")
+            .header("host", "127.0.0.1:8081")
+            .header("origin", "http://evil.example")
+            .body(())
+            .unwrap();
+        assert_eq!(same_origin(false, &get), Ok(()));
+    }
+
+    /// Without a token a name other than localhost is a rebinding page.
+    #[test]
+    fn rebound_names_are_refused_without_a_token() {
+        let page = [("origin", "http://evil.example:8081")];
+        let err = same_origin(false, &post(Some("evil.example:8081"), &page)).unwrap_err();
+        assert!(err.contains("DNS rebinding"), "{err}");
+        let get = Request::builder()
+            .uri("/events")
+            .header("host", "evil.example:8081")
+            .body(())
+            .unwrap();
+        assert!(same_origin(false, &get).is_err());
+        assert_eq!(
+            same_origin(
+                true,
+                &post(Some("box.lan:8081"), &[("origin", "http://box.lan:8081")])
+            ),
+            Ok(()),
+            "with a token, a name is how a remote listener is reached"
+        );
+        for ok in [
+            "127.0.0.1",
+            "[::1]",
+            "[::1]:80",
+            "localhost.",
+            "a.localhost:1",
+        ] {
+            assert!(loopback_name(ok), "{ok}");
+        }
+        for bad in [
+            "evil.example",
+            "localhost.evil.example:80",
+            "127.0.0.1.nip.io",
+        ] {
+            assert!(!loopback_name(bad), "{bad}");
+        }
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! `/events`, the Watch stream as server-sent events, for tools other than
-//! the page: a snapshot first, one event per change with `id:` = revision,
-//! resume with `Last-Event-ID` or `?since=`; and the `/api` operations.
+//! the page: a snapshot first, one event per change with `id:` =
+//! `INCARNATION-REVISION`, resume with `Last-Event-ID` or `?since=` (an id
+//! of another incarnation or unreadable: a resync snapshot); and the `/api`
+//! operations.
 
 use siesta_tests::ctl as util;
 use siesta_tests::web as stack;
@@ -16,13 +18,19 @@ struct Events {
 }
 
 /// One event: (id, event name, data as JSON).
-type Event = (u64, String, Value);
+type Event = (String, String, Value);
+
+/// The revision an id names (`INCARNATION-REVISION`).
+fn rev(id: &str) -> u64 {
+    let (_, r) = id.split_once('-').expect("INCARNATION-REVISION");
+    r.parse().expect("a revision")
+}
 
 impl Events {
-    async fn open(url: &str, last_event_id: Option<u64>) -> Events {
+    async fn open(url: &str, last_event_id: Option<&str>) -> Events {
         let mut req = reqwest::Client::new().get(url);
         if let Some(id) = last_event_id {
-            req = req.header("last-event-id", id.to_string());
+            req = req.header("last-event-id", id);
         }
         let resp = req.send().await.expect("GET /events");
         assert_eq!(resp.status(), 200);
@@ -41,7 +49,7 @@ impl Events {
                     let (mut id, mut name, mut data) = (None, String::new(), None);
                     for line in block.lines() {
                         if let Some(v) = line.strip_prefix("id: ") {
-                            id = v.parse().ok();
+                            id = Some(v.to_string());
                         } else if let Some(v) = line.strip_prefix("event: ") {
                             name = v.to_string();
                         } else if let Some(v) = line.strip_prefix("data: ") {
@@ -82,16 +90,20 @@ async fn events_carry_revisions_and_resume_after_the_last_one() {
     let s = stack::stack(&fake_model("alpha", "none", &[], "")).await;
     let url = format!("{}/events", s.web);
     let mut ev = Events::open(&url, None).await;
-    let (rev0, name, snap) = ev.next().await;
+    let (id0, name, snap) = ev.next().await;
+    let rev0 = rev(&id0);
     assert_eq!(name, "snapshot");
     assert_eq!(snap["type"], "snapshot");
     assert_eq!(snap["revision"], rev0);
     assert_eq!(snap["models"][0]["name"], "alpha");
     assert_eq!(snap["models"][0]["state"], "stopped");
 
-    // A wake through the API: the same call as the Wake RPC.
+    // A wake through the API: the same call as the Wake RPC, sent as the
+    // page's own fetch is (its Origin is the listener's).
     let r = reqwest::Client::new()
         .post(format!("{}/api/models/alpha/wake", s.web))
+        .header("origin", &s.web)
+        .header("sec-fetch-site", "same-origin")
         .send()
         .await
         .unwrap();
@@ -99,7 +111,7 @@ async fn events_carry_revisions_and_resume_after_the_last_one() {
     let op: Value = r.json().await.unwrap();
     assert_eq!(op["model"]["name"], "alpha");
     let seen = ev.until("alpha", "awake").await;
-    let ids: Vec<u64> = seen.iter().map(|e| e.0).collect();
+    let ids: Vec<u64> = seen.iter().map(|e| rev(&e.0)).collect();
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "ids increase: {ids:?}");
     assert!(ids[0] > rev0, "{ids:?} after {rev0}");
     let states: Vec<&str> = seen
@@ -109,20 +121,61 @@ async fn events_carry_revisions_and_resume_after_the_last_one() {
         .collect();
     assert!(states.contains(&"starting"), "{states:?}");
 
-    // Resuming after the first of them replays the rest, in order.
-    let first = ids[0];
-    let mut again = Events::open(&url, Some(first)).await;
+    // Resuming after the first of them (an id of this incarnation)
+    // replays the rest, in order.
+    let first = seen[0].0.clone();
+    let mut again = Events::open(&url, Some(&first)).await;
     let replay = again.until("alpha", "awake").await;
-    let replay_ids: Vec<u64> = replay.iter().map(|e| e.0).collect();
+    let replay_ids: Vec<u64> = replay.iter().map(|e| rev(&e.0)).collect();
     assert_eq!(replay_ids, ids[1..], "Last-Event-ID {first}");
     let mut q = Events::open(&format!("{url}?since={first}"), None).await;
-    assert_eq!(q.next().await.0, ids[1], "?since={first}");
+    assert_eq!(rev(&q.next().await.0), ids[1], "?since={first}");
 
-    // A resume point that is not a number is refused, naming it.
-    let r = reqwest::get(format!("{url}?since=abc")).await.unwrap();
-    assert_eq!(r.status(), 400);
-    let text = r.text().await.unwrap();
-    assert!(text.contains("since \\\"abc\\\""), "{text}");
+    // An id of another incarnation (revisions restart at 1 in a new
+    // process), a bare revision or an unreadable one: a resync snapshot
+    // first, never the events after a revision that means something else.
+    let (incarnation, _) = first.split_once('-').unwrap();
+    let earlier = incarnation.parse::<i64>().unwrap() - 60_000;
+    let other = format!("{earlier}-{}", ids[0]);
+    let bare = ids[0].to_string();
+    for (last, query) in [
+        (Some(other.as_str()), ""),
+        (None, &*format!("?since={other}")),
+        (Some(bare.as_str()), ""),
+        (None, "?since=abc"),
+    ] {
+        let mut r = Events::open(&format!("{url}{query}"), last).await;
+        let (_, name, snap) = r.next().await;
+        assert_eq!(name, "snapshot", "{last:?} {query}");
+        assert_eq!(snap["resync"], true, "{last:?} {query}");
+        assert_eq!(snap["models"][0]["state"], "awake", "{last:?} {query}");
+    }
+
+    // Another web site's page cannot operate (no token on loopback: a
+    // POST is a CORS simple request): 403 naming why, and nothing stops.
+    for (header, value) in [
+        ("origin", "http://evil.example"),
+        ("sec-fetch-site", "cross-site"),
+    ] {
+        let r = reqwest::Client::new()
+            .post(format!("{}/api/models/alpha/stop", s.web))
+            .header(header, value)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403, "{header}: {value}");
+        let body: Value = r.json().await.unwrap();
+        let msg = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains("cross-origin"), "{msg}");
+    }
+    // A DNS-rebinding page names the listener by its own name.
+    let r = reqwest::Client::new()
+        .post(format!("{}/api/models/alpha/stop", s.web))
+        .header("host", "evil.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403, "Host evil.example");
 
     // Operations answer as the RPC does: unknown models are 404.
     let r = reqwest::Client::new()
@@ -143,7 +196,10 @@ async fn events_carry_revisions_and_resume_after_the_last_one() {
         .json()
         .await
         .unwrap();
-    assert_eq!(models["models"][0]["state"], "awake");
+    assert_eq!(
+        models["models"][0]["state"], "awake",
+        "not stopped by the refused POSTs"
+    );
     let history = format!("{}/api/history", s.web);
     siesta_tests::wait_until("the start in /api/history", LONG, || async {
         let h: Value = reqwest::get(&history).await.unwrap().json().await.unwrap();

@@ -60,6 +60,26 @@ async fn since_revision_resumes_or_resyncs() {
     }
 }
 
+/// A resume point from another process (its revisions, which restarted
+/// at 1, may well be kept here): a snapshot marked resync, then live.
+#[tokio::test]
+async fn subscribe_resync_starts_with_a_resync_snapshot_even_when_kept() {
+    let hub = Hub::new(Clock::new(), 100, 16);
+    for i in 0..3 {
+        hub.publish_model(status("a", i));
+    }
+    let mut sub = hub.subscribe_resync().unwrap();
+    let item = sub.next().await.unwrap();
+    let Body::Snapshot(s) = &item.body else {
+        panic!("a snapshot first")
+    };
+    assert!(s.resync);
+    assert_eq!(item.revision, 3);
+    assert_eq!(s.models.len(), 1);
+    hub.publish_model(status("a", 9));
+    assert_eq!(sub.next().await.unwrap().revision, 4);
+}
+
 #[tokio::test]
 async fn slow_subscriber_is_resynced_and_blocks_nobody() {
     let hub = Hub::new(Clock::new(), 1000, 4);

@@ -41,8 +41,10 @@ struct EngineLabels {
     gpu: String,
 }
 
-/// Every state a model can be in, so each gets a 0/1 series.
-const STATES: [pb::ModelState; 8] = [
+/// Every state a model can be in, so each gets a 0/1 series (a state left
+/// out here exports 0 everywhere while a model is in it; the test below
+/// checks this list against every `ModelState`).
+const STATES: [pb::ModelState; 10] = [
     pb::ModelState::Stopped,
     pb::ModelState::Starting,
     pb::ModelState::Awake,
@@ -51,9 +53,23 @@ const STATES: [pb::ModelState; 8] = [
     pb::ModelState::Waking,
     pb::ModelState::Stopping,
     pb::ModelState::Failed,
+    pb::ModelState::Suspending,
+    pb::ModelState::Suspended,
 ];
 
 type G = Gauge<i64>;
+
+/// One 0/1 `model_state` series per state for `model`: 1 for `now`.
+fn set_states(family: &Family<StateLabels, G>, model: &str, now: pb::ModelState) {
+    for st in STATES {
+        family
+            .get_or_create(&StateLabels {
+                model: model.to_string(),
+                state: st.label(),
+            })
+            .set(i64::from(st == now));
+    }
+}
 type GBytes = Gauge<u64, AtomicU64>;
 
 /// The text exposition of every control-plane metric.
@@ -99,15 +115,7 @@ pub fn encode(
         calibrated.clone(),
     );
     for m in &models {
-        let s = m.state();
-        for st in STATES {
-            state
-                .get_or_create(&StateLabels {
-                    model: m.name.clone(),
-                    state: st.label(),
-                })
-                .set(i64::from(st == s));
-        }
+        set_states(&state, &m.name, m.state());
         let ml = ModelLabels {
             model: m.name.clone(),
         };
@@ -183,4 +191,45 @@ pub fn encode(
     admission.encode(&mut out);
     let _ = prometheus_client::encoding::text::encode_eof(&mut out);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::{State, test_status};
+
+    /// A suspended model's status, as the hub holds it, in the exposition.
+    #[test]
+    fn a_suspended_model_exports_its_state() {
+        let mut s = test_status("m", 0);
+        s.state = State::Suspended;
+        let family = Family::<StateLabels, G>::default();
+        let mut reg = Registry::with_prefix("siesta_control");
+        reg.register("model_state", "state", family.clone());
+        set_states(&family, "m", model_status(&s).state());
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode_registry(&mut out, &reg).unwrap();
+        assert!(
+            out.contains("siesta_control_model_state{model=\"m\",state=\"suspended\"} 1"),
+            "{out}"
+        );
+        assert!(
+            out.contains("siesta_control_model_state{model=\"m\",state=\"suspending\"} 0"),
+            "{out}"
+        );
+        assert!(out.contains("state=\"stopped\"} 0"), "{out}");
+    }
+
+    /// Every state but `unknown` has a series, so none exports all zeros.
+    #[test]
+    fn every_state_has_a_series() {
+        let all: Vec<pb::ModelState> = (0..64)
+            .filter_map(|i| pb::ModelState::try_from(i).ok())
+            .filter(|s| *s != pb::ModelState::Unspecified)
+            .collect();
+        assert_eq!(all.len(), STATES.len(), "{all:?}");
+        for s in all {
+            assert!(STATES.contains(&s), "{s:?} has no model_state series");
+        }
+    }
 }

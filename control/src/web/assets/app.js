@@ -1,9 +1,9 @@
 // siesta status page: live from the control plane's /events (server-sent
-// Watch events, resumed by revision), operations through /api/models/...
+// Watch events, resumed by event id), operations through /api/models/...
 "use strict";
 
 const token = new URLSearchParams(location.search).get("token") || "";
-const S = { models: new Map(), gpus: null, revision: 0, control: "", history: null };
+const S = { models: new Map(), gpus: null, revision: 0, lastId: "", control: "", history: null };
 // What arrived when, for tools and tests: {model, state, sleep_level, held,
 // held_shown (the row's held cell once rendered), revision, event_at, seen_at}.
 window.siesta = { seen: [] };
@@ -223,14 +223,17 @@ function setConn(state, text) {
 
 let source = null;
 function connect() {
-  const url = withToken(S.revision ? `/events?since=${S.revision}` : "/events");
+  // Resume from the last event's id (INCARNATION-REVISION), not the bare
+  // revision: after a control plane restart revisions start again at 1, and
+  // an id of the old process gets a fresh snapshot instead of a gap.
+  const url = withToken(S.lastId ? `/events?since=${encodeURIComponent(S.lastId)}` : "/events");
   source = new EventSource(url);
   source.onopen = () => setConn("live", "live");
   source.onerror = () => {
     setConn("reconnecting", "reconnecting…");
     if (source.readyState === EventSource.CLOSED) setTimeout(connect, 2000);
   };
-  const take = (e) => { const ev = JSON.parse(e.data); S.revision = ev.revision; S.control = ev.control_id; return ev; };
+  const take = (e) => { const ev = JSON.parse(e.data); S.revision = ev.revision; S.lastId = e.lastEventId; S.control = ev.control_id; return ev; };
   source.addEventListener("snapshot", (e) => {
     const ev = take(e);
     S.models = new Map(ev.models.map(m => [m.name, m]));
