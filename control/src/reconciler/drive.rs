@@ -148,7 +148,10 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             fx.push(Effect::ReleaseStartLock);
             m.last_error = Some(error);
             m.demand_since = None;
-            set_intent(m, Desired::Stopped, Reason::Eviction, now);
+            // A pin still wants it awake: it asks again (reconcile below).
+            if m.pin == Pin::None {
+                set_intent(m, Desired::Stopped, Reason::Eviction, now);
+            }
             set_phase(m, Phase::Stopped, now);
         }
         Phase::Starting { .. } => fail(m, "start timed out".into(), now, fx),
@@ -181,7 +184,11 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
                 // tier, which needs no wake, keeps to the idle clock.
                 m.deepen_after = Some(now + now.saturating_duration_since(m.idle_start()));
             }
-            set_intent(m, Desired::Asleep(from_level), Reason::Eviction, now);
+            // A pin still wants it awake: it asks again (reconcile below),
+            // rather than being left asleep with the pin shown in force.
+            if m.pin == Pin::None {
+                set_intent(m, Desired::Asleep(from_level), Reason::Eviction, now);
+            }
             set_phase(m, Phase::Asleep { level: from_level }, now);
         }
         Phase::Waking { from_level, .. } => fail(

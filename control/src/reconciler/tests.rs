@@ -790,6 +790,51 @@ fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
     assert!(matches!(s.m.phase, Phase::Waking { .. }));
 }
 
+/// A pinned model whose wake found no room keeps its pin's intent and asks
+/// again: it was left asleep, `siesta get` showing the pin in force, until
+/// some request came.
+#[test]
+fn a_pinned_model_whose_wake_found_no_room_asks_again() {
+    let mut s = Sim::new(Preload::Asleep);
+    s.m.settings.tiers.clear();
+    s.boot();
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    s.ev(Event::Pin(None));
+    assert!(
+        matches!(
+            s.m.phase,
+            Phase::Waking {
+                admitted: false,
+                ..
+            }
+        ),
+        "{:?}",
+        s.m.phase
+    );
+    let epoch = s.m.epoch;
+    s.advance(ROOM_WAIT);
+    assert!(s.m.last_error.as_deref().unwrap().contains("no room"));
+    assert_eq!(
+        (s.m.intent.desired, s.m.intent.reason),
+        (Desired::Awake, Reason::Pin)
+    );
+    assert!(
+        matches!(
+            s.m.phase,
+            Phase::Waking {
+                admitted: false,
+                ..
+            }
+        ) && s.m.epoch > epoch,
+        "asks for room again: {:?}",
+        s.m.phase
+    );
+    // Room at last: awake, as pinned.
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    s.wake_all();
+    assert_eq!(s.m.phase, Phase::Awake);
+}
+
 /// A start waits for room on its GPUs like a wake, and gives up like one:
 /// stopped, the demand cleared, no failure counted, the reason in
 /// `last_error`. (It timed out after twice the start timeout, counted as a
