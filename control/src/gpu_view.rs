@@ -157,9 +157,16 @@ impl GpuView {
     /// config's list), loads the saved P2P results, runs the P2P probe when
     /// `[control] p2p_probe = "start"`, and places every model.
     ///
+    /// `keep`: the GPUs engines left by the previous control plane were
+    /// placed on (see [`crate::store::Store::engine_gpus`]). They are kept
+    /// where the configuration still fits that way, as a reload keeps
+    /// running models: a placement made afresh may differ (after a reload
+    /// removed a model, say), change an engine's `CUDA_VISIBLE_DEVICES`,
+    /// and make recovery stop an engine it should adopt.
+    ///
     /// Blocking (NVML, and the probe up to its deadline): call it from
     /// `spawn_blocking` or outside any runtime, never from async code.
-    pub fn detect(config: &Config) -> GpuView {
+    pub fn detect(config: &Config, keep: &BTreeMap<String, Vec<u32>>) -> GpuView {
         let source = source_for(config);
         let inventory = source.snapshot();
         let view = GpuView {
@@ -189,7 +196,7 @@ impl GpuView {
         if view.probe.at_start {
             view.probe_at_start();
         }
-        match view.plan(config, &BTreeMap::new()) {
+        match view.plan(config, keep) {
             Ok(planned) => view.apply(config, planned),
             Err(e) => {
                 tracing::error!(error = %e, "configuration refused: a model can never fit its GPUs");

@@ -407,6 +407,7 @@ mod tests {
             suspended: false,
             suspended_pids: Vec::new(),
             spawned_unix_ms: 0,
+            gpus: Vec::new(),
         }
     }
 
@@ -473,6 +474,49 @@ mod tests {
             IntentRecord::from_state(&m, &clock).restart_asked_unix_ms,
             0
         );
+    }
+
+    /// A control plane restarted after a reload that removed `z` (pinned
+    /// to GPU 0, exclusive): `a`'s engine, spawned on GPU 1 under v1, is
+    /// adopted, its recorded GPUs kept by start-up placement; placed
+    /// afresh (GPU 0), it was stopped for a command it never changed.
+    #[test]
+    fn an_engine_kept_by_a_reload_is_adopted_after_a_restart() {
+        use crate::placement::{Machine, Planned, place_config};
+        let two =
+            "[[gpu]]\nindex = 0\nmemory = \"80GiB\"\n[[gpu]]\nindex = 1\nmemory = \"80GiB\"\n";
+        let a = "[[model]]\nname = \"a\"\nmodel = \"m\"\ngpu_memory = 0.5\n";
+        let z = "[[model]]\nname = \"z\"\nmodel = \"m\"\ngpu_ids = [0]\nexclusive = true\n";
+        let v1 = Config::parse(&format!("{two}{z}{a}"), "v1.toml").unwrap();
+        let v2 = Config::parse(&format!("{two}{a}"), "v2.toml").unwrap();
+        let machine = Machine::uniform(2, 80 << 30);
+        let placed =
+            |c: &Config, keep: &BTreeMap<String, Vec<u32>>| match place_config(c, &machine, keep)
+                .unwrap()
+            {
+                Planned::Placed(p) => p
+                    .iter()
+                    .map(|p| (p.model.clone(), p.placed()))
+                    .collect::<BTreeMap<_, _>>(),
+                other => panic!("{other:?}"),
+            };
+        // Spawned under v1, on GPU 1, and recorded so.
+        let on_v1 = placed(&v1, &BTreeMap::new())["a"].clone();
+        assert_eq!(on_v1.gpus, [1]);
+        let cfg = v2.models.iter().find(|m| m.name == "a").unwrap();
+        let mut rec = record(1, 1, "t");
+        rec.command_hash = command_hash(&spawn_spec(cfg, rec.port, &on_v1));
+        rec.gpus = on_v1.gpus.clone();
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        assert!(store.set_engine("a", &rec));
+        // The restart: v2 placed with the recorded GPUs kept.
+        let kept = placed(&v2, &store.engine_gpus());
+        assert_eq!(unwanted(&rec, Some(cfg), &kept, None), None);
+        // Placed afresh, the engine would have been stopped.
+        let fresh = placed(&v2, &BTreeMap::new());
+        let why = unwanted(&rec, Some(cfg), &fresh, None);
+        assert!(why.is_some_and(|w| w.contains("command line")), "{why:?}");
     }
 
     #[test]

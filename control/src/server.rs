@@ -14,6 +14,7 @@ use crate::store::Store;
 use crate::supervisor::StartLocks;
 use crate::{Config, Error};
 use siesta_proto::v1 as pb;
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -149,7 +150,8 @@ impl Server {
         // Every Watch event is encoded once, as it is published.
         crate::api::watch::install_encoder(&hub, config.control.control_id.clone());
         let cfg = config.clone();
-        let detect = tokio::task::spawn_blocking(move || GpuView::detect(&cfg));
+        let recorded = recorded_gpus(&store);
+        let detect = tokio::task::spawn_blocking(move || GpuView::detect(&cfg, &recorded));
         let Some(detected) = unless_shut_down(&shutdown, "GPU detection", detect).await else {
             return Ok(());
         };
@@ -280,6 +282,18 @@ async fn unless_shut_down<T>(
         }
         done = run => Some(done),
     }
+}
+
+/// Where the engines a previous control plane left were placed: start-up
+/// placement keeps them there where it still fits, so recovery finds their
+/// command unchanged and adopts them (placed afresh, a model may land on
+/// other GPUs than its running engine's, and that engine would be stopped).
+fn recorded_gpus(store: &Store) -> BTreeMap<String, Vec<u32>> {
+    let recorded = store.engine_gpus();
+    if !recorded.is_empty() {
+        tracing::info!(engines = ?recorded, "placing recorded engines on their GPUs where they still fit");
+    }
+    recorded
 }
 
 /// SIGHUP re-reads the configuration file, as the `Reload` RPC does.

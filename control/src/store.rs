@@ -26,6 +26,7 @@ pub use records::{CalibrationRecord, EngineRecord, IntentRecord};
 use redb::{Database, ReadableTable, TableDefinition, TableHandle};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -243,6 +244,18 @@ impl Store {
     /// Every engine record.
     pub fn engines(&self) -> Vec<(String, EngineRecord)> {
         self.read_all(ENGINES)
+    }
+
+    /// The GPUs each recorded engine was placed on: what start-up placement
+    /// keeps, so engines left running are adopted where they run. Records
+    /// without GPUs (from before they were recorded, or engines without
+    /// any) are left out: those models are placed afresh.
+    pub fn engine_gpus(&self) -> BTreeMap<String, Vec<u32>> {
+        self.engines()
+            .into_iter()
+            .filter(|(_, r)| !r.gpus.is_empty())
+            .map(|(name, r)| (name, r.gpus))
+            .collect()
     }
 
     /// Records a model's engine; false when the write failed.

@@ -73,7 +73,7 @@ struct World {
 
 impl World {
     fn new(cfg: &Config) -> Option<World> {
-        let view = Arc::new(GpuView::detect(cfg));
+        let view = Arc::new(GpuView::detect(cfg, &Default::default()));
         if view.placement_failed() {
             return None;
         }

@@ -96,7 +96,7 @@ fn p2p_probe_keys_parse_with_defaults() {
 fn saved_results_decide_p2p_at_start() {
     let dir = tempfile::tempdir().unwrap();
     save(dir.path(), &[(0, 1, P2pHealth::Corrupt)]);
-    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""), &BTreeMap::new());
     let placed = view.placed();
     assert!(placed["tp01"].p2p_disabled, "0→1 is corrupt");
     assert!(!placed["tp12"].p2p_disabled, "1↔2 is ok");
@@ -132,7 +132,7 @@ fn saved_results_decide_p2p_at_start() {
 #[test]
 fn without_results_tp_groups_run_with_p2p_off() {
     let dir = tempfile::tempdir().unwrap();
-    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""), &BTreeMap::new());
     assert!(view.placed().values().all(|p| p.p2p_disabled));
     assert_eq!(view.list_gpus(&[]).p2p_probed_unix_ms, 0);
 }
@@ -141,15 +141,18 @@ fn without_results_tp_groups_run_with_p2p_off() {
 fn an_unreadable_file_or_a_failed_start_probe_is_not_fatal() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(persist::path_in(dir.path()), "{ not json").unwrap();
-    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""), &BTreeMap::new());
     assert!(view.list_gpus(&[]).p2p.is_empty());
     // p2p_probe = "start" where no probe can run (no binary next to the
     // test executable, or no CUDA): the saved results stay.
     save(dir.path(), &[(1, 2, P2pHealth::Hung)]);
-    let view = GpuView::detect(&config(
-        dir.path(),
-        "p2p_probe = \"start\"\np2p_probe_timeout = \"20s\"",
-    ));
+    let view = GpuView::detect(
+        &config(
+            dir.path(),
+            "p2p_probe = \"start\"\np2p_probe_timeout = \"20s\"",
+        ),
+        &BTreeMap::new(),
+    );
     let placed = view.placed();
     assert!(!placed["tp01"].p2p_disabled);
     assert!(placed["tp12"].p2p_disabled);
@@ -161,7 +164,7 @@ async fn diag_p2p_without_a_probe_says_why_and_keeps_results() {
     let dir = tempfile::tempdir().unwrap();
     save(dir.path(), &[(0, 1, P2pHealth::Corrupt)]);
     let cfg = config(dir.path(), "p2p_probe = \"off\"");
-    let view = tokio::task::spawn_blocking(move || GpuView::detect(&cfg))
+    let view = tokio::task::spawn_blocking(move || GpuView::detect(&cfg, &BTreeMap::new()))
         .await
         .unwrap();
     let r = view.diag_p2p(0, Duration::from_secs(20), 99).await;
@@ -176,7 +179,7 @@ async fn diag_p2p_without_a_probe_says_why_and_keeps_results() {
 fn a_new_verdict_reaches_the_next_start_without_moving_models() {
     let dir = tempfile::tempdir().unwrap();
     save(dir.path(), &[]);
-    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""), &BTreeMap::new());
     assert!(!view.placed()["tp01"].p2p_disabled);
     let mut results: Vec<_> = view.state.lock().unwrap().p2p.results().cloned().collect();
     results
@@ -193,7 +196,7 @@ fn a_new_verdict_reaches_the_next_start_without_moving_models() {
         .unwrap()
         .unwrap();
     assert_eq!(saved.probed_unix_ms, 5678);
-    let again = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    let again = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""), &BTreeMap::new());
     assert!(again.placed()["tp01"].p2p_disabled);
 }
 
@@ -202,7 +205,10 @@ async fn admission_hands_the_current_p2p_switch_to_the_next_start() {
     use crate::admission::{Admission, AdmissionPolicy};
     let dir = tempfile::tempdir().unwrap();
     save(dir.path(), &[]);
-    let view = std::sync::Arc::new(GpuView::detect(&config(dir.path(), "p2p_probe = \"off\"")));
+    let view = std::sync::Arc::new(GpuView::detect(
+        &config(dir.path(), "p2p_probe = \"off\""),
+        &BTreeMap::new(),
+    ));
     let admission = Admission::start(
         view.clone(),
         crate::hub::Hub::new(crate::status::Clock::new(), 16, 16),
@@ -262,17 +268,20 @@ fn an_engines_residual_is_the_memory_of_its_process_group_per_gpu() {
 #[test]
 fn residuals_default_by_tensor_parallel_size_until_measured() {
     let dir = tempfile::tempdir().unwrap();
-    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""));
+    let view = GpuView::detect(&config(dir.path(), "p2p_probe = \"off\""), &BTreeMap::new());
     let r = view.residual_of("tp01");
     assert_eq!(
         (r.bytes, r.measured),
         (5 << 29, false),
         "TP=2: 2.5 GiB per GPU"
     );
-    let view = GpuView::detect(&config(
-        dir.path(),
-        "p2p_probe = \"off\"\nasleep_residual = \"3GiB\"",
-    ));
+    let view = GpuView::detect(
+        &config(
+            dir.path(),
+            "p2p_probe = \"off\"\nasleep_residual = \"3GiB\"",
+        ),
+        &BTreeMap::new(),
+    );
     assert_eq!(view.residual_of("tp01").bytes, 3 << 30, "configured");
     // No NVML here: nothing to measure.
     assert_eq!(view.measure_residual("tp01", std::process::id()), None);
@@ -299,7 +308,7 @@ fn an_engine_that_keeps_half_its_memory_asleep_does_not_really_sleep() {
 fn apply_replaces_placements_and_residuals() {
     let dir = tempfile::tempdir().unwrap();
     let old = config(dir.path(), "p2p_probe = \"off\"");
-    let view = GpuView::detect(&old);
+    let view = GpuView::detect(&old, &BTreeMap::new());
     if view.placement_failed() {
         eprintln!("skipped: the inventory is not the config's here");
         return;
@@ -428,4 +437,49 @@ fn a_failed_model_counts_until_its_engine_is_gone_and_attached_always() {
     let why = models[0].waiting_for.as_deref().unwrap_or_default();
     assert!(why.contains("processes to exit"), "{why}");
     assert_eq!(models[1].waiting_for, None);
+}
+
+/// Two 80 GiB GPUs by hand, with `models`.
+fn two_gpus(dir: &std::path::Path, models: &str) -> Config {
+    let text = format!(
+        "[control]\nstate_dir = \"{}\"\np2p_probe = \"off\"\n\
+         [[gpu]]\nindex = 0\nmemory = \"80GiB\"\n[[gpu]]\nindex = 1\nmemory = \"80GiB\"\n{models}",
+        dir.display()
+    );
+    Config::parse(&text, "test.toml").unwrap()
+}
+
+/// A restart after a reload removed `z` (pinned to GPU 0, exclusive): the
+/// engine of `a` runs on GPU 1, as recorded. Start-up placement keeps it
+/// there (afresh it would take GPU 0, and recovery would stop the engine
+/// for a changed `CUDA_VISIBLE_DEVICES`).
+#[test]
+fn start_up_places_recorded_engines_where_they_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let v2 = two_gpus(
+        dir.path(),
+        "[[model]]\nname = \"a\"\nmodel = \"m\"\ngpu_memory = 0.5\n",
+    );
+    let fresh = GpuView::detect(&v2, &BTreeMap::new());
+    if fresh.list_gpus(&[]).source != InventorySource::Config {
+        eprintln!("skipped: the inventory is not the config's here (NVML)");
+        return;
+    }
+    assert_eq!(fresh.placed_one("a").unwrap().gpus, [0]);
+    let recorded = BTreeMap::from([("a".to_string(), vec![1])]);
+    let view = GpuView::detect(&v2, &recorded);
+    assert_eq!(view.placed_one("a").unwrap().gpus, [1]);
+    assert_eq!(view.current_gpus(), recorded);
+    // A recorded set that no longer fits the model (now TP=2) is ignored.
+    let tp = two_gpus(
+        dir.path(),
+        "[[model]]\nname = \"a\"\nmodel = \"m\"\ngpus = 2\n",
+    );
+    assert_eq!(
+        GpuView::detect(&tp, &recorded)
+            .placed_one("a")
+            .unwrap()
+            .gpus,
+        [0, 1]
+    );
 }

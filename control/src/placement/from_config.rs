@@ -3,7 +3,7 @@
 //! configurations with the same message (`FILE: model[i].KEY: model "NAME":
 //! ...` with the arithmetic).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::{Machine, MemoryNeed, ModelNeeds, Placement, PlacementErrors, Policy, place};
 use crate::config::{Config, ConfigError, GpuMemory, ModelConfig, Problem};
@@ -48,9 +48,10 @@ pub enum Planned {
 /// Places every model of `config` on `machine`, or refuses with one
 /// problem per model that can never be placed, naming the file and key.
 ///
-/// `keep`: GPUs models already run on (a reload): each model whose needs
-/// allow it is kept there if the whole configuration still fits that way;
-/// otherwise everything is placed afresh.
+/// `keep`: GPUs models already run on (a reload, or the engines recorded
+/// at a restart): each model whose needs allow it is kept there if the
+/// whole configuration still fits that way, else as many as fit are (see
+/// [`place_keeping`]); the others are placed afresh.
 pub fn place_config(
     config: &Config,
     machine: &Machine,
@@ -61,33 +62,82 @@ pub fn place_config(
     }
     let policy = policy_of(config);
     let needs: Vec<ModelNeeds> = config.models.iter().map(needs_of).collect();
-    if !keep.is_empty() {
-        let kept: Vec<ModelNeeds> = needs
-            .iter()
-            .map(|n| match keep.get(&n.name) {
-                Some(g) if n.pinned_gpus.is_empty() && g.len() == n.gpus as usize => ModelNeeds {
-                    pinned_gpus: g.clone(),
-                    ..n.clone()
-                },
-                _ => n.clone(),
-            })
-            .collect();
-        if let Ok(mut placed) = place(machine, &kept, &policy) {
-            for p in &mut placed {
-                let was_free = needs
-                    .iter()
-                    .any(|n| n.name == p.model && n.pinned_gpus.is_empty());
-                if was_free {
-                    let pinned = format!("(pinned to {})", super::list(&p.gpus));
-                    p.reason = p.reason.replacen(&pinned, "(kept where it runs)", 1);
-                }
+    if let Some(mut placed) = place_keeping(machine, &needs, keep, &policy) {
+        for p in &mut placed {
+            let was_free = needs
+                .iter()
+                .any(|n| n.name == p.model && n.pinned_gpus.is_empty());
+            if was_free {
+                let pinned = format!("(pinned to {})", super::list(&p.gpus));
+                p.reason = p.reason.replacen(&pinned, "(kept where it runs)", 1);
             }
-            return Ok(Planned::Placed(placed));
         }
+        return Ok(Planned::Placed(placed));
     }
     place(machine, &needs, &policy)
         .map(Planned::Placed)
         .map_err(|e| refusal(config, e))
+}
+
+/// Whether `n` may be kept on `gpus`: not pinned by the configuration, and
+/// asking for as many GPUs as it runs on.
+fn keepable(n: &ModelNeeds, gpus: &[u32]) -> bool {
+    n.pinned_gpus.is_empty() && !gpus.is_empty() && gpus.len() == n.gpus as usize
+}
+
+/// `needs` with the models named in `kept` pinned to their GPUs in `keep`.
+fn pin_kept(
+    needs: &[ModelNeeds],
+    keep: &BTreeMap<String, Vec<u32>>,
+    kept: &BTreeSet<&str>,
+) -> Vec<ModelNeeds> {
+    needs
+        .iter()
+        .map(|n| match keep.get(&n.name) {
+            Some(g) if kept.contains(n.name.as_str()) => ModelNeeds {
+                pinned_gpus: g.clone(),
+                ..n.clone()
+            },
+            _ => n.clone(),
+        })
+        .collect()
+}
+
+/// Places `needs` keeping the models of `keep` on their GPUs: all of them
+/// if that fits, else as many as fit, added one at a time by name, so one
+/// model that cannot stay (a model now pinned where it ran) does not move
+/// every other running engine (a move restarts an engine; at a restart of
+/// the control plane it stops an engine recovery would adopt). None: no
+/// model can be kept, place afresh.
+fn place_keeping(
+    machine: &Machine,
+    needs: &[ModelNeeds],
+    keep: &BTreeMap<String, Vec<u32>>,
+    policy: &Policy,
+) -> Option<Vec<Placement>> {
+    let candidates: BTreeSet<&str> = needs
+        .iter()
+        .filter(|n| keep.get(&n.name).is_some_and(|g| keepable(n, g)))
+        .map(|n| n.name.as_str())
+        .collect();
+    if candidates.is_empty() {
+        return None;
+    }
+    if let Ok(placed) = place(machine, &pin_kept(needs, keep, &candidates), policy) {
+        return Some(placed);
+    }
+    let mut kept = BTreeSet::new();
+    for name in candidates {
+        kept.insert(name);
+        if place(machine, &pin_kept(needs, keep, &kept), policy).is_err() {
+            tracing::info!(model = name, gpus = ?keep[name], "cannot keep a running model on its GPUs: placed afresh");
+            kept.remove(name);
+        }
+    }
+    if kept.is_empty() {
+        return None;
+    }
+    place(machine, &pin_kept(needs, keep, &kept), policy).ok()
 }
 
 /// Placement errors as configuration problems: `model[i].KEY`.

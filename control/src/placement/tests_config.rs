@@ -101,3 +101,67 @@ fn default_placement_carries_the_fraction_so_the_argv_keeps_it() {
     assert_eq!(p.gpus, [0]);
     assert_eq!(p.engine_args(), ["--gpu-memory-utilization", "0.4"]);
 }
+
+/// Config v1 `z` (pinned to GPU 0, exclusive) and `a`; v2 (a reload that
+/// removed `z`): only `a`, which runs on GPU 1.
+fn z_removed() -> (Config, Config) {
+    let two = "[[gpu]]\nindex = 0\nmemory = \"80GiB\"\n[[gpu]]\nindex = 1\nmemory = \"80GiB\"\n";
+    let a = model("a", "gpu_memory = 0.5");
+    let z = model("z", "gpu_ids = [0]\nexclusive = true");
+    let v1 = Config::parse(&format!("{two}{z}{a}"), "box.toml").unwrap();
+    let v2 = Config::parse(&format!("{two}{a}"), "box.toml").unwrap();
+    (v1, v2)
+}
+
+fn gpus_of(planned: Planned, name: &str) -> Vec<u32> {
+    match planned {
+        Planned::Placed(p) => p.into_iter().find(|p| p.model == name).unwrap().gpus,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// What a restart of the control plane after that reload places: afresh,
+/// `a` would land on GPU 0 and its running engine (on GPU 1) be stopped;
+/// given where it runs, it stays.
+#[test]
+fn a_restart_keeps_a_model_on_the_gpus_its_engine_runs_on() {
+    let machine = Machine::uniform(2, 80 * GIB);
+    let (v1, v2) = z_removed();
+    let none = BTreeMap::new();
+    assert_eq!(
+        gpus_of(place_config(&v1, &machine, &none).unwrap(), "a"),
+        [1]
+    );
+    assert_eq!(
+        gpus_of(place_config(&v2, &machine, &none).unwrap(), "a"),
+        [0]
+    );
+    let recorded = BTreeMap::from([("a".to_string(), vec![1])]);
+    assert_eq!(
+        gpus_of(place_config(&v2, &machine, &recorded).unwrap(), "a"),
+        [1]
+    );
+}
+
+/// One model that cannot stay where it ran (a model now pinned there,
+/// exclusive) no longer moves the others: those that fit stay.
+#[test]
+fn models_that_fit_where_they_run_stay_when_another_cannot() {
+    let machine = Machine::uniform(3, 80 * GIB);
+    let c = parse(&format!(
+        "[[gpu]]\nindex = 1\nmemory = \"80GiB\"\n[[gpu]]\nindex = 2\nmemory = \"80GiB\"\n{}{}{}",
+        model("a", "gpu_memory = 0.5"),
+        model("b", "gpu_memory = 0.3"),
+        model("c", "gpu_ids = [0]\nexclusive = true")
+    ));
+    let keep = BTreeMap::from([("a".to_string(), vec![2]), ("b".to_string(), vec![0])]);
+    let Planned::Placed(p) = place_config(&c, &machine, &keep).unwrap() else {
+        panic!("not placed")
+    };
+    let on = |m: &str| p.iter().find(|p| p.model == m).unwrap().gpus.clone();
+    assert_eq!(on("a"), [2], "{p:?}");
+    assert_ne!(on("b"), [0], "{p:?}");
+    assert_eq!(on("c"), [0]);
+    let a = p.iter().find(|p| p.model == "a").unwrap();
+    assert!(a.reason.contains("(kept where it runs)"), "{}", a.reason);
+}

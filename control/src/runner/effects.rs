@@ -263,6 +263,7 @@ impl Runner {
             suspended: false,
             suspended_pids: Vec::new(),
             spawned_unix_ms: self.shared.clock.now_ms(),
+            gpus: self.placed.gpus.clone(),
         };
         let old = self.proc.take();
         let (release_tx, release_rx) = oneshot::channel::<()>();

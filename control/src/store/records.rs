@@ -195,6 +195,13 @@ pub struct EngineRecord {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub suspended_pids: Vec<u32>,
     pub spawned_unix_ms: i64,
+    /// The GPUs it was placed on (its `CUDA_VISIBLE_DEVICES`): a restarted
+    /// control places the model there again where that still fits, so its
+    /// command hash still matches and the engine is adopted, not stopped.
+    /// Empty in records from before this field (placed afresh) and for
+    /// engines without GPUs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<u32>,
 }
 
 /// One moving average.

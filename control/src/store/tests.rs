@@ -22,6 +22,7 @@ fn engine(pid: u32, proc_gen: u64) -> EngineRecord {
         suspended: false,
         suspended_pids: Vec::new(),
         spawned_unix_ms: 1,
+        gpus: Vec::new(),
     }
 }
 
@@ -305,4 +306,26 @@ async fn writes_work_from_workers_blocking_threads_and_block_on() {
         .unwrap();
     assert!(s.set_engine("main", &engine(2, 1)));
     assert_eq!(s.engines().len(), 3);
+}
+
+/// Engine records from before the GPUs were recorded still load (no GPUs:
+/// their models are placed afresh at start-up, as before); new ones give
+/// start-up placement where their engines run.
+#[test]
+fn engine_records_without_gpus_load_and_are_not_kept() {
+    let old = r#"{"pid":7,"pgid":7,"port":8101,"start_time":1,"command_hash":"abc",
+        "tag":"t","proc_gen":1,"spawned_unix_ms":1}"#;
+    let rec: EngineRecord = serde_json::from_str(old).unwrap();
+    assert!(rec.gpus.is_empty());
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(dir.path()).unwrap();
+    assert!(store.set_engine("old", &rec));
+    let mut new = engine(8, 1);
+    new.gpus = vec![1, 2];
+    assert!(store.set_engine("new", &new));
+    assert_eq!(
+        store.engine_gpus(),
+        BTreeMap::from([("new".to_string(), vec![1, 2])])
+    );
+    assert_eq!(store.engine("new").unwrap().gpus, [1, 2]);
 }
