@@ -33,8 +33,8 @@ use crate::placement::default_placement;
 use crate::reconciler::Observed;
 use crate::store::{EngineRecord, IntentRecord, Store};
 use crate::supervisor::{
-    SWEEP_DEADLINE, TAG_ENV, command_hash, kill_group_leftovers, procfs, signal_group, spawn_spec,
-    state_marker, sweep_group, wait_gone,
+    SWEEP_DEADLINE, TAG_ENV, command_hash, kill_escaped, kill_group_leftovers, procfs,
+    signal_group, spawn_spec, state_marker, sweep_group, wait_gone,
 };
 use nix::sys::signal::Signal;
 use std::collections::{BTreeMap, BTreeSet};
@@ -59,7 +59,7 @@ pub struct Adopted {
 
 /// The leader of the recorded engine's process group, and its start time.
 /// None: the engine is gone, and whatever its group left behind was killed.
-fn locate(rec: &EngineRecord) -> Option<(u32, u64)> {
+fn locate(name: &str, rec: &EngineRecord) -> Option<(u32, u64)> {
     if rec.pid > 1 && procfs::alive(rec.pid, Some(rec.start_time)) && !foreign(rec.pid, rec) {
         return Some((rec.pid, rec.start_time));
     }
@@ -67,7 +67,7 @@ fn locate(rec: &EngineRecord) -> Option<(u32, u64)> {
     if rec.pid > 1 && rec.start_time != 0 {
         // The recorded leader is gone: whatever still carries the tag is
         // a leftover, even one that leads a group of its own.
-        sweep(rec, &tagged);
+        sweep(name, rec);
         return None;
     }
     // The first process started with the tag (a child that made a group
@@ -80,7 +80,7 @@ fn locate(rec: &EngineRecord) -> Option<(u32, u64)> {
     match leader {
         Some(found) => Some(found),
         None => {
-            sweep(rec, &tagged);
+            sweep(name, rec);
             None
         }
     }
@@ -103,8 +103,7 @@ fn foreign(pid: u32, rec: &EngineRecord) -> bool {
 /// memory): SIGKILL to the recorded group, found by its id, and to the
 /// group of every process still carrying the engine's tag (one that left
 /// the group keeps the tag in its environment).
-fn sweep(rec: &EngineRecord, tagged: &[u32]) {
-    let mut groups: Vec<u32> = tagged.iter().filter_map(|p| procfs::pgid(*p)).collect();
+fn sweep(name: &str, rec: &EngineRecord) {
     if rec.pgid > 1 && !foreign(rec.pgid, rec) {
         let left = procfs::group_members(rec.pgid);
         if !left.is_empty() {
@@ -112,12 +111,7 @@ fn sweep(rec: &EngineRecord, tagged: &[u32]) {
         }
         kill_group_leftovers(rec.pgid, (rec.pid == rec.pgid).then_some(rec.start_time));
     }
-    groups.sort_unstable();
-    groups.dedup();
-    for g in groups.into_iter().filter(|g| *g != rec.pgid) {
-        tracing::warn!(pgid = g, tag = %rec.tag, "killing leftover processes of a dead engine (found by its tag)");
-        signal_group(g, Signal::SIGKILL);
-    }
+    kill_escaped(name, &rec.tag, rec.pgid);
 }
 
 /// Live processes of a dead engine: those with its tag, and the members of
@@ -283,7 +277,7 @@ pub async fn recover(
     let records = store.engines();
     let recorded: BTreeSet<String> = records.iter().map(|(_, r)| r.tag.clone()).collect();
     for (name, rec) in records {
-        let Some((pid, start_time)) = locate(&rec) else {
+        let Some((pid, start_time)) = locate(&name, &rec) else {
             // Its killed leftovers may still hold GPU memory a new engine
             // of the model is about to ask for.
             let left = wait_gone(|| leftovers(&rec), SWEEP_DEADLINE).await;
@@ -532,13 +526,13 @@ mod tests {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        assert_eq!(locate(&record(0, 0, &tag)), Some((pid, start)));
+        assert_eq!(locate("x", &record(0, 0, &tag)), Some((pid, start)));
         // A recorded pid without its start time: the tag decides.
-        assert_eq!(locate(&record(pid, 0, &tag)), Some((pid, start)));
-        assert_eq!(locate(&record(pid, start, &tag)), Some((pid, start)));
+        assert_eq!(locate("x", &record(pid, 0, &tag)), Some((pid, start)));
+        assert_eq!(locate("x", &record(pid, start, &tag)), Some((pid, start)));
         child.kill().unwrap();
         child.wait().unwrap();
-        assert_eq!(locate(&record(pid, start, &tag)), None);
+        assert_eq!(locate("x", &record(pid, start, &tag)), None);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -644,7 +638,7 @@ mod tests {
             start,
             &format!("recovery-foreign-{}", std::process::id()),
         );
-        assert_eq!(locate(&rec), None);
+        assert_eq!(locate("x", &rec), None);
         assert!(leftovers(&rec).is_empty());
         std::thread::sleep(Duration::from_millis(100));
         assert!(
@@ -675,12 +669,12 @@ mod tests {
         };
         assert!(eventually(|| !elsewhere().is_empty()));
         // While the leader lives, it (the first started) is the engine.
-        assert_eq!(locate(&record(0, 0, &tag)), Some((pid, start)));
+        assert_eq!(locate("x", &record(0, 0, &tag)), Some((pid, start)));
         leader.kill().unwrap();
         leader.wait().unwrap();
         // The leftover leads a group of its own; it is still not the engine.
         assert!(!elsewhere().is_empty());
-        assert_eq!(locate(&record(pid, start, &tag)), None);
+        assert_eq!(locate("x", &record(pid, start, &tag)), None);
         assert!(
             eventually(|| procfs::pids_with_env(TAG_ENV, &tag).is_empty()),
             "tagged left: {:?}",

@@ -13,8 +13,8 @@ pub use adopt::{Leader, adopt};
 pub use argv::spawn_spec;
 pub(crate) use group::wait_gone;
 pub use group::{
-    SWEEP_DEADLINE, kill_engines_now, kill_group_leftovers, signal_group, state_dir_groups,
-    sweep_group,
+    SWEEP_DEADLINE, kill_engines_now, kill_escaped, kill_group_leftovers, signal_group,
+    state_dir_groups, sweep_group,
 };
 pub use logs::{LogLine, LogRing};
 pub(crate) use tail::{ENGINE_LOG_MAX, appends, fresh_log, tail};
@@ -390,14 +390,13 @@ mod tests {
         );
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn children_left_by_an_exited_engine_are_killed_with_its_group() {
-        let dir = tempfile::tempdir().unwrap();
-        // The leader exits when told, leaving two children (engine core and
-        // a TP worker, neither watching its parent) in its group.
-        let go = dir.path().join("go");
+    /// Spawns an engine leader (`sh`, tagged `tag`) that first runs
+    /// `children` in the background, then exits once the returned file
+    /// exists.
+    fn leader_until_told(dir: &Path, children: &str, tag: &str) -> (ProcHandle, PathBuf) {
+        let go = dir.join("go");
         let script = format!(
-            "sleep 600 & sleep 600 & while [ ! -e '{}' ]; do sleep 0.05; done",
+            "{children} while [ ! -e '{}' ]; do sleep 0.05; done",
             go.display()
         );
         let spec = SpawnSpec {
@@ -406,22 +405,46 @@ mod tests {
             env: vec![],
         };
         let logs = Arc::new(LogRing::new(10));
-        let h = spawn("m", &spec, "tag-exit", dir.path(), 1, logs, |_| {}).unwrap();
-        let pid = h.pid;
-        let two_children = || procfs::group_members(pid).len() >= 3;
+        let h = spawn("m", &spec, tag, dir, 1, logs, |_| {}).unwrap();
+        (h, go)
+    }
+
+    /// Polls `done` every 20 ms for up to 10 s.
+    async fn eventually(done: impl Fn() -> bool) -> bool {
         for _ in 0..500 {
-            if two_children() {
-                break;
+            if done() {
+                return true;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        assert!(two_children(), "{:?}", procfs::group_members(pid));
-        std::fs::write(&go, "").unwrap();
+        done()
+    }
+
+    /// Tells the leader to exit and waits (up to 20 s) until the engine
+    /// has ended: leader reaped, what it left killed and gone.
+    async fn end(h: &ProcHandle, go: &Path) {
+        std::fs::write(go, "").unwrap();
         let mut exited = h.exited.clone();
         tokio::time::timeout(Duration::from_secs(20), exited.wait_for(|e| *e))
             .await
             .unwrap()
             .unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn children_left_by_an_exited_engine_are_killed_with_its_group() {
+        let dir = tempfile::tempdir().unwrap();
+        // Two children (engine core and a TP worker, neither watching its
+        // parent) stay in the leader's group.
+        let (h, go) = leader_until_told(dir.path(), "sleep 600 & sleep 600 &", "tag-exit");
+        let pid = h.pid;
+        let two_children = || procfs::group_members(pid).len() >= 3;
+        assert!(
+            eventually(two_children).await,
+            "{:?}",
+            procfs::group_members(pid)
+        );
+        end(&h, &go).await;
         // Ended means gone: a killed member keeps its (GPU) memory until it
         // has exited, so the engine may not count as stopped before.
         assert_eq!(procfs::group_members(pid), Vec::<u32>::new());
@@ -433,19 +456,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_worker_that_left_the_group_is_killed_when_the_engine_exits() {
         let dir = tempfile::tempdir().unwrap();
-        let go = dir.path().join("go");
-        let script = format!(
-            "setsid sleep 600 & while [ ! -e '{}' ]; do sleep 0.05; done",
-            go.display()
-        );
-        let spec = SpawnSpec {
-            program: "sh".into(),
-            args: vec!["-c".into(), script],
-            env: vec![],
-        };
         let tag = format!("tag-setsid-{}", std::process::id());
-        let logs = Arc::new(LogRing::new(10));
-        let h = spawn("m", &spec, &tag, dir.path(), 1, logs, |_| {}).unwrap();
+        let (h, go) = leader_until_told(dir.path(), "setsid sleep 600 &", &tag);
         let pid = h.pid;
         let escaped = || {
             procfs::pids_with_env(TAG_ENV, &tag)
@@ -453,20 +465,10 @@ mod tests {
                 .filter(|p| procfs::pgid(*p).is_some_and(|g| g != pid))
                 .collect::<Vec<_>>()
         };
-        for _ in 0..500 {
-            if !escaped().is_empty() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        assert!(eventually(|| !escaped().is_empty()).await);
         let worker = escaped();
         assert_eq!(worker.len(), 1, "the setsid worker: {worker:?}");
-        std::fs::write(&go, "").unwrap();
-        let mut exited = h.exited.clone();
-        tokio::time::timeout(Duration::from_secs(20), exited.wait_for(|e| *e))
-            .await
-            .unwrap()
-            .unwrap();
+        end(&h, &go).await;
         assert!(
             !procfs::alive(worker[0], None),
             "worker {} outlived its engine",

@@ -108,6 +108,27 @@ impl Sim {
             asleep: None,
         });
     }
+    /// Booted asleep at level 1, no idle tiers.
+    fn asleep_without_tiers() -> Self {
+        let mut s = Sim::new(Preload::Asleep);
+        s.m.settings.tiers.clear();
+        s.boot();
+        s.ev(Event::SleepDone { epoch: s.m.epoch });
+        s
+    }
+    /// A wake (or start) waiting for room on its GPUs.
+    fn waiting_for_room(&self) -> bool {
+        matches!(
+            self.m.phase,
+            Phase::Waking {
+                admitted: false,
+                ..
+            } | Phase::Starting {
+                admitted: false,
+                ..
+            }
+        )
+    }
     fn wake_all(&mut self) {
         while let Phase::Waking { step, .. } = self.m.phase {
             self.ev(Event::WakeStepDone {
@@ -763,23 +784,10 @@ fn wake_deadline_counts_from_admission() {
 
 #[test]
 fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
-    let mut s = Sim::new(Preload::Asleep);
-    s.m.settings.tiers.clear();
-    s.boot();
-    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    let mut s = Sim::asleep_without_tiers();
     s.ev(Event::Demand);
     s.advance(ROOM_WAIT - secs(1));
-    assert!(
-        matches!(
-            s.m.phase,
-            Phase::Waking {
-                admitted: false,
-                ..
-            }
-        ),
-        "{:?}",
-        s.m
-    );
+    assert!(s.waiting_for_room(), "{:?}", s.m);
     s.advance(secs(1));
     assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
     assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
@@ -795,22 +803,9 @@ fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
 /// some request came.
 #[test]
 fn a_pinned_model_whose_wake_found_no_room_asks_again() {
-    let mut s = Sim::new(Preload::Asleep);
-    s.m.settings.tiers.clear();
-    s.boot();
-    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    let mut s = Sim::asleep_without_tiers();
     s.ev(Event::Pin(None));
-    assert!(
-        matches!(
-            s.m.phase,
-            Phase::Waking {
-                admitted: false,
-                ..
-            }
-        ),
-        "{:?}",
-        s.m.phase
-    );
+    assert!(s.waiting_for_room(), "{:?}", s.m.phase);
     let epoch = s.m.epoch;
     s.advance(ROOM_WAIT);
     assert!(s.m.last_error.as_deref().unwrap().contains("no room"));
@@ -819,13 +814,7 @@ fn a_pinned_model_whose_wake_found_no_room_asks_again() {
         (Desired::Awake, Reason::Pin)
     );
     assert!(
-        matches!(
-            s.m.phase,
-            Phase::Waking {
-                admitted: false,
-                ..
-            }
-        ) && s.m.epoch > epoch,
+        s.waiting_for_room() && s.m.epoch > epoch,
         "asks for room again: {:?}",
         s.m.phase
     );
@@ -833,6 +822,15 @@ fn a_pinned_model_whose_wake_found_no_room_asks_again() {
     s.ev(Event::Admitted { epoch: s.m.epoch });
     s.wake_all();
     assert_eq!(s.m.phase, Phase::Awake);
+    // A start that found no room, the same.
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Pin(None));
+    assert!(s.waiting_for_room(), "{:?}", s.m.phase);
+    let epoch = s.m.epoch;
+    s.advance(ROOM_WAIT);
+    assert!(s.m.last_error.as_deref().unwrap().contains("no room"));
+    assert_eq!(s.m.intent.desired, Desired::Awake);
+    assert!(s.waiting_for_room() && s.m.epoch > epoch, "{:?}", s.m.phase);
 }
 
 /// A start waits for room on its GPUs like a wake, and gives up like one:

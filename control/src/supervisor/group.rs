@@ -57,12 +57,7 @@ pub fn kill_group_leftovers(pgid: u32, leader_start: Option<u64>) -> bool {
 /// deadline.
 pub async fn sweep_group(model: &str, pgid: u32, leader_start: Option<u64>, tag: &str) -> Vec<u32> {
     let signalled = kill_group_leftovers(pgid, leader_start);
-    let escaped = escaped_groups(tag, pgid);
-    for g in &escaped {
-        tracing::warn!(model, pgid = g, tag, pids = ?procfs::group_members(*g),
-            "killing engine processes that left its process group (found by its tag)");
-        signal_group(*g, NixSignal::SIGKILL);
-    }
+    let escaped = kill_escaped(model, tag, pgid);
     let members = || {
         let mut left = if signalled {
             procfs::group_members(pgid)
@@ -88,18 +83,26 @@ pub async fn sweep_group(model: &str, pgid: u32, leader_start: Option<u64>, tag:
     left
 }
 
-/// The process groups, other than `pgid` and this process's own, of live
-/// processes whose environment carries the engine tag `tag`.
-fn escaped_groups(tag: &str, pgid: u32) -> BTreeSet<u32> {
+/// SIGKILL to the process groups, other than `pgid` and this process's
+/// own, of live processes whose environment carries the engine tag `tag`
+/// (workers that left the engine's group, e.g. with `setsid`); returns
+/// those groups.
+pub fn kill_escaped(model: &str, tag: &str, pgid: u32) -> BTreeSet<u32> {
     if tag.is_empty() {
         return BTreeSet::new();
     }
     let own = procfs::pgid(std::process::id());
-    procfs::pids_with_env(super::TAG_ENV, tag)
+    let groups: BTreeSet<u32> = procfs::pids_with_env(super::TAG_ENV, tag)
         .into_iter()
         .filter_map(procfs::pgid)
         .filter(|g| *g > 1 && *g != pgid && Some(*g) != own)
-        .collect()
+        .collect();
+    for g in &groups {
+        tracing::warn!(model, pgid = g, tag, pids = ?procfs::group_members(*g),
+            "killing engine processes that left its process group (found by its tag)");
+        signal_group(*g, NixSignal::SIGKILL);
+    }
+    groups
 }
 
 /// The process groups of the live engine processes spawned for the state
