@@ -11,6 +11,7 @@ use crate::placement::{
     FailedEngine, Machine, ModelRuntime, Placed, Placement, Planned, Policy, RunState, WakePlan,
     budgets, place_config, plan_wake, policy_of,
 };
+use crate::reconciler::Desired;
 use crate::status::Residual;
 use crate::status::{ModelStatus, State};
 use std::collections::BTreeMap;
@@ -133,6 +134,10 @@ pub(crate) fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> 
             // An attached engine that cannot sleep cannot make room: never a victim.
             let immovable = m.launch == "attach" && m.engine.deepest_sleep().is_none();
             r.pinned_awake = m.pin.is_pinned() || immovable;
+            r.stoppable = m.launch != "attach"
+                && m.held == 0
+                && !m.pin.is_pinned()
+                && m.intent.desired != Desired::Awake;
             // What bringing it back costs: a level-1 sleep and wake, or a
             // whole start for an engine that cannot sleep (it is stopped).
             r.switch_cost_ms = if m.engine.deepest_sleep().is_some() {

@@ -3,7 +3,8 @@
 //! that needs its room waits (and says so), then proceeds once the request
 //! ends. A tensor-parallel group over a pair whose saved P2P verdict is
 //! `corrupt` starts with NCCL P2P off. (Waking B puts idle A to sleep is
-//! control_placement.rs.)
+//! control_placement.rs.) An asleep model is stopped for what it keeps
+//! when nothing else frees the room a wake needs.
 //!
 //! Where NVML is present the inventory is the real one, not the config:
 //! these tests then skip.
@@ -111,6 +112,98 @@ async fn a_model_with_a_request_in_flight_is_not_evicted_and_the_wake_waits() {
     let a = status(&mut c, "a").await;
     assert_eq!(state(&a), pb::ModelState::Asleep);
     assert_eq!(a.intent.unwrap().reason, pb::IntentReason::Eviction as i32);
+}
+
+/// A streamed completion to `model`'s engine, held open once its first
+/// chunk came (10,000 tokens at 20 tokens/s).
+async fn hold_a_stream(
+    c: &mut siesta_tests::ctl::Client,
+    model: &str,
+) -> impl futures::Stream<Item = reqwest::Result<bytes::Bytes>> + use<> {
+    let s = status(c, model).await;
+    let body = serde_json::json!({
+        "model": model, "prompt": "x", "max_tokens": 10000, "stream": true, "ignore_eos": true,
+    });
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/completions", endpoint(&s)))
+        .json(&body)
+        .send()
+        .await
+        .expect("streaming request");
+    assert!(resp.status().is_success(), "HTTP {}", resp.status());
+    let mut stream = Box::pin(resp.bytes_stream());
+    assert!(stream.next().await.is_some(), "first chunk of {model}");
+    wait_status(c, model, "a request in flight", LONG, |s| s.in_flight > 0).await;
+    stream
+}
+
+/// What asleep models keep adds up (here 10 GiB each, as vLLM can keep
+/// when measured): with two models busy, the room a third needs is held by
+/// an asleep model. It is stopped (its engine gone, its intent "eviction"),
+/// the third wakes, and the busy ones keep streaming. Before, the wake
+/// waited until the asleep model's idle tier stopped it, hours later.
+#[tokio::test]
+async fn an_asleep_model_is_stopped_for_what_it_keeps_so_a_wake_finds_room() {
+    let models: String = ["a", "b", "c", "d"]
+        .iter()
+        .map(|n| gpu_model(n, "gpus = 1\ngpu_memory = 0.3"))
+        .collect();
+    let cfg = gpu_config("@DIR@/state", 1, &models).replace(
+        "p2p_probe = \"off\"",
+        "p2p_probe = \"off\"\nasleep_residual = \"10GiB\"",
+    );
+    let ctl = start(&cfg).await;
+    let mut c = ctl.client().await;
+    if !gpus_from_config(&mut c).await {
+        return;
+    }
+    // c started, then put to sleep by its operator.
+    wake_awake(&mut c, "c").await;
+    c.sleep(pb::SleepRequest {
+        name: "c".into(),
+        level: 1,
+    })
+    .await
+    .unwrap();
+    let asleep = wait_state(&mut c, "c", pb::ModelState::Asleep, LONG).await;
+    let c_pid = asleep.pid;
+    // a and b awake and busy: 24 + 24 + c's 10 = 58 GiB of 80.
+    wake_awake(&mut c, "a").await;
+    let mut a_stream = hold_a_stream(&mut c, "a").await;
+    wake_awake(&mut c, "b").await;
+    let mut b_stream = hold_a_stream(&mut c, "b").await;
+
+    // d needs 24: 82 > 80 with c asleep.
+    let r = wake(&mut c, "d", true).await;
+    let d = r.model.unwrap();
+    assert_eq!(state(&d), pb::ModelState::Awake, "{}", r.message);
+    let c_now = wait_state(&mut c, "c", pb::ModelState::Stopped, LONG).await;
+    assert_eq!(
+        c_now.intent.unwrap().reason,
+        pb::IntentReason::Eviction as i32
+    );
+    assert!(
+        !std::path::Path::new(&format!("/proc/{c_pid}")).exists()
+            || std::fs::read_to_string(format!("/proc/{c_pid}/stat"))
+                .is_ok_and(|s| s.contains(") Z ")),
+        "c's engine (pid {c_pid}) is gone"
+    );
+    for (name, stream) in [("a", &mut a_stream), ("b", &mut b_stream)] {
+        assert!(
+            stream.next().await.is_some_and(|c| c.is_ok()),
+            "{name} streams on"
+        );
+        assert_eq!(state(&status(&mut c, name).await), pb::ModelState::Awake);
+    }
+    // A request for c starts it again once there is room: a's stream ends.
+    drop(a_stream);
+    let r = wake(&mut c, "c", true).await;
+    assert_eq!(
+        state(&r.model.unwrap()),
+        pb::ModelState::Awake,
+        "{}",
+        r.message
+    );
 }
 
 /// The NUL-separated entries of /proc/PID/{cmdline,environ}.

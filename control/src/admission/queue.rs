@@ -230,6 +230,8 @@ impl Core {
                 continue;
             };
             if queued.contains(m.name.as_str()) {
+                // Waiting to wake itself: never stopped for another.
+                r.stoppable = false;
                 // Not admitted yet: it holds what its engine holds now.
                 r.state = match m.state {
                     State::Waking => RunState::Asleep,
@@ -249,9 +251,14 @@ impl Core {
                 }
             }
             if self.asked_to_sleep.contains_key(&m.name) {
-                // Asked to sleep a moment ago, not published yet: it is
-                // going to sleep (its state has not moved since).
-                r.state = RunState::Sleeping;
+                // Asked to make room a moment ago, not published yet: it is
+                // going to sleep (its state has not moved since), or, asleep,
+                // stopping.
+                r.state = if r.state == RunState::Asleep {
+                    RunState::Stopping
+                } else {
+                    RunState::Sleeping
+                };
             }
             if m.state == State::Awake {
                 let awake_for = now_ms - m.state_since_unix_ms;
@@ -341,7 +348,12 @@ impl Core {
                 }
                 WakePlan::Evict(victims) => {
                     let mut busy = Vec::new();
+                    let mut stopped = Vec::new();
                     for v in &victims {
+                        let asleep = rt.get(v).is_some_and(|r| r.state == RunState::Asleep);
+                        if asleep {
+                            stopped.push(v.clone());
+                        }
                         let how = if rt.get(v).is_some_and(|r| r.in_flight > 0) {
                             busy.push(v.clone());
                             Event::Yield { to: model.clone() }
@@ -362,19 +374,36 @@ impl Core {
                             self.asked_to_sleep.insert(v.clone(), Grant::of(m));
                         }
                         // Going to sleep: still full until it is asleep,
-                        // and no later ask counts on it again.
+                        // and no later ask counts on it again (an asleep
+                        // one is stopping: what it keeps is freed).
                         if let Some(r) = rt.get_mut(v) {
-                            r.state = RunState::Sleeping;
+                            r.state = if asleep {
+                                RunState::Stopping
+                            } else {
+                                RunState::Sleeping
+                            };
                         }
                     }
-                    let what = format!(
-                        "room on its GPUs: putting {} to sleep",
-                        victims
-                            .iter()
+                    let quoted = |names: &mut dyn Iterator<Item = &String>| {
+                        names
                             .map(|v| format!("\"{v}\""))
                             .collect::<Vec<_>>()
                             .join(", ")
-                    );
+                    };
+                    let sleeping = quoted(&mut victims.iter().filter(|v| !stopped.contains(v)));
+                    let what = match (sleeping.is_empty(), stopped.is_empty()) {
+                        (false, true) => format!("room on its GPUs: putting {sleeping} to sleep"),
+                        (true, _) => format!(
+                            "room on its GPUs: stopping {} (asleep: what it keeps on the GPU is \
+                             needed)",
+                            quoted(&mut stopped.iter())
+                        ),
+                        (false, false) => format!(
+                            "room on its GPUs: putting {sleeping} to sleep, stopping {} (asleep: \
+                             what it keeps on the GPU is needed)",
+                            quoted(&mut stopped.iter())
+                        ),
+                    };
                     let what = if busy.is_empty() {
                         what
                     } else {
@@ -384,7 +413,9 @@ impl Core {
                         )
                     };
                     if self.queue[i].told.as_deref() != Some(&what) {
-                        if busy.is_empty() {
+                        if !stopped.is_empty() {
+                            tracing::info!(model = %model, ?victims, ?stopped, "stopping asleep models to free what they keep on the GPU");
+                        } else if busy.is_empty() {
                             tracing::info!(model = %model, ?victims, "evicting idle models to make room");
                         } else {
                             tracing::info!(model = %model, ?victims, ?busy, "busy models yield their GPUs: their turn is over");

@@ -1030,3 +1030,68 @@ async fn nothing_is_admitted_before_every_adopted_engine_is_known() {
         .expect("admitted once there is room")
         .unwrap();
 }
+
+/// Asleep models keep memory (measured per model; here the whole config's
+/// `asleep_residual`, 10 GiB): with two busy models awake, a third model's
+/// wake finds no room until an asleep model siesta may stop is stopped. It
+/// is sent `Evict` (its reconciler stops it), counted as stopping until it
+/// publishes, and the wake is admitted once it is stopped. A model asleep
+/// with requests held for it (wanted awake) is never the one stopped.
+#[test]
+fn an_asleep_model_is_stopped_for_what_it_keeps_when_nothing_else_frees_room() {
+    let mut text = String::from(
+        "[control]\nstate_dir = \"/nonexistent\"\np2p_probe = \"off\"\n\
+         asleep_residual = \"10GiB\"\n[[gpu]]\nindex = 0\nmemory = \"80GiB\"\n",
+    );
+    for i in 0..4 {
+        text += &format!(
+            "[[model]]\nname = \"m{i}\"\nmodel = \"x\"\nexecutable = \"vllm\"\ngpu_memory = 0.3\n"
+        );
+    }
+    let cfg = Config::parse(&text, "t.toml").unwrap();
+    let mut w = World::new(&cfg).unwrap();
+    // m0 and m1 busy (48 GiB), m2 asleep (10), m3 asks (24): 82 > 80.
+    for i in 0..2 {
+        w.run[i] = Run::Awake;
+        w.in_flight[i] = 1;
+    }
+    w.demand(3);
+    (0..4).for_each(|i| w.publish(i));
+    let mut st = w.statuses();
+    // m2 is asleep for its idle tier, nothing held for it: it may be stopped.
+    st[2].intent.desired = Desired::Asleep(1);
+    st[2].intent.reason = Reason::IdleTier;
+    // First as if requests were held for it: not stopped, m3 waits.
+    st[2].held = 1;
+    w.core.plan(&st);
+    let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
+    assert!(asked.is_empty(), "{asked:?}");
+    assert!(w.answers[3].as_mut().unwrap().try_recv().is_err());
+    st[2].held = 0;
+    w.core.plan(&st);
+    let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
+    assert!(
+        matches!(asked.as_slice(), [(m, Event::Evict)] if m == "m2"),
+        "{asked:?}"
+    );
+    let told = w.told.lock().unwrap()[3].clone().unwrap_or_default();
+    assert!(told.contains("stopping \"m2\""), "{told}");
+    let mut metrics = String::new();
+    w.metrics.encode(&mut metrics);
+    assert!(
+        metrics.contains("siesta_control_admission_evictions_total{model=\"m2\"} 1\n"),
+        "{metrics}"
+    );
+    // Not yet published: counted stopping (nothing more asked, not admitted).
+    w.core.plan(&st);
+    assert!(w.evicted.lock().unwrap().is_empty());
+    assert!(w.answers[3].as_mut().unwrap().try_recv().is_err());
+    st[2].state = State::Stopping;
+    st[2].state_since_unix_ms += 1;
+    w.core.plan(&st);
+    assert!(w.answers[3].as_mut().unwrap().try_recv().is_err());
+    st[2].state = State::Stopped;
+    st[2].state_since_unix_ms += 1;
+    w.core.plan(&st);
+    assert!(w.answers[3].as_mut().unwrap().try_recv().is_ok());
+}

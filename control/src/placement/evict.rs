@@ -77,6 +77,11 @@ pub struct ModelRuntime {
     /// left of its turn. None: it never yields (it cannot sleep, or
     /// `yield_after` is off).
     pub yield_in_ms: Option<u64>,
+    /// Asleep, it may be stopped to free what it still keeps on its GPUs
+    /// for a model that finds no room otherwise: siesta runs its engine
+    /// (not attached), nothing is held for it, it is not pinned and not
+    /// itself waiting to wake.
+    pub stoppable: bool,
 }
 
 impl ModelRuntime {
@@ -89,6 +94,7 @@ impl ModelRuntime {
             min_awake_left_ms: 0,
             switch_cost_ms: 0,
             yield_in_ms: None,
+            stoppable: false,
         }
     }
 }
@@ -98,7 +104,8 @@ impl ModelRuntime {
 pub enum WakePlan {
     /// It fits now.
     Ready,
-    /// Put these to sleep first (least recently used first); then it fits.
+    /// Make room first (least recently used first): the awake ones are put
+    /// to sleep, the asleep ones stopped; then it fits.
     Evict(Vec<String>),
     /// It fits once these, going to sleep or stopping now, are done.
     Going(Vec<String>),
@@ -182,7 +189,9 @@ pub fn budgets(
 /// the target; least recently active first, and only as many as needed.
 /// `yield_busy` (the target has waited `[control] yield_after`): a busy
 /// model whose turn is over may be a victim too, after every idle one
-/// (it yields: it finishes what is in flight, then sleeps).
+/// (it yields: it finishes what is in flight, then sleeps). Last, asleep
+/// models that may be stopped ([`ModelRuntime::stoppable`]) are, for what
+/// they keep on the GPU asleep.
 pub fn plan_wake(
     target: &str,
     machine: &Machine,
@@ -274,16 +283,41 @@ pub fn plan_wake(
     };
     candidates.sort_by(|a, b| key(&a.1).cmp(&key(&b.1)).then(a.0.model.cmp(&b.0.model)));
 
+    // Last, asleep models siesta may stop, least recently used first: what
+    // they keep asleep (vLLM: 1–7 GiB per GPU, more than the static check
+    // assumed when measured larger) adds up, and nothing else would ever
+    // free it before their idle tiers stop them, hours later. Stopping one
+    // costs it a start when it is next wanted; putting an idle awake model
+    // to sleep costs a wake, so those go first.
+    let mut asleep: Vec<(&Placement, ModelRuntime)> = placements
+        .iter()
+        .filter(|p| p.model != target && p.gpus.iter().any(|g| me.gpus.contains(g)))
+        .map(|p| (p, state_of(runtime, &p.model)))
+        .filter(|(_, s)| s.state == RunState::Asleep && s.stoppable && s.in_flight == 0)
+        .collect();
+    asleep.sort_by(|a, b| {
+        (a.1.last_activity_ms, &a.0.model).cmp(&(b.1.last_activity_ms, &b.0.model))
+    });
+    // What each victim frees on `g`: an awake one all but its residual, an
+    // asleep one its residual.
+    let frees = |p: &Placement, g: u32| {
+        if state_of(runtime, &p.model).state == RunState::Asleep {
+            i128::from(p.awake_on(g).min(res(&p.model)))
+        } else {
+            freed(p, g)
+        }
+    };
+
     let mut victims: Vec<&Placement> = Vec::new();
     let mut d = deficit.clone();
-    for (p, _) in &candidates {
+    for (p, _) in candidates.iter().chain(&asleep) {
         if fits(&d) {
             break;
         }
         let helps = me.gpus.iter().any(|&g| d[&g] > 0 && p.gpus.contains(&g));
         if helps {
             for &g in me.gpus.iter().filter(|g| p.gpus.contains(g)) {
-                *d.get_mut(&g).unwrap() -= freed(p, g);
+                *d.get_mut(&g).unwrap() -= frees(p, g);
             }
             victims.push(p);
         }
@@ -294,7 +328,7 @@ pub fn plan_wake(
             let v = victims[i];
             let mut without = d.clone();
             for &g in me.gpus.iter().filter(|g| v.gpus.contains(g)) {
-                *without.get_mut(&g).unwrap() += freed(v, g);
+                *without.get_mut(&g).unwrap() += frees(v, g);
             }
             if fits(&without) {
                 d = without;

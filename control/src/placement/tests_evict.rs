@@ -30,6 +30,7 @@ fn rt(state: RunState, last: i64) -> ModelRuntime {
         min_awake_left_ms: 0,
         switch_cost_ms: 0,
         yield_in_ms: None,
+        stoppable: false,
     }
 }
 
@@ -37,6 +38,7 @@ struct World {
     machine: Machine,
     placements: Vec<Placement>,
     runtime: BTreeMap<String, ModelRuntime>,
+    policy: Policy,
 }
 
 impl World {
@@ -47,6 +49,7 @@ impl World {
             machine,
             placements,
             runtime: BTreeMap::new(),
+            policy: Policy::default(),
         }
     }
     fn set(&mut self, name: &str, r: ModelRuntime) -> &mut Self {
@@ -63,7 +66,7 @@ impl World {
             &self.machine,
             &self.placements,
             &self.runtime,
-            &Policy::default(),
+            &self.policy,
             yield_busy,
         )
     }
@@ -400,4 +403,67 @@ fn budgets_count_awake_models_fully_and_asleep_ones_as_residuals() {
     assert_eq!(g.asleep_bytes, DEFAULT_RESIDUAL_BYTES);
     assert_eq!(g.free_bytes, 80 * GIB - g.awake_bytes - g.asleep_bytes);
     assert_eq!(crate::api::convert::gpu_budget(g).free_bytes, g.free_bytes);
+}
+
+fn asleep(last: i64, stoppable: bool) -> ModelRuntime {
+    ModelRuntime {
+        stoppable,
+        ..rt(RunState::Asleep, last)
+    }
+}
+
+/// Four 0.3 models (24 GiB) on one 80 GiB GPU; "b" and "c" were measured
+/// keeping 10 GiB each asleep, more than the static check assumed.
+fn residuals_too_large() -> World {
+    let models: Vec<ModelNeeds> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|n| pinned(frac(n, 1, 0.3), &[0]))
+        .collect();
+    let mut w = World::new(1, &models);
+    w.policy.residuals.insert("b".into(), 10 * GIB);
+    w.policy.residuals.insert("c".into(), 10 * GIB);
+    w
+}
+
+/// What asleep models keep adds up: a wake that finds no room otherwise
+/// stops the least recently used asleep model that may be stopped, as few
+/// as needed; never one with requests in flight or not stoppable (attached,
+/// pinned, held for, waiting to wake itself), and only after idle awake
+/// models have been put to sleep.
+#[test]
+fn asleep_models_are_stopped_for_what_they_keep_when_nothing_else_frees_room() {
+    let mut w = residuals_too_large();
+    // a busy (24) + b and c asleep (10 + 10) + d (24) = 68: fits.
+    w.set("a", busy(1, None, 10))
+        .set("b", asleep(20, true))
+        .set("c", asleep(30, true));
+    assert_eq!(w.plan("d"), WakePlan::Ready);
+    // Measured larger still (20 GiB each): 24 + 40 + 24 = 88 > 80: one
+    // stop is enough, the least recently used.
+    w.policy.residuals.insert("b".into(), 20 * GIB);
+    w.policy.residuals.insert("c".into(), 20 * GIB);
+    assert_eq!(w.plan("d"), WakePlan::Evict(vec!["b".into()]));
+    w.set("c", asleep(5, true));
+    assert_eq!(w.plan("d"), WakePlan::Evict(vec!["c".into()]));
+    // c may not be stopped: b is.
+    w.set("c", asleep(5, false));
+    assert_eq!(w.plan("d"), WakePlan::Evict(vec!["b".into()]));
+    // Neither: wait, saying residuals hold the room.
+    w.set("b", asleep(20, false));
+    let WakePlan::Wait(reason) = w.plan("d") else {
+        panic!("{:?}", w.plan("d"))
+    };
+    assert!(
+        reason.contains("\"a\" (1 request(s) in flight)"),
+        "{reason}"
+    );
+    // An idle awake model goes before any asleep one is stopped.
+    w.set("a", rt(RunState::Awake, 9_999))
+        .set("b", asleep(20, true))
+        .set("c", asleep(5, true));
+    assert_eq!(w.plan("d"), WakePlan::Evict(vec!["a".into()]));
+    // A stop under way is counted as freeing all: nothing more is asked.
+    w.set("a", busy(1, None, 10))
+        .set("c", rt(RunState::Stopping, 5));
+    assert_eq!(w.plan("d"), WakePlan::Going(vec!["c".into()]));
 }

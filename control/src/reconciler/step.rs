@@ -206,6 +206,18 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     )));
                     set_intent(m, desired, Reason::Eviction, now);
                 }
+            } else if matches!(m.phase, Phase::Asleep { .. })
+                && matches!(m.intent.desired, Desired::Asleep(_))
+                && m.in_flight() == 0
+                && m.held() == 0
+                && !m.settings.attach
+                && !m.retiring
+            {
+                // Asleep, it still keeps memory another model needs.
+                fx.push(Effect::Log(
+                    "evicted: stopping, asleep, to free what it keeps on its GPUs".into(),
+                ));
+                set_intent(m, Desired::Stopped, Reason::Eviction, now);
             }
         }
         Event::Yield { to } => {

@@ -768,6 +768,50 @@ fn eviction_sleeps_only_an_idle_unpinned_awake_model() {
     assert!(matches!(s.m.phase, Phase::Waking { .. }));
 }
 
+/// Asleep, a model evicted for what it still keeps on its GPUs stops
+/// (not with a request held for it, nor attached); a demand starts it again.
+#[test]
+fn eviction_stops_an_asleep_model_unless_requests_wait_for_it() {
+    // A request held for it wakes it; an eviction then changes nothing.
+    let mut h = Sim::asleep_without_tiers();
+    h.report(0, 1);
+    h.ev(Event::Evict);
+    assert_eq!(h.m.intent.desired, Desired::Awake);
+    assert!(h.waiting_for_room(), "{:?}", h.m.phase);
+
+    let mut s = Sim::asleep_without_tiers();
+    s.ev(Event::Evict);
+    assert_eq!(s.m.intent.desired, Desired::Stopped);
+    assert_eq!(s.m.intent.reason, Reason::Eviction);
+    assert!(
+        matches!(s.m.phase, Phase::Stopping { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit 0".into(),
+        cause: None,
+    });
+    assert_eq!(s.m.phase, Phase::Stopped);
+    s.ev(Event::Demand);
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
+
+    let mut a = Sim::attached();
+    a.ev(Event::HealthOk {
+        epoch: a.m.epoch,
+        asleep: Some(1),
+    });
+    a.m.intent.desired = Desired::Asleep(1);
+    a.ev(Event::Evict);
+    assert_ne!(a.m.intent.desired, Desired::Stopped, "{:?}", a.m.phase);
+}
+
 #[test]
 fn wake_deadline_counts_from_admission() {
     let mut s = Sim::new(Preload::Asleep);
