@@ -215,3 +215,44 @@ async fn engines_starting_together_miscount_and_one_runs_out_of_memory() {
         );
     }
 }
+
+/// vLLM compares the free memory after profiling with the free memory when
+/// its start-up began, and fails the start when it grew: another engine on
+/// the GPU that sleeps (or exits) meanwhile kills the start.
+#[tokio::test]
+async fn memory_freed_by_another_engine_during_start_up_fails_the_start() {
+    let gpu = Gpu::new(10);
+    let b = gpu
+        .engine(
+            "0",
+            &[
+                "b",
+                "--gpu-memory-utilization",
+                "0.4",
+                "--enable-sleep-mode",
+            ],
+        )
+        .await;
+    let mut a = spawn_fake_vllm_nowait(
+        &[
+            "a",
+            "--gpu-memory-utilization",
+            "0.4",
+            "--startup-time",
+            "3s",
+        ],
+        &gpu.env("0"),
+    );
+    a.output()
+        .wait_for("Starting to load model a...", DEADLINE)
+        .await;
+    assert_eq!(b.post("/sleep?level=1").await.status(), 200);
+    let status = a.wait_exit(DEADLINE).await;
+    assert_eq!(status.code(), Some(1), "{}", a.output().text());
+    assert!(
+        a.output()
+            .contains("AssertionError: Error in memory profiling. Initial free memory 6.00 GiB"),
+        "{}",
+        a.output().text()
+    );
+}

@@ -319,10 +319,21 @@ async fn startup(app: &App) -> Result<(), ServeError> {
         .engine
         .check_gpu()
         .inspect_err(|e| tracing::error!("{e}"))?;
+    let others = app
+        .engine
+        .gpu_others()
+        .inspect_err(|e| tracing::error!("{e}"))?;
+    // vLLM's model runner says so after `init_device` took its memory snapshot.
+    tracing::info!("Starting to load model {}...", app.engine.args.model());
     tokio::time::sleep(app.engine.args.sim.startup_time).await;
     if f.exit_during_startup {
         return Err(ServeError::StartupFailed);
     }
+    // vLLM profiles its memory within start-up: memory another process freed meanwhile
+    // fails its assertion.
+    app.engine
+        .profiled(&others)
+        .inspect_err(|e| tracing::error!("{e}"))?;
     app.engine
         .take_gpu(gpu_bytes)
         .inspect_err(|e| tracing::error!("{e}"))?;

@@ -49,6 +49,20 @@ pub enum SimGpuError {
         /// Free GiB.
         free: f64,
     },
+    /// Start-up: another process freed GPU memory while this engine profiled its memory
+    /// (vLLM's `determine_available_memory` asserts that free memory did not grow since
+    /// `init_device`; with a small model almost any memory a neighbour frees trips it).
+    #[error(
+        "AssertionError: Error in memory profiling. Initial free memory {before:.2} GiB, current \
+         free memory {now:.2} GiB. This happens when other processes sharing the same container \
+         release GPU memory while vLLM is profiling during initialization."
+    )]
+    Profiling {
+        /// Free GiB (apart from this engine's own) when start-up began.
+        before: f64,
+        /// Free GiB (apart from this engine's own) when profiling ended.
+        now: f64,
+    },
     /// The accounting directory could not be read or written.
     #[error("simulated GPU accounting {path}: {source}")]
     Io {
@@ -168,6 +182,30 @@ impl SimGpu {
         Ok(want)
     }
 
+    /// Bytes each GPU holds for other live processes now: the snapshot vLLM takes when its
+    /// start-up begins (`init_device`), compared by [`SimGpu::profiled`] when profiling ends.
+    pub fn others(&self, holder: u32) -> Result<Vec<u64>, SimGpuError> {
+        self.gpus
+            .iter()
+            .map(|g| self.used_by_others(g, holder))
+            .collect()
+    }
+
+    /// End of memory profiling: an error when another process freed memory on any GPU since
+    /// `before` ([`SimGpu::others`]), as vLLM's assertion fails then.
+    pub fn profiled(&self, holder: u32, before: &[u64]) -> Result<(), SimGpuError> {
+        for (gpu, was) in self.gpus.iter().zip(before) {
+            let now = self.used_by_others(gpu, holder)?;
+            if now < *was {
+                return Err(SimGpuError::Profiling {
+                    before: self.total.saturating_sub(*was) as f64 / GIB,
+                    now: self.total.saturating_sub(now) as f64 / GIB,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// An exclusive lock on the simulated GPUs (`flock` on `DIR/.lock`, released on drop):
     /// one engine's look at the free memory and its taking it are one step for every
     /// engine sharing them, as the CUDA allocator's are.
@@ -246,6 +284,29 @@ mod tests {
             total: 10 << 30,
             gpus: vec!["0".into(), "3".into()],
         }
+    }
+
+    /// Memory another engine frees between the start of start-up and the end of profiling
+    /// fails the start, as vLLM's profiling assertion does; memory taken meanwhile does not.
+    #[test]
+    fn memory_freed_by_another_engine_during_start_up_fails_profiling() {
+        let dir = std::env::temp_dir().join(format!("fake-vllm-profile-{}", std::process::id()));
+        let g = gpu(&dir);
+        let me = std::process::id();
+        // The test process's parent stands in for a live neighbour holding 4 GiB.
+        let other = std::os::unix::process::parent_id();
+        g.record(other, 4 << 30).unwrap();
+        let before = g.others(me).unwrap();
+        assert_eq!(before, vec![4 << 30, 4 << 30]);
+        g.record(other, 6 << 30).unwrap();
+        assert!(g.profiled(me, &before).is_ok());
+        g.record(other, 1 << 30).unwrap();
+        let e = g.profiled(me, &before).unwrap_err().to_string();
+        assert!(
+            e.starts_with("AssertionError: Error in memory profiling. Initial free memory 6.00 GiB, current free memory 9.00 GiB."),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -49,6 +49,21 @@ impl Engine {
         )
     }
 
+    /// What other processes hold on the simulated GPUs as start-up begins (empty without
+    /// one), for [`Engine::profiled`].
+    pub fn gpu_others(&self) -> Result<Vec<u64>, SimGpuError> {
+        let Some(gpu) = &self.gpu else {
+            return Ok(Vec::new());
+        };
+        gpu.others(self.gpu_holder.load(Ordering::SeqCst))
+    }
+
+    /// End of memory profiling: fails when another process freed GPU memory since `before`.
+    pub fn profiled(&self, before: &[u64]) -> Result<(), SimGpuError> {
+        let Some(gpu) = &self.gpu else { return Ok(()) };
+        gpu.profiled(self.gpu_holder.load(Ordering::SeqCst), before)
+    }
+
     /// End of start-up: takes `bytes` per GPU (weights, then the KV cache); out of memory
     /// when an engine that started at the same time took the room first.
     pub fn take_gpu(&self, bytes: u64) -> Result<(), SimGpuError> {
