@@ -104,13 +104,21 @@ async fn send_in_order(outbox: Arc<Outbox>, controls: Arc<Controls>, src: Source
                 };
             tracing::debug!(control = %src, %error, "activity report failed; sent again with the next");
             let mut slot = outbox.slot.lock().unwrap();
-            if slot.closing {
-                return;
-            }
             // Older than whatever was posted meanwhile: that is merged in.
             let mut again = req;
-            if let Some(newer) = slot.pending.take() {
+            let newer = slot.pending.take();
+            let had_newer = newer.is_some();
+            if let Some(newer) = newer {
                 merge(&mut again, newer);
+            }
+            if slot.closing {
+                // Closing: what was posted meanwhile (the last levels) goes
+                // once more, with the failed report; nothing more after that.
+                if had_newer {
+                    slot.pending = Some(again);
+                    continue;
+                }
+                return;
             }
             slot.pending = Some(again);
             // Sent with the next report or heartbeat ([`super::TICK`]s), not
