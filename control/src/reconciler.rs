@@ -126,9 +126,15 @@ pub enum Phase {
         admitted: bool,
     },
     Awake,
+    /// Until `began`, the sleep waits for engines starting on its GPUs
+    /// (at most [`ROOM_WAIT`]: vLLM fails a start whose GPU frees memory
+    /// while it profiles); the engine was not asked yet, so a model wanted
+    /// awake meanwhile is awake again at once. The deadline counts from
+    /// `began`.
     Sleeping {
         level: u8,
         deadline: Instant,
+        began: bool,
     },
     Asleep {
         level: u8,
@@ -348,6 +354,10 @@ pub enum Event {
     FoundAsleep {
         epoch: u64,
         level: u8,
+    },
+    /// The sleep's wait for starts on its GPUs is over: the engine is asked.
+    SleepBegan {
+        epoch: u64,
     },
     SleepDone {
         epoch: u64,

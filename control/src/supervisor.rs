@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{OwnedMutexGuard, watch};
+use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, watch};
 
 /// How an engine ended, once it and the rest of its group are gone.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -271,28 +271,62 @@ pub fn spawn(
     })
 }
 
-/// Engines sharing a GPU start one after another: one lock per GPU.
+/// Engines sharing a GPU start one after another: one lock per GPU. A start
+/// holds it (written) from before its spawn until its engine is ready.
+///
+/// Memory freed on a GPU while an engine starts there fails that start:
+/// vLLM compares the free memory after profiling with the free memory when
+/// it began, and asserts it did not grow ("Error in memory profiling").
+/// So what frees memory on purpose (a sleep, a checkpoint) holds the lock
+/// read: it waits for starts under way, and starts wait for it, while frees
+/// go on side by side.
 #[derive(Debug, Default)]
 pub struct StartLocks {
-    locks: Mutex<BTreeMap<u32, Arc<tokio::sync::Mutex<()>>>>,
+    locks: Mutex<BTreeMap<u32, Arc<tokio::sync::RwLock<()>>>>,
 }
 
+/// A start's hold on its GPUs (see [`StartLocks::acquire`]).
+pub type StartGuards = Vec<OwnedRwLockWriteGuard<()>>;
+
+/// A sleep's or a checkpoint's hold on its GPUs: no start there meanwhile.
+pub type FreeGuards = Vec<OwnedRwLockReadGuard<()>>;
+
 impl StartLocks {
-    /// Takes the locks of `gpus` in index order (no deadlock).
-    pub async fn acquire(&self, gpus: &[u32]) -> Vec<OwnedMutexGuard<()>> {
+    fn of(&self, gpus: &[u32]) -> Vec<Arc<tokio::sync::RwLock<()>>> {
         let mut sorted = gpus.to_vec();
         sorted.sort_unstable();
         sorted.dedup();
-        let locks: Vec<_> = {
-            let mut map = self.locks.lock().unwrap();
-            sorted
-                .iter()
-                .map(|g| map.entry(*g).or_default().clone())
-                .collect()
-        };
+        let mut map = self.locks.lock().unwrap();
+        sorted
+            .iter()
+            .map(|g| map.entry(*g).or_default().clone())
+            .collect()
+    }
+
+    /// Takes the locks of `gpus` in index order (no deadlock), for a start.
+    pub async fn acquire(&self, gpus: &[u32]) -> StartGuards {
         let mut guards = Vec::new();
-        for l in locks {
-            guards.push(l.lock_owned().await);
+        for l in self.of(gpus) {
+            guards.push(l.write_owned().await);
+        }
+        guards
+    }
+
+    /// Takes the locks of `gpus` shared, in index order, to free memory
+    /// there, if no start is under way on them. None: one is (the caller
+    /// may say so, then wait with [`Self::free`]).
+    pub fn try_free(&self, gpus: &[u32]) -> Option<FreeGuards> {
+        self.of(gpus)
+            .into_iter()
+            .map(|l| l.try_read_owned().ok())
+            .collect()
+    }
+
+    /// [`Self::try_free`], waiting.
+    pub async fn free(&self, gpus: &[u32]) -> FreeGuards {
+        let mut guards = Vec::new();
+        for l in self.of(gpus) {
+            guards.push(l.read_owned().await);
         }
         guards
     }
@@ -488,5 +522,28 @@ mod tests {
         assert_eq!(locks.acquire(&[2]).await.len(), 1);
         drop(g);
         assert_eq!(waiter.await.unwrap(), 1);
+    }
+
+    /// Frees share the lock with each other and wait for a start; a start
+    /// waits for the frees under way.
+    #[tokio::test]
+    async fn frees_wait_for_starts_and_starts_for_frees() {
+        let locks = Arc::new(StartLocks::default());
+        let a = locks.try_free(&[0]).expect("no start");
+        let b = locks.try_free(&[0, 1]).expect("no start");
+        let l2 = locks.clone();
+        let start = tokio::spawn(async move { l2.acquire(&[1]).await });
+        tokio::task::yield_now().await;
+        assert!(!start.is_finished(), "a start waits for the frees");
+        drop((a, b));
+        let started = start.await.unwrap();
+        assert!(locks.try_free(&[1]).is_none(), "a free waits for the start");
+        assert!(locks.try_free(&[0]).is_some(), "another GPU is free");
+        let l3 = locks.clone();
+        let free = tokio::spawn(async move { l3.free(&[0, 1]).await.len() });
+        tokio::task::yield_now().await;
+        assert!(!free.is_finished());
+        drop(started);
+        assert_eq!(free.await.unwrap(), 2);
     }
 }

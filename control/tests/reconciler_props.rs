@@ -498,7 +498,8 @@ impl World {
                         m.phase,
                         Phase::Sleeping {
                             level,
-                            deadline: m.phase.deadline().unwrap()
+                            deadline: m.phase.deadline().unwrap(),
+                            began: false,
                         }
                     );
                     self.sleeps.push(epoch);

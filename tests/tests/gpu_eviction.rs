@@ -206,6 +206,96 @@ async fn an_asleep_model_is_stopped_for_what_it_keeps_so_a_wake_finds_room() {
     );
 }
 
+/// Waits until `model`'s log has a line containing `needle`.
+async fn log_has(c: &mut siesta_tests::ctl::Client, model: &str, needle: &str) {
+    let mut lines = c
+        .logs(pb::LogsRequest {
+            name: model.into(),
+            tail: 0,
+            follow: true,
+        })
+        .await
+        .expect("logs")
+        .into_inner();
+    tokio::time::timeout(LONG, async {
+        while let Some(l) = lines.next().await {
+            if l.expect("log line").line.contains(needle) {
+                return;
+            }
+        }
+        panic!("{model}'s log ended without {needle:?}");
+    })
+    .await
+    .unwrap_or_else(|_| panic!("no {needle:?} in {model}'s log within {LONG:?}"));
+}
+
+/// vLLM fails a start whose GPU frees memory while it profiles (fake-vllm
+/// too, on its simulated GPU). An operator's sleep of a neighbour during
+/// the start waits for it (and says so), then sleeps; the start succeeds
+/// the first time. A request for the neighbour meanwhile finds it awake.
+#[tokio::test]
+async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
+    let sim = r#"env = { SIESTA_TEST_TAG = "@DIR@", FAKE_VLLM_GPU_TOTAL_BYTES = "85899345920", FAKE_VLLM_GPU_DIR = "@DIR@/simgpu" }"#;
+    let model = |name: &str, args: &str| {
+        gpu_model(name, "gpus = 1\ngpu_memory = 0.4")
+            .replace(r#"env = { SIESTA_TEST_TAG = "@DIR@" }"#, sim)
+            .replace(r#"args = ["--tokens-per-second", "20"]"#, args)
+    };
+    let models = format!(
+        "{}{}",
+        model("a", r#"args = ["--startup-time", "4s"]"#),
+        model("b", r#"args = ["--asleep-residual-mib", "1024"]"#)
+    );
+    let ctl = start(&gpu_config("@DIR@/state", 1, &models)).await;
+    let mut c = ctl.client().await;
+    if !gpus_from_config(&mut c).await {
+        return;
+    }
+    wake_awake(&mut c, "b").await;
+    wake(&mut c, "a", false).await;
+    log_has(&mut c, "a", "Starting to load model").await;
+    c.sleep(pb::SleepRequest {
+        name: "b".into(),
+        level: 1,
+    })
+    .await
+    .unwrap();
+    let b = wait_status(&mut c, "b", "waiting for a's start", LONG, |s| {
+        s.waiting_for.contains("an engine starting on GPU 0")
+    })
+    .await;
+    assert_eq!(state(&b), pb::ModelState::Sleeping);
+    let a = wait_state(&mut c, "a", pb::ModelState::Awake, LONG).await;
+    assert_eq!((a.failures, a.restarts), (0, 1), "a's start failed");
+    wait_state(&mut c, "b", pb::ModelState::Asleep, LONG).await;
+
+    // Again, and a request for b while its sleep waits: b is awake at once.
+    c.stop(pb::ModelRequest { name: "a".into() }).await.unwrap();
+    wait_state(&mut c, "a", pb::ModelState::Stopped, LONG).await;
+    wake_awake(&mut c, "b").await;
+    wake(&mut c, "a", false).await;
+    log_has(&mut c, "a", "Starting to load model").await;
+    c.sleep(pb::SleepRequest {
+        name: "b".into(),
+        level: 1,
+    })
+    .await
+    .unwrap();
+    wait_status(&mut c, "b", "waiting for a's start", LONG, |s| {
+        s.waiting_for.contains("an engine starting on GPU 0")
+    })
+    .await;
+    let r = wake(&mut c, "b", true).await;
+    assert_eq!(
+        state(&r.model.unwrap()),
+        pb::ModelState::Awake,
+        "{}",
+        r.message
+    );
+    let a = wait_state(&mut c, "a", pb::ModelState::Awake, LONG).await;
+    assert_eq!((a.failures, a.restarts), (0, 2), "a's start failed");
+}
+
 /// The NUL-separated entries of /proc/PID/{cmdline,environ}.
 fn proc_list(pid: u32, what: &str) -> Vec<String> {
     let raw = std::fs::read(format!("/proc/{pid}/{what}")).unwrap_or_default();

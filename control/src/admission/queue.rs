@@ -33,6 +33,23 @@ fn wanted_by_someone(m: &ModelStatus) -> bool {
             && matches!(m.intent.reason, Reason::Operator | Reason::Pin))
 }
 
+/// Of `yields`, the models still finishing their requests before they
+/// sleep (published awake or going to sleep, with requests in flight: a
+/// model sleeps only with none).
+fn draining(yields: &BTreeSet<String>, models: &[ModelStatus]) -> Vec<String> {
+    yields
+        .iter()
+        .filter(|n| {
+            models.iter().any(|m| {
+                m.name == **n
+                    && m.in_flight > 0
+                    && matches!(m.state, State::Awake | State::Sleeping)
+            })
+        })
+        .cloned()
+        .collect()
+}
+
 /// A busy model's turn after `given_up` yields given up in a row: doubled
 /// for each (up to 32×), but within half the time a wake waits for room (a
 /// longer turn would outlast every wait for it).
@@ -273,6 +290,33 @@ impl Core {
                     .map(|turn| ms_left(longer_turn(turn, m.yields_given_up), awake_for));
             }
         }
+        // GPUs where an engine starts (admitted, not yet awake): vLLM fails
+        // a start whose GPU frees memory while it profiles. Sleeps wait for
+        // it on their own (the start locks); an asleep model is not stopped
+        // there meanwhile.
+        // (A start answered a moment ago and not yet published counts.)
+        let starting: BTreeSet<u32> = models
+            .iter()
+            .filter(|m| !queued.contains(m.name.as_str()))
+            .filter(|m| {
+                m.state == State::Starting
+                    || (m.state == State::Stopped && self.granted.contains_key(&m.name))
+            })
+            .filter_map(|m| self.gpus.placed_one(&m.name))
+            .flat_map(|p| p.gpus)
+            .collect();
+        if !starting.is_empty() {
+            for (n, r) in rt.iter_mut() {
+                if r.state == RunState::Asleep
+                    && self
+                        .gpus
+                        .placed_one(n)
+                        .is_some_and(|p| p.gpus.iter().any(|g| starting.contains(g)))
+                {
+                    r.stoppable = false;
+                }
+            }
+        }
         let mut blocked: BTreeSet<u32> = BTreeSet::new();
         let mut i = 0;
         while i < self.queue.len() {
@@ -333,6 +377,16 @@ impl Core {
                 WakePlan::Ready => {
                     let ask = self.queue.remove(i).expect("index in range");
                     tracing::info!(model = %ask.model, "admitted");
+                    // Room came some other way (a model slept or stopped on
+                    // its own): the busy models still finishing their turn
+                    // for this ask serve on.
+                    for y in draining(&ask.yields, models) {
+                        tracing::info!(model = %ask.model, yielder = %y, "admitted without a busy model's yield: calling it off");
+                        self.call_off(&y, &ask.model, "found room without it");
+                        if let Some(r) = rt.get_mut(&y) {
+                            r.state = RunState::Awake;
+                        }
+                    }
                     if ask.told.is_some() {
                         (ask.waiting)(None);
                     }
@@ -461,17 +515,9 @@ impl Core {
         rt: &BTreeMap<String, ModelRuntime>,
         models: &[ModelStatus],
     ) -> Option<(WakePlan, Vec<String>)> {
-        let draining: Vec<String> = going
-            .iter()
-            .filter(|n| ask.yields.contains(*n))
-            .filter(|n| {
-                models.iter().any(|m| {
-                    m.name == **n
-                        && m.in_flight > 0
-                        && matches!(m.state, State::Awake | State::Sleeping)
-                })
-            })
-            .cloned()
+        let draining: Vec<String> = draining(&ask.yields, models)
+            .into_iter()
+            .filter(|n| going.contains(n))
             .collect();
         if draining.is_empty() {
             return None;

@@ -749,6 +749,23 @@ fn a_yield_is_called_off_when_the_ask_it_was_for_leaves() {
     }
 }
 
+/// A busy model yields for an ask that is then admitted without it (the
+/// other busy model was put to sleep by its operator meanwhile): the yield
+/// is called off at the admission, and the yielder serves on.
+#[test]
+fn a_yield_is_called_off_when_its_ask_is_admitted_without_it() {
+    let (mut w, v) = one_of_two_busy_yields();
+    let other = 1 - v;
+    w.plan().unwrap();
+    assert!(w.called_off.is_empty(), "{:?}", w.called_off);
+    w.in_flight[other] = 0;
+    w.run[other] = Run::Asleep;
+    w.plan().unwrap();
+    assert_eq!(w.run[2], Run::Waking(true), "admitted");
+    assert_eq!(w.called_off, [w.names[v].clone()]);
+    assert_eq!(w.run[v], Run::Awake);
+}
+
 /// Two busy models and a third that waited its turn: one of the busy
 /// ones yields, and while it still finishes its requests the other falls
 /// idle. The idle one makes the room; the yield is called off, so the
@@ -1036,7 +1053,8 @@ async fn nothing_is_admitted_before_every_adopted_engine_is_known() {
 /// wake finds no room until an asleep model siesta may stop is stopped. It
 /// is sent `Evict` (its reconciler stops it), counted as stopping until it
 /// publishes, and the wake is admitted once it is stopped. A model asleep
-/// with requests held for it (wanted awake) is never the one stopped.
+/// with requests held for it (wanted awake) is never the one stopped, nor
+/// one on a GPU where an engine is starting.
 #[test]
 fn an_asleep_model_is_stopped_for_what_it_keeps_when_nothing_else_frees_room() {
     let mut text = String::from(
@@ -1068,6 +1086,13 @@ fn an_asleep_model_is_stopped_for_what_it_keeps_when_nothing_else_frees_room() {
     assert!(asked.is_empty(), "{asked:?}");
     assert!(w.answers[3].as_mut().unwrap().try_recv().is_err());
     st[2].held = 0;
+    // Nor while an engine starts on the GPU (m0, admitted): vLLM fails a
+    // start whose GPU frees memory while it profiles.
+    st[0].state = State::Starting;
+    w.core.plan(&st);
+    let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
+    assert!(asked.is_empty(), "{asked:?}");
+    st[0].state = State::Awake;
     w.core.plan(&st);
     let asked: Vec<_> = w.evicted.lock().unwrap().drain(..).collect();
     assert!(

@@ -329,8 +329,17 @@ fn begin_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>
     m.transition_start = now;
     // Nothing in flight: whatever outlasted earlier yields is done.
     m.yields_given_up = 0;
-    let deadline = now + m.settings.timeouts.sleep;
-    set_phase(m, Phase::Sleeping { level, deadline }, now);
+    // The engine is asked once no engine starts on its GPUs (`SleepBegan`).
+    let deadline = now + ROOM_WAIT + m.settings.timeouts.sleep;
+    set_phase(
+        m,
+        Phase::Sleeping {
+            level,
+            deadline,
+            began: false,
+        },
+        now,
+    );
     fx.push(Effect::Log(format!("sleeping at level {level}")));
     fx.push(Effect::Sleep {
         epoch: m.epoch,
@@ -540,6 +549,16 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             drained: true,
             ..
         } if m.in_flight() == 0 => yield_sleep(m, level, now, fx),
+        // Wanted awake before the engine was asked to sleep (it waited for
+        // a start on its GPUs): it is awake, nothing to undo.
+        Phase::Sleeping { began: false, .. } if desired == Desired::Awake => {
+            fx.push(Effect::Log(
+                "sleep called off before it began (it waited for an engine starting on its \
+                 GPUs): wanted awake"
+                    .into(),
+            ));
+            set_phase(m, Phase::Awake, now);
+        }
         Phase::Starting { .. }
         | Phase::Sleeping { .. }
         | Phase::Waking { .. }

@@ -463,6 +463,21 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             m.health_strikes = 0;
             m.busy_timeouts_since = None;
         }
+        Event::SleepBegan { epoch: e } if e == epoch => {
+            if let Phase::Sleeping {
+                level,
+                began: false,
+                ..
+            } = m.phase
+            {
+                m.transition_start = now;
+                m.phase = Phase::Sleeping {
+                    level,
+                    deadline: now + m.settings.timeouts.sleep,
+                    began: true,
+                };
+            }
+        }
         Event::SleepDone { epoch: e } if e == epoch => {
             if let Phase::Sleeping { level, .. } = m.phase {
                 m.calibration.sleep_mut(level).add(now - m.transition_start);
@@ -667,6 +682,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         | Event::HealthFailed { .. }
         | Event::ProbeOk { .. }
         | Event::FoundAsleep { .. }
+        | Event::SleepBegan { .. }
         | Event::SleepDone { .. }
         | Event::SleepFailed { .. }
         | Event::WakeStepDone { .. }

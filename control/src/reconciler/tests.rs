@@ -280,9 +280,12 @@ fn every_transition_has_a_deadline() {
     s.advance(secs(5));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
     assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
-    // Sleep.
+    // Sleep: from when the engine is asked (the wait for starts on its
+    // GPUs before that has its own bound).
     let mut s = Sim::new(Preload::Asleep);
     s.boot();
+    assert_eq!(s.timer(), Some(s.now + ROOM_WAIT + secs(5)));
+    s.ev(Event::SleepBegan { epoch: s.m.epoch });
     s.advance(secs(5));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
     // Stop: drain (one grace at most), TERM, grace, KILL.
@@ -301,6 +304,37 @@ fn every_transition_has_a_deadline() {
         cause: None,
     });
     assert_eq!(s.m.phase, Phase::Stopped);
+}
+
+/// A sleep waiting for an engine starting on its GPUs has not asked its
+/// engine yet: a request then finds it awake at once (no sleep, no wake);
+/// once begun, a demand waits for the sleep to end and wakes it.
+#[test]
+fn a_sleep_that_waits_for_a_start_is_called_off_by_a_demand() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.advance(secs(10));
+    assert!(matches!(
+        s.m.phase,
+        Phase::Sleeping {
+            level: 1,
+            began: false,
+            ..
+        }
+    ));
+    s.ev(Event::Demand);
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert!(!s.has(|f| matches!(f, Effect::Wake { .. })));
+    // Its tier fires again later; begun, the sleep runs to its end.
+    s.advance(secs(10));
+    assert!(matches!(s.m.phase, Phase::Sleeping { began: false, .. }));
+    s.ev(Event::SleepBegan { epoch: s.m.epoch });
+    assert!(matches!(s.m.phase, Phase::Sleeping { began: true, .. }));
+    assert_eq!(s.timer(), Some(s.now + secs(5)));
+    s.ev(Event::Demand);
+    assert!(matches!(s.m.phase, Phase::Sleeping { .. }));
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert!(matches!(s.m.phase, Phase::Waking { .. }), "{:?}", s.m.phase);
 }
 
 #[test]

@@ -151,8 +151,17 @@ impl Runner {
                 let client = self.client.clone();
                 let send = self.event_sender();
                 let timeout = self.cfg.timeouts.sleep + CALL_SLACK;
+                let (shared, name, tx) =
+                    (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
+                let gpus = self.placed.gpus.clone();
                 self.op(async move {
-                    send(match client.sleep(level, timeout).await {
+                    // Not while an engine starts on its GPUs: freed memory
+                    // would fail its start (see `StartLocks`).
+                    let guards = hold_off_starts(&shared, &name, &gpus, &tx).await;
+                    send(Event::SleepBegan { epoch });
+                    let slept = client.sleep(level, timeout).await;
+                    drop(guards);
+                    send(match slept {
                         Ok(()) => Event::SleepDone { epoch },
                         Err(error) => Event::SleepFailed { epoch, error },
                     });
@@ -444,4 +453,33 @@ pub(super) async fn hand_over_admission(tx: &mpsc::UnboundedSender<Msg>, epoch: 
     {
         let _ = taken.await;
     }
+}
+
+/// Holds off starts on `gpus` while `model` frees memory there, waiting
+/// (saying so) for those under way, at most [`crate::reconciler::ROOM_WAIT`]:
+/// after that it goes on without (a start that long is stuck, and the
+/// model's own deadline would run out).
+async fn hold_off_starts(
+    shared: &super::Shared,
+    model: &str,
+    gpus: &[u32],
+    tx: &mpsc::UnboundedSender<Msg>,
+) -> crate::supervisor::FreeGuards {
+    if let Some(g) = shared.locks.try_free(gpus) {
+        return g;
+    }
+    let on: Vec<String> = gpus.iter().map(u32::to_string).collect();
+    let what = format!(
+        "an engine starting on GPU {} (vLLM fails a start whose GPU frees memory while it \
+         profiles): the sleep waits for it",
+        on.join(", ")
+    );
+    tracing::info!(model = %model, gpus = ?gpus, "sleep waits for an engine starting on its GPUs");
+    let _ = tx.send(Msg::WaitingFor(Some(what)));
+    let held = tokio::time::timeout(crate::reconciler::ROOM_WAIT, shared.locks.free(gpus)).await;
+    let _ = tx.send(Msg::WaitingFor(None));
+    held.unwrap_or_else(|_| {
+        tracing::warn!(model = %model, "an engine has been starting on its GPUs for {:?}: sleeping anyway", crate::reconciler::ROOM_WAIT);
+        Vec::new()
+    })
 }

@@ -129,7 +129,7 @@ async fn waiting_for_the_start_lock(
     extra: &str,
 ) -> (
     ModelHandle,
-    Vec<tokio::sync::OwnedMutexGuard<()>>,
+    crate::supervisor::StartGuards,
     CancellationToken,
     tokio::sync::watch::Receiver<ModelStatus>,
 ) {
