@@ -229,6 +229,24 @@ async fn log_has(c: &mut siesta_tests::ctl::Client, model: &str, needle: &str) {
     .unwrap_or_else(|_| panic!("no {needle:?} in {model}'s log within {LONG:?}"));
 }
 
+/// With b awake, starts a and, once a's engine has taken its memory
+/// snapshot, asks b to sleep: b's sleep waits for a's start, saying so.
+async fn sleep_b_while_a_starts(c: &mut siesta_tests::ctl::Client) -> pb::ModelStatus {
+    wake_awake(c, "b").await;
+    wake(c, "a", false).await;
+    log_has(c, "a", "Starting to load model").await;
+    c.sleep(pb::SleepRequest {
+        name: "b".into(),
+        level: 1,
+    })
+    .await
+    .unwrap();
+    wait_status(c, "b", "waiting for a's start", LONG, |s| {
+        s.waiting_for.contains("an engine starting on GPU 0")
+    })
+    .await
+}
+
 /// vLLM fails a start whose GPU frees memory while it profiles (fake-vllm
 /// too, on its simulated GPU). An operator's sleep of a neighbour during
 /// the start waits for it (and says so), then sleeps; the start succeeds
@@ -251,19 +269,7 @@ async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
     if !gpus_from_config(&mut c).await {
         return;
     }
-    wake_awake(&mut c, "b").await;
-    wake(&mut c, "a", false).await;
-    log_has(&mut c, "a", "Starting to load model").await;
-    c.sleep(pb::SleepRequest {
-        name: "b".into(),
-        level: 1,
-    })
-    .await
-    .unwrap();
-    let b = wait_status(&mut c, "b", "waiting for a's start", LONG, |s| {
-        s.waiting_for.contains("an engine starting on GPU 0")
-    })
-    .await;
+    let b = sleep_b_while_a_starts(&mut c).await;
     assert_eq!(state(&b), pb::ModelState::Sleeping);
     let a = wait_state(&mut c, "a", pb::ModelState::Awake, LONG).await;
     assert_eq!((a.failures, a.restarts), (0, 1), "a's start failed");
@@ -272,19 +278,7 @@ async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
     // Again, and a request for b while its sleep waits: b is awake at once.
     c.stop(pb::ModelRequest { name: "a".into() }).await.unwrap();
     wait_state(&mut c, "a", pb::ModelState::Stopped, LONG).await;
-    wake_awake(&mut c, "b").await;
-    wake(&mut c, "a", false).await;
-    log_has(&mut c, "a", "Starting to load model").await;
-    c.sleep(pb::SleepRequest {
-        name: "b".into(),
-        level: 1,
-    })
-    .await
-    .unwrap();
-    wait_status(&mut c, "b", "waiting for a's start", LONG, |s| {
-        s.waiting_for.contains("an engine starting on GPU 0")
-    })
-    .await;
+    sleep_b_while_a_starts(&mut c).await;
     let r = wake(&mut c, "b", true).await;
     assert_eq!(
         state(&r.model.unwrap()),
