@@ -126,15 +126,12 @@ pub enum Phase {
         admitted: bool,
     },
     Awake,
-    /// Until `began`, the sleep waits for engines starting on its GPUs
-    /// (at most [`ROOM_WAIT`]: vLLM fails a start whose GPU frees memory
-    /// while it profiles); the engine was not asked yet, so a model wanted
-    /// awake meanwhile is awake again at once. The deadline counts from
-    /// `began`.
+    /// The engine is asked once no engine starts on its GPUs (vLLM fails a
+    /// start whose GPU frees memory while it profiles): until `SleepBegan`
+    /// the deadline allows [`ROOM_WAIT`] more, then it counts from there.
     Sleeping {
         level: u8,
         deadline: Instant,
-        began: bool,
     },
     Asleep {
         level: u8,

@@ -277,9 +277,8 @@ pub fn spawn(
 /// Memory freed on a GPU while an engine starts there fails that start:
 /// vLLM compares the free memory after profiling with the free memory when
 /// it began, and asserts it did not grow ("Error in memory profiling").
-/// So what frees memory on purpose (a sleep, a checkpoint) holds the lock
-/// read: it waits for starts under way, and starts wait for it, while frees
-/// go on side by side.
+/// So a sleep holds the lock read: it waits for starts under way, and
+/// starts wait for it, while sleeps go on side by side.
 #[derive(Debug, Default)]
 pub struct StartLocks {
     locks: Mutex<BTreeMap<u32, Arc<tokio::sync::RwLock<()>>>>,
@@ -288,7 +287,7 @@ pub struct StartLocks {
 /// A start's hold on its GPUs (see [`StartLocks::acquire`]).
 pub type StartGuards = Vec<OwnedRwLockWriteGuard<()>>;
 
-/// A sleep's or a checkpoint's hold on its GPUs: no start there meanwhile.
+/// A sleep's hold on its GPUs: no start there meanwhile.
 pub type FreeGuards = Vec<OwnedRwLockReadGuard<()>>;
 
 impl StartLocks {

@@ -498,8 +498,7 @@ impl World {
                         m.phase,
                         Phase::Sleeping {
                             level,
-                            deadline: m.phase.deadline().unwrap(),
-                            began: false,
+                            deadline: m.phase.deadline().unwrap()
                         }
                     );
                     self.sleeps.push(epoch);

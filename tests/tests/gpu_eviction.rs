@@ -250,7 +250,8 @@ async fn sleep_b_while_a_starts(c: &mut siesta_tests::ctl::Client) -> pb::ModelS
 /// vLLM fails a start whose GPU frees memory while it profiles (fake-vllm
 /// too, on its simulated GPU). An operator's sleep of a neighbour during
 /// the start waits for it (and says so), then sleeps; the start succeeds
-/// the first time. A request for the neighbour meanwhile finds it awake.
+/// the first time. A wake of the neighbour meanwhile is served once its
+/// sleep is done.
 #[tokio::test]
 async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
     let sim = r#"env = { SIESTA_TEST_TAG = "@DIR@", FAKE_VLLM_GPU_TOTAL_BYTES = "85899345920", FAKE_VLLM_GPU_DIR = "@DIR@/simgpu" }"#;
@@ -275,7 +276,8 @@ async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
     assert_eq!((a.failures, a.restarts), (0, 1), "a's start failed");
     wait_state(&mut c, "b", pb::ModelState::Asleep, LONG).await;
 
-    // Again, and a request for b while its sleep waits: b is awake at once.
+    // Again, and an operator's wake of b while its sleep waits: served
+    // after the sleep, a's start unharmed.
     c.stop(pb::ModelRequest { name: "a".into() }).await.unwrap();
     wait_state(&mut c, "a", pb::ModelState::Stopped, LONG).await;
     sleep_b_while_a_starts(&mut c).await;

@@ -331,15 +331,7 @@ fn begin_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>
     m.yields_given_up = 0;
     // The engine is asked once no engine starts on its GPUs (`SleepBegan`).
     let deadline = now + ROOM_WAIT + m.settings.timeouts.sleep;
-    set_phase(
-        m,
-        Phase::Sleeping {
-            level,
-            deadline,
-            began: false,
-        },
-        now,
-    );
+    set_phase(m, Phase::Sleeping { level, deadline }, now);
     fx.push(Effect::Log(format!("sleeping at level {level}")));
     fx.push(Effect::Sleep {
         epoch: m.epoch,
@@ -549,16 +541,6 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             drained: true,
             ..
         } if m.in_flight() == 0 => yield_sleep(m, level, now, fx),
-        // Wanted awake before the engine was asked to sleep (it waited for
-        // a start on its GPUs): it is awake, nothing to undo.
-        Phase::Sleeping { began: false, .. } if desired == Desired::Awake => {
-            fx.push(Effect::Log(
-                "sleep called off before it began (it waited for an engine starting on its \
-                 GPUs): wanted awake"
-                    .into(),
-            ));
-            set_phase(m, Phase::Awake, now);
-        }
         Phase::Starting { .. }
         | Phase::Sleeping { .. }
         | Phase::Waking { .. }

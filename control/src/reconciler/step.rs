@@ -463,18 +463,14 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             m.health_strikes = 0;
             m.busy_timeouts_since = None;
         }
+        // Its wait for starts on its GPUs is over: the sleep's own time
+        // (deadline, calibration) counts from here.
         Event::SleepBegan { epoch: e } if e == epoch => {
-            if let Phase::Sleeping {
-                level,
-                began: false,
-                ..
-            } = m.phase
-            {
+            if let Phase::Sleeping { level, .. } = m.phase {
                 m.transition_start = now;
                 m.phase = Phase::Sleeping {
                     level,
                     deadline: now + m.settings.timeouts.sleep,
-                    began: true,
                 };
             }
         }

@@ -306,33 +306,28 @@ fn every_transition_has_a_deadline() {
     assert_eq!(s.m.phase, Phase::Stopped);
 }
 
-/// A sleep waiting for an engine starting on its GPUs has not asked its
-/// engine yet: a request then finds it awake at once (no sleep, no wake);
-/// once begun, a demand waits for the sleep to end and wakes it.
+/// A sleep may wait for an engine starting on its GPUs (the runner's
+/// `SleepBegan` ends the wait): its deadline allows that wait, then counts
+/// from `SleepBegan`, as its calibration does. A demand meanwhile does not
+/// undo it (the engine may be asked already): it wakes once asleep.
 #[test]
-fn a_sleep_that_waits_for_a_start_is_called_off_by_a_demand() {
+fn a_sleep_that_waits_for_a_start_counts_its_time_from_when_it_began() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
     s.advance(secs(10));
-    assert!(matches!(
-        s.m.phase,
-        Phase::Sleeping {
-            level: 1,
-            began: false,
-            ..
-        }
-    ));
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+    assert_eq!(s.timer(), Some(s.now + ROOM_WAIT + secs(5)));
+    s.now += secs(100);
     s.ev(Event::Demand);
-    assert_eq!(s.m.phase, Phase::Awake);
+    assert!(
+        matches!(s.m.phase, Phase::Sleeping { .. }),
+        "{:?}",
+        s.m.phase
+    );
     assert!(!s.has(|f| matches!(f, Effect::Wake { .. })));
-    // Its tier fires again later; begun, the sleep runs to its end.
-    s.advance(secs(10));
-    assert!(matches!(s.m.phase, Phase::Sleeping { began: false, .. }));
     s.ev(Event::SleepBegan { epoch: s.m.epoch });
-    assert!(matches!(s.m.phase, Phase::Sleeping { began: true, .. }));
     assert_eq!(s.timer(), Some(s.now + secs(5)));
-    s.ev(Event::Demand);
-    assert!(matches!(s.m.phase, Phase::Sleeping { .. }));
+    assert_eq!(s.m.transition_start, s.now);
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     assert!(matches!(s.m.phase, Phase::Waking { .. }), "{:?}", s.m.phase);
 }
