@@ -127,7 +127,7 @@ pub enum Phase {
     },
     Awake,
     /// The engine is asked once no engine starts on its GPUs (vLLM fails a
-    /// start whose GPU frees memory while it profiles): until `SleepBegan`
+    /// start whose GPU frees memory while it profiles): until `FreeBegan`
     /// the deadline allows [`ROOM_WAIT`] more, then it counts from there.
     Sleeping {
         level: u8,
@@ -180,7 +180,10 @@ pub enum Phase {
         deadline: Instant,
         drained: bool,
     },
-    /// `killed`: SIGKILL already sent.
+    /// SIGTERM goes to the engine once no engine starts on its GPUs (its
+    /// exit frees their memory, which fails such a start, as a sleep
+    /// would): until `FreeBegan` the deadline allows [`ROOM_WAIT`] more,
+    /// then it is one stop grace from there. `killed`: SIGKILL already sent.
     Stopping {
         deadline: Instant,
         killed: bool,
@@ -352,8 +355,9 @@ pub enum Event {
         epoch: u64,
         level: u8,
     },
-    /// The sleep's wait for starts on its GPUs is over: the engine is asked.
-    SleepBegan {
+    /// The wait of a sleep, stop or suspend for starts on its GPUs is over:
+    /// the engine is asked to sleep, signalled, or checkpointed now.
+    FreeBegan {
         epoch: u64,
     },
     SleepDone {
@@ -410,13 +414,6 @@ pub enum Event {
     Tick,
 }
 
-/// Signals to the engine's process group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Signal {
-    Term,
-    Kill,
-}
-
 /// What the model's task must do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Effect {
@@ -471,7 +468,14 @@ pub enum Effect {
         step: usize,
         call: WakeCall,
     },
-    Signal(Signal),
+    /// SIGTERM to the engine's process group once no engine starts on its
+    /// GPUs (waiting at most [`ROOM_WAIT`]); answer `FreeBegan` as it is
+    /// sent. The GPUs stay held off for starts until the engine is gone.
+    Terminate {
+        epoch: u64,
+    },
+    /// SIGKILL to the engine's process group, at once.
+    Kill,
     /// Drop the per-GPU start lock if held.
     ReleaseStartLock,
     /// Wake the task at this time (None: no timer needed).

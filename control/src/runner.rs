@@ -276,7 +276,7 @@ pub fn spawn_model_adopting(
         logs: logs.clone(),
         proc,
         initial_fx,
-        lock_release: None,
+        start_hold: None,
         spawn_cancel: CancellationToken::new(),
         spawning: Vec::new(),
         ops: Vec::new(),
@@ -313,7 +313,8 @@ struct Runner {
     proc: Option<ProcHandle>,
     /// Effects of adopting a running engine, carried out first.
     initial_fx: Vec<Effect>,
-    lock_release: Option<oneshot::Sender<()>>,
+    /// The start lock a start of this model holds (see `ReleaseStartLock`).
+    start_hold: Option<crate::supervisor::StartHold>,
     spawn_cancel: CancellationToken,
     /// Spawn tasks (admission, start lock, launch) not known to be done:
     /// the model task's end waits for them (see [`Runner::end`]).
@@ -572,8 +573,8 @@ impl Runner {
     async fn end(&mut self, rx: &mut mpsc::UnboundedReceiver<Msg>, stop: bool) {
         rx.close();
         self.spawn_cancel.cancel();
-        // A spawn holding the start lock waits for this to end.
-        self.lock_release.take();
+        // A spawn holding the start lock: no start is under way any more.
+        self.release_start_lock();
         for task in std::mem::take(&mut self.spawning) {
             if tokio::time::timeout(SPAWN_END_WAIT, task).await.is_err() {
                 tracing::warn!(model = %self.cfg.name, "a spawn task did not end in time");

@@ -331,6 +331,39 @@ impl StartLocks {
     }
 }
 
+/// A start's hold on its GPUs' start locks, from when the spawn task
+/// takes them until the model's task says the start is over. Released by
+/// the model's task itself, at once: a sleep or stop it begins next must
+/// not find its own start still holding the GPUs.
+#[derive(Debug, Clone, Default)]
+pub struct StartHold(Arc<Mutex<Hold>>);
+
+#[derive(Debug, Default)]
+enum Hold {
+    #[default]
+    Waiting,
+    Held {
+        _guards: StartGuards,
+    },
+    Released,
+}
+
+impl StartHold {
+    /// Keeps `guards` until [`Self::release`] (dropped at once if that
+    /// came first).
+    pub fn keep(&self, guards: StartGuards) {
+        let mut hold = self.0.lock().unwrap();
+        if !matches!(*hold, Hold::Released) {
+            *hold = Hold::Held { _guards: guards };
+        }
+    }
+
+    /// Ends the hold (now, or as soon as the guards are taken).
+    pub fn release(&self) {
+        *self.0.lock().unwrap() = Hold::Released;
+    }
+}
+
 #[cfg(test)]
 mod tests {
 
@@ -544,5 +577,25 @@ mod tests {
         assert!(!free.is_finished());
         drop(started);
         assert_eq!(free.await.unwrap(), 2);
+    }
+
+    /// A start's hold ends the moment the model's task releases it (a free
+    /// right after finds the GPU free), also when the release came before
+    /// the spawn task took the locks.
+    #[tokio::test]
+    async fn a_start_hold_ends_at_once_when_released() {
+        let locks = StartLocks::default();
+        let hold = StartHold::default();
+        hold.keep(locks.acquire(&[0]).await);
+        assert!(locks.try_free(&[0]).is_none(), "held");
+        hold.clone().release();
+        assert!(locks.try_free(&[0]).is_some(), "released synchronously");
+        let late = StartHold::default();
+        late.release();
+        late.keep(locks.acquire(&[0]).await);
+        assert!(
+            locks.try_free(&[0]).is_some(),
+            "released before it was kept"
+        );
     }
 }

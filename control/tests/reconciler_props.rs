@@ -30,7 +30,7 @@ use proptest::test_runner::TestRunner;
 use siesta_control::config::{Backoff, EngineKind, IdleAction, IdleTier, Preload, Timeouts};
 use siesta_control::reconciler::{
     Command, Desired, Effect, Event, ModelState, Phase, ROOM_WAIT, Reason, SUSPEND_TIMEOUT,
-    Settings, Signal, step, wake_calls,
+    Settings, step, wake_calls,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use tokio::time::{Duration, Instant};
@@ -134,6 +134,8 @@ enum Action {
         ok: bool,
     },
     Admitted(usize),
+    /// A sleep's, stop's or suspend's wait for starts on its GPUs ends.
+    FreeBegan(usize),
     Suspend {
         sel: usize,
         ok: bool,
@@ -186,6 +188,7 @@ fn action() -> impl Strategy<Value = Action> {
         3 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Sleep { sel, ok }),
         3 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Wake { sel, ok }),
         1 => sel.prop_map(Action::Admitted),
+        1 => sel.prop_map(Action::FreeBegan),
         2 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Suspend { sel, ok }),
         2 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Resume { sel, ok }),
         2 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Drained { sel, ok }),
@@ -232,6 +235,9 @@ struct World {
     procs: BTreeMap<u64, bool>,
     probes: Vec<u64>,
     sleeps: Vec<u64>,
+    /// Epochs of sleeps, stops and suspends whose wait for starts on the
+    /// GPUs may end (`FreeBegan`).
+    frees: Vec<u64>,
     wakes: Vec<(u64, usize)>,
     suspends: Vec<u64>,
     resumes: Vec<u64>,
@@ -263,6 +269,7 @@ impl World {
             procs: BTreeMap::new(),
             probes: vec![],
             sleeps: vec![],
+            frees: vec![],
             wakes: vec![],
             suspends: vec![],
             resumes: vec![],
@@ -414,6 +421,9 @@ impl World {
                 let epoch = *steps0.get(sel % steps0.len().max(1))?;
                 Event::Admitted { epoch }
             }
+            Action::FreeBegan(sel) => Event::FreeBegan {
+                epoch: take(&mut self.frees, sel)?,
+            },
             Action::Tick => Event::Tick,
         })
     }
@@ -469,11 +479,18 @@ impl World {
                         cancelled: false,
                     });
                 }
-                Effect::Signal(sig) => {
+                Effect::Terminate { epoch } => {
                     prop_assert!(!m.settings.attach, "signal to an attach engine\n{}", ctx());
-                    if sig == Signal::Kill {
-                        self.procs.values_mut().for_each(|k| *k = true);
-                    }
+                    prop_assert!(
+                        matches!(m.phase, Phase::Stopping { killed: false, .. }),
+                        "SIGTERM outside Stopping\n{}",
+                        ctx()
+                    );
+                    self.frees.push(epoch);
+                }
+                Effect::Kill => {
+                    prop_assert!(!m.settings.attach, "signal to an attach engine\n{}", ctx());
+                    self.procs.values_mut().for_each(|k| *k = true);
                 }
                 Effect::ProbeHealth { epoch, .. } => self.probes.push(epoch),
                 Effect::Sleep { epoch, level } => {
@@ -502,6 +519,7 @@ impl World {
                         }
                     );
                     self.sleeps.push(epoch);
+                    self.frees.push(epoch);
                 }
                 Effect::Wake { epoch, step, call } => {
                     let Phase::Waking { from_level, .. } = m.phase else {
@@ -531,6 +549,7 @@ impl World {
                         ctx()
                     );
                     self.suspends.push(epoch);
+                    self.frees.push(epoch);
                 }
                 Effect::Resume { epoch } => {
                     prop_assert!(

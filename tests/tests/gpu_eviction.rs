@@ -229,31 +229,44 @@ async fn log_has(c: &mut siesta_tests::ctl::Client, model: &str, needle: &str) {
     .unwrap_or_else(|_| panic!("no {needle:?} in {model}'s log within {LONG:?}"));
 }
 
-/// With b awake, starts a and, once a's engine has taken its memory
-/// snapshot, asks b to sleep: b's sleep waits for a's start, saying so.
-async fn sleep_b_while_a_starts(c: &mut siesta_tests::ctl::Client) -> pb::ModelStatus {
-    wake_awake(c, "b").await;
+/// How b frees GPU memory while a starts.
+#[derive(Clone, Copy)]
+enum Free {
+    Sleep,
+    Stop,
+}
+
+/// Starts a and, once a's engine has taken its memory snapshot, asks b
+/// (as it is: awake or asleep) to sleep or stop: b waits for a's start,
+/// saying so.
+async fn free_b_while_a_starts(c: &mut siesta_tests::ctl::Client, how: Free) -> pb::ModelStatus {
     wake(c, "a", false).await;
     log_has(c, "a", "Starting to load model").await;
-    c.sleep(pb::SleepRequest {
-        name: "b".into(),
-        level: 1,
-    })
-    .await
-    .unwrap();
+    let b = || pb::ModelRequest { name: "b".into() };
+    let what = match how {
+        Free::Sleep => {
+            let level = 1;
+            c.sleep(pb::SleepRequest {
+                name: "b".into(),
+                level,
+            })
+            .await
+            .unwrap();
+            "the sleep waits"
+        }
+        Free::Stop => {
+            c.stop(b()).await.unwrap();
+            "the stop waits"
+        }
+    };
     wait_status(c, "b", "waiting for a's start", LONG, |s| {
-        s.waiting_for.contains("an engine starting on GPU 0")
+        s.waiting_for.contains("an engine starting on GPU 0") && s.waiting_for.contains(what)
     })
     .await
 }
 
-/// vLLM fails a start whose GPU frees memory while it profiles (fake-vllm
-/// too, on its simulated GPU). An operator's sleep of a neighbour during
-/// the start waits for it (and says so), then sleeps; the start succeeds
-/// the first time. A wake of the neighbour meanwhile is served once its
-/// sleep is done.
-#[tokio::test]
-async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
+/// a (starting in 4 s) and b (keeping 1 GiB asleep) on one simulated GPU.
+async fn neighbours() -> Option<(Ctl, siesta_tests::ctl::Client)> {
     let sim = r#"env = { SIESTA_TEST_TAG = "@DIR@", FAKE_VLLM_GPU_TOTAL_BYTES = "85899345920", FAKE_VLLM_GPU_DIR = "@DIR@/simgpu" }"#;
     let model = |name: &str, args: &str| {
         gpu_model(name, "gpus = 1\ngpu_memory = 0.4")
@@ -267,20 +280,37 @@ async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
     );
     let ctl = start(&gpu_config("@DIR@/state", 1, &models)).await;
     let mut c = ctl.client().await;
-    if !gpus_from_config(&mut c).await {
+    gpus_from_config(&mut c).await.then_some((ctl, c))
+}
+
+/// a's start succeeded the first time (its `restarts` counts starts).
+async fn a_started(c: &mut siesta_tests::ctl::Client, starts: u32) {
+    let a = wait_state(c, "a", pb::ModelState::Awake, LONG).await;
+    assert_eq!((a.failures, a.restarts), (0, starts), "a's start failed");
+}
+
+/// vLLM fails a start whose GPU frees memory while it profiles (fake-vllm
+/// too, on its simulated GPU). An operator's sleep of a neighbour during
+/// the start waits for it (and says so), then sleeps; the start succeeds
+/// the first time. A wake of the neighbour meanwhile is served once its
+/// sleep is done.
+#[tokio::test]
+async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
+    let Some((_ctl, mut c)) = neighbours().await else {
         return;
-    }
-    let b = sleep_b_while_a_starts(&mut c).await;
+    };
+    wake_awake(&mut c, "b").await;
+    let b = free_b_while_a_starts(&mut c, Free::Sleep).await;
     assert_eq!(state(&b), pb::ModelState::Sleeping);
-    let a = wait_state(&mut c, "a", pb::ModelState::Awake, LONG).await;
-    assert_eq!((a.failures, a.restarts), (0, 1), "a's start failed");
+    a_started(&mut c, 1).await;
     wait_state(&mut c, "b", pb::ModelState::Asleep, LONG).await;
 
     // Again, and an operator's wake of b while its sleep waits: served
     // after the sleep, a's start unharmed.
     c.stop(pb::ModelRequest { name: "a".into() }).await.unwrap();
     wait_state(&mut c, "a", pb::ModelState::Stopped, LONG).await;
-    sleep_b_while_a_starts(&mut c).await;
+    wake_awake(&mut c, "b").await;
+    free_b_while_a_starts(&mut c, Free::Sleep).await;
     let r = wake(&mut c, "b", true).await;
     assert_eq!(
         state(&r.model.unwrap()),
@@ -288,8 +318,39 @@ async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
         "{}",
         r.message
     );
-    let a = wait_state(&mut c, "a", pb::ModelState::Awake, LONG).await;
-    assert_eq!((a.failures, a.restarts), (0, 2), "a's start failed");
+    a_started(&mut c, 2).await;
+}
+
+/// A neighbour's stop frees its memory as a sleep does (all of it awake,
+/// what it keeps asleep): during a start it waits too, awake or asleep,
+/// then stops; the start succeeds the first time.
+#[tokio::test]
+async fn a_neighbours_stop_waits_for_an_engine_starting_on_its_gpu() {
+    let Some((_ctl, mut c)) = neighbours().await else {
+        return;
+    };
+    wake_awake(&mut c, "b").await;
+    let b = free_b_while_a_starts(&mut c, Free::Stop).await;
+    assert_eq!(state(&b), pb::ModelState::Stopping);
+    a_started(&mut c, 1).await;
+    wait_state(&mut c, "b", pb::ModelState::Stopped, LONG).await;
+
+    // b asleep, keeping 1 GiB.
+    c.stop(pb::ModelRequest { name: "a".into() }).await.unwrap();
+    wait_state(&mut c, "a", pb::ModelState::Stopped, LONG).await;
+    wake_awake(&mut c, "b").await;
+    let level = 1;
+    c.sleep(pb::SleepRequest {
+        name: "b".into(),
+        level,
+    })
+    .await
+    .unwrap();
+    wait_state(&mut c, "b", pb::ModelState::Asleep, LONG).await;
+    let b = free_b_while_a_starts(&mut c, Free::Stop).await;
+    assert_eq!(state(&b), pb::ModelState::Stopping);
+    a_started(&mut c, 2).await;
+    wait_state(&mut c, "b", pb::ModelState::Stopped, LONG).await;
 }
 
 /// The NUL-separated entries of /proc/PID/{cmdline,environ}.

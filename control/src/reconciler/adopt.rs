@@ -106,7 +106,10 @@ mod tests {
         adopt(&mut m, 1, 10, Observed::Awake, now);
         let (m, fx) = step(m, Event::Tick, now);
         assert_eq!(m.phase, Phase::Awake, "{fx:?}");
-        assert!(!fx.contains(&Effect::Signal(Signal::Term)), "{fx:?}");
+        assert!(
+            !fx.iter().any(|f| matches!(f, Effect::Terminate { .. })),
+            "{fx:?}"
+        );
         // A proxy reports a request in flight a moment later: it is served.
         let report = |in_flight| Event::Activity {
             proxy: "p".into(),
@@ -187,7 +190,7 @@ mod tests {
         let mut m = fresh(Desired::Stopped);
         let fx = adopt(&mut m, 1, 10, Observed::NotServing, now);
         assert!(matches!(m.phase, Phase::Stopping { .. }));
-        assert!(fx.contains(&Effect::Signal(Signal::Term)));
+        assert!(fx.iter().any(|f| matches!(f, Effect::Terminate { .. })));
         // An engine that exits is seen as stopped, not as a crash.
         let (m, _) = step(
             m,

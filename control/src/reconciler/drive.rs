@@ -16,9 +16,8 @@ pub(super) fn terminate(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         set_phase(m, Phase::Stopped, now);
         return;
     }
-    fx.push(Effect::Signal(Signal::Term));
-    fx.push(Effect::Log("stopping: SIGTERM to the process group".into()));
-    let deadline = now + m.settings.timeouts.stop_grace;
+    // SIGTERM once no engine starts on its GPUs (`FreeBegan`).
+    let deadline = now + ROOM_WAIT + m.settings.timeouts.stop_grace;
     set_phase(
         m,
         Phase::Stopping {
@@ -27,6 +26,8 @@ pub(super) fn terminate(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         },
         now,
     );
+    fx.push(Effect::Log("stopping: SIGTERM to the process group".into()));
+    fx.push(Effect::Terminate { epoch: m.epoch });
 }
 
 /// An operator's stop (or restart) of an awake engine: answers under way
@@ -236,7 +237,7 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             give_up_yield(m, &why, now, fx);
         }
         Phase::Stopping { killed: false, .. } => {
-            fx.push(Effect::Signal(Signal::Kill));
+            fx.push(Effect::Kill);
             fx.push(Effect::Log(
                 "stop grace over: SIGKILL to the process group".into(),
             ));
@@ -329,7 +330,7 @@ fn begin_sleep(m: &mut ModelState, level: u8, now: Instant, fx: &mut Vec<Effect>
     m.transition_start = now;
     // Nothing in flight: whatever outlasted earlier yields is done.
     m.yields_given_up = 0;
-    // The engine is asked once no engine starts on its GPUs (`SleepBegan`).
+    // The engine is asked once no engine starts on its GPUs (`FreeBegan`).
     let deadline = now + ROOM_WAIT + m.settings.timeouts.sleep;
     set_phase(m, Phase::Sleeping { level, deadline }, now);
     fx.push(Effect::Log(format!("sleeping at level {level}")));

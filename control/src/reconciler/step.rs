@@ -104,7 +104,7 @@ pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec
     m.stable_at = None;
     m.recorded_floor = None;
     if !m.settings.attach {
-        fx.push(Effect::Signal(Signal::Kill));
+        fx.push(Effect::Kill);
     }
     fx.push(Effect::ReleaseStartLock);
     let retry_at = (m.intent.desired != Desired::Stopped).then(|| now + m.backoff());
@@ -463,17 +463,31 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             m.health_strikes = 0;
             m.busy_timeouts_since = None;
         }
-        // Its wait for starts on its GPUs is over: the sleep's own time
-        // (deadline, calibration) counts from here.
-        Event::SleepBegan { epoch: e } if e == epoch => {
-            if let Phase::Sleeping { level, .. } = m.phase {
+        // Its wait for starts on its GPUs is over: the sleep's, stop's or
+        // suspend's own time (deadline, calibration) counts from here.
+        Event::FreeBegan { epoch: e } if e == epoch => match m.phase {
+            Phase::Sleeping { level, .. } => {
                 m.transition_start = now;
                 m.phase = Phase::Sleeping {
                     level,
                     deadline: now + m.settings.timeouts.sleep,
                 };
             }
-        }
+            Phase::Stopping { killed: false, .. } => {
+                m.phase = Phase::Stopping {
+                    deadline: now + m.settings.timeouts.stop_grace,
+                    killed: false,
+                };
+            }
+            Phase::Suspending { under, .. } => {
+                m.transition_start = now;
+                m.phase = Phase::Suspending {
+                    under,
+                    deadline: now + SUSPEND_TIMEOUT,
+                };
+            }
+            _ => {}
+        },
         Event::SleepDone { epoch: e } if e == epoch => {
             if let Phase::Sleeping { level, .. } = m.phase {
                 m.calibration.sleep_mut(level).add(now - m.transition_start);
@@ -678,7 +692,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         | Event::HealthFailed { .. }
         | Event::ProbeOk { .. }
         | Event::FoundAsleep { .. }
-        | Event::SleepBegan { .. }
+        | Event::FreeBegan { .. }
         | Event::SleepDone { .. }
         | Event::SleepFailed { .. }
         | Event::WakeStepDone { .. }

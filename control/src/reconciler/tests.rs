@@ -86,6 +86,16 @@ impl Sim {
             last_finished: None,
         })
     }
+    /// The stop asked the runner for SIGTERM, and the runner (past its
+    /// wait for starts on the GPUs) sent it.
+    fn term_sent(&mut self) {
+        assert!(self.has(|f| matches!(f, Effect::Terminate { .. })));
+        assert!(matches!(self.m.phase, Phase::Stopping { .. }));
+        self.ev(Event::FreeBegan {
+            epoch: self.m.epoch,
+        });
+    }
+
     fn has(&self, f: impl Fn(&Effect) -> bool) -> bool {
         self.fx.iter().any(f)
     }
@@ -191,7 +201,7 @@ fn tiers_fire_in_order() {
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     assert_eq!(s.m.phase, Phase::Asleep { level: 2 });
     s.advance(secs(10));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    assert!(s.has(|f| matches!(f, Effect::Terminate { .. })));
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 0".into(),
@@ -270,7 +280,7 @@ fn every_transition_has_a_deadline() {
     assert_eq!(s.timer(), Some(s.now + secs(60)));
     s.advance(secs(60));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    assert!(s.has(|f| matches!(f, Effect::Kill)));
     // Wake.
     let mut s = Sim::new(Preload::Asleep);
     s.boot();
@@ -279,13 +289,13 @@ fn every_transition_has_a_deadline() {
     s.ev(Event::Admitted { epoch: s.m.epoch });
     s.advance(secs(5));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    assert!(s.has(|f| matches!(f, Effect::Kill)));
     // Sleep: from when the engine is asked (the wait for starts on its
     // GPUs before that has its own bound).
     let mut s = Sim::new(Preload::Asleep);
     s.boot();
     assert_eq!(s.timer(), Some(s.now + ROOM_WAIT + secs(5)));
-    s.ev(Event::SleepBegan { epoch: s.m.epoch });
+    s.ev(Event::FreeBegan { epoch: s.m.epoch });
     s.advance(secs(5));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
     // Stop: drain (one grace at most), TERM, grace, KILL.
@@ -295,9 +305,15 @@ fn every_transition_has_a_deadline() {
     assert!(matches!(s.m.phase, Phase::Draining { .. }));
     assert_eq!(s.timer(), Some(s.now + secs(3)));
     s.advance(secs(3));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    // SIGTERM once no engine starts on its GPUs (that wait has its own
+    // bound), then one grace.
+    assert!(s.has(|f| matches!(f, Effect::Terminate { .. })));
+    assert_eq!(s.timer(), Some(s.now + ROOM_WAIT + secs(3)));
+    s.advance(secs(2));
+    s.ev(Event::FreeBegan { epoch: s.m.epoch });
+    assert_eq!(s.timer(), Some(s.now + secs(3)));
     s.advance(secs(3));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    assert!(s.has(|f| matches!(f, Effect::Kill)));
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "killed".into(),
@@ -307,8 +323,8 @@ fn every_transition_has_a_deadline() {
 }
 
 /// A sleep may wait for an engine starting on its GPUs (the runner's
-/// `SleepBegan` ends the wait): its deadline allows that wait, then counts
-/// from `SleepBegan`, as its calibration does. A demand meanwhile does not
+/// `FreeBegan` ends the wait): its deadline allows that wait, then counts
+/// from `FreeBegan`, as its calibration does. A demand meanwhile does not
 /// undo it (the engine may be asked already): it wakes once asleep.
 #[test]
 fn a_sleep_that_waits_for_a_start_counts_its_time_from_when_it_began() {
@@ -325,7 +341,7 @@ fn a_sleep_that_waits_for_a_start_counts_its_time_from_when_it_began() {
         s.m.phase
     );
     assert!(!s.has(|f| matches!(f, Effect::Wake { .. })));
-    s.ev(Event::SleepBegan { epoch: s.m.epoch });
+    s.ev(Event::FreeBegan { epoch: s.m.epoch });
     assert_eq!(s.timer(), Some(s.now + secs(5)));
     assert_eq!(s.m.transition_start, s.now);
     s.ev(Event::SleepDone { epoch: s.m.epoch });
@@ -340,7 +356,7 @@ fn operator_stop_and_restart_let_requests_in_flight_finish() {
     s.ev(Event::Command(Command::Stop));
     assert!(matches!(s.m.phase, Phase::Draining { .. }));
     assert!(s.has(|f| matches!(f, Effect::Drain { epoch } if *epoch == s.m.epoch)));
-    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+    assert!(!s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)));
     let epoch = s.m.epoch;
     s.ev(Event::Drained {
         epoch: epoch - 1,
@@ -349,7 +365,7 @@ fn operator_stop_and_restart_let_requests_in_flight_finish() {
     assert!(matches!(s.m.phase, Phase::Draining { .. }), "stale answer");
     s.now += secs(1);
     s.ev(Event::Drained { epoch, error: None });
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    assert!(s.has(|f| matches!(f, Effect::Terminate { .. })));
     assert!(matches!(s.m.phase, Phase::Stopping { killed: false, .. }));
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
@@ -364,13 +380,13 @@ fn operator_stop_and_restart_let_requests_in_flight_finish() {
     let proc_gen = s.m.proc_gen;
     s.ev(Event::Command(Command::Restart));
     assert!(matches!(s.m.phase, Phase::Draining { .. }));
-    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+    assert!(!s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)));
     s.ev(Event::Drained {
         epoch: s.m.epoch,
         error: Some("proxy p has 1 request(s) in flight".into()),
     });
     assert!(s.has(|f| matches!(f, Effect::Log(l) if l.contains("stopping anyway: proxy p"))));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    assert!(s.has(|f| matches!(f, Effect::Terminate { .. })));
     s.ev(Event::ChildExited {
         proc_gen,
         status: "exit 0".into(),
@@ -406,7 +422,7 @@ fn a_model_retired_by_a_reload_drains_and_stays_stopped() {
         epoch: s.m.epoch,
         error: None,
     });
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    assert!(s.has(|f| matches!(f, Effect::Terminate { .. })));
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 0".into(),
@@ -748,9 +764,12 @@ fn attach_never_spawns_and_stop_tier_sleeps_deepest() {
     s.advance(secs(40));
     assert!(s.has(|f| matches!(f, Effect::Sleep { level: 2, .. })));
     s.ev(Event::SleepDone { epoch: s.m.epoch });
-    assert!(!s.has(|f| matches!(f, Effect::Signal(_) | Effect::Spawn { .. })));
+    assert!(!s.has(|f| matches!(
+        f,
+        Effect::Terminate { .. } | Effect::Kill | Effect::Spawn { .. }
+    )));
     s.ev(Event::Command(Command::Restart));
-    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+    assert!(!s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)));
 }
 
 #[test]
@@ -773,7 +792,7 @@ fn operator_stop_interrupts_a_start() {
     });
     s.ev(Event::Command(Command::Stop));
     assert!(matches!(s.m.phase, Phase::Stopping { .. }));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    assert!(s.has(|f| matches!(f, Effect::Terminate { .. })));
 }
 
 #[test]
@@ -817,7 +836,7 @@ fn eviction_stops_an_asleep_model_unless_requests_wait_for_it() {
         "{:?}",
         s.m.phase
     );
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    assert!(s.has(|f| matches!(f, Effect::Terminate { .. })));
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
         status: "exit 0".into(),
@@ -863,7 +882,7 @@ fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
     assert!(s.waiting_for_room(), "{:?}", s.m);
     s.advance(secs(1));
     assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
-    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+    assert!(!s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)));
     assert!(s.m.last_error.as_deref().unwrap().contains("no room"));
     assert_eq!(s.m.intent.desired, Desired::Asleep(1));
     // The next demand tries again.

@@ -3,7 +3,7 @@
 
 use super::{Msg, Runner};
 use crate::config::Launch;
-use crate::reconciler::{Effect, Event, Phase, Signal};
+use crate::reconciler::{Effect, Event, Phase};
 use crate::store::EngineRecord;
 use crate::supervisor::{self, free_port, spawn_spec};
 use nix::sys::signal::Signal as NixSignal;
@@ -157,8 +157,8 @@ impl Runner {
                 self.op(async move {
                     // Not while an engine starts on its GPUs: freed memory
                     // would fail its start (see `StartLocks`).
-                    let guards = hold_off_starts(&shared, &name, &gpus, &tx).await;
-                    send(Event::SleepBegan { epoch });
+                    let guards = hold_off_starts(&shared, &name, "sleep", &gpus, &tx).await;
+                    send(Event::FreeBegan { epoch });
                     let slept = client.sleep(level, timeout).await;
                     drop(guards);
                     send(match slept {
@@ -195,19 +195,14 @@ impl Runner {
                     });
                 });
             }
-            Effect::Signal(sig) => {
+            Effect::Terminate { epoch } => self.terminate(epoch),
+            Effect::Kill => {
                 if let Some(p) = &self.proc {
-                    let sig = match sig {
-                        Signal::Term => NixSignal::SIGTERM,
-                        Signal::Kill => NixSignal::SIGKILL,
-                    };
-                    tracing::info!(model = %self.cfg.name, pid = p.pid, ?sig, "signalling process group");
-                    p.signal(sig);
+                    tracing::info!(model = %self.cfg.name, pid = p.pid, "SIGKILL to the process group");
+                    p.signal(NixSignal::SIGKILL);
                 }
             }
-            Effect::ReleaseStartLock => {
-                self.lock_release.take();
-            }
+            Effect::ReleaseStartLock => self.release_start_lock(),
             Effect::Drain { epoch } => self.drain(epoch),
             Effect::Suspend { epoch } => self.suspend(epoch),
             Effect::Resume { epoch } => self.resume(epoch),
@@ -275,8 +270,8 @@ impl Runner {
             gpus: self.placed.gpus.clone(),
         };
         let old = self.proc.take();
-        let (release_tx, release_rx) = oneshot::channel::<()>();
-        self.lock_release = Some(release_tx);
+        let hold = supervisor::StartHold::default();
+        self.start_hold = Some(hold.clone());
         // A spawn still on its way (a restart before it landed) must not
         // launch a second engine.
         self.spawn_cancel.cancel();
@@ -370,10 +365,42 @@ impl Runner {
                     return;
                 }
             }
-            // Hold the GPUs' start lock until start-up is over.
-            let _ = release_rx.await;
-            drop(guards);
+            // The GPUs' start lock is held until start-up is over.
+            hold.keep(guards);
         }));
+    }
+
+    /// Ends the hold of a start of this model on its GPUs' start locks.
+    pub(super) fn release_start_lock(&mut self) {
+        if let Some(hold) = self.start_hold.take() {
+            hold.release();
+        }
+    }
+
+    /// SIGTERM to the engine once no engine starts on its GPUs (its exit
+    /// frees their memory), then `FreeBegan`; starts there wait until it
+    /// is gone (the op ends with the Stopping phase).
+    fn terminate(&mut self, epoch: u64) {
+        let send = self.event_sender();
+        let Some(p) = &self.proc else {
+            // Nothing to signal (as before a spawn landed): the stop grace
+            // counts from now.
+            send(Event::FreeBegan { epoch });
+            return;
+        };
+        let (pid, mut exited) = (p.pid, p.exited.clone());
+        let (shared, name, tx) = (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
+        let gpus = self.placed.gpus.clone();
+        self.op(async move {
+            let guards = hold_off_starts(&shared, &name, "stop", &gpus, &tx).await;
+            if !*exited.borrow() {
+                tracing::info!(model = %name, pid, "SIGTERM to the process group");
+                supervisor::signal_group(pid, NixSignal::SIGTERM);
+            }
+            send(Event::FreeBegan { epoch });
+            let _ = exited.wait_for(|gone| *gone).await;
+            drop(guards);
+        });
     }
 
     /// Periodic probe of an awake or asleep engine: `/health`, and while
@@ -455,13 +482,15 @@ pub(super) async fn hand_over_admission(tx: &mpsc::UnboundedSender<Msg>, epoch: 
     }
 }
 
-/// Holds off starts on `gpus` while `model` frees memory there, waiting
+/// Holds off starts on `gpus` while `model` frees memory there (`what`:
+/// its sleep, stop or suspend), waiting
 /// (saying so) for those under way, at most [`crate::reconciler::ROOM_WAIT`]:
 /// after that it goes on without (a start that long is stuck, and the
 /// model's own deadline would run out).
-async fn hold_off_starts(
+pub(super) async fn hold_off_starts(
     shared: &super::Shared,
     model: &str,
+    what: &str,
     gpus: &[u32],
     tx: &mpsc::UnboundedSender<Msg>,
 ) -> crate::supervisor::FreeGuards {
@@ -469,17 +498,17 @@ async fn hold_off_starts(
         return g;
     }
     let on: Vec<String> = gpus.iter().map(u32::to_string).collect();
-    let what = format!(
+    let waiting = format!(
         "an engine starting on GPU {} (vLLM fails a start whose GPU frees memory while it \
-         profiles): the sleep waits for it",
+         profiles): the {what} waits for it",
         on.join(", ")
     );
-    tracing::info!(model = %model, gpus = ?gpus, "sleep waits for an engine starting on its GPUs");
-    let _ = tx.send(Msg::WaitingFor(Some(what)));
+    tracing::info!(model = %model, gpus = ?gpus, "{what} waits for an engine starting on its GPUs");
+    let _ = tx.send(Msg::WaitingFor(Some(waiting)));
     let held = tokio::time::timeout(crate::reconciler::ROOM_WAIT, shared.locks.free(gpus)).await;
     let _ = tx.send(Msg::WaitingFor(None));
     held.unwrap_or_else(|_| {
-        tracing::warn!(model = %model, "an engine has been starting on its GPUs for {:?}: sleeping anyway", crate::reconciler::ROOM_WAIT);
+        tracing::warn!(model = %model, "an engine has been starting on its GPUs for {:?}: the {what} goes on anyway", crate::reconciler::ROOM_WAIT);
         Vec::new()
     })
 }

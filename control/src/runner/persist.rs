@@ -132,13 +132,11 @@ impl Runner {
         {
             return;
         }
-        let (release, released) = tokio::sync::oneshot::channel::<()>();
-        self.lock_release = Some(release);
+        let hold = crate::supervisor::StartHold::default();
+        self.start_hold = Some(hold.clone());
         let (shared, gpus) = (self.shared.clone(), self.placed.gpus.clone());
         tokio::spawn(async move {
-            let guards = shared.locks.acquire(&gpus).await;
-            let _ = released.await;
-            drop(guards);
+            hold.keep(shared.locks.acquire(&gpus).await);
         });
     }
 

@@ -49,6 +49,11 @@ impl Runner {
             return;
         };
         let (gate, admission) = (self.probe_gate.clone(), self.shared.admission.clone());
+        let (shared, tx, gpus) = (
+            self.shared.clone(),
+            self.tx.clone(),
+            self.placed.gpus.clone(),
+        );
         let (store, tool) = (
             self.shared.store.clone(),
             self.shared.cuda_checkpoint.clone(),
@@ -85,6 +90,17 @@ impl Runner {
                 send(Event::SuspendFailed { epoch, error });
                 return;
             }
+            // Not while an engine starts on its GPUs: the memory the
+            // checkpoint frees would fail that start (see `StartLocks`). A
+            // request held meanwhile calls the suspend off.
+            let _guards = tokio::select! {
+                g = super::effects::hold_off_starts(&shared, &name, "suspend", &gpus, &tx) => g,
+                () = cancel.cancelled() => {
+                    send(Event::SuspendCalledOff { epoch });
+                    return;
+                }
+            };
+            send(Event::FreeBegan { epoch });
             // A request forwarded just before the proxies saw the change
             // would reach a checkpointed engine: look once more (the
             // engine is not locked yet, asking is safe).

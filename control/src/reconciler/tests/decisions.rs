@@ -25,7 +25,7 @@ fn three_failed_probes_in_a_row_fail_the_engine_and_an_answer_resets_them() {
     fail(&mut s);
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
     assert!(s.m.last_error.as_deref().unwrap().contains("3 times"));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    assert!(s.has(|f| matches!(f, Effect::Kill)));
 }
 
 #[test]

@@ -81,7 +81,7 @@ fn a_demand_during_a_slow_tier_sleep_wakes_when_it_ends() {
     s.boot();
     s.advance(secs(10));
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
-    s.ev(Event::SleepBegan { epoch: s.m.epoch });
+    s.ev(Event::FreeBegan { epoch: s.m.epoch });
     s.ev(Event::Demand);
     // The sleep ends long after both later tiers would have been due.
     s.now += secs(4);
@@ -96,7 +96,7 @@ fn no_tier_fires_while_a_demand_waits() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
     s.advance(secs(10));
-    s.ev(Event::SleepBegan { epoch: s.m.epoch });
+    s.ev(Event::FreeBegan { epoch: s.m.epoch });
     s.ev(Event::Demand);
     // The sleep never answers; the deadline fails it, backoff retries.
     s.advance(secs(5));

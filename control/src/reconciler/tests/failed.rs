@@ -31,9 +31,9 @@ fn an_engine_alive_after_sigkill_holds_its_gpus_until_it_exits() {
     s.boot();
     s.ev(Event::Command(Command::Stop));
     s.advance(secs(3));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    s.term_sent();
     s.advance(secs(3));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    assert!(s.has(|f| matches!(f, Effect::Kill)));
     s.advance(secs(10));
     assert_eq!(failed_gone(&s.m), Some(false), "{:?}", s.m.phase);
     let said = s.m.last_error.clone().unwrap();
@@ -66,6 +66,7 @@ fn a_retry_waits_for_the_killed_engine_to_exit() {
     s.boot();
     s.ev(Event::Command(Command::Restart));
     s.advance(secs(3));
+    s.term_sent();
     s.advance(secs(3));
     s.advance(secs(10));
     let Phase::Failed {
@@ -98,7 +99,7 @@ fn a_retry_waits_for_the_killed_engine_to_exit() {
             timed_out: false,
         });
     }
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    assert!(s.has(|f| matches!(f, Effect::Kill)));
     let Phase::Failed {
         retry_at: Some(t),
         process_gone: false,
@@ -167,7 +168,7 @@ fn an_attached_failed_engine_is_never_taken_as_gone() {
             timed_out: false,
         });
     }
-    assert!(!s.has(|f| matches!(f, Effect::Signal(_))));
+    assert!(!s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)));
     let Phase::Failed {
         retry_at: Some(t),
         process_gone: false,
@@ -212,7 +213,7 @@ fn a_killed_engine_that_never_exits_is_named_in_last_error() {
         "{:?}",
         s.m.phase
     );
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    assert!(s.has(|f| matches!(f, Effect::Kill)));
     // The retry is due, but the killed process is still there.
     s.advance(secs(5));
     assert!(!s.has(|f| matches!(f, Effect::Spawn { .. })));

@@ -169,7 +169,7 @@ fn a_failed_resume_restarts_the_engine_and_says_why() {
         error: "restore failed: CUDA_ERROR_OPERATING_SYSTEM (304)".into(),
     });
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Kill))));
+    assert!(s.has(|f| matches!(f, Effect::Kill)));
     let err = s.m.last_error.clone().unwrap();
     assert!(
         err.contains("resume failed") && err.contains("OPERATING_SYSTEM"),
@@ -252,7 +252,7 @@ fn a_stop_of_a_suspended_engine_signals_it_and_a_restart_adopts_it_suspended() {
     let mut s = sim_suspend_tier(false);
     suspended(&mut s);
     s.ev(Event::Command(Command::Stop));
-    assert!(s.has(|f| matches!(f, Effect::Signal(Signal::Term))));
+    assert!(s.has(|f| matches!(f, Effect::Terminate { .. })));
     assert!(!s.has(|f| matches!(f, Effect::Resume { .. })));
 
     let mut m = ModelState::new(settings(false), Preload::None, s.now);
@@ -275,4 +275,31 @@ fn a_suspend_called_off_by_a_demand_leaves_it_serving_without_an_error() {
     assert_eq!(s.m.last_error, None, "not an error: nothing was done");
     // The idle clock counts from here: the tier is 10 s away again.
     assert_eq!(s.timer(), Some(s.now + secs(10)));
+}
+
+/// A suspend that waited for an engine starting on its GPUs (the runner's
+/// `FreeBegan` ends the wait) gets its whole time from there, and its
+/// calibration counts only the checkpoint.
+#[test]
+fn a_suspend_that_waits_for_a_start_counts_its_time_from_when_it_began() {
+    let mut s = sim_suspend_tier(false);
+    s.advance(secs(11));
+    assert!(suspends(&s.fx), "{:?}", s.fx);
+    let Phase::Suspending { deadline, .. } = s.m.phase else {
+        panic!("{:?}", s.m.phase)
+    };
+    s.now += secs(200);
+    s.ev(Event::FreeBegan { epoch: s.m.epoch });
+    let Phase::Suspending {
+        deadline: later, ..
+    } = s.m.phase
+    else {
+        panic!("{:?}", s.m.phase)
+    };
+    assert_eq!(later, s.now + SUSPEND_TIMEOUT);
+    assert_eq!(later - deadline, secs(200));
+    s.now += secs(2);
+    s.ev(Event::SuspendDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Suspended { under: 0 });
+    assert_eq!(s.m.calibration.suspend.millis(), 2000);
 }

@@ -117,7 +117,10 @@ fn a_yield_whose_requests_do_not_finish_in_time_serves_again() {
     // stop_grace is 3 s in these settings.
     s.advance(secs(3));
     assert_eq!(s.m.phase, Phase::Awake, "{:?}", s.fx);
-    assert!(!s.has(|f| matches!(f, Effect::Sleep { .. } | Effect::Signal(_))));
+    assert!(!s.has(|f| matches!(
+        f,
+        Effect::Sleep { .. } | Effect::Terminate { .. } | Effect::Kill
+    )));
     assert!(s.has(|f| matches!(f, Effect::Log(l) if l.contains("yield given up (1 in a row)"))));
     assert_eq!(s.m.yields_given_up, 1);
     // The drain's late answer is stale.
@@ -269,7 +272,7 @@ fn a_stop_or_restart_while_yielding_lets_the_answers_finish() {
         );
         assert!(s.has(|f| matches!(f, Effect::Drain { .. })));
         assert!(
-            !s.has(|f| matches!(f, Effect::Signal(_))),
+            !s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)),
             "{cmd:?} cut answers"
         );
     }
