@@ -44,7 +44,8 @@ pub struct ControlConfig {
     /// The GPU peer-to-peer probe (`p2p_probe`, `p2p_probe_bytes`, `p2p_probe_timeout`).
     pub p2p_probe: P2pProbeConfig,
     /// GPU memory placement counts for each asleep model per GPU
-    /// (`asleep_residual`, default 1.5 GiB; vLLM leaves 1–7 GiB asleep).
+    /// (`asleep_residual`; unset: 1 GiB at TP=1, 2.5 GiB per GPU above,
+    /// until measured; vLLM leaves 1–7 GiB asleep).
     pub asleep_residual: Option<u64>,
     /// A woken model stays awake at least this long before admission may
     /// put it to sleep for another (`min_awake`, default 2s).

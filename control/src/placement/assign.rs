@@ -201,6 +201,7 @@ pub fn place(
             let me = |k: usize| Tenant {
                 name: m.name.clone(),
                 awake: bytes[k],
+                residual: policy.residual_of(&m.name),
                 exclusive: m.exclusive,
             };
             let mut ok = true;
@@ -209,7 +210,7 @@ pub fn place(
                 let mut t = tenants.get(&cap.index).cloned().unwrap_or_default();
                 let others: u64 = t.iter().map(|x| x.awake).sum();
                 t.push(me(k));
-                if let Err(e) = fits(cap, &t, policy.residual_bytes) {
+                if let Err(e) = fits(cap, &t) {
                     why_not.entry(cap.index).or_insert(e);
                     ok = false;
                     break;
@@ -246,6 +247,7 @@ pub fn place(
             tenants.entry(g).or_default().push(Tenant {
                 name: m.name.clone(),
                 awake: bytes[k],
+                residual: policy.residual_of(&m.name),
                 exclusive: m.exclusive,
             });
         }

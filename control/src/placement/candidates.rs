@@ -9,6 +9,8 @@ use crate::gpu::p2p::PairVerdict;
 pub(super) struct Tenant {
     pub name: String,
     pub awake: u64,
+    /// What it keeps on the GPU asleep ([`super::Policy::residual_of`]).
+    pub residual: u64,
     pub exclusive: bool,
 }
 
@@ -36,7 +38,7 @@ pub(super) fn awake_bytes(need: MemoryNeed, set: &[&GpuCapacity]) -> (Vec<u64>, 
 
 /// Does the worst case on a GPU fit: each tenant awake while the rest are asleep?
 /// Err: the arithmetic of the worst tenant.
-pub(super) fn fits(gpu: &GpuCapacity, tenants: &[Tenant], residual: u64) -> Result<(), String> {
+pub(super) fn fits(gpu: &GpuCapacity, tenants: &[Tenant]) -> Result<(), String> {
     if tenants.len() > 1
         && let Some(x) = tenants.iter().find(|t| t.exclusive)
     {
@@ -44,7 +46,7 @@ pub(super) fn fits(gpu: &GpuCapacity, tenants: &[Tenant], residual: u64) -> Resu
     }
     for t in tenants {
         let others: Vec<&Tenant> = tenants.iter().filter(|o| o.name != t.name).collect();
-        let res: u64 = others.iter().map(|o| o.awake.min(residual)).sum();
+        let res: u64 = others.iter().map(|o| o.awake.min(o.residual)).sum();
         if t.awake + res > gpu.total_bytes {
             let names: Vec<String> = others.iter().map(|o| format!("\"{}\"", o.name)).collect();
             return Err(if others.is_empty() {

@@ -24,13 +24,22 @@ pub fn needs_of(m: &ModelConfig) -> ModelNeeds {
     }
 }
 
-/// Placement's knobs from `[control]`.
+/// Placement's knobs from `[control]`: what each model keeps asleep per
+/// GPU is `asleep_residual` when set, else the default for its tensor
+/// parallelism ([`super::default_residual`]), as at run time until measured.
 pub fn policy_of(config: &Config) -> Policy {
+    let configured = config.control.asleep_residual;
     Policy {
-        residual_bytes: config
-            .control
-            .asleep_residual
-            .unwrap_or(super::DEFAULT_RESIDUAL_BYTES),
+        residual_bytes: configured.unwrap_or(super::DEFAULT_RESIDUAL_BYTES),
+        residuals: config
+            .models
+            .iter()
+            .filter(|m| m.gpus > 0)
+            .map(|m| {
+                let bytes = configured.unwrap_or_else(|| super::default_residual(m.gpus));
+                (m.name.clone(), bytes)
+            })
+            .collect(),
         ..Policy::default()
     }
 }

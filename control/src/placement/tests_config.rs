@@ -165,3 +165,41 @@ fn models_that_fit_where_they_run_stay_when_another_cannot() {
     let a = p.iter().find(|p| p.model == "a").unwrap();
     assert!(a.reason.contains("(kept where it runs)"), "{}", a.reason);
 }
+
+/// The static check counts an asleep neighbour at the residual the run time
+/// counts until it measures one (1 GiB at TP=1, 2.5 GiB per GPU above), or
+/// at `asleep_residual` when set: not at one figure for every model.
+#[test]
+fn the_static_check_counts_the_run_times_residuals() {
+    let check = |control: &str, gpus: u32, models: &str| {
+        let inventory: String = (0..gpus)
+            .map(|i| format!("[[gpu]]\nindex = {i}\nmemory = \"80GiB\"\n"))
+            .collect();
+        let c = Config::parse(&format!("{control}{inventory}{models}"), "box.toml").unwrap();
+        place_config(&c, &Machine::uniform(gpus, 80 * GIB), &BTreeMap::new()).map(|_| ())
+    };
+    // TP=1: 78.8 GiB awake + 1 GiB of b asleep fits 80 GiB.
+    let tp1 = format!(
+        "{}{}",
+        model("a", "gpu_memory = \"78.8GiB\""),
+        model("b", "gpu_memory = \"10GiB\"")
+    );
+    assert!(check("", 1, &tp1).is_ok());
+    // At 1.5 GiB, as configured, it does not.
+    let e = check("[control]\nasleep_residual = \"1.5GiB\"\n", 1, &tp1).unwrap_err();
+    assert!(
+        e.to_string().contains("asleep residual of \"b\" 1.5 GiB"),
+        "{e}"
+    );
+    // TP=2: 78 GiB awake + 2.5 GiB per GPU of b asleep does not fit.
+    let tp2 = format!(
+        "{}{}",
+        model("a", "gpus = 2\ngpu_memory = \"78GiB\""),
+        model("b", "gpus = 2\ngpu_memory = \"10GiB\"")
+    );
+    let e = check("", 2, &tp2).unwrap_err();
+    assert!(
+        e.to_string().contains("asleep residual of \"b\" 2.5 GiB"),
+        "{e}"
+    );
+}
