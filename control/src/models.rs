@@ -572,6 +572,23 @@ impl Models {
             };
             list.push(m.name.clone());
         }
+        // A new engine that could not get a port (its `host` is no address
+        // of this machine) refuses the reload before anything is stopped.
+        for (i, m) in config.models.iter().enumerate() {
+            if !(s.added.contains(&m.name) || s.changed.contains(&m.name)) {
+                continue;
+            }
+            if let crate::config::Launch::Process {
+                host, port: None, ..
+            } = &m.launch
+                && let Err(e) = crate::supervisor::free_port(host)
+            {
+                return Err(OpError::invalid(
+                    format!("{}: model[{i}].host", config.origin),
+                    format!("model {:?}: {e}; nothing was reloaded", m.name),
+                ));
+            }
+        }
         // The old engines leave their GPUs before the new placement counts;
         // answers under way on them finish first (all drain at once: a
         // reload takes one stop grace, not one per model).

@@ -292,3 +292,34 @@ async fn a_waited_wake_ends_when_the_wake_is_called_off() {
     assert!(msg.contains("stopped (operator)"), "{msg}");
     cancel.cancel();
 }
+
+/// A reload whose new or changed model cannot get a port (its `host` is
+/// not an address of this machine) is refused, naming the file, key and
+/// model, before anything is stopped: the running models keep running
+/// with their old settings.
+#[tokio::test]
+async fn a_reload_with_an_unbindable_host_is_refused_before_anything_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = sleeper("a", "awake", "", "5s");
+    let (models, cancel) = boot(&text, shared(dir.path()));
+    wait_status(&models, "a", "starting", |s| s.state == State::Starting).await;
+    let bad = |m: &str| format!("{m}host = \"192.0.2.1\"\n");
+    let changed = text.replace("args = []", "args = [\"--x\"]");
+    for reload in [
+        format!("{text}{}", bad(&sleeper("b", "none", "", "5s"))),
+        bad(&changed),
+    ] {
+        let config = Config::parse(&reload, "c.toml").unwrap();
+        let e = models.reload(&config).await.unwrap_err().to_string();
+        assert!(e.starts_with("c.toml: model["), "{e}");
+        assert!(e.contains("].host: model "), "{e}");
+        assert!(e.contains("192.0.2.1"), "{e}");
+        assert!(e.contains("nothing was reloaded"), "{e}");
+        let a = models.status("a").unwrap();
+        assert_eq!(a.state, State::Starting, "{a:#?}");
+        assert!(models.resolve("a").unwrap().cfg().args.is_empty());
+        assert!(models.resolve("b").is_err());
+    }
+    models.resolve("a").unwrap().shutdown(true).await;
+    cancel.cancel();
+}
