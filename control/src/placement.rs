@@ -33,7 +33,8 @@ use std::collections::BTreeMap;
 use crate::gpu::p2p::P2pMatrix;
 use crate::gpu::{Inventory, LinkKind};
 
-/// 1.5 GiB: what an asleep model is assumed to keep on each GPU.
+/// 1.5 GiB: what an asleep model is assumed to keep on each GPU when
+/// nothing says more (a model the policy has no residual for).
 pub const DEFAULT_RESIDUAL_BYTES: u64 = 3 << 29;
 
 /// What an asleep engine keeps per GPU until measured: real vLLM 0.24 kept
