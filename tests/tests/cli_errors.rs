@@ -347,7 +347,8 @@ async fn errors_the_daemon_answers_are_exit_1_and_only_no_daemon_is_3() {
     );
 
     // A valid file the daemon cannot apply (a host not of this machine):
-    // an error it answered, not "cannot reach".
+    // an error it answered, not "cannot reach", naming file, key and model,
+    // before anything was stopped.
     std::fs::write(
         &control.config_path,
         format!(
@@ -357,8 +358,13 @@ async fn errors_the_daemon_answers_are_exit_1_and_only_no_daemon_is_3() {
     .unwrap();
     let run = at(&control, &["reload"]).await;
     assert_eq!(run.code, 1, "{run:#?}");
-    assert!(run.stderr.starts_with("error: reload of "), "{run:#?}");
+    assert!(
+        run.stderr
+            .starts_with(&format!("error: {file}: model[1].host: model \"far\"")),
+        "{run:#?}"
+    );
     assert!(run.stderr.contains("192.0.2.1"), "{run:#?}");
+    assert!(run.stderr.contains("nothing was reloaded"), "{run:#?}");
     assert!(!run.stderr.contains("cannot reach"), "{run:#?}");
 
     // The same control plane, stopped: now it cannot be reached.
