@@ -283,6 +283,13 @@ async fn neighbours() -> Option<(Ctl, siesta_tests::ctl::Client)> {
     gpus_from_config(&mut c).await.then_some((ctl, c))
 }
 
+/// For the next round: a stopped, b awake.
+async fn stop_a_wake_b(c: &mut siesta_tests::ctl::Client) {
+    c.stop(pb::ModelRequest { name: "a".into() }).await.unwrap();
+    wait_state(c, "a", pb::ModelState::Stopped, LONG).await;
+    wake_awake(c, "b").await;
+}
+
 /// a's start succeeded the first time (its `restarts` counts starts).
 async fn a_started(c: &mut siesta_tests::ctl::Client, starts: u32) {
     let a = wait_state(c, "a", pb::ModelState::Awake, LONG).await;
@@ -307,9 +314,7 @@ async fn a_neighbours_sleep_waits_for_an_engine_starting_on_its_gpu() {
 
     // Again, and an operator's wake of b while its sleep waits: served
     // after the sleep, a's start unharmed.
-    c.stop(pb::ModelRequest { name: "a".into() }).await.unwrap();
-    wait_state(&mut c, "a", pb::ModelState::Stopped, LONG).await;
-    wake_awake(&mut c, "b").await;
+    stop_a_wake_b(&mut c).await;
     free_b_while_a_starts(&mut c, Free::Sleep).await;
     let r = wake(&mut c, "b", true).await;
     assert_eq!(
@@ -336,9 +341,7 @@ async fn a_neighbours_stop_waits_for_an_engine_starting_on_its_gpu() {
     wait_state(&mut c, "b", pb::ModelState::Stopped, LONG).await;
 
     // b asleep, keeping 1 GiB.
-    c.stop(pb::ModelRequest { name: "a".into() }).await.unwrap();
-    wait_state(&mut c, "a", pb::ModelState::Stopped, LONG).await;
-    wake_awake(&mut c, "b").await;
+    stop_a_wake_b(&mut c).await;
     let level = 1;
     c.sleep(pb::SleepRequest {
         name: "b".into(),

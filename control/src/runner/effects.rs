@@ -388,17 +388,17 @@ impl Runner {
             send(Event::FreeBegan { epoch });
             return;
         };
-        let (pid, mut exited) = (p.pid, p.exited.clone());
+        let p = p.clone();
         let (shared, name, tx) = (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
         let gpus = self.placed.gpus.clone();
         self.op(async move {
             let guards = hold_off_starts(&shared, &name, "stop", &gpus, &tx).await;
-            if !*exited.borrow() {
-                tracing::info!(model = %name, pid, "SIGTERM to the process group");
-                supervisor::signal_group(pid, NixSignal::SIGTERM);
+            if !p.has_exited() {
+                tracing::info!(model = %name, pid = p.pid, "SIGTERM to the process group");
+                p.signal(NixSignal::SIGTERM);
             }
             send(Event::FreeBegan { epoch });
-            let _ = exited.wait_for(|gone| *gone).await;
+            let _ = p.exited.clone().wait_for(|gone| *gone).await;
             drop(guards);
         });
     }
