@@ -130,7 +130,8 @@ pub enum Command {
         /// Keep following new lines.
         #[arg(short, long)]
         follow: bool,
-        /// Only the last N lines first (default: all that are kept).
+        /// Only the last N lines first (default: all that are kept; 0: none,
+        /// with --follow only new lines).
         #[arg(long, value_name = "N")]
         tail: Option<u32>,
         #[command(flatten)]

@@ -287,7 +287,7 @@ impl pb::control_server::Control for ControlService {
     ) -> Result<Response<Self::LogsStream>, Status> {
         let r = req.into_inner();
         let ring = self.models.logs(&r.name)?;
-        let (lines, feed) = ring.tail(r.tail as usize);
+        let (lines, feed) = ring.tail(r.tail.map(|n| n as usize));
         let first = futures::stream::iter(lines.into_iter().map(|l| Ok(convert::log_line(&l))));
         if !r.follow {
             return Ok(Response::new(Box::pin(first)));

@@ -148,12 +148,15 @@ impl Models {
     /// Returns how many requests the proxies held for it at the end.
     async fn remove(&self, name: &str, leaving: Leaving) -> u32 {
         let mut held = 0;
-        // Before the retirement, which records the model stopped for good.
-        let before = self.resolve(name).ok().map(|h| h.status.borrow().clone());
+        let mut before = self.resolve(name).ok().map(|h| h.status.borrow().clone());
         if let Ok(h) = self.resolve(name)
             && !h.cfg().is_attach()
-            && self.send(&h, Event::Retire).await.is_ok()
+            && let Some(last) = h.retire().await
         {
+            // From just before the retirement, which records the model
+            // stopped for good: a command that came first is in it, one
+            // that came after is refused (`Models::applied`).
+            before = Some(last);
             let limit = h.cfg().timeouts.stop_grace * 2 + Duration::from_secs(10);
             let mut rx = h.status.clone();
             let _ = tokio::time::timeout(
@@ -164,7 +167,7 @@ impl Models {
             held = h.status.borrow().held;
         } else if let Ok(h) = self.resolve(name)
             && leaving == Leaving::Removed
-            && self.send(&h, Event::Retire).await.is_ok()
+            && h.retire().await.is_some()
         {
             // An attached engine siesta cannot stop is put to sleep, or left
             // asleep: its task ending next would cut the sleep, and nothing
@@ -270,6 +273,22 @@ impl Models {
         h.send(event).await.ok_or(OpError::ShuttingDown)
     }
 
+    /// Sends an operator's command or pin; refused if the model is leaving
+    /// with a reload (its task no longer applies them: the old engine is
+    /// draining, and a new one goes on from what it wanted before).
+    async fn applied(&self, h: &ModelHandle, event: Event) -> Result<ModelStatus, OpError> {
+        let after = self.send(h, event).await?;
+        if after.retiring {
+            return Err(OpError::Refused(format!(
+                "{} is leaving with a reload (removed, or its engine is being replaced): \
+                 nothing was applied; once the reload has answered, send it again \
+                 (`siesta status {}` shows the model as it is then)",
+                after.name, after.name
+            )));
+        }
+        Ok(after)
+    }
+
     /// Operator command; returns the status once accepted and a short account.
     pub async fn command(
         &self,
@@ -327,7 +346,7 @@ impl Models {
             }
             _ => {}
         }
-        let mut after = self.send(&h, Event::Command(cmd)).await?;
+        let mut after = self.applied(&h, Event::Command(cmd)).await?;
         if matches!(cmd, Command::Sleep(_) | Command::Suspend) && holds_for_requests(&after) {
             after = self.fresh_in_flight(&h).await;
         }
@@ -371,6 +390,11 @@ impl Models {
             }),
         )
         .await;
+        if let Ok(Err(_)) = waited {
+            // The model's task ended: the control plane is stopping. Its
+            // last status says nothing about the wake.
+            return Err(OpError::ShuttingDown);
+        }
         let status = h.status.borrow().clone();
         let msg = match waited {
             Ok(_) if status.state == State::Awake => "awake".to_string(),
@@ -420,7 +444,7 @@ impl Models {
             }
             t => Some(self.shared.clock.instant(t)),
         };
-        let status = self.send(&h, Event::Pin(until)).await?;
+        let status = self.applied(&h, Event::Pin(until)).await?;
         let msg = match until {
             None => "pinned awake until unpinned".to_string(),
             Some(_) => format!("pinned awake for {}s", (until_unix_ms - now) / 1000),
@@ -430,7 +454,7 @@ impl Models {
 
     pub async fn unpin(&self, name: &str) -> Result<(ModelStatus, String), OpError> {
         let h = self.resolve(name)?;
-        let status = self.send(&h, Event::Unpin).await?;
+        let status = self.applied(&h, Event::Unpin).await?;
         Ok((
             status,
             "unpinned; idle tiers count from the last activity".into(),
@@ -736,6 +760,11 @@ fn account(before: &ModelStatus, after: &ModelStatus, cmd: Command) -> String {
         (Command::Sleep(l), State::Asleep) if before.sleep_level >= l => {
             format!("already asleep at level {}", before.sleep_level)
         }
+        // Deeper: vLLM sleeps only from awake, so it is woken first.
+        (Command::Sleep(l), State::Asleep) if after.state == State::Waking => format!(
+            "asleep at level {}: waking it to sleep again at level {l}",
+            before.sleep_level
+        ),
         (Command::Suspend, State::Suspended) => "already suspended".into(),
         (Command::Suspend, _) if after.in_flight > 0 && after.state == State::Awake => {
             format!(

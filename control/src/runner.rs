@@ -83,6 +83,10 @@ pub use crate::placement::Placed;
 
 pub(crate) enum Msg {
     Event(Event, Option<oneshot::Sender<ModelStatus>>),
+    /// `Event::Retire`, answered with the status from just before it: the
+    /// intent and pin a changed model's new engine goes on from, with no
+    /// gap in which an operator's command could land unseen.
+    Retire(oneshot::Sender<ModelStatus>),
     /// A proxy's `Event::Activity`, with the `state_since` of the
     /// non-serving state it had applied (its fence; 0: it forwarded).
     Activity(Event, i64),
@@ -123,6 +127,7 @@ impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Msg::Event(e, _) => write!(f, "Event({e:?})"),
+            Msg::Retire(_) => write!(f, "Retire"),
             Msg::Activity(e, fence) => write!(f, "Activity({e:?}, fenced since {fence})"),
             Msg::Spawned(h) => write!(f, "Spawned({})", h.pid),
             Msg::WaitingFor(w) => write!(f, "WaitingFor({w:?})"),
@@ -139,6 +144,15 @@ impl ModelHandle {
     pub async fn send(&self, event: Event) -> Option<ModelStatus> {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Msg::Event(event, Some(tx))).ok()?;
+        rx.await.ok()
+    }
+
+    /// Retires the model (a reload removes it, or a new engine follows
+    /// under its name): it stops for good, answers under way first, and
+    /// takes no more commands or pins. Returns its status from just before.
+    pub async fn retire(&self) -> Option<ModelStatus> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Msg::Retire(tx)).ok()?;
         rx.await.ok()
     }
 
@@ -409,6 +423,11 @@ impl Runner {
                 if let Some(reply) = reply {
                     let _ = reply.send(self.status_tx.borrow().clone());
                 }
+            }
+            Msg::Retire(reply) => {
+                let before = self.status_tx.borrow().clone();
+                self.apply(Event::Retire);
+                let _ = reply.send(before);
             }
             Msg::Spawned(handle) => {
                 // `step` decides: KeepSpawned or KillStray takes it.

@@ -173,6 +173,9 @@ pub struct ModelStatus {
     pub asleep_residual: Residual,
     /// Yields given up in a row (see `ModelState::yields_given_up`).
     pub yields_given_up: u32,
+    /// Leaving with a reload (removed, or a new engine follows): commands
+    /// and pins no longer apply to it.
+    pub retiring: bool,
 }
 
 /// GPU memory placement counts per GPU for a model while it is asleep.
@@ -322,6 +325,7 @@ pub fn model_status(
         control_id: facts.control_id.clone(),
         asleep_residual: facts.asleep_residual,
         yields_given_up: m.yields_given_up,
+        retiring: m.retiring,
     }
 }
 

@@ -228,7 +228,7 @@ pub async fn siesta_log(c: &mut Client, model: &str) -> Vec<String> {
     let mut lines = c
         .logs(pb::LogsRequest {
             name: model.into(),
-            tail: 0,
+            tail: None,
             follow: false,
         })
         .await

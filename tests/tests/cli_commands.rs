@@ -131,6 +131,9 @@ async fn every_command_against_a_real_control_plane() {
         .collect();
     assert_eq!(lines.len(), 1, "{run:#?}");
     assert!(lines[0]["seq"].is_u64() && lines[0]["line"].is_string());
+    // --tail 0: no line (it printed every line kept: 0 read as "all").
+    let run = at(&control, &["logs", "chat", "--tail", "0"]).await.ok();
+    assert_eq!(run.stdout, "", "{run:#?}");
 
     // watch -o json: a snapshot first, then the events of a stop and a start.
     let mut watch = spawn_siesta(&control, &["watch", "-o", "json"]);

@@ -18,7 +18,7 @@ async fn logs_tail_and_follow() {
             let mut s = c
                 .logs(pb::LogsRequest {
                     name: "chat".into(),
-                    tail: 0,
+                    tail: None,
                     follow: false,
                 })
                 .await
@@ -35,7 +35,7 @@ async fn logs_tail_and_follow() {
     let mut follow = c
         .logs(pb::LogsRequest {
             name: "chat".into(),
-            tail: 1,
+            tail: Some(1),
             follow: true,
         })
         .await

@@ -211,7 +211,7 @@ async fn log_has(c: &mut siesta_tests::ctl::Client, model: &str, needle: &str) {
     let mut lines = c
         .logs(pb::LogsRequest {
             name: model.into(),
-            tail: 0,
+            tail: None,
             follow: true,
         })
         .await

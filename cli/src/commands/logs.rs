@@ -28,7 +28,7 @@ pub async fn run(
         .call(|mut c| async move {
             c.logs(pb::LogsRequest {
                 name: name.to_owned(),
-                tail: tail.unwrap_or(0),
+                tail,
                 follow,
             })
             .await

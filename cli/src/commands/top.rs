@@ -155,7 +155,7 @@ async fn act(conn: Conn, action: Action, tx: mpsc::Sender<Feed>) {
                 let mut s = c
                     .logs(pb::LogsRequest {
                         name: name.clone(),
-                        tail: LOG_TAIL,
+                        tail: Some(LOG_TAIL),
                         follow: false,
                     })
                     .await?

@@ -323,3 +323,119 @@ async fn a_reload_with_an_unbindable_host_is_refused_before_anything_stops() {
     models.resolve("a").unwrap().shutdown(true).await;
     cancel.cancel();
 }
+
+/// An operator's command or pin sent while a reload drains the model's old
+/// engine is refused, saying why (it was acknowledged and then dropped: the
+/// retiring task ignores them). The state store keeps what the model wanted
+/// before the reload all through the drain, so a restart of siesta then
+/// goes on from it; the new engine does too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_during_a_reloads_drain_are_refused_and_the_intent_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = shared(dir.path());
+    // An engine that ignores SIGTERM: its drain lasts the stop grace.
+    let text = sleeper("chat", "none", "", "3s").replace("exec sleep", "trap '' TERM; exec sleep");
+    let (models, cancel) = boot(&text, shared.clone());
+    let models = Arc::new(models);
+    models.command("chat", Command::Wake).await.unwrap();
+    models.pin("chat", 0).await.unwrap();
+    let first = wait_status(&models, "chat", "a pid", |s| s.pid.is_some()).await;
+    let changed = Config::parse(&text.replace("args = []", "args = [\"--x\"]"), "c.toml").unwrap();
+    let reload = tokio::spawn({
+        let models = models.clone();
+        async move { models.reload(&changed).await }
+    });
+    wait_status(&models, "chat", "retiring", |s| s.retiring).await;
+    let kept = |what: &str| {
+        let rec = shared.store.get("chat").expect("an intent record");
+        assert_eq!(
+            (
+                rec.desired.as_str(),
+                rec.reason.as_str(),
+                rec.pinned_until_unix_ms
+            ),
+            ("awake", "pin", i64::MAX),
+            "{what}: {rec:?}"
+        );
+    };
+    kept("at the drain's start");
+    let refused = |r: Result<(ModelStatus, String), OpError>| match r {
+        Err(OpError::Refused(m)) => assert!(m.contains("leaving with a reload"), "{m}"),
+        other => panic!("not refused: {other:?}"),
+    };
+    refused(models.command("chat", Command::Sleep(1)).await);
+    refused(models.command("chat", Command::Stop).await);
+    refused(models.pin_for("chat", Duration::from_secs(60)).await);
+    refused(models.unpin("chat").await);
+    let s = models.status("chat").unwrap();
+    assert!(s.retiring && s.pid == first.pid, "{s:#?}");
+    kept("after the refused commands, still draining");
+    let s = tokio::time::timeout(Duration::from_secs(30), reload)
+        .await
+        .expect("the reload did not end")
+        .unwrap()
+        .unwrap();
+    assert_eq!(s.changed, ["chat"]);
+    let second = wait_status(&models, "chat", "a new pid", |s| {
+        s.pid.is_some_and(|p| Some(p) != first.pid)
+    })
+    .await;
+    assert_eq!(
+        (
+            second.intent.desired,
+            second.intent.reason,
+            second.pin,
+            second.retiring
+        ),
+        (
+            Desired::Awake,
+            Reason::Pin,
+            crate::status::PinView::Forever,
+            false
+        ),
+        "{second:#?}"
+    );
+    // The new engine takes commands again.
+    models.unpin("chat").await.unwrap();
+    models.resolve("chat").unwrap().shutdown(true).await;
+    cancel.cancel();
+}
+
+/// What a command's reply says: a deeper sleep of a model asleep at level
+/// 1 says it wakes it first (it read "waking", as if the sleep had been
+/// taken for a wake); the same or a shallower level is already done.
+#[test]
+fn a_deeper_sleep_says_it_wakes_the_model_first() {
+    let mut asleep = crate::status::test_status("chat", 0);
+    (asleep.state, asleep.sleep_level) = (State::Asleep, 1);
+    let mut waking = asleep.clone();
+    waking.state = State::Waking;
+    assert_eq!(
+        account(&asleep, &waking, Command::Sleep(2)),
+        "asleep at level 1: waking it to sleep again at level 2"
+    );
+    assert_eq!(
+        account(&asleep, &asleep, Command::Sleep(1)),
+        "already asleep at level 1"
+    );
+}
+
+/// `wake --wait` cut short by the control plane stopping says so: it said
+/// "the wake was called off: the intent is now awake (operator)".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waited_wake_cut_short_by_shutdown_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, cancel) = boot(&sleeper("big", "none", "", "1s"), shared(dir.path()));
+    let models = Arc::new(models);
+    let waiting = tokio::spawn({
+        let models = models.clone();
+        async move { models.wake("big", true, None).await }
+    });
+    wait_status(&models, "big", "a pid", |s| s.pid.is_some()).await;
+    cancel.cancel();
+    let r = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("wake --wait still waiting after the shutdown")
+        .unwrap();
+    assert!(matches!(r, Err(OpError::ShuttingDown)), "{r:?}");
+}

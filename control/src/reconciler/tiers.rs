@@ -32,8 +32,12 @@ fn tier_depth(tier: &IdleTier, s: &Settings) -> u8 {
 /// A failed engine spawned by siesta, retried with backoff, is idle too
 /// while nothing waits for it: its stop tier ends the retries. A model
 /// that crashed over and over (out of memory on each start) was restarted
-/// every few minutes for ever, each start asking for room on its GPUs. A
-/// demand not yet served still wins (it is retried until served).
+/// every few minutes for ever, each start asking for room on its GPUs.
+/// For it, a demand not yet served is no longer waiting once the proxies
+/// hold nothing (they answer a failed model's requests 503 with
+/// Retry-After until its retry is due): the idle clock counts from the
+/// last demand, so its stop tier ends the retries once requests stop
+/// coming. Before, a demand that woke it kept it retried without end.
 fn idle_eligible(m: &ModelState, now: Instant) -> bool {
     let serving = matches!(
         m.phase,
@@ -44,7 +48,7 @@ fn idle_eligible(m: &ModelState, now: Instant) -> bool {
         && !m.pinned(now)
         && m.in_flight() == 0
         && m.held() == 0
-        && m.demand_since.is_none()
+        && (m.demand_since.is_none() || failed_idle(m))
 }
 
 fn failed_idle(m: &ModelState) -> bool {

@@ -113,7 +113,15 @@ impl Runner {
         }
     }
 
+    /// Writes the intent record. Not while retiring: a reload's
+    /// retirement is no intent of the operator's; the record keeps what the
+    /// model wanted before it, so a restart of siesta during the drain goes
+    /// on from that (`Models::remove` writes the record the new engine
+    /// takes over, or removes it).
     pub(super) fn persist(&self) {
+        if self.state.retiring {
+            return;
+        }
         let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
         if !self.shared.store.set(&self.cfg.name, rec) {
             // Logged by the store too; the operator sees it in the model's log.

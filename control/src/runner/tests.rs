@@ -174,7 +174,7 @@ async fn a_restart_before_the_spawn_lands_launches_one_engine() {
         .clone();
     let spawns: Vec<String> = h
         .logs
-        .tail(100)
+        .tail(None)
         .0
         .into_iter()
         .filter(|l| l.line.starts_with("spawning:"))

@@ -61,14 +61,11 @@ impl LogRing {
         let _ = self.feed.send(entry);
     }
 
-    /// The last `n` lines (0: all kept) and, atomically, a feed of later ones.
-    pub fn tail(&self, n: usize) -> (Vec<LogLine>, broadcast::Receiver<LogLine>) {
+    /// The last `n` lines (None: all kept) and, atomically, a feed of
+    /// later ones.
+    pub fn tail(&self, n: Option<usize>) -> (Vec<LogLine>, broadcast::Receiver<LogLine>) {
         let ring = self.ring.lock().unwrap();
-        let skip = if n == 0 {
-            0
-        } else {
-            ring.lines.len().saturating_sub(n)
-        };
+        let skip = n.map_or(0, |n| ring.lines.len().saturating_sub(n));
         (
             ring.lines.iter().skip(skip).cloned().collect(),
             self.feed.subscribe(),
@@ -86,9 +83,10 @@ mod tests {
         for i in 0..5 {
             ring.push("stdout", format!("line {i}"));
         }
-        let (lines, mut feed) = ring.tail(2);
+        let (lines, mut feed) = ring.tail(Some(2));
         assert_eq!(lines.iter().map(|l| l.seq).collect::<Vec<_>>(), [4, 5]);
-        assert_eq!(ring.tail(0).0.len(), 3);
+        assert_eq!(ring.tail(None).0.len(), 3);
+        assert_eq!(ring.tail(Some(0)).0.len(), 0);
         ring.push("siesta", "new");
         assert_eq!(feed.recv().await.unwrap().seq, 6);
     }

@@ -284,19 +284,7 @@ fn a_failing_model_nobody_waits_for_is_stopped_by_its_stop_tier() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
     let spawns = std::cell::Cell::new(0);
-    let crash = |s: &mut Sim| {
-        if let Phase::Starting { spawned: false, .. } = s.m.phase {
-            spawns.set(spawns.get() + 1);
-            s.ev(Event::Spawned {
-                proc_gen: s.m.proc_gen,
-                pid: 42,
-            });
-        }
-        if s.m.pid.is_some() {
-            let current = s.m.proc_gen;
-            exited(s, current);
-        }
-    };
+    let crash = |s: &mut Sim| crash(s, &spawns);
     // Serving: a request in flight, then the crash.
     s.report(1, 0);
     crash(&mut s);
@@ -318,6 +306,67 @@ fn a_failing_model_nobody_waits_for_is_stopped_by_its_stop_tier() {
     }
     assert_eq!(spawns.get(), before, "retried after its stop tier");
     // The next request starts it again.
+    s.ev(Event::Demand);
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
+
+/// Spawns what is asked (counted in `spawns`) and lets it crash at once.
+fn crash(s: &mut Sim, spawns: &std::cell::Cell<u32>) {
+    if let Phase::Starting { spawned: false, .. } = s.m.phase {
+        spawns.set(spawns.get() + 1);
+        s.ev(Event::Spawned {
+            proc_gen: s.m.proc_gen,
+            pid: 42,
+        });
+    }
+    if s.m.pid.is_some() {
+        let current = s.m.proc_gen;
+        exited(s, current);
+    }
+}
+
+/// A stopped model woken by requests whose engine fails on every start:
+/// retried while demands keep coming; once none has come for its stop
+/// tier's time, the tier ends the retries. Before, a demand never served
+/// counted as waiting for ever: no tier fired and it was retried without
+/// end. The next request starts it again.
+#[test]
+fn a_failing_model_woken_by_requests_is_stopped_once_they_stop_coming() {
+    let mut s = Sim::new(Preload::None);
+    let spawns = std::cell::Cell::new(0);
+    s.ev(Event::Demand);
+    // Requests keep coming for longer than every tier.
+    for _ in 0..45 {
+        crash(&mut s, &spawns);
+        s.advance(secs(1));
+        s.ev(Event::Demand);
+    }
+    assert_ne!(s.m.intent.desired, Desired::Stopped, "{:?}", s.m);
+    assert!(spawns.get() >= 5, "{}", spawns.get());
+    // They stop: the stop tier (30 s) ends the retries.
+    for _ in 0..60 {
+        s.advance(secs(1));
+        crash(&mut s, &spawns);
+        if s.m.phase == Phase::Stopped {
+            break;
+        }
+    }
+    assert_eq!(
+        (s.m.phase, s.m.intent.desired),
+        (Phase::Stopped, Desired::Stopped),
+        "{:?}",
+        s.m
+    );
+    let before = spawns.get();
+    for _ in 0..300 {
+        s.advance(secs(1));
+        crash(&mut s, &spawns);
+    }
+    assert_eq!(spawns.get(), before, "retried after its stop tier");
     s.ev(Event::Demand);
     assert!(
         matches!(s.m.phase, Phase::Starting { .. }),
