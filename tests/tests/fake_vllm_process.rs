@@ -104,6 +104,53 @@ async fn a_dead_engine_core_turns_health_503_and_ends_the_server() {
     assert!(fv.child.output().contains("died unexpectedly"));
 }
 
+/// Requests in flight when the engine core dies are answered, as vLLM's output handler
+/// fails them with `EngineDeadError`: a 500 in vLLM's error shape, or in a stream an error
+/// event and `data: [DONE]`. Before, they ran on until the server exited and their
+/// connections were cut, a kinder failure than vLLM's for a proxy to meet.
+#[tokio::test]
+async fn requests_in_flight_when_the_engine_core_dies_get_engine_dead_errors() {
+    let fv = spawn_fake_vllm(&["m", "--tokens-per-second", "20"]).await;
+    let client = reqwest::Client::new();
+    let ask = |stream: bool| {
+        client
+            .post(fv.at("/v1/chat/completions"))
+            .json(&serde_json::json!({
+                "model": "m", "max_tokens": 2000, "ignore_eos": true, "stream": stream,
+                "messages": [{"role": "user", "content": "hi"}],
+            }))
+            .send()
+    };
+    let plain = tokio::spawn(ask(false));
+    let streamed = ask(true).await.unwrap();
+    assert_eq!(streamed.status(), 200);
+    wait_until("both requests running", DEADLINE, || async {
+        fv.metric("vllm:num_requests_running", "").await == 2.0
+    })
+    .await;
+    let core = fv.engine_core_pid().await;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(core), Signal::SIGKILL).unwrap();
+    let plain = tokio::time::timeout(DEADLINE, plain)
+        .await
+        .expect("the request in flight was not answered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(plain.status(), 500);
+    let body: serde_json::Value = plain.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "EngineDeadError", "{body}");
+    let text = tokio::time::timeout(DEADLINE, streamed.text())
+        .await
+        .expect("the stream did not end")
+        .expect("the stream was cut off instead of ending with an error event");
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
+    let error = events[events.len() - 2];
+    assert!(
+        error.starts_with("data: {\"error\"") && error.contains("EngineDeadError"),
+        "{error}"
+    );
+}
+
 async fn http_get(stream: &mut TcpStream, path: &str) -> String {
     let req = format!("GET {path} HTTP/1.1\r\nHost: fake\r\n\r\n");
     stream.write_all(req.as_bytes()).await.unwrap();

@@ -215,3 +215,83 @@ async fn engine_dying_before_answering_is_a_502() {
     let v: Value = r.json().await.unwrap();
     assert!(v["error"]["message"].is_string(), "{v}");
 }
+
+/// Only the engine core dies (a CUDA error, an out-of-memory kill), as on
+/// a real GPU: vLLM's server answers the requests in flight (a 500
+/// `EngineDeadError`; in a stream an error event and `[DONE]`) and exits
+/// within seconds. Through siesta both answers reach their clients whole,
+/// no request stays counted, and the model is restarted and serves again.
+#[tokio::test]
+async fn an_engine_core_dying_under_requests_in_flight_answers_them_and_is_restarted() {
+    let model = fake_model(
+        "chat",
+        "awake",
+        &["--tokens-per-second", "10"],
+        "backoff_initial = \"200ms\"",
+    );
+    let ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let s = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    let (pid, engine) = (s.pid as i32, endpoint(&s));
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    ready(&proxy).await;
+    let url = format!("{}/v1/chat/completions", proxy.url());
+    let plain = tokio::spawn({
+        let url = url.clone();
+        async move {
+            http()
+                .post(&url)
+                .json(&chat_body("chat", false, 1000))
+                .send()
+                .await
+        }
+    });
+    let streamed = http()
+        .post(&url)
+        .json(&chat_body("chat", true, 1000))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(streamed.status(), 200);
+    wait_status(&mut c, "chat", "both requests counted", LONG, |s| {
+        s.in_flight == 2
+    })
+    .await;
+    let stats: Value = http()
+        .get(format!("{engine}/fake/stats"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let core = stats["engine_core_pid"].as_i64().expect("engine core") as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(core),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let plain = tokio::time::timeout(DEADLINE, plain)
+        .await
+        .expect("the request in flight was not answered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(plain.status(), 500);
+    let v: Value = plain.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "EngineDeadError", "{v}");
+    let text = tokio::time::timeout(DEADLINE, streamed.text())
+        .await
+        .expect("the stream did not end")
+        .expect("the stream was cut off, not ended");
+    assert!(text.contains("EngineDeadError"), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    wait_status(&mut c, "chat", "nothing counted in flight", LONG, |s| {
+        s.in_flight == 0
+    })
+    .await;
+    let s = wait_status(&mut c, "chat", "restarted", LONG, |s| {
+        state(s) == pb::ModelState::Awake && s.pid as i32 != pid
+    })
+    .await;
+    assert!(chat(&endpoint(&s), "chat").await.contains("siesta"));
+}

@@ -198,6 +198,11 @@ impl Engine {
         Imitated::parse(&self.args.sim.imitate_version).unwrap_or(Imitated::JSON_SLEEP)
     }
 
+    /// False once the engine core died (requests in flight fail).
+    pub fn core_alive(&self) -> bool {
+        !self.dead.load(Ordering::SeqCst)
+    }
+
     /// False once the engine core died or `--fail-health-after` has passed since start-up.
     pub fn healthy(&self) -> bool {
         if self.dead.load(Ordering::SeqCst) {

@@ -211,11 +211,14 @@ async fn generate(app: Arc<App>, body: Incoming, kind: Kind) -> Resp {
             .expect("valid response");
     }
     let mut text = String::new();
-    let (n, finish) = run_tokens(&app, &job, |t| {
+    let Some((n, finish)) = run_tokens(&app, &job, |t| {
         text.push_str(t);
         true
     })
-    .await;
+    .await
+    else {
+        return crate::server::engine_dead().resp();
+    };
     let usage = usage(&job, n);
     let choice = match kind {
         Kind::Chat => json!({
@@ -261,19 +264,21 @@ impl Drop for Running<'_> {
 }
 
 /// Waits for admission, then produces tokens through `emit` (false: the client is gone).
-/// Returns the number of tokens and the finish reason.
+/// Returns the number of tokens and the finish reason; None if the engine core died
+/// meanwhile (vLLM's output handler fails every request in flight with `EngineDeadError`:
+/// a 500, or an error event in a stream; the answer is not cut off).
 async fn run_tokens(
     app: &App,
     job: &Gen,
     mut emit: impl FnMut(&str) -> bool,
-) -> (u64, &'static str) {
+) -> Option<(u64, &'static str)> {
     let engine = &app.engine;
     let Ok(epoch) = engine.admit().await else {
         // Aborted by a `/sleep` while held: nothing was generated.
         engine
             .prompt_tokens
             .fetch_add(job.prompt_tokens, Ordering::SeqCst);
-        return (0, "abort");
+        return Some((0, "abort"));
     };
     // Counted as running until it ends or its handler is dropped: a
     // client that hangs up mid-answer aborts it (vLLM's `with_cancellation`
@@ -291,7 +296,12 @@ async fn run_tokens(
     let tps = engine.args.sim.tokens_per_second;
     let pace = (tps > 0.0).then(|| Duration::from_secs_f64(1.0 / tps));
     let mut produced = 0;
+    let mut dead = false;
     for i in 0..n {
+        if !engine.core_alive() {
+            dead = true;
+            break;
+        }
         if engine.step(epoch).await.is_err() {
             finish = "abort";
             break;
@@ -318,7 +328,7 @@ async fn run_tokens(
         .prompt_tokens
         .fetch_add(job.prompt_tokens, Ordering::SeqCst);
     engine.served.fetch_add(1, Ordering::SeqCst);
-    (produced, finish)
+    (!dead).then_some((produced, finish))
 }
 
 async fn run_stream(app: Arc<App>, job: Gen, tx: mpsc::UnboundedSender<Bytes>) {
@@ -346,7 +356,7 @@ async fn run_stream(app: Arc<App>, job: Gen, tx: mpsc::UnboundedSender<Bytes>) {
     let mut pending: Option<String> = None;
     let mut produced = 0u64;
     let mut first = true;
-    let (n, finish) = run_tokens(&app, &job, |tok| {
+    let outcome = run_tokens(&app, &job, |tok| {
         if first && job.kind == Kind::Chat {
             let role = json!([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                "logprobs": null, "finish_reason": null}]);
@@ -365,6 +375,15 @@ async fn run_stream(app: Arc<App>, job: Gen, tx: mpsc::UnboundedSender<Bytes>) {
         ok
     })
     .await;
+    let Some((n, finish)) = outcome else {
+        // vLLM's stream generator sends the error as an event, then `[DONE]`.
+        let e = crate::server::engine_dead();
+        let error = json!({"error": {"message": e.message, "type": e.kind, "param": null,
+                                     "code": e.status.as_u16()}});
+        let _ = tx.send(sse(&error));
+        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n"));
+        return;
+    };
     let last = pending.take().unwrap_or_default();
     let _ = tx.send(sse(&chunk(delta(&last, Some(finish)), n, false)));
     if job.include_usage {

@@ -115,14 +115,7 @@ impl App {
             self.crash(n);
         }
         if !self.engine.healthy() {
-            return Err(ApiError {
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                kind: "EngineDeadError",
-                message:
-                    "EngineCore encountered an issue. See stack trace (above) for the root cause."
-                        .into(),
-                param: None,
-            });
+            return Err(engine_dead());
         }
         Ok(())
     }
@@ -152,6 +145,18 @@ impl App {
             core.stop(Duration::ZERO);
         }
         std::process::exit(1);
+    }
+}
+
+/// What vLLM answers a request once its engine core is dead (`EngineDeadError`), new or
+/// in flight when it died.
+pub fn engine_dead() -> ApiError {
+    ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        kind: "EngineDeadError",
+        message: "EngineCore encountered an issue. See stack trace (above) for the root cause."
+            .into(),
+        param: None,
     }
 }
 
