@@ -82,6 +82,7 @@ pub async fn run(a: Args) -> Result<()> {
                 .watch(WatchRequest {
                     since_revision: 0,
                     client_id: format!("bench-scale-{i}"),
+                    incarnation: 0,
                 })
                 .await?
                 .into_inner();

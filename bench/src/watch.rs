@@ -305,6 +305,7 @@ async fn subscriber(
         .watch(WatchRequest {
             since_revision: 0,
             client_id: format!("bench-{i}"),
+            incarnation: 0,
         })
         .await?
         .into_inner();

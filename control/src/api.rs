@@ -220,11 +220,7 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
         let r = req.into_inner();
-        let sub = self
-            .hub
-            .subscribe(r.since_revision)
-            .ok_or(OpError::ShuttingDown)?;
-        tracing::debug!(client = %r.client_id, since = r.since_revision, "watch");
+        let sub = watch::subscribe(&self.hub, &r, self.started_unix_ms)?;
         let control_id = self.control_id.clone();
         let cancel = self.cancel.clone();
         let stream = futures::stream::unfold((sub, cancel), move |(mut sub, cancel)| {

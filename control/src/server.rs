@@ -240,7 +240,12 @@ impl Server {
             crate::web::spawn(web, service.clone(), token.clone(), tasks.clone());
         }
         let auth = BearerAuth::new(token);
-        let watch = WatchSvc::new(hub.clone(), &service.control_id, service.cancel.clone());
+        let watch = WatchSvc::new(
+            hub.clone(),
+            &service.control_id,
+            service.started_unix_ms,
+            service.cancel.clone(),
+        );
         let control = InterceptedService::new(
             WatchRoute::new(pb::control_server::ControlServer::new(service), watch),
             move |req| auth.check(req),

@@ -345,9 +345,13 @@ async fn watch_once(
         Ok(Err(s)) => return Err(s),
         Err(_) => return Err(tonic::Status::deadline_exceeded("GetInfo timed out")),
     }
+    // The run `since` is from: a control plane that restarted after
+    // GetInfo answered resyncs rather than resuming after a revision of
+    // its earlier run.
     let req = WatchRequest {
         since_revision: since,
         client_id: ctx.proxy_id.clone(),
+        incarnation: incarnation.as_ref().map_or(0, |i| i.1),
     };
     let mut stream = client.watch(req).await?.into_inner();
     let mut first = true;

@@ -61,6 +61,7 @@ pub fn watch_never_awake_together(
             .watch(pb::WatchRequest {
                 since_revision: 0,
                 client_id: "swap-test".into(),
+                incarnation: 0,
             })
             .await
             .unwrap()

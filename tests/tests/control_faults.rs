@@ -48,6 +48,7 @@ async fn engine_crash_goes_failed_then_restarts() {
         .watch(pb::WatchRequest {
             since_revision: 0,
             client_id: "t".into(),
+            incarnation: 0,
         })
         .await
         .unwrap()
@@ -100,6 +101,7 @@ async fn wake_that_hangs_is_killed_at_its_deadline_and_retried() {
         .watch(pb::WatchRequest {
             since_revision: 0,
             client_id: "t".into(),
+            incarnation: 0,
         })
         .await
         .unwrap()

@@ -152,6 +152,7 @@ async fn idle_tiers_fire_in_order() {
         .watch(pb::WatchRequest {
             since_revision: 0,
             client_id: "test".into(),
+            incarnation: 0,
         })
         .await
         .unwrap()

@@ -18,9 +18,19 @@ fn four_models() -> String {
 }
 
 async fn watch(c: &mut Client, since: u64) -> tonic::Streaming<pb::WatchEvent> {
+    watch_of(c, since, 0).await
+}
+
+/// Watch after revision `since` of the run that started at `incarnation`.
+async fn watch_of(
+    c: &mut Client,
+    since: u64,
+    incarnation: i64,
+) -> tonic::Streaming<pb::WatchEvent> {
     c.watch(pb::WatchRequest {
         since_revision: since,
         client_id: "t".into(),
+        incarnation,
     })
     .await
     .unwrap()
@@ -136,13 +146,26 @@ async fn since_revision_resumes_without_a_snapshot() {
         matches!(ev.kind, Some(pb::watch_event::Kind::Model(_))),
         "{ev:?}"
     );
-    // A revision from another life gets a fresh snapshot marked resync.
-    let mut stale = watch(&mut c, 1_000_000).await;
-    let ev = next(&mut stale).await;
-    let Some(pb::watch_event::Kind::Snapshot(snap)) = ev.kind else {
-        panic!("{ev:?}")
-    };
-    assert!(snap.resync);
+    // A revision from another life gets a fresh snapshot marked resync:
+    // one above this run's, or one of another run (its start time given),
+    // even where this run has passed it (revisions start over at a
+    // restart). Of this run, given the same way, it resumes.
+    let started = c
+        .get_info(pb::GetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .started_unix_ms;
+    for (since, of) in [(1_000_000, 0), (rev, started - 1)] {
+        let mut stale = watch_of(&mut c, since, of).await;
+        let ev = next(&mut stale).await;
+        let Some(pb::watch_event::Kind::Snapshot(snap)) = ev.kind else {
+            panic!("after {since} of {of}: {ev:?}")
+        };
+        assert!(snap.resync);
+    }
+    let mut same = watch_of(&mut c, rev, started).await;
+    assert_eq!(next(&mut same).await.revision, rev + 1);
 }
 
 #[tokio::test]

@@ -260,6 +260,7 @@ async fn requests_held_when_an_operator_sleeps_the_model_are_answered_before_the
         s.c.watch(pb::WatchRequest {
             since_revision: 0,
             client_id: "test".into(),
+            incarnation: 0,
         })
         .await
         .unwrap()

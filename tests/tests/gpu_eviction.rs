@@ -416,6 +416,7 @@ async fn a_tp_group_over_a_corrupt_pair_starts_with_p2p_off() {
         .watch(pb::WatchRequest {
             since_revision: 0,
             client_id: "gpu_eviction".into(),
+            incarnation: 0,
         })
         .await
         .unwrap()

@@ -56,6 +56,7 @@ pub async fn run(
                     c.watch(pb::WatchRequest {
                         since_revision: 0,
                         client_id: "siesta sleep --wait".into(),
+                        incarnation: 0,
                     })
                     .await
                 })

@@ -199,8 +199,8 @@ async fn watch_feed(conn: Conn, tx: mpsc::Sender<Feed>) {
                 if incarnation.as_ref() != Some(&now) || revision < since {
                     since = 0;
                 }
-                incarnation = Some(now);
-                match watch::open(&conn, since).await {
+                let of = incarnation.insert(now);
+                match watch::open(&conn, since, of).await {
                     Err(s) => s.message().to_string(),
                     Ok(mut events) => {
                         if tx.send(Feed::Live).await.is_err() {

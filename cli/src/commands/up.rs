@@ -237,6 +237,7 @@ async fn print_events(control_url: String, token: Option<String>, shutdown: Canc
     let req = pb::WatchRequest {
         since_revision: 0,
         client_id: "siesta up".into(),
+        incarnation: 0,
     };
     let Ok(mut events) = conn.call(|mut c| async move { c.watch(req).await }).await else {
         return;

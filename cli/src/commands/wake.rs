@@ -57,6 +57,7 @@ pub async fn run(
         .watch(pb::WatchRequest {
             since_revision: 0,
             client_id: "siesta wake --wait".into(),
+            incarnation: 0,
         })
         .await
         .ok()

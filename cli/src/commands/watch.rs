@@ -36,7 +36,7 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
     let mut backoff = BACKOFF_MIN;
     let mut connected_once = false;
     loop {
-        let why = match open(&conn, since).await {
+        let why = match open(&conn, since, &incarnation).await {
             Ok(mut events) => {
                 if connected_once {
                     eprintln!("siesta watch: reconnected to {}", conn.url);
@@ -98,14 +98,18 @@ fn print(ev: &pb::WatchEvent, format: Format, text: &mut TextWatch) -> Result<()
     Ok(())
 }
 
+/// Opens Watch after revision `since` of the run `of` (its start time; a
+/// control plane restarted since answers with a resync snapshot).
 pub(super) async fn open(
     conn: &Conn,
     since: u64,
+    of: &Incarnation,
 ) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
     let mut client = conn.client.clone();
     let req = pb::WatchRequest {
         since_revision: since,
         client_id: "siesta watch".into(),
+        incarnation: of.1,
     };
     match tokio::time::timeout(RPC_TIMEOUT, client.watch(req)).await {
         Ok(r) => r.map(tonic::Response::into_inner),

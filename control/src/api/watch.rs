@@ -124,13 +124,20 @@ impl<R: Message + Default + Send + 'static> Codec for WireCodec<R> {
 pub struct WatchSvc {
     hub: Arc<Hub>,
     control_id: Arc<str>,
+    /// This run's `started_unix_ms`: a resume point of another run resyncs.
+    started_unix_ms: i64,
 }
 
 impl WatchSvc {
     /// Serves `hub`'s items; when `cancel` fires (shutdown) the hub ends
     /// every subscription, so each stream ends after what it already has,
     /// with no wait for cancellation of its own to poll on every event.
-    pub fn new(hub: Arc<Hub>, control_id: &str, cancel: CancellationToken) -> WatchSvc {
+    pub fn new(
+        hub: Arc<Hub>,
+        control_id: &str,
+        started_unix_ms: i64,
+        cancel: CancellationToken,
+    ) -> WatchSvc {
         let ends = hub.clone();
         tokio::spawn(async move {
             cancel.cancelled().await;
@@ -139,18 +146,33 @@ impl WatchSvc {
         WatchSvc {
             hub,
             control_id: control_id.into(),
+            started_unix_ms,
         }
     }
 
     /// Subscribes as the `Watch` RPC asks.
     fn subscribe(&self, r: &pb::WatchRequest) -> Result<Subscription, Status> {
-        let sub = self
-            .hub
-            .subscribe(r.since_revision)
-            .ok_or(OpError::ShuttingDown)?;
-        tracing::debug!(client = %r.client_id, since = r.since_revision, "watch");
-        Ok(sub)
+        subscribe(&self.hub, r, self.started_unix_ms)
     }
+}
+
+/// Subscribes as a `WatchRequest` asks: after `since_revision`, unless it
+/// is of another run of the control plane (`incarnation` set and not
+/// `started_unix_ms`), whose revisions mean something else here: that gets
+/// a snapshot marked `resync`.
+pub(super) fn subscribe(
+    hub: &Arc<Hub>,
+    r: &pb::WatchRequest,
+    started_unix_ms: i64,
+) -> Result<Subscription, Status> {
+    let other_run = r.incarnation != 0 && r.incarnation != started_unix_ms;
+    let sub = if other_run {
+        hub.subscribe_resync()
+    } else {
+        hub.subscribe(r.since_revision)
+    };
+    tracing::debug!(client = %r.client_id, since = r.since_revision, other_run, "watch");
+    Ok(sub.ok_or(OpError::ShuttingDown)?)
 }
 
 /// `ListModels` from the hub's encoded statuses (converted when the hub

@@ -39,12 +39,15 @@ fn status(name: &str, restarts: u32) -> ModelStatus {
 
 const LONG: Duration = Duration::from_secs(30);
 
+/// The served run's `started_unix_ms`.
+const STARTED: i64 = 1_700_000_000_000;
+
 /// A hub with the daemon's encoder, served on a free port.
 async fn serve(history: usize) -> (Arc<Hub>, String, CancellationToken) {
     let hub = Hub::new(Clock::new(), history, 1024);
     install_encoder(&hub, "ctl".into());
     let cancel = CancellationToken::new();
-    let watch = WatchSvc::new(hub.clone(), "ctl", cancel.clone());
+    let watch = WatchSvc::new(hub.clone(), "ctl", STARTED, cancel.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
@@ -62,9 +65,18 @@ async fn client(url: &str) -> ControlClient<Channel> {
 }
 
 async fn watch(c: &mut ControlClient<Channel>, since: u64) -> tonic::Streaming<pb::WatchEvent> {
+    watch_of(c, since, 0).await
+}
+
+async fn watch_of(
+    c: &mut ControlClient<Channel>,
+    since: u64,
+    incarnation: i64,
+) -> tonic::Streaming<pb::WatchEvent> {
     c.watch(pb::WatchRequest {
         since_revision: since,
         client_id: "t".into(),
+        incarnation,
     })
     .await
     .unwrap()
@@ -153,6 +165,19 @@ async fn resume_and_resync_are_unchanged() {
         panic!("want a snapshot: {e:?}")
     };
     assert!(snap.resync);
+    // A revision within the history, but of another run of the control
+    // plane (restarted, revisions started over): a resync snapshot, not
+    // the events after a revision that meant something else. Of this run:
+    // resumed.
+    let mut other = watch_of(&mut c, 8, STARTED - 60_000).await;
+    let e = next(&mut other).await;
+    assert_eq!(e.revision, 10);
+    assert!(
+        matches!(e.kind, Some(Kind::Snapshot(ref snap)) if snap.resync),
+        "{e:?}"
+    );
+    let mut same = watch_of(&mut c, 8, STARTED).await;
+    assert_eq!(next(&mut same).await.revision, 9);
     // Shutdown ends the streams.
     cancel.cancel();
     let end = tokio::time::timeout(LONG, s.message())
