@@ -57,6 +57,32 @@ pub(super) fn longer_turn(turn: Duration, given_up: u32) -> Duration {
     (turn * (1 << given_up.min(5))).min((ROOM_WAIT / 2).max(turn))
 }
 
+/// Whether `model` would find no room even with every other model idle and
+/// free to go but the pinned ones (and attached engines that cannot
+/// sleep): its wait is on what admission cannot change (a pin, what
+/// attached engines keep, a GPU too small for it beside them). Before, such
+/// an ask held up every later ask on its GPUs, one that fitted beside the
+/// pinned model included, until it gave up (5 minutes).
+fn stuck(gpus: &GpuView, model: &str, models: &[ModelStatus]) -> bool {
+    let mut best = runtime(models);
+    for m in models.iter().filter(|m| m.name != model) {
+        let Some(r) = best.get_mut(&m.name) else {
+            continue;
+        };
+        match r.state {
+            RunState::Awake | RunState::Starting | RunState::Waking => {
+                r.state = RunState::Awake;
+                r.in_flight = 0;
+                r.min_awake_left_ms = 0;
+                r.yield_in_ms = Some(0);
+            }
+            RunState::Asleep => r.stoppable = m.launch != "attach" && !m.pin.is_pinned(),
+            _ => {}
+        }
+    }
+    matches!(gpus.plan_wake_in(model, &best, true), WakePlan::Wait(_))
+}
+
 /// What is left of `d` after `elapsed_ms`, in ms.
 fn ms_left(d: Duration, elapsed_ms: i64) -> u64 {
     (d.as_millis() as i64 - elapsed_ms).max(0) as u64
@@ -494,7 +520,13 @@ impl Core {
                 }
                 WakePlan::Wait(reason) => {
                     self.queue[i].tell(reason);
-                    blocked.extend(&gpus);
+                    // Waiting on what no model's requests will change, it
+                    // holds up no later ask on its GPUs: one that fits
+                    // beside what it waits on goes ahead. Else, in line:
+                    // the room busy models free is its first.
+                    if !stuck(&self.gpus, &model, models) {
+                        blocked.extend(&gpus);
+                    }
                     i += 1;
                 }
             }

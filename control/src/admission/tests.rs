@@ -68,6 +68,8 @@ struct World {
     /// The requests a waiting model was asked for still wait (false: they
     /// were answered elsewhere or gave up; the wake goes on).
     requests_wait: Vec<bool>,
+    /// Pinned awake by an operator.
+    pinned: Vec<bool>,
     base: ModelStatus,
 }
 
@@ -128,6 +130,7 @@ impl World {
             called_off: Vec::new(),
             yielding: false,
             requests_wait: vec![true; n],
+            pinned: vec![false; n],
             base,
         })
     }
@@ -183,6 +186,10 @@ impl World {
                     } else {
                         (Desired::Awake, Reason::Demand)
                     };
+                if self.pinned[i] {
+                    s.pin = crate::status::PinView::Forever;
+                    (s.intent.desired, s.intent.reason) = (Desired::Awake, Reason::Pin);
+                }
                 s.state_since_unix_ms = since;
                 if let Some(t) = self.last_activity[i] {
                     s.last_activity_unix_ms = Some(t);
@@ -1119,4 +1126,37 @@ fn an_asleep_model_is_stopped_for_what_it_keeps_when_nothing_else_frees_room() {
     st[2].state_since_unix_ms += 1;
     w.core.plan(&st);
     assert!(w.answers[3].as_mut().unwrap().try_recv().is_ok());
+}
+
+/// An ask that waits on what no model's requests will change (here a
+/// model pinned awake) holds up no later ask on its GPU: one that fits
+/// beside the pinned model is admitted (it waited "in line" behind the
+/// stuck one until that gave up, 5 minutes). One that waits on a busy
+/// model still keeps its place: the room that model frees is its first.
+#[test]
+fn an_ask_waiting_on_a_pin_does_not_hold_up_one_that_fits() {
+    let mut w = World::new(&config(1, &[(1, 0.6), (1, 0.5), (1, 0.3)])).unwrap();
+    // m0 awake and busy; m1 cannot fit beside it, m2 could.
+    w.run[0] = Run::Awake;
+    w.in_flight[0] = 1;
+    w.demand(1);
+    w.demand(2);
+    w.plan().unwrap();
+    assert_eq!(
+        w.run,
+        [Run::Awake, Run::Waking(false), Run::Waking(false)],
+        "m1 waits for busy m0, and m2 waits in line behind m1"
+    );
+    let told = w.told.lock().unwrap()[2].clone().unwrap_or_default();
+    assert!(told.contains("in line behind \"m1\""), "{told}");
+    // Pinned, m0 will never make room: m2, which fits beside it, goes.
+    w.pinned[0] = true;
+    w.plan().unwrap();
+    assert_eq!(
+        w.run,
+        [Run::Awake, Run::Waking(false), Run::Waking(true)],
+        "m2 admitted beside the pinned model"
+    );
+    let told = w.told.lock().unwrap()[1].clone().unwrap_or_default();
+    assert!(told.contains("pinned awake"), "{told}");
 }
