@@ -75,7 +75,8 @@ impl Registry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmissionPolicy {
     /// A woken model stays awake at least this long before it may be put
-    /// to sleep for another (against thrashing when two models alternate).
+    /// to sleep for another, and is idle only once nothing has been in
+    /// flight for this long (against thrashing when two models alternate).
     pub min_awake: Duration,
     /// A busy model keeps GPUs another model waits for at most this long
     /// (its turn), and only once the other has waited as long (None: until

@@ -306,6 +306,16 @@ impl Core {
             if m.state == State::Awake {
                 let awake_for = now_ms - m.state_since_unix_ms;
                 r.min_awake_left_ms = ms_left(self.policy.min_awake, awake_for);
+                // A pause between requests is not idleness: a model put
+                // to sleep in every gap of its traffic swapped with the one
+                // waiting every `min_awake`, each paying a wake. It is
+                // idle once nothing came for `min_awake`; before that it
+                // takes turns like a busy one.
+                if m.in_flight == 0
+                    && let Some(last) = m.last_activity_unix_ms
+                {
+                    r.active_left_ms = ms_left(self.policy.min_awake, now_ms - last);
+                }
                 // A busy model's turn: it may yield once it has been awake
                 // `yield_after` (one that cannot sleep never yields), longer
                 // after yields it gave up (its answers outlasted the grace).

@@ -1160,3 +1160,45 @@ fn an_ask_waiting_on_a_pin_does_not_hold_up_one_that_fits() {
     let told = w.told.lock().unwrap()[1].clone().unwrap_or_default();
     assert!(told.contains("pinned awake"), "{told}");
 }
+
+/// A pause in a model's traffic is not idleness: with nothing in flight
+/// but a request answered a moment ago (less than `min_awake`), it is not
+/// put to sleep for a waiting model until it has been idle that long, or
+/// its turn is over (`yield_after`). Before, it was put to sleep in the
+/// first gap between two of its requests, and two models with steady
+/// traffic on one GPU swapped every `min_awake`, each swap a wake.
+#[test]
+fn a_pause_between_requests_is_not_idleness() {
+    let policy = |yield_after| AdmissionPolicy {
+        min_awake: Duration::from_secs(10),
+        yield_after,
+    };
+    for yield_after in [None, Some(Duration::ZERO)] {
+        let mut w = World::new(&config(1, &[(1, 0.85), (1, 0.85)])).unwrap();
+        w.core = Core::new(
+            w.view.clone(),
+            w.core_registry(),
+            w.clock,
+            policy(yield_after),
+        );
+        w.yielding = yield_after.is_some();
+        w.run[0] = Run::Awake;
+        w.last_activity[0] = Some(w.clock.now_ms() - 500);
+        w.demand(1);
+        w.plan().unwrap();
+        if yield_after.is_none() {
+            assert_eq!(
+                w.run,
+                [Run::Awake, Run::Waking(false)],
+                "evicted in a pause"
+            );
+            let told = w.told.lock().unwrap()[1].clone().unwrap_or_default();
+            assert!(told.contains("served a request a moment ago"), "{told}");
+            // Idle for longer than min_awake: it makes room.
+            w.last_activity[0] = Some(w.clock.now_ms() - 20_000);
+            w.plan().unwrap();
+        }
+        // (With yield_after, its turn is over at once: it makes room.)
+        assert_eq!(w.run[0], Run::Sleeping, "yield_after {yield_after:?}");
+    }
+}

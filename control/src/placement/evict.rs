@@ -69,6 +69,10 @@ pub struct ModelRuntime {
     pub pinned_awake: bool,
     /// Woken too recently to be evicted yet (`[control] min_awake`): ms left.
     pub min_awake_left_ms: u64,
+    /// Nothing in flight, but it answered a request less than `min_awake`
+    /// ago: its traffic only paused. Until this is 0 (ms) it counts as busy,
+    /// not idle: a victim only once its turn is over (`yield_in_ms`).
+    pub active_left_ms: u64,
     /// What putting it to sleep costs when it is wanted again: its
     /// calibrated level-1 sleep and wake, ms.
     pub switch_cost_ms: u64,
@@ -92,6 +96,7 @@ impl ModelRuntime {
             last_activity_ms: 0,
             pinned_awake: false,
             min_awake_left_ms: 0,
+            active_left_ms: 0,
             switch_cost_ms: 0,
             yield_in_ms: None,
             stoppable: false,
@@ -266,7 +271,8 @@ pub fn plan_wake(
         .map(|p| (p, state_of(runtime, &p.model)))
         .filter(|(_, s)| {
             s.state == RunState::Awake
-                && (s.in_flight == 0 || (yield_busy && s.yield_in_ms == Some(0)))
+                && ((s.in_flight == 0 && s.active_left_ms == 0)
+                    || (yield_busy && s.yield_in_ms == Some(0)))
                 && !s.pinned_awake
                 && s.min_awake_left_ms == 0
         })
@@ -279,7 +285,7 @@ pub fn plan_wake(
         let used = r
             .last_activity_ms
             .saturating_add(i64::try_from(r.switch_cost_ms).unwrap_or(i64::MAX));
-        (r.in_flight > 0, used)
+        (r.in_flight > 0 || r.active_left_ms > 0, used)
     };
     candidates.sort_by(|a, b| key(&a.1).cmp(&key(&b.1)).then(a.0.model.cmp(&b.0.model)));
 
@@ -357,6 +363,10 @@ pub fn plan_wake(
                     ),
                     _ => format!("{} request(s) in flight", s.in_flight),
                 },
+                RunState::Awake if s.active_left_ms > 0 => format!(
+                    "served a request a moment ago; idle in {:.1} s unless another comes",
+                    s.active_left_ms as f64 / 1e3
+                ),
                 RunState::Awake if s.min_awake_left_ms > 0 => format!(
                     "woken recently, stays awake {} ms more",
                     s.min_awake_left_ms

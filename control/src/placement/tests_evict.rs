@@ -28,6 +28,7 @@ fn rt(state: RunState, last: i64) -> ModelRuntime {
         last_activity_ms: last,
         pinned_awake: false,
         min_awake_left_ms: 0,
+        active_left_ms: 0,
         switch_cost_ms: 0,
         yield_in_ms: None,
         stoppable: false,
