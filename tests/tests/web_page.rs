@@ -112,6 +112,24 @@ async fn the_page_follows_a_wake_and_its_buttons_send_the_operations() {
         std::fs::write(&path, &shot).expect("writing SIESTA_SCREENSHOT");
     }
 
+    // The table is redrawn every second; its buttons stay the same nodes
+    // (a button replaced between press and release lost the click).
+    b.eval(
+        "window.__wake = document.querySelector('button[data-model=\"beta\"][data-op=\"wake\"]'); \
+         window.__renders = window.siesta.renders; true",
+    )
+    .await;
+    b.wait_js(
+        "two redraws of the table",
+        LONG,
+        "window.siesta.renders >= window.__renders + 2",
+    )
+    .await;
+    let same = b
+        .eval("window.__wake !== null && window.__wake === document.querySelector('button[data-model=\"beta\"][data-op=\"wake\"]')")
+        .await;
+    assert_eq!(same, true, "beta's wake button was replaced by a redraw");
+
     // Buttons send the operations.
     click(&mut b, "alpha", "sleep2").await;
     let m = wait_status(&mut c, "alpha", "asleep L2", LONG, |m| {

@@ -80,6 +80,7 @@ impl Top {
     /// Applies one Watch event.
     pub fn apply(&mut self, ev: &pb::WatchEvent) {
         self.revision = ev.revision;
+        let selected = self.selected_name().map(str::to_string);
         match &ev.kind {
             Some(Kind::Snapshot(s)) => {
                 self.models = s
@@ -113,6 +114,12 @@ impl Top {
             }
             Some(Kind::Gpus(g)) => self.gpus = Some(g.clone()),
             Some(Kind::Placement(_)) | None => {}
+        }
+        // The selection stays on its model when others come or go before
+        // it in the list (a key then acted on the model that took its row:
+        // `s` stopped another one).
+        if let Some(i) = selected.and_then(|n| self.models.keys().position(|k| *k == n)) {
+            self.selected = i;
         }
         self.selected = self.selected.min(self.models.len().saturating_sub(1));
     }
@@ -268,6 +275,17 @@ mod tests {
             t.key(key(KeyCode::Char('l'))),
             Some(Action::Logs("b".into()))
         );
+        // A model added before it, then one removed: still "b".
+        t.apply(&ev(2, Kind::Model(model("0", pb::ModelState::Asleep))));
+        assert_eq!(t.selected_name(), Some("b"));
+        t.apply(&ev(3, Kind::ModelRemoved("a".into())));
+        assert_eq!(
+            t.key(key(KeyCode::Char('s'))),
+            Some(Action::Stop("b".into()))
+        );
+        // Its own removal: the row it had.
+        t.apply(&ev(4, Kind::ModelRemoved("b".into())));
+        assert_eq!(t.selected_name(), Some("0"));
         assert_eq!(t.key(key(KeyCode::Char('q'))), Some(Action::Quit));
         let ctrl_c = KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL);
         assert_eq!(t.key(ctrl_c), Some(Action::Quit));

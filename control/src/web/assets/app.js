@@ -88,10 +88,17 @@ function wakeProgress(m) {
     el("span", { class: "muted", text: `${(done / 1000).toFixed(1)}s of ~${(expected / 1000).toFixed(1)}s` }));
 }
 
+// Rows are kept per model and updated in place, each button kept while its
+// model's pin does not change: the table is redrawn every second, and a
+// click whose button was replaced between press and release was lost.
+const rows = new Map();
+
 function renderModels() {
   const tbody = document.querySelector("#models tbody");
-  tbody.replaceChildren();
-  for (const m of [...S.models.values()].sort((a, b) => a.name.localeCompare(b.name))) {
+  for (const [name, row] of rows)
+    if (!S.models.has(name)) { row.tr.remove(); rows.delete(name); }
+  const sorted = [...S.models.values()].sort((a, b) => a.name.localeCompare(b.name));
+  sorted.forEach((m, i) => {
     const total = ((S.gpus && S.gpus.gpus) || []).filter(g => m.gpus.includes(g.index))
       .reduce((t, g) => t + g.memory_total_bytes, 0);
     const used = engineBytes(m.name);
@@ -101,21 +108,36 @@ function renderModels() {
     const b = (what, label, query) =>
       el("button", { "data-model": m.name, "data-op": what + (query ? query.replace("?level=", "") : ""),
         text: label, onclick: () => op(m.name, what, query) });
-    tbody.append(el("tr", { id: "model-" + m.name, "data-state": m.state },
-      el("td", {}, el("strong", { text: m.name }), pinned ? el("span", { class: "muted", text: " pinned" }) : null),
-      el("td", {}, el("span", { class: "state", "data-state": m.state, text: stateLabel(m) }),
-        el("span", { class: "muted", text: " " + ago(m.state_since_unix_ms) }), wakeProgress(m)),
-      el("td", { text: m.gpus.length ? m.gpus.join(",") : "-" }),
-      el("td", {}, el("div", { class: "bar", title: `${gib(used)} of ${gib(total)}` },
+    let row = rows.get(m.name);
+    if (!row) {
+      const cells = Array.from({ length: 8 }, () => el("td"));
+      row = { tr: el("tr", { id: "model-" + m.name }, ...cells), cells, actions: el("td"), pinned: null };
+      row.cells[5].className = "held";
+      row.cells[7].className = "error";
+      row.tr.append(row.actions);
+      rows.set(m.name, row);
+    }
+    row.tr.dataset.state = m.state;
+    const c = row.cells;
+    c[0].replaceChildren(el("strong", { text: m.name }), pinned ? el("span", { class: "muted", text: " pinned" }) : "");
+    c[1].replaceChildren(el("span", { class: "state", "data-state": m.state, text: stateLabel(m) }),
+      el("span", { class: "muted", text: " " + ago(m.state_since_unix_ms) }), wakeProgress(m) || "");
+    c[2].textContent = m.gpus.length ? m.gpus.join(",") : "-";
+    c[3].replaceChildren(el("div", { class: "bar", title: `${gib(used)} of ${gib(total)}` },
         el("span", { style: `width:${total ? (100 * used) / total : 0}%;background:${colour(m.name)}` })),
-        el("span", { class: "muted", text: used ? gib(used) : "-" })),
-      el("td", { text: String(m.in_flight) }),
-      el("td", { class: "held", text: String(m.held || 0) }),
-      el("td", { text: tier }),
-      el("td", { class: "error", text: m.last_error || "" }),
-      el("td", {}, b("wake", "wake"), b("sleep", "sleep L1", "?level=1"), b("sleep", "sleep L2", "?level=2"),
-        pinned ? b("unpin", "unpin") : b("pin", "pin"), b("stop", "stop"))));
-  }
+      el("span", { class: "muted", text: used ? gib(used) : "-" }));
+    c[4].textContent = String(m.in_flight);
+    c[5].textContent = String(m.held || 0);
+    c[6].textContent = tier;
+    c[7].textContent = m.last_error || "";
+    if (row.pinned !== pinned) {
+      row.actions.replaceChildren(b("wake", "wake"), b("sleep", "sleep L1", "?level=1"), b("sleep", "sleep L2", "?level=2"),
+        pinned ? b("unpin", "unpin") : b("pin", "pin"), b("stop", "stop"));
+      row.pinned = pinned;
+    }
+    if (tbody.children[i] !== row.tr) tbody.insertBefore(row.tr, tbody.children[i] || null);
+  });
+  window.siesta.renders = (window.siesta.renders || 0) + 1;
 }
 
 function renderGpus() {
