@@ -48,6 +48,8 @@ const STOP_WAIT_MAX: Duration = Duration::from_secs(60);
 /// An engine found running and still wanted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Adopted {
+    /// Runs without P2P between its GPUs (as spawned; see [`adoption`]).
+    pub p2p_disabled: bool,
     pub pid: u32,
     pub start_time: u64,
     /// Its `SIESTA_ENGINE_TAG`: finds its processes that left its group.
@@ -126,28 +128,55 @@ fn leftovers(rec: &EngineRecord) -> Vec<u32> {
     left
 }
 
-/// Why a running engine is not adopted (None: it is).
-fn unwanted(
+/// Whether a running engine is adopted: `Ok(p2p_disabled)`, the P2P
+/// switches it runs with, or why not.
+///
+/// The P2P verdict between its GPUs may have changed since its spawn (a
+/// probe at this start, saved results of a later one): the command siesta
+/// would spawn now then differs in those switches alone. One started
+/// without P2P, now trusted, is adopted as it runs (slower, not wrong; its
+/// next start uses P2P); before, it was stopped as if its configuration had
+/// changed, a cold start of a multi-GPU model for nothing. One started
+/// with P2P that is no longer trusted is stopped, saying why: data between
+/// its GPUs may be corrupted silently.
+fn adoption(
     rec: &EngineRecord,
     cfg: Option<&ModelConfig>,
     placed: &BTreeMap<String, Placed>,
     intent: Option<&IntentRecord>,
-) -> Option<&'static str> {
+) -> Result<bool, &'static str> {
     let Some(cfg) = cfg else {
-        return Some("model no longer configured");
+        return Err("model no longer configured");
     };
     if intent.is_some_and(|i| i.restart_pending(rec)) {
-        return Some("an operator's restart was under way when the control plane stopped");
+        return Err("an operator's restart was under way when the control plane stopped");
     }
     if !matches!(cfg.launch, Launch::Process { .. }) {
-        return Some("model is now an attach engine");
+        return Err("model is now an attach engine");
     }
     let placed = placed
         .get(&cfg.name)
         .cloned()
         .unwrap_or_else(|| default_placement(cfg));
-    (command_hash(&spawn_spec(cfg, rec.port, &placed)) != rec.command_hash)
-        .then_some("its command line changed in the configuration")
+    let runs_with = |p2p_disabled: bool| {
+        let p = Placed {
+            p2p_disabled,
+            ..placed.clone()
+        };
+        command_hash(&spawn_spec(cfg, rec.port, &p)) == rec.command_hash
+    };
+    let now = placed.p2p_disabled;
+    if runs_with(now) {
+        Ok(now)
+    } else if !now && runs_with(true) {
+        Ok(true)
+    } else if now && runs_with(false) {
+        Err(
+            "P2P between its GPUs is no longer trusted and it runs with P2P on (data between them could be corrupted silently)",
+        )
+    } else {
+        Err("its command line changed in the configuration")
+    }
 }
 
 /// The level to wake an engine from when it does not say: the one recorded
@@ -289,24 +318,27 @@ pub async fn recover(
             continue;
         };
         let cfg = config.models.iter().find(|m| m.name == name);
-        if let Some(why) = unwanted(&rec, cfg, placed, store.get(&name).as_ref()) {
-            tracing::info!(model = %name, pid, reason = why, "stopping a recorded engine");
-            let grace = cfg
-                .map_or(config.defaults.timeouts.stop_grace, |c| {
-                    c.timeouts.stop_grace
-                })
-                // The SIGKILL and its sweep must come within the wait below.
-                .min(STOP_WAIT_MAX - SWEEP_DEADLINE);
-            waits.push(tokio::spawn(stop(
-                store.clone(),
-                name.clone(),
-                rec,
-                pid,
-                start_time,
-                grace,
-            )));
-            continue;
-        }
+        let p2p_disabled = match adoption(&rec, cfg, placed, store.get(&name).as_ref()) {
+            Ok(off) => off,
+            Err(why) => {
+                tracing::info!(model = %name, pid, reason = why, "stopping a recorded engine");
+                let grace = cfg
+                    .map_or(config.defaults.timeouts.stop_grace, |c| {
+                        c.timeouts.stop_grace
+                    })
+                    // The SIGKILL and its sweep must come within the wait below.
+                    .min(STOP_WAIT_MAX - SWEEP_DEADLINE);
+                waits.push(tokio::spawn(stop(
+                    store.clone(),
+                    name.clone(),
+                    rec,
+                    pid,
+                    start_time,
+                    grace,
+                )));
+                continue;
+            }
+        };
         let Some(cfg) = cfg else { continue };
         let (host, wake_timeout) = match &cfg.launch {
             Launch::Process { host, .. } => (host.clone(), cfg.timeouts.wake),
@@ -319,6 +351,7 @@ pub async fn recover(
             let client = EngineClient::for_model(&url, idle, &cfg);
             let observed = observe(&client, &rec, wake_timeout).await;
             let a = Adopted {
+                p2p_disabled,
                 pid,
                 start_time,
                 tag: rec.tag.clone(),
@@ -378,6 +411,16 @@ mod tests {
     use super::*;
     use crate::engine::test_server::{Act, engine};
     use std::os::unix::process::CommandExt;
+
+    /// Why a running engine is not adopted (None: it is).
+    fn unwanted(
+        rec: &EngineRecord,
+        cfg: Option<&ModelConfig>,
+        placed: &BTreeMap<String, Placed>,
+        intent: Option<&IntentRecord>,
+    ) -> Option<&'static str> {
+        adoption(rec, cfg, placed, intent).err()
+    }
 
     fn sleeper(tag: &str) -> std::process::Child {
         std::process::Command::new("sleep")
@@ -511,6 +554,52 @@ mod tests {
         let fresh = placed(&v2, &BTreeMap::new());
         let why = unwanted(&rec, Some(cfg), &fresh, None);
         assert!(why.is_some_and(|w| w.contains("command line")), "{why:?}");
+    }
+
+    /// A tensor-parallel engine spawned under one P2P verdict, found by a
+    /// control plane that holds another: started without P2P, now trusted,
+    /// it is adopted as it runs (it was stopped, a cold start for nothing);
+    /// started with P2P, no longer trusted, it is stopped, saying why.
+    #[test]
+    fn a_changed_p2p_verdict_stops_only_an_engine_that_runs_with_p2p() {
+        let two =
+            "[[gpu]]\nindex = 0\nmemory = \"80GiB\"\n[[gpu]]\nindex = 1\nmemory = \"80GiB\"\n";
+        let tp = "[[model]]\nname = \"big\"\nmodel = \"m\"\ngpus = 2\n";
+        let config = Config::parse(&format!("{two}{tp}"), "c.toml").unwrap();
+        let cfg = &config.models[0];
+        let with = |p2p_disabled: bool| Placed {
+            gpus: vec![0, 1],
+            p2p_disabled,
+            ..default_placement(cfg)
+        };
+        let spawned = |p2p_disabled: bool| {
+            let mut rec = record(1, 1, "t");
+            rec.command_hash = command_hash(&spawn_spec(cfg, rec.port, &with(p2p_disabled)));
+            rec
+        };
+        let now = |p2p_disabled: bool| BTreeMap::from([("big".to_string(), with(p2p_disabled))]);
+        // As spawned: adopted with its switches.
+        assert_eq!(
+            adoption(&spawned(false), Some(cfg), &now(false), None),
+            Ok(false)
+        );
+        assert_eq!(
+            adoption(&spawned(true), Some(cfg), &now(true), None),
+            Ok(true)
+        );
+        // Spawned without P2P, trusted now: adopted, still without.
+        assert_eq!(
+            adoption(&spawned(true), Some(cfg), &now(false), None),
+            Ok(true)
+        );
+        // Spawned with P2P, no longer trusted: stopped.
+        let why = adoption(&spawned(false), Some(cfg), &now(true), None).unwrap_err();
+        assert!(why.contains("no longer trusted"), "{why}");
+        assert_ne!(
+            command_hash(&spawn_spec(cfg, 1, &with(false))),
+            command_hash(&spawn_spec(cfg, 1, &with(true))),
+            "the verdict changes the command"
+        );
     }
 
     #[test]

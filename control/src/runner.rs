@@ -226,6 +226,15 @@ pub fn spawn_model_adopting(
 ) -> std::io::Result<ModelHandle> {
     let now = Instant::now();
     let adopted = adopted.filter(|_| !cfg.is_attach());
+    // An adopted engine runs with the P2P switches it was spawned with
+    // (its next spawn takes the verdict of then).
+    let placed = match &adopted {
+        Some(a) => Placed {
+            p2p_disabled: a.p2p_disabled,
+            ..placed
+        },
+        None => placed,
+    };
     let (base_url, served, port) = match &cfg.launch {
         Launch::Process { host, port, .. } => {
             let port = match (port, &adopted) {
