@@ -279,9 +279,20 @@ pub fn spawn(
 /// it began, and asserts it did not grow ("Error in memory profiling").
 /// So a sleep holds the lock read: it waits for starts under way, and
 /// starts wait for it, while sleeps go on side by side.
+///
+/// The other way round, a sleep fails when its GPU's memory use grows while
+/// it frees: vLLM compares the GPU's free memory before and after and
+/// asserts it did not shrink ("Memory usage increased after sleeping", a
+/// 500; seen on an H200 when a neighbour woke on the same GPU during a
+/// level-2 sleep). So each GPU has a second lock: a sleep holds it written
+/// (no wake there meanwhile; sleeps there take turns, a fraction of a
+/// second each), a wake's engine call holds it read (wakes go on side by
+/// side). Starts allocate too, and already exclude sleeps through the
+/// first lock.
 #[derive(Debug, Default)]
 pub struct StartLocks {
     locks: Mutex<BTreeMap<u32, Arc<tokio::sync::RwLock<()>>>>,
+    sleeps: Mutex<BTreeMap<u32, Arc<tokio::sync::RwLock<()>>>>,
 }
 
 /// A start's hold on its GPUs (see [`StartLocks::acquire`]).
@@ -290,16 +301,65 @@ pub type StartGuards = Vec<OwnedRwLockWriteGuard<()>>;
 /// A sleep's hold on its GPUs: no start there meanwhile.
 pub type FreeGuards = Vec<OwnedRwLockReadGuard<()>>;
 
+/// A sleep's hold on its GPUs: no wake there meanwhile.
+pub type SleepGuards = Vec<OwnedRwLockWriteGuard<()>>;
+
+/// A wake's hold on its GPUs: no sleep there meanwhile.
+pub type WakeGuards = Vec<OwnedRwLockReadGuard<()>>;
+
+/// The locks of `gpus` in `map`, in index order (taken in that order: no
+/// deadlock).
+fn locks_of(
+    map: &Mutex<BTreeMap<u32, Arc<tokio::sync::RwLock<()>>>>,
+    gpus: &[u32],
+) -> Vec<Arc<tokio::sync::RwLock<()>>> {
+    let mut sorted = gpus.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut map = map.lock().unwrap();
+    sorted
+        .iter()
+        .map(|g| map.entry(*g).or_default().clone())
+        .collect()
+}
+
 impl StartLocks {
     fn of(&self, gpus: &[u32]) -> Vec<Arc<tokio::sync::RwLock<()>>> {
-        let mut sorted = gpus.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        let mut map = self.locks.lock().unwrap();
-        sorted
-            .iter()
-            .map(|g| map.entry(*g).or_default().clone())
+        locks_of(&self.locks, gpus)
+    }
+
+    /// A sleep's hold on `gpus` if no wake is under way there (None: one is).
+    pub fn try_sleep(&self, gpus: &[u32]) -> Option<SleepGuards> {
+        locks_of(&self.sleeps, gpus)
+            .into_iter()
+            .map(|l| l.try_write_owned().ok())
             .collect()
+    }
+
+    /// [`Self::try_sleep`], waiting.
+    pub async fn sleep(&self, gpus: &[u32]) -> SleepGuards {
+        let mut guards = Vec::new();
+        for l in locks_of(&self.sleeps, gpus) {
+            guards.push(l.write_owned().await);
+        }
+        guards
+    }
+
+    /// A wake's hold on `gpus` if no sleep is under way there (None: one is).
+    pub fn try_wake(&self, gpus: &[u32]) -> Option<WakeGuards> {
+        locks_of(&self.sleeps, gpus)
+            .into_iter()
+            .map(|l| l.try_read_owned().ok())
+            .collect()
+    }
+
+    /// [`Self::try_wake`], waiting.
+    pub async fn wake(&self, gpus: &[u32]) -> WakeGuards {
+        let mut guards = Vec::new();
+        for l in locks_of(&self.sleeps, gpus) {
+            guards.push(l.read_owned().await);
+        }
+        guards
     }
 
     /// Takes the locks of `gpus` in index order (no deadlock), for a start.

@@ -529,3 +529,66 @@ async fn the_probe_at_start_without_cuda_neither_fails_nor_hangs_start_up() {
         assert_eq!(gpus.p2p.len(), 2, "{gpus:#?}");
     }
 }
+
+/// vLLM fails a sleep whose GPU's memory use grows while it frees ("Memory
+/// usage increased after sleeping", a 500; seen on an H200 when a
+/// neighbour woke during a level-2 sleep, and siesta then killed and
+/// restarted the sleeping engine). fake-vllm does too, on its simulated
+/// GPU. Here `b` goes to sleep (3 s) while `a`, which needs more than `b`
+/// frees, is woken beside it: the wake waits for the sleep (or the other
+/// way round), and both succeed, `b` never failed.
+#[tokio::test]
+async fn a_sleep_and_a_neighbours_wake_on_one_gpu_take_turns() {
+    let sim = r#"env = { SIESTA_TEST_TAG = "@DIR@", FAKE_VLLM_GPU_TOTAL_BYTES = "85899345920", FAKE_VLLM_GPU_DIR = "@DIR@/simgpu" }"#;
+    let model = |name: &str, share: &str, args: &str| {
+        gpu_model(name, &format!("gpus = 1\ngpu_memory = {share}"))
+            .replace(r#"env = { SIESTA_TEST_TAG = "@DIR@" }"#, sim)
+            .replace(r#"args = ["--tokens-per-second", "20"]"#, args)
+    };
+    let models = format!(
+        "{}{}",
+        model(
+            "a",
+            "0.5",
+            r#"args = ["--asleep-residual-mib", "1024", "--wake-time", "1s"]"#
+        ),
+        model(
+            "b",
+            "0.3",
+            r#"args = ["--asleep-residual-mib", "1024", "--sleep-time", "3s"]"#
+        )
+    );
+    let ctl = start(&gpu_config("@DIR@/state", 1, &models)).await;
+    let mut c = ctl.client().await;
+    if !gpus_from_config(&mut c).await {
+        return;
+    }
+    wake_awake(&mut c, "a").await;
+    let sleep = |name: &str| pb::SleepRequest {
+        name: name.into(),
+        level: 1,
+    };
+    c.sleep(sleep("a")).await.unwrap();
+    wait_state(&mut c, "a", pb::ModelState::Asleep, LONG).await;
+    wake_awake(&mut c, "b").await;
+    // b frees 23 GiB over 3 s; a's wake takes 39 GiB meanwhile.
+    c.sleep(sleep("b")).await.unwrap();
+    wait_state(&mut c, "b", pb::ModelState::Sleeping, LONG).await;
+    let r = wake(&mut c, "a", true).await;
+    assert_eq!(
+        state(&r.model.unwrap()),
+        pb::ModelState::Awake,
+        "{}",
+        r.message
+    );
+    let b = wait_status(&mut c, "b", "asleep or failed", LONG, |s| {
+        matches!(state(s), pb::ModelState::Asleep | pb::ModelState::Failed)
+    })
+    .await;
+    assert_eq!(
+        (state(&b), b.failures, b.restarts),
+        (pb::ModelState::Asleep, 0, 1),
+        "b's sleep failed: {}",
+        b.last_error
+    );
+}

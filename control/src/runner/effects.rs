@@ -158,9 +158,12 @@ impl Runner {
                     // Not while an engine starts on its GPUs: freed memory
                     // would fail its start (see `StartLocks`).
                     let guards = hold_off_starts(&shared, &name, "sleep", &gpus, &tx).await;
+                    // Nor while a neighbour wakes there: its allocation
+                    // would fail this sleep.
+                    let quiet = hold_off_wakes(&shared, &name, &gpus, &tx).await;
                     send(Event::FreeBegan { epoch });
                     let slept = client.sleep(level, timeout).await;
-                    drop(guards);
+                    drop((guards, quiet));
                     send(match slept {
                         Ok(()) => Event::SleepDone { epoch },
                         Err(error) => Event::SleepFailed { epoch, error },
@@ -173,6 +176,7 @@ impl Runner {
                 let timeout = self.cfg.timeouts.wake + CALL_SLACK;
                 let (shared, name, tx) =
                     (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
+                let gpus = self.placed.gpus.clone();
                 self.op(async move {
                     if step == 0 {
                         let waiting_tx = tx.clone();
@@ -189,7 +193,12 @@ impl Runner {
                             tracing::info!(model = %name, running, "waited for a draining sleep to finish before waking");
                         }
                     }
-                    send(match client.wake(call, timeout).await {
+                    // Not while a neighbour sleeps on its GPUs: this
+                    // wake's allocation would fail that sleep.
+                    let guards = hold_off_sleeps(&shared, &name, &gpus, &tx).await;
+                    let woken = client.wake(call, timeout).await;
+                    drop(guards);
+                    send(match woken {
                         Ok(()) => Event::WakeStepDone { epoch, step },
                         Err(error) => Event::WakeFailed { epoch, error },
                     });
@@ -503,12 +512,73 @@ pub(super) async fn hold_off_starts(
          profiles): the {what} waits for it",
         on.join(", ")
     );
-    tracing::info!(model = %model, gpus = ?gpus, "{what} waits for an engine starting on its GPUs");
+    let why = "an engine starting on its GPUs";
+    wait_turn(model, what, why, waiting, shared.locks.free(gpus), tx).await
+}
+
+/// Holds off wakes on `gpus` while `model` sleeps there, waiting (saying
+/// so) for those under way, at most [`crate::reconciler::ROOM_WAIT`]: vLLM
+/// fails a sleep whose GPU's memory use grows meanwhile ("Memory usage
+/// increased after sleeping"; see `StartLocks`).
+pub(super) async fn hold_off_wakes(
+    shared: &super::Shared,
+    model: &str,
+    gpus: &[u32],
+    tx: &mpsc::UnboundedSender<Msg>,
+) -> crate::supervisor::SleepGuards {
+    if let Some(g) = shared.locks.try_sleep(gpus) {
+        return g;
+    }
+    let on: Vec<String> = gpus.iter().map(u32::to_string).collect();
+    let waiting = format!(
+        "a neighbour waking on GPU {} (vLLM fails a sleep whose GPU's memory use grows \
+         meanwhile): the sleep waits for it",
+        on.join(", ")
+    );
+    let why = "a neighbour waking on its GPUs";
+    wait_turn(model, "sleep", why, waiting, shared.locks.sleep(gpus), tx).await
+}
+
+/// Holds off sleeps on `gpus` while `model`'s wake allocates there,
+/// waiting (saying so) for those under way, at most
+/// [`crate::reconciler::ROOM_WAIT`].
+pub(super) async fn hold_off_sleeps(
+    shared: &super::Shared,
+    model: &str,
+    gpus: &[u32],
+    tx: &mpsc::UnboundedSender<Msg>,
+) -> crate::supervisor::WakeGuards {
+    if let Some(g) = shared.locks.try_wake(gpus) {
+        return g;
+    }
+    let on: Vec<String> = gpus.iter().map(u32::to_string).collect();
+    let waiting = format!(
+        "a neighbour going to sleep on GPU {} (vLLM fails a sleep whose GPU's memory use \
+         grows meanwhile): the wake waits for it",
+        on.join(", ")
+    );
+    let why = "a neighbour going to sleep on its GPUs";
+    wait_turn(model, "wake", why, waiting, shared.locks.wake(gpus), tx).await
+}
+
+/// Waits for `take` (saying `waiting` in the model's status meanwhile), at
+/// most [`crate::reconciler::ROOM_WAIT`]: after that `what` goes on
+/// without (what it waits for is stuck, and the model's own deadline would
+/// run out).
+async fn wait_turn<G>(
+    model: &str,
+    what: &str,
+    why: &str,
+    waiting: String,
+    take: impl std::future::Future<Output = Vec<G>>,
+    tx: &mpsc::UnboundedSender<Msg>,
+) -> Vec<G> {
+    tracing::info!(model = %model, "{what} waits for {why}");
     let _ = tx.send(Msg::WaitingFor(Some(waiting)));
-    let held = tokio::time::timeout(crate::reconciler::ROOM_WAIT, shared.locks.free(gpus)).await;
+    let held = tokio::time::timeout(crate::reconciler::ROOM_WAIT, take).await;
     let _ = tx.send(Msg::WaitingFor(None));
     held.unwrap_or_else(|_| {
-        tracing::warn!(model = %model, "an engine has been starting on its GPUs for {:?}: the {what} goes on anyway", crate::reconciler::ROOM_WAIT);
+        tracing::warn!(model = %model, "{why} for {:?}: the {what} goes on anyway", crate::reconciler::ROOM_WAIT);
         Vec::new()
     })
 }

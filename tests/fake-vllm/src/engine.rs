@@ -86,6 +86,11 @@ pub enum EngineError {
     /// `--enable-sleep-mode` was not given.
     #[error("Sleep mode is not enabled in the model config")]
     SleepDisabled,
+    /// The GPU's free memory shrank while the engine slept (another process allocated more
+    /// than it freed): the worker's `assert freed_bytes >= 0` fails after its memory was
+    /// freed (seen on vLLM 0.24, H200, a neighbour waking during a level-2 sleep).
+    #[error("Call to sleep method failed: Memory usage increased after sleeping.")]
+    SleepMemoryGrew,
     /// The memory backend failed.
     #[error(transparent)]
     Memory(#[from] MemoryError),
@@ -358,6 +363,9 @@ impl Engine {
         } else if already {
             tracing::warn!(level, ?mode, "Executor is already sleeping.");
         } else {
+            // The worker reads the GPU's free memory before and after (`mem_get_info`).
+            let others_before = self.gpu_others()?;
+            let own_before = self.gpu_bytes.load(Ordering::SeqCst);
             tokio::time::sleep(self.args.sim.sleep_time).await;
             if self.args.enable_sleep_mode {
                 let lv = if level == 1 { Level::One } else { Level::Two };
@@ -367,6 +375,22 @@ impl Engine {
             st.kv_asleep = true;
             self.set_gpu_usage(self.gpu_usage(st), false)?;
             self.sleeps.fetch_add(1, Ordering::SeqCst);
+            let freed = own_before.saturating_sub(self.gpu_bytes.load(Ordering::SeqCst));
+            let grew = self
+                .gpu_others()?
+                .iter()
+                .zip(&others_before)
+                .any(|(now, was)| *now > was + freed);
+            if grew {
+                // Freed, but the engine core never records the sleep.
+                *self.sleep.lock().unwrap() = SleepState {
+                    level: before.level,
+                    recorded_asleep: before.recorded_asleep,
+                    ..st
+                };
+                tracing::error!("AssertionError: Memory usage increased after sleeping.");
+                return Err(EngineError::SleepMemoryGrew);
+            }
         }
         // `AsyncLLM.sleep` records the level once the engine core answered.
         st.level = level;
