@@ -268,6 +268,25 @@ async fn the_stop_bound_follows_the_stop_grace_through_reloads() {
     cancel.cancel();
 }
 
+/// `big`, stopped, woken with `wake --wait` (the waiting call), its engine
+/// spawned (it never becomes ready).
+async fn waited_wake(
+    dir: &std::path::Path,
+) -> (
+    Arc<Models>,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(ModelStatus, String), OpError>>,
+) {
+    let (models, cancel) = boot(&sleeper("big", "none", "", "1s"), shared(dir));
+    let models = Arc::new(models);
+    let waiting = tokio::spawn({
+        let models = models.clone();
+        async move { models.wake("big", true, None).await }
+    });
+    wait_status(&models, "big", "a pid", |s| s.pid.is_some()).await;
+    (models, cancel, waiting)
+}
+
 /// `wake --wait` ends when the wake is called off (an operator's stop, or
 /// a wake that found no room gives up, which sets the intent back): it
 /// does not wait out the whole start and wake time for a wake no longer
@@ -275,13 +294,7 @@ async fn the_stop_bound_follows_the_stop_grace_through_reloads() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waited_wake_ends_when_the_wake_is_called_off() {
     let dir = tempfile::tempdir().unwrap();
-    let (models, cancel) = boot(&sleeper("big", "none", "", "1s"), shared(dir.path()));
-    let models = Arc::new(models);
-    let waiting = tokio::spawn({
-        let models = models.clone();
-        async move { models.wake("big", true, None).await }
-    });
-    wait_status(&models, "big", "a pid", |s| s.pid.is_some()).await;
+    let (models, cancel, waiting) = waited_wake(dir.path()).await;
     models.command("big", Command::Stop).await.unwrap();
     let (s, msg) = tokio::time::timeout(Duration::from_secs(20), waiting)
         .await
@@ -425,13 +438,7 @@ fn a_deeper_sleep_says_it_wakes_the_model_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waited_wake_cut_short_by_shutdown_says_so() {
     let dir = tempfile::tempdir().unwrap();
-    let (models, cancel) = boot(&sleeper("big", "none", "", "1s"), shared(dir.path()));
-    let models = Arc::new(models);
-    let waiting = tokio::spawn({
-        let models = models.clone();
-        async move { models.wake("big", true, None).await }
-    });
-    wait_status(&models, "big", "a pid", |s| s.pid.is_some()).await;
+    let (models, cancel, waiting) = waited_wake(dir.path()).await;
     cancel.cancel();
     let r = tokio::time::timeout(Duration::from_secs(20), waiting)
         .await

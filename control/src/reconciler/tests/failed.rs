@@ -284,14 +284,14 @@ fn a_failing_model_nobody_waits_for_is_stopped_by_its_stop_tier() {
     let mut s = Sim::new(Preload::Awake);
     s.boot();
     let spawns = std::cell::Cell::new(0);
-    let crash = |s: &mut Sim| crash(s, &spawns);
+    let crash_once = |s: &mut Sim| crash(s, &spawns);
     // Serving: a request in flight, then the crash.
     s.report(1, 0);
-    crash(&mut s);
+    crash_once(&mut s);
     assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
     for _ in 0..60 {
         s.advance(secs(1));
-        crash(&mut s);
+        crash_once(&mut s);
         if s.m.phase == Phase::Stopped {
             break;
         }
@@ -299,13 +299,18 @@ fn a_failing_model_nobody_waits_for_is_stopped_by_its_stop_tier() {
     assert!(spawns.get() >= 3, "{}", spawns.get());
     assert_eq!(s.m.phase, Phase::Stopped, "{:?}", s.m);
     assert_eq!(s.m.intent.desired, Desired::Stopped);
+    stays_stopped_until_a_request(&mut s, &spawns);
+}
+
+/// Stopped by its stop tier: no retry for ten minutes; the next request
+/// starts it again.
+fn stays_stopped_until_a_request(s: &mut Sim, spawns: &std::cell::Cell<u32>) {
     let before = spawns.get();
     for _ in 0..600 {
         s.advance(secs(1));
-        crash(&mut s);
+        crash(s, spawns);
     }
     assert_eq!(spawns.get(), before, "retried after its stop tier");
-    // The next request starts it again.
     s.ev(Event::Demand);
     assert!(
         matches!(s.m.phase, Phase::Starting { .. }),
@@ -361,16 +366,5 @@ fn a_failing_model_woken_by_requests_is_stopped_once_they_stop_coming() {
         "{:?}",
         s.m
     );
-    let before = spawns.get();
-    for _ in 0..300 {
-        s.advance(secs(1));
-        crash(&mut s, &spawns);
-    }
-    assert_eq!(spawns.get(), before, "retried after its stop tier");
-    s.ev(Event::Demand);
-    assert!(
-        matches!(s.m.phase, Phase::Starting { .. }),
-        "{:?}",
-        s.m.phase
-    );
+    stays_stopped_until_a_request(&mut s, &spawns);
 }
