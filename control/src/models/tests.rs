@@ -438,7 +438,7 @@ fn a_deeper_sleep_says_it_wakes_the_model_first() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waited_wake_cut_short_by_shutdown_says_so() {
     let dir = tempfile::tempdir().unwrap();
-    let (models, cancel, waiting) = waited_wake(dir.path()).await;
+    let (_models, cancel, waiting) = waited_wake(dir.path()).await;
     cancel.cancel();
     let r = tokio::time::timeout(Duration::from_secs(20), waiting)
         .await
