@@ -164,6 +164,7 @@ impl Runner {
         let (shared, name, tx) = (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
         let logs = self.logs.clone();
         let timeout = self.cfg.timeouts.wake;
+        let gpus = self.placed.gpus.clone();
         self.op(async move {
             let waiting_tx = tx.clone();
             let waiting = Box::new(move |w: Option<String>| {
@@ -177,8 +178,14 @@ impl Runner {
                 .map(|r| r.suspended_pids)
                 .filter(|p| !p.is_empty())
                 .unwrap_or_else(|| checkpoint::group_pids(pgid));
+            // A restore allocates as a wake does: not while a neighbour
+            // sleeps on its GPUs (vLLM would fail that sleep).
+            let guards = super::effects::hold_off_sleeps(&shared, &name, &gpus, &tx).await;
             tracing::info!(model = %name, ?pids, "resuming: CUDA restore");
-            match checkpoint::run(&shared.cuda_checkpoint, Op::Resume, &pids, timeout).await {
+            let restored =
+                checkpoint::run(&shared.cuda_checkpoint, Op::Resume, &pids, timeout).await;
+            drop(guards);
+            match restored {
                 Ok(reports) => {
                     logs.push("siesta", times_line("resume", &reports));
                     send(Event::ResumeDone { epoch });
