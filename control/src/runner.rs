@@ -12,7 +12,7 @@ use crate::reconciler::{Desired, Effect, Event, ModelState, Phase, Reason, Setti
 use crate::recovery::Adopted;
 use crate::status::{Clock, Endpoint, EngineFacts, ModelStatus, model_status};
 use crate::store::Store;
-use crate::supervisor::{KILL_WAIT, LogRing, ProcHandle, StartLocks, free_port};
+use crate::supervisor::{GpuLocks, KILL_WAIT, LogRing, ProcHandle, free_port};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 pub struct Shared {
     pub hub: Arc<Hub>,
     pub clock: Clock,
-    pub locks: StartLocks,
+    pub locks: GpuLocks,
     pub store: Arc<Store>,
     pub log_dir: PathBuf,
     pub control_id: String,

@@ -11,7 +11,7 @@ use crate::models::Models;
 use crate::runner::{Shared, StopBound};
 use crate::status::Clock;
 use crate::store::Store;
-use crate::supervisor::StartLocks;
+use crate::supervisor::GpuLocks;
 use crate::{Config, Error};
 use siesta_proto::v1 as pb;
 use std::collections::BTreeMap;
@@ -168,7 +168,7 @@ impl Server {
         let shared = Arc::new(Shared {
             hub: hub.clone(),
             clock,
-            locks: StartLocks::default(),
+            locks: GpuLocks::default(),
             store: store.clone(),
             log_dir: state_dir.join("logs"),
             control_id: config.control.control_id.clone(),

@@ -271,7 +271,7 @@ pub fn spawn(
     })
 }
 
-/// Engines sharing a GPU start one after another: one lock per GPU. A start
+/// Engines sharing a GPU start one after another: one start lock per GPU. A start
 /// holds it (written) from before its spawn until its engine is ready.
 ///
 /// Memory freed on a GPU while an engine starts there fails that start:
@@ -290,12 +290,12 @@ pub fn spawn(
 /// side). Starts allocate too, and already exclude sleeps through the
 /// first lock.
 #[derive(Debug, Default)]
-pub struct StartLocks {
-    locks: Mutex<BTreeMap<u32, Arc<tokio::sync::RwLock<()>>>>,
-    sleeps: Mutex<BTreeMap<u32, Arc<tokio::sync::RwLock<()>>>>,
+pub struct GpuLocks {
+    starts: PerGpu,
+    sleeps: PerGpu,
 }
 
-/// A start's hold on its GPUs (see [`StartLocks::acquire`]).
+/// A start's hold on its GPUs (see [`GpuLocks::acquire`]).
 pub type StartGuards = Vec<OwnedRwLockWriteGuard<()>>;
 
 /// A sleep's hold on its GPUs: no start there meanwhile.
@@ -307,12 +307,12 @@ pub type SleepGuards = Vec<OwnedRwLockWriteGuard<()>>;
 /// A wake's hold on its GPUs: no sleep there meanwhile.
 pub type WakeGuards = Vec<OwnedRwLockReadGuard<()>>;
 
+/// One lock per GPU, made on first use.
+type PerGpu = Mutex<BTreeMap<u32, Arc<tokio::sync::RwLock<()>>>>;
+
 /// The locks of `gpus` in `map`, in index order (taken in that order: no
 /// deadlock).
-fn locks_of(
-    map: &Mutex<BTreeMap<u32, Arc<tokio::sync::RwLock<()>>>>,
-    gpus: &[u32],
-) -> Vec<Arc<tokio::sync::RwLock<()>>> {
+fn locks_of(map: &PerGpu, gpus: &[u32]) -> Vec<Arc<tokio::sync::RwLock<()>>> {
     let mut sorted = gpus.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
@@ -323,9 +323,46 @@ fn locks_of(
         .collect()
 }
 
-impl StartLocks {
-    fn of(&self, gpus: &[u32]) -> Vec<Arc<tokio::sync::RwLock<()>>> {
-        locks_of(&self.locks, gpus)
+async fn write_all(map: &PerGpu, gpus: &[u32]) -> Vec<OwnedRwLockWriteGuard<()>> {
+    let mut guards = Vec::new();
+    for l in locks_of(map, gpus) {
+        guards.push(l.write_owned().await);
+    }
+    guards
+}
+
+async fn read_all(map: &PerGpu, gpus: &[u32]) -> Vec<OwnedRwLockReadGuard<()>> {
+    let mut guards = Vec::new();
+    for l in locks_of(map, gpus) {
+        guards.push(l.read_owned().await);
+    }
+    guards
+}
+
+/// All of them read, if none is written now (None: one is).
+fn try_read_all(map: &PerGpu, gpus: &[u32]) -> Option<Vec<OwnedRwLockReadGuard<()>>> {
+    locks_of(map, gpus)
+        .into_iter()
+        .map(|l| l.try_read_owned().ok())
+        .collect()
+}
+
+impl GpuLocks {
+    /// Takes the start locks of `gpus`, for a start.
+    pub async fn acquire(&self, gpus: &[u32]) -> StartGuards {
+        write_all(&self.starts, gpus).await
+    }
+
+    /// Takes the start locks of `gpus` shared, to free memory there, if no
+    /// start is under way on them. None: one is (the caller may say so,
+    /// then wait with [`Self::free`]).
+    pub fn try_free(&self, gpus: &[u32]) -> Option<FreeGuards> {
+        try_read_all(&self.starts, gpus)
+    }
+
+    /// [`Self::try_free`], waiting.
+    pub async fn free(&self, gpus: &[u32]) -> FreeGuards {
+        read_all(&self.starts, gpus).await
     }
 
     /// A sleep's hold on `gpus` if no wake is under way there (None: one is).
@@ -338,56 +375,17 @@ impl StartLocks {
 
     /// [`Self::try_sleep`], waiting.
     pub async fn sleep(&self, gpus: &[u32]) -> SleepGuards {
-        let mut guards = Vec::new();
-        for l in locks_of(&self.sleeps, gpus) {
-            guards.push(l.write_owned().await);
-        }
-        guards
+        write_all(&self.sleeps, gpus).await
     }
 
     /// A wake's hold on `gpus` if no sleep is under way there (None: one is).
     pub fn try_wake(&self, gpus: &[u32]) -> Option<WakeGuards> {
-        locks_of(&self.sleeps, gpus)
-            .into_iter()
-            .map(|l| l.try_read_owned().ok())
-            .collect()
+        try_read_all(&self.sleeps, gpus)
     }
 
     /// [`Self::try_wake`], waiting.
     pub async fn wake(&self, gpus: &[u32]) -> WakeGuards {
-        let mut guards = Vec::new();
-        for l in locks_of(&self.sleeps, gpus) {
-            guards.push(l.read_owned().await);
-        }
-        guards
-    }
-
-    /// Takes the locks of `gpus` in index order (no deadlock), for a start.
-    pub async fn acquire(&self, gpus: &[u32]) -> StartGuards {
-        let mut guards = Vec::new();
-        for l in self.of(gpus) {
-            guards.push(l.write_owned().await);
-        }
-        guards
-    }
-
-    /// Takes the locks of `gpus` shared, in index order, to free memory
-    /// there, if no start is under way on them. None: one is (the caller
-    /// may say so, then wait with [`Self::free`]).
-    pub fn try_free(&self, gpus: &[u32]) -> Option<FreeGuards> {
-        self.of(gpus)
-            .into_iter()
-            .map(|l| l.try_read_owned().ok())
-            .collect()
-    }
-
-    /// [`Self::try_free`], waiting.
-    pub async fn free(&self, gpus: &[u32]) -> FreeGuards {
-        let mut guards = Vec::new();
-        for l in self.of(gpus) {
-            guards.push(l.read_owned().await);
-        }
-        guards
+        read_all(&self.sleeps, gpus).await
     }
 }
 
@@ -604,7 +602,7 @@ mod tests {
 
     #[tokio::test]
     async fn start_locks_serialise_per_gpu() {
-        let locks = Arc::new(StartLocks::default());
+        let locks = Arc::new(GpuLocks::default());
         let g = locks.acquire(&[0, 1]).await;
         let l2 = locks.clone();
         let waiter = tokio::spawn(async move { l2.acquire(&[1]).await.len() });
@@ -620,7 +618,7 @@ mod tests {
     /// waits for the frees under way.
     #[tokio::test]
     async fn frees_wait_for_starts_and_starts_for_frees() {
-        let locks = Arc::new(StartLocks::default());
+        let locks = Arc::new(GpuLocks::default());
         let a = locks.try_free(&[0]).expect("no start");
         let b = locks.try_free(&[0, 1]).expect("no start");
         let l2 = locks.clone();
@@ -644,7 +642,7 @@ mod tests {
     /// the spawn task took the locks.
     #[tokio::test]
     async fn a_start_hold_ends_at_once_when_released() {
-        let locks = StartLocks::default();
+        let locks = GpuLocks::default();
         let hold = StartHold::default();
         hold.keep(locks.acquire(&[0]).await);
         assert!(locks.try_free(&[0]).is_none(), "held");
@@ -657,5 +655,23 @@ mod tests {
             locks.try_free(&[0]).is_some(),
             "released before it was kept"
         );
+    }
+
+    /// Wakes on a GPU go side by side; a sleep there waits for them and
+    /// they for it; other GPUs and starts are not concerned.
+    #[tokio::test]
+    async fn a_sleep_and_wakes_on_one_gpu_take_turns() {
+        let locks = GpuLocks::default();
+        let wakes = (locks.wake(&[0]).await, locks.try_wake(&[0, 1]));
+        assert!(wakes.1.is_some(), "wakes share");
+        assert!(locks.try_sleep(&[0]).is_none(), "a sleep waits for wakes");
+        assert!(locks.try_sleep(&[2]).is_some(), "other GPUs are free");
+        assert!(locks.try_free(&[0]).is_some(), "the start lock is another");
+        drop(wakes);
+        let sleep = locks.sleep(&[1, 0]).await;
+        assert!(locks.try_wake(&[1]).is_none(), "a wake waits for the sleep");
+        assert!(locks.try_sleep(&[0]).is_none(), "sleeps take turns");
+        drop(sleep);
+        assert!(locks.try_wake(&[0, 1]).is_some());
     }
 }

@@ -164,6 +164,38 @@ async fn wait_uvicorn(child: &mut Child) -> SocketAddr {
     }
 }
 
+/// Checks what vLLM answers two requests in flight when its engine core
+/// dies (directly, or through siesta): `plain` (not streamed) a 500
+/// `EngineDeadError`, `streamed` an error event and then `data: [DONE]`,
+/// both whole (not cut off).
+pub async fn assert_engine_dead_answers(
+    plain: tokio::task::JoinHandle<reqwest::Result<reqwest::Response>>,
+    streamed: reqwest::Response,
+) {
+    let plain = tokio::time::timeout(DEADLINE, plain)
+        .await
+        .expect("the request in flight was not answered")
+        .unwrap()
+        .expect("the request in flight was cut off");
+    assert_eq!(plain.status(), 500);
+    let body: serde_json::Value = plain.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "EngineDeadError", "{body}");
+    let text = tokio::time::timeout(DEADLINE, streamed.text())
+        .await
+        .expect("the stream did not end")
+        .expect("the stream was cut off instead of ending with an error event");
+    let events: Vec<&str> = text
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .collect();
+    assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
+    let error = events[events.len().saturating_sub(2)];
+    assert!(
+        error.starts_with("data: {\"error\"") && error.contains("EngineDeadError"),
+        "{error}"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -28,8 +28,8 @@ pub use browser::{Browser, chromium_path};
 pub use child::{Child, Output};
 pub use control::{ControlProc, spawn_control, spawn_control_with};
 pub use fake::{
-    FakeVllm, fake_vllm_cmd, parse_uvicorn_line, spawn_fake_vllm, spawn_fake_vllm_argv,
-    spawn_fake_vllm_env, spawn_fake_vllm_nowait,
+    FakeVllm, assert_engine_dead_answers, fake_vllm_cmd, parse_uvicorn_line, spawn_fake_vllm,
+    spawn_fake_vllm_argv, spawn_fake_vllm_env, spawn_fake_vllm_nowait,
 };
 pub use procfs::{
     ProcStat, alive, any_alive, descendants, group_members, pids_with_env, proc_stat,

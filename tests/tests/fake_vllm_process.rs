@@ -130,25 +130,7 @@ async fn requests_in_flight_when_the_engine_core_dies_get_engine_dead_errors() {
     .await;
     let core = fv.engine_core_pid().await;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(core), Signal::SIGKILL).unwrap();
-    let plain = tokio::time::timeout(DEADLINE, plain)
-        .await
-        .expect("the request in flight was not answered")
-        .unwrap()
-        .unwrap();
-    assert_eq!(plain.status(), 500);
-    let body: serde_json::Value = plain.json().await.unwrap();
-    assert_eq!(body["error"]["type"], "EngineDeadError", "{body}");
-    let text = tokio::time::timeout(DEADLINE, streamed.text())
-        .await
-        .expect("the stream did not end")
-        .expect("the stream was cut off instead of ending with an error event");
-    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
-    assert_eq!(events.last(), Some(&"data: [DONE]"), "{text}");
-    let error = events[events.len() - 2];
-    assert!(
-        error.starts_with("data: {\"error\"") && error.contains("EngineDeadError"),
-        "{error}"
-    );
+    siesta_tests::assert_engine_dead_answers(plain, streamed).await;
 }
 
 async fn http_get(stream: &mut TcpStream, path: &str) -> String {

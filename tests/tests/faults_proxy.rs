@@ -271,20 +271,7 @@ async fn an_engine_core_dying_under_requests_in_flight_answers_them_and_is_resta
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
-    let plain = tokio::time::timeout(DEADLINE, plain)
-        .await
-        .expect("the request in flight was not answered")
-        .unwrap()
-        .unwrap();
-    assert_eq!(plain.status(), 500);
-    let v: Value = plain.json().await.unwrap();
-    assert_eq!(v["error"]["type"], "EngineDeadError", "{v}");
-    let text = tokio::time::timeout(DEADLINE, streamed.text())
-        .await
-        .expect("the stream did not end")
-        .expect("the stream was cut off, not ended");
-    assert!(text.contains("EngineDeadError"), "{text}");
-    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    siesta_tests::assert_engine_dead_answers(plain, streamed).await;
     wait_status(&mut c, "chat", "nothing counted in flight", LONG, |s| {
         s.in_flight == 0
     })

@@ -265,22 +265,30 @@ async fn free_b_while_a_starts(c: &mut siesta_tests::ctl::Client, how: Free) -> 
     .await
 }
 
-/// a (starting in 4 s) and b (keeping 1 GiB asleep) on one simulated GPU.
-async fn neighbours() -> Option<(Ctl, siesta_tests::ctl::Client)> {
+/// A model of `share` of one GPU on fake-vllm's simulated 80 GiB GPU (its
+/// engines see each other's memory), with `args` (a TOML `args = [...]`).
+fn sim_model(name: &str, share: &str, args: &str) -> String {
     let sim = r#"env = { SIESTA_TEST_TAG = "@DIR@", FAKE_VLLM_GPU_TOTAL_BYTES = "85899345920", FAKE_VLLM_GPU_DIR = "@DIR@/simgpu" }"#;
-    let model = |name: &str, args: &str| {
-        gpu_model(name, "gpus = 1\ngpu_memory = 0.4")
-            .replace(r#"env = { SIESTA_TEST_TAG = "@DIR@" }"#, sim)
-            .replace(r#"args = ["--tokens-per-second", "20"]"#, args)
-    };
-    let models = format!(
-        "{}{}",
-        model("a", r#"args = ["--startup-time", "4s"]"#),
-        model("b", r#"args = ["--asleep-residual-mib", "1024"]"#)
-    );
-    let ctl = start(&gpu_config("@DIR@/state", 1, &models)).await;
+    gpu_model(name, &format!("gpus = 1\ngpu_memory = {share}"))
+        .replace(r#"env = { SIESTA_TEST_TAG = "@DIR@" }"#, sim)
+        .replace(r#"args = ["--tokens-per-second", "20"]"#, args)
+}
+
+/// `models` on one GPU; None where NVML shows the real inventory.
+async fn on_one_gpu(models: &str) -> Option<(Ctl, siesta_tests::ctl::Client)> {
+    let ctl = start(&gpu_config("@DIR@/state", 1, models)).await;
     let mut c = ctl.client().await;
     gpus_from_config(&mut c).await.then_some((ctl, c))
+}
+
+/// a (starting in 4 s) and b (keeping 1 GiB asleep) on one simulated GPU.
+async fn neighbours() -> Option<(Ctl, siesta_tests::ctl::Client)> {
+    on_one_gpu(&format!(
+        "{}{}",
+        sim_model("a", "0.4", r#"args = ["--startup-time", "4s"]"#),
+        sim_model("b", "0.4", r#"args = ["--asleep-residual-mib", "1024"]"#)
+    ))
+    .await
 }
 
 /// For the next round: a stopped, b awake.
@@ -539,30 +547,23 @@ async fn the_probe_at_start_without_cuda_neither_fails_nor_hangs_start_up() {
 /// way round), and both succeed, `b` never failed.
 #[tokio::test]
 async fn a_sleep_and_a_neighbours_wake_on_one_gpu_take_turns() {
-    let sim = r#"env = { SIESTA_TEST_TAG = "@DIR@", FAKE_VLLM_GPU_TOTAL_BYTES = "85899345920", FAKE_VLLM_GPU_DIR = "@DIR@/simgpu" }"#;
-    let model = |name: &str, share: &str, args: &str| {
-        gpu_model(name, &format!("gpus = 1\ngpu_memory = {share}"))
-            .replace(r#"env = { SIESTA_TEST_TAG = "@DIR@" }"#, sim)
-            .replace(r#"args = ["--tokens-per-second", "20"]"#, args)
-    };
-    let models = format!(
+    let Some((_ctl, mut c)) = on_one_gpu(&format!(
         "{}{}",
-        model(
+        sim_model(
             "a",
             "0.5",
             r#"args = ["--asleep-residual-mib", "1024", "--wake-time", "1s"]"#
         ),
-        model(
+        sim_model(
             "b",
             "0.3",
             r#"args = ["--asleep-residual-mib", "1024", "--sleep-time", "3s"]"#
         )
-    );
-    let ctl = start(&gpu_config("@DIR@/state", 1, &models)).await;
-    let mut c = ctl.client().await;
-    if !gpus_from_config(&mut c).await {
+    ))
+    .await
+    else {
         return;
-    }
+    };
     wake_awake(&mut c, "a").await;
     let sleep = |name: &str| pb::SleepRequest {
         name: name.into(),

@@ -346,8 +346,9 @@ async fn a_reload_with_an_unbindable_host_is_refused_before_anything_stops() {
 async fn commands_during_a_reloads_drain_are_refused_and_the_intent_is_kept() {
     let dir = tempfile::tempdir().unwrap();
     let shared = shared(dir.path());
-    // An engine that ignores SIGTERM: its drain lasts the stop grace.
-    let text = sleeper("chat", "none", "", "3s").replace("exec sleep", "trap '' TERM; exec sleep");
+    // An engine that ignores SIGTERM: its drain lasts the stop grace (10 s,
+    // far more than the commands below take on a loaded machine).
+    let text = sleeper("chat", "none", "", "10s").replace("exec sleep", "trap '' TERM; exec sleep");
     let (models, cancel) = boot(&text, shared.clone());
     let models = Arc::new(models);
     models.command("chat", Command::Wake).await.unwrap();

@@ -156,7 +156,7 @@ impl Runner {
                 let gpus = self.placed.gpus.clone();
                 self.op(async move {
                     // Not while an engine starts on its GPUs: freed memory
-                    // would fail its start (see `StartLocks`).
+                    // would fail its start (see `GpuLocks`).
                     let guards = hold_off_starts(&shared, &name, "sleep", &gpus, &tx).await;
                     // Nor while a neighbour wakes there: its allocation
                     // would fail this sleep.
@@ -492,10 +492,8 @@ pub(super) async fn hand_over_admission(tx: &mpsc::UnboundedSender<Msg>, epoch: 
 }
 
 /// Holds off starts on `gpus` while `model` frees memory there (`what`:
-/// its sleep, stop or suspend), waiting
-/// (saying so) for those under way, at most [`crate::reconciler::ROOM_WAIT`]:
-/// after that it goes on without (a start that long is stuck, and the
-/// model's own deadline would run out).
+/// its sleep, stop or suspend): vLLM fails a start whose GPU frees memory
+/// while it profiles (see `GpuLocks`).
 pub(super) async fn hold_off_starts(
     shared: &super::Shared,
     model: &str,
@@ -503,82 +501,92 @@ pub(super) async fn hold_off_starts(
     gpus: &[u32],
     tx: &mpsc::UnboundedSender<Msg>,
 ) -> crate::supervisor::FreeGuards {
-    if let Some(g) = shared.locks.try_free(gpus) {
-        return g;
-    }
-    let on: Vec<String> = gpus.iter().map(u32::to_string).collect();
-    let waiting = format!(
-        "an engine starting on GPU {} (vLLM fails a start whose GPU frees memory while it \
-         profiles): the {what} waits for it",
-        on.join(", ")
-    );
-    let why = "an engine starting on its GPUs";
-    wait_turn(model, what, why, waiting, shared.locks.free(gpus), tx).await
+    let turn = Turn {
+        what,
+        of: "an engine starting",
+        because: "vLLM fails a start whose GPU frees memory while it profiles",
+    };
+    let locks = &shared.locks;
+    turn.wait(model, gpus, locks.try_free(gpus), locks.free(gpus), tx)
+        .await
 }
 
-/// Holds off wakes on `gpus` while `model` sleeps there, waiting (saying
-/// so) for those under way, at most [`crate::reconciler::ROOM_WAIT`]: vLLM
-/// fails a sleep whose GPU's memory use grows meanwhile ("Memory usage
-/// increased after sleeping"; see `StartLocks`).
+/// Holds off wakes on `gpus` while `model` sleeps there: vLLM fails a sleep
+/// whose GPU's memory use grows meanwhile ("Memory usage increased after
+/// sleeping"; see `GpuLocks`).
 pub(super) async fn hold_off_wakes(
     shared: &super::Shared,
     model: &str,
     gpus: &[u32],
     tx: &mpsc::UnboundedSender<Msg>,
 ) -> crate::supervisor::SleepGuards {
-    if let Some(g) = shared.locks.try_sleep(gpus) {
-        return g;
-    }
-    let on: Vec<String> = gpus.iter().map(u32::to_string).collect();
-    let waiting = format!(
-        "a neighbour waking on GPU {} (vLLM fails a sleep whose GPU's memory use grows \
-         meanwhile): the sleep waits for it",
-        on.join(", ")
-    );
-    let why = "a neighbour waking on its GPUs";
-    wait_turn(model, "sleep", why, waiting, shared.locks.sleep(gpus), tx).await
+    let turn = Turn {
+        what: "sleep",
+        of: "a neighbour waking",
+        because: SLEEP_FAILS,
+    };
+    let locks = &shared.locks;
+    turn.wait(model, gpus, locks.try_sleep(gpus), locks.sleep(gpus), tx)
+        .await
 }
 
-/// Holds off sleeps on `gpus` while `model`'s wake allocates there,
-/// waiting (saying so) for those under way, at most
-/// [`crate::reconciler::ROOM_WAIT`].
+/// Holds off sleeps on `gpus` while `model`'s wake (or CUDA restore)
+/// allocates there.
 pub(super) async fn hold_off_sleeps(
     shared: &super::Shared,
     model: &str,
     gpus: &[u32],
     tx: &mpsc::UnboundedSender<Msg>,
 ) -> crate::supervisor::WakeGuards {
-    if let Some(g) = shared.locks.try_wake(gpus) {
-        return g;
-    }
-    let on: Vec<String> = gpus.iter().map(u32::to_string).collect();
-    let waiting = format!(
-        "a neighbour going to sleep on GPU {} (vLLM fails a sleep whose GPU's memory use \
-         grows meanwhile): the wake waits for it",
-        on.join(", ")
-    );
-    let why = "a neighbour going to sleep on its GPUs";
-    wait_turn(model, "wake", why, waiting, shared.locks.wake(gpus), tx).await
+    let turn = Turn {
+        what: "wake",
+        of: "a neighbour going to sleep",
+        because: SLEEP_FAILS,
+    };
+    let locks = &shared.locks;
+    turn.wait(model, gpus, locks.try_wake(gpus), locks.wake(gpus), tx)
+        .await
 }
 
-/// Waits for `take` (saying `waiting` in the model's status meanwhile), at
-/// most [`crate::reconciler::ROOM_WAIT`]: after that `what` goes on
-/// without (what it waits for is stuck, and the model's own deadline would
-/// run out).
-async fn wait_turn<G>(
-    model: &str,
-    what: &str,
-    why: &str,
-    waiting: String,
-    take: impl std::future::Future<Output = Vec<G>>,
-    tx: &mpsc::UnboundedSender<Msg>,
-) -> Vec<G> {
-    tracing::info!(model = %model, "{what} waits for {why}");
-    let _ = tx.send(Msg::WaitingFor(Some(waiting)));
-    let held = tokio::time::timeout(crate::reconciler::ROOM_WAIT, take).await;
-    let _ = tx.send(Msg::WaitingFor(None));
-    held.unwrap_or_else(|_| {
-        tracing::warn!(model = %model, "{why} for {:?}: the {what} goes on anyway", crate::reconciler::ROOM_WAIT);
-        Vec::new()
-    })
+const SLEEP_FAILS: &str = "vLLM fails a sleep whose GPU's memory use grows meanwhile";
+
+/// `what` a model does on its GPUs waits for `of` there, `because`.
+struct Turn<'a> {
+    what: &'a str,
+    of: &'a str,
+    because: &'a str,
+}
+
+impl Turn<'_> {
+    /// The guards `now` holds, else those `take` waits for (the model's
+    /// status says what for meanwhile), at most
+    /// [`crate::reconciler::ROOM_WAIT`]: after that it goes on without
+    /// (what it waits for is stuck, and the model's own deadline would
+    /// run out).
+    async fn wait<G>(
+        &self,
+        model: &str,
+        gpus: &[u32],
+        now: Option<Vec<G>>,
+        take: impl std::future::Future<Output = Vec<G>>,
+        tx: &mpsc::UnboundedSender<Msg>,
+    ) -> Vec<G> {
+        if let Some(g) = now {
+            return g;
+        }
+        let Turn { what, of, because } = self;
+        let on: Vec<String> = gpus.iter().map(u32::to_string).collect();
+        let waiting = format!(
+            "{of} on GPU {} ({because}): the {what} waits for it",
+            on.join(", ")
+        );
+        tracing::info!(model = %model, gpus = ?gpus, "{what} waits for {of} on its GPUs");
+        let _ = tx.send(Msg::WaitingFor(Some(waiting)));
+        let held = tokio::time::timeout(crate::reconciler::ROOM_WAIT, take).await;
+        let _ = tx.send(Msg::WaitingFor(None));
+        held.unwrap_or_else(|_| {
+            tracing::warn!(model = %model, "{of} on its GPUs for {:?}: the {what} goes on anyway", crate::reconciler::ROOM_WAIT);
+            Vec::new()
+        })
+    }
 }

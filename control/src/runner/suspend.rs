@@ -91,7 +91,7 @@ impl Runner {
                 return;
             }
             // Not while an engine starts on its GPUs: the memory the
-            // checkpoint frees would fail that start (see `StartLocks`). A
+            // checkpoint frees would fail that start (see `GpuLocks`). A
             // request held meanwhile calls the suspend off.
             let _guards = tokio::select! {
                 g = super::effects::hold_off_starts(&shared, &name, "suspend", &gpus, &tx) => g,

@@ -12,7 +12,7 @@ pub(crate) fn shared(dir: &std::path::Path) -> Arc<Shared> {
     Arc::new(Shared {
         hub: Hub::new(clock, 100, 100),
         clock,
-        locks: StartLocks::default(),
+        locks: GpuLocks::default(),
         store: Store::open(dir).unwrap(),
         log_dir: dir.join("logs"),
         control_id: "test".into(),
