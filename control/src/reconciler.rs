@@ -137,13 +137,18 @@ pub enum Phase {
         level: u8,
     },
     /// `step` indexes [`wake_calls`]`(kind, from_level)`. Until `admitted`, the
-    /// wake waits for room on its GPUs (at most [`ROOM_WAIT`]); the wake
-    /// deadline counts from admission.
+    /// wake waits for room on its GPUs (at most [`ROOM_WAIT`]). Then each
+    /// step's call may wait for a neighbour's sleep on its GPUs (vLLM fails
+    /// a sleep whose GPU's memory grows meanwhile): while `left` is set the
+    /// step has not been called, and the deadline allows [`ROOM_WAIT`] more
+    /// than the `left` wake time; `WakeBegan` makes it `left` from then.
+    /// The wake timeout counts only while calls run.
     Waking {
         from_level: u8,
         step: usize,
         deadline: Instant,
         admitted: bool,
+        left: Option<Duration>,
     },
     /// The checkpoint helper runs on the engine's CUDA processes. `under`:
     /// the sleep level the engine was at (0: awake), where a resume lands.
@@ -156,7 +161,8 @@ pub enum Phase {
         under: u8,
     },
     /// Restore + unlock. Until `admitted`, waits for room on its GPUs (at
-    /// most [`ROOM_WAIT`]), like a wake; the deadline counts from admission.
+    /// most [`ROOM_WAIT`]), like a wake; then, like a wake's call, for a
+    /// neighbour's sleep there: the wake timeout counts from `WakeBegan`.
     Resuming {
         under: u8,
         deadline: Instant,
@@ -366,6 +372,12 @@ pub enum Event {
     SleepFailed {
         epoch: u64,
         error: String,
+    },
+    /// A wake step's call (`step`), or a restore (step 0), begins now: its
+    /// wait for a neighbour's sleep on its GPUs is over.
+    WakeBegan {
+        epoch: u64,
+        step: usize,
     },
     WakeStepDone {
         epoch: u64,

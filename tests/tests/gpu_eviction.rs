@@ -542,9 +542,11 @@ async fn the_probe_at_start_without_cuda_neither_fails_nor_hangs_start_up() {
 /// usage increased after sleeping", a 500; seen on an H200 when a
 /// neighbour woke during a level-2 sleep, and siesta then killed and
 /// restarted the sleeping engine). fake-vllm does too, on its simulated
-/// GPU. Here `b` goes to sleep (3 s) while `a`, which needs more than `b`
+/// GPU. Here `b` goes to sleep (4 s) while `a`, which needs more than `b`
 /// frees, is woken beside it: the wake waits for the sleep (or the other
-/// way round), and both succeed, `b` never failed.
+/// way round), and both succeed, `b` never failed. `a`'s wake timeout (2 s)
+/// is shorter than `b`'s sleep: the wait is not the wake's time (it was,
+/// and `a` was killed for a wake that had not begun).
 #[tokio::test]
 async fn a_sleep_and_a_neighbours_wake_on_one_gpu_take_turns() {
     let Some((_ctl, mut c)) = on_one_gpu(&format!(
@@ -552,12 +554,13 @@ async fn a_sleep_and_a_neighbours_wake_on_one_gpu_take_turns() {
         sim_model(
             "a",
             "0.5",
-            r#"args = ["--asleep-residual-mib", "1024", "--wake-time", "1s"]"#
+            "args = [\"--asleep-residual-mib\", \"1024\", \"--wake-time\", \"1s\"]\n\
+             wake_timeout = \"2s\""
         ),
         sim_model(
             "b",
             "0.3",
-            r#"args = ["--asleep-residual-mib", "1024", "--sleep-time", "3s"]"#
+            r#"args = ["--asleep-residual-mib", "1024", "--sleep-time", "4s"]"#
         )
     ))
     .await
@@ -576,11 +579,13 @@ async fn a_sleep_and_a_neighbours_wake_on_one_gpu_take_turns() {
     c.sleep(sleep("b")).await.unwrap();
     wait_state(&mut c, "b", pb::ModelState::Sleeping, LONG).await;
     let r = wake(&mut c, "a", true).await;
+    let a = r.model.unwrap();
     assert_eq!(
-        state(&r.model.unwrap()),
-        pb::ModelState::Awake,
-        "{}",
-        r.message
+        (state(&a), a.failures, a.restarts),
+        (pb::ModelState::Awake, 0, 1),
+        "{}: {}",
+        r.message,
+        a.last_error
     );
     let b = wait_status(&mut c, "b", "asleep or failed", LONG, |s| {
         matches!(state(s), pb::ModelState::Asleep | pb::ModelState::Failed)

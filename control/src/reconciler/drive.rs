@@ -379,6 +379,7 @@ fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Eff
             step: 0,
             deadline,
             admitted: false,
+            left: None,
         },
         now,
     );

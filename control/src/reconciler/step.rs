@@ -499,22 +499,65 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 set_phase(m, Phase::Asleep { level }, now);
             }
         }
+        Event::WakeBegan { epoch: e, step } if e == epoch => match m.phase {
+            Phase::Waking {
+                from_level,
+                step: current,
+                admitted: true,
+                left: Some(left),
+                ..
+            } if step == current => {
+                if step == 0 {
+                    m.transition_start = now;
+                }
+                m.phase = Phase::Waking {
+                    from_level,
+                    step,
+                    deadline: now + left,
+                    admitted: true,
+                    left: None,
+                };
+            }
+            Phase::Resuming {
+                under,
+                admitted: true,
+                ..
+            } => {
+                m.transition_start = now;
+                m.phase = Phase::Resuming {
+                    under,
+                    deadline: now + m.settings.timeouts.wake,
+                    admitted: true,
+                };
+            }
+            _ => {}
+        },
         Event::WakeStepDone { epoch: e, step } if e == epoch => {
             if let Phase::Waking {
                 from_level,
                 step: current,
                 deadline,
                 admitted,
+                left,
             } = m.phase
                 && step == current
             {
                 let calls = wake_calls(m.settings.kind, from_level);
                 if step + 1 < calls.len() {
+                    // The next call may wait for a neighbour's sleep: that
+                    // wait is not the wake's time. (Before admission the
+                    // deadline is admission's.)
+                    let left = left.unwrap_or_else(|| deadline.saturating_duration_since(now));
                     m.phase = Phase::Waking {
                         from_level,
                         step: step + 1,
-                        deadline,
+                        deadline: if admitted {
+                            now + ROOM_WAIT + left
+                        } else {
+                            deadline
+                        },
                         admitted,
+                        left: admitted.then_some(left),
                     };
                     fx.push(Effect::Wake {
                         epoch,
@@ -540,12 +583,16 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 ..
             } = m.phase
             {
+                // Its call may still wait for a neighbour's sleep
+                // (`WakeBegan` ends that wait).
+                let left = m.settings.timeouts.wake;
                 m.transition_start = now;
                 m.phase = Phase::Waking {
                     from_level,
                     step: 0,
-                    deadline: now + m.settings.timeouts.wake,
+                    deadline: now + ROOM_WAIT + left,
                     admitted: true,
+                    left: Some(left),
                 };
             }
         }
@@ -673,10 +720,12 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 ..
             } = m.phase
             {
+                // The restore may still wait for a neighbour's sleep
+                // (`WakeBegan` ends that wait).
                 m.transition_start = now;
                 m.phase = Phase::Resuming {
                     under,
-                    deadline: now + m.settings.timeouts.wake,
+                    deadline: now + ROOM_WAIT + m.settings.timeouts.wake,
                     admitted: true,
                 };
             }
@@ -695,6 +744,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         | Event::FreeBegan { .. }
         | Event::SleepDone { .. }
         | Event::SleepFailed { .. }
+        | Event::WakeBegan { .. }
         | Event::WakeStepDone { .. }
         | Event::Admitted { .. }
         | Event::WakeFailed { .. } => {}

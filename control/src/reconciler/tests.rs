@@ -141,6 +141,10 @@ impl Sim {
     }
     fn wake_all(&mut self) {
         while let Phase::Waking { step, .. } = self.m.phase {
+            self.ev(Event::WakeBegan {
+                epoch: self.m.epoch,
+                step,
+            });
             self.ev(Event::WakeStepDone {
                 epoch: self.m.epoch,
                 step,
@@ -287,6 +291,13 @@ fn every_transition_has_a_deadline() {
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     s.ev(Event::Demand);
     s.ev(Event::Admitted { epoch: s.m.epoch });
+    // From when the engine is called (a neighbour's sleep on its GPUs
+    // before that has its own bound).
+    assert_eq!(s.timer(), Some(s.now + ROOM_WAIT + secs(5)));
+    s.ev(Event::WakeBegan {
+        epoch: s.m.epoch,
+        step: 0,
+    });
     s.advance(secs(5));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
     assert!(s.has(|f| matches!(f, Effect::Kill)));
@@ -868,10 +879,79 @@ fn wake_deadline_counts_from_admission() {
     s.ev(Event::Demand);
     s.now += secs(4);
     s.ev(Event::Admitted { epoch: s.m.epoch });
+    s.ev(Event::WakeBegan {
+        epoch: s.m.epoch,
+        step: 0,
+    });
     s.advance(secs(4));
     assert!(matches!(s.m.phase, Phase::Waking { .. }));
     s.advance(secs(1));
     assert!(matches!(s.m.phase, Phase::Failed { .. }));
+}
+
+/// A wake's call waits for a neighbour's sleep on its GPUs (vLLM fails a
+/// sleep whose GPU's memory grows meanwhile), before its first call or
+/// between two: that wait, bounded by the runner's turn (`ROOM_WAIT`), is
+/// not the wake's time. It was: a neighbour's sleep longer than the wake
+/// timeout failed the wake and had the engine killed.
+#[test]
+fn a_wakes_time_counts_only_while_its_calls_run() {
+    let mut s = Sim::asleep_without_tiers();
+    s.ev(Event::Command(Command::Sleep(2)));
+    // From level 1 to 2 takes a wake and a sleep.
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    s.wake_all();
+    s.ev(Event::FreeBegan { epoch: s.m.epoch });
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 2 }, "{:?}", s.m);
+    s.ev(Event::Command(Command::Wake));
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    let epoch = s.m.epoch;
+    // Its first call waits 60 s for a neighbour's sleep (wake timeout 5 s).
+    s.advance(secs(60));
+    assert!(
+        matches!(s.m.phase, Phase::Waking { step: 0, .. }),
+        "{:?}",
+        s.m.phase
+    );
+    s.ev(Event::WakeBegan { epoch, step: 0 });
+    s.advance(secs(2));
+    s.ev(Event::WakeStepDone { epoch, step: 0 });
+    // The second waits as long: 3 s of wake time are left.
+    s.advance(secs(60));
+    assert!(
+        matches!(s.m.phase, Phase::Waking { step: 1, .. }),
+        "{:?}",
+        s.m.phase
+    );
+    s.ev(Event::WakeBegan { epoch, step: 1 });
+    s.advance(secs(2));
+    assert!(
+        matches!(s.m.phase, Phase::Waking { step: 1, .. }),
+        "{:?}",
+        s.m.phase
+    );
+    s.advance(secs(1));
+    assert!(
+        matches!(s.m.phase, Phase::Failed { .. }),
+        "the calls' 5 s are spent: {:?}",
+        s.m.phase
+    );
+    assert!(
+        s.m.last_error
+            .as_deref()
+            .unwrap()
+            .contains("wake from level 2 timed out")
+    );
+    // A call that never begins (the runner's own wait is bounded by
+    // ROOM_WAIT) times out after that and the wake's time.
+    let mut s = Sim::asleep_without_tiers();
+    s.ev(Event::Demand);
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    s.advance(ROOM_WAIT + secs(4));
+    assert!(matches!(s.m.phase, Phase::Waking { .. }), "{:?}", s.m.phase);
+    s.advance(secs(1));
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
 }
 
 #[test]

@@ -196,6 +196,7 @@ impl Runner {
                     // Not while a neighbour sleeps on its GPUs: this
                     // wake's allocation would fail that sleep.
                     let guards = hold_off_sleeps(&shared, &name, &gpus, &tx).await;
+                    send(Event::WakeBegan { epoch, step });
                     let woken = client.wake(call, timeout).await;
                     drop(guards);
                     send(match woken {

@@ -181,6 +181,7 @@ impl Runner {
             // A restore allocates as a wake does: not while a neighbour
             // sleeps on its GPUs (vLLM would fail that sleep).
             let guards = super::effects::hold_off_sleeps(&shared, &name, &gpus, &tx).await;
+            send(Event::WakeBegan { epoch, step: 0 });
             tracing::info!(model = %name, ?pids, "resuming: CUDA restore");
             let restored =
                 checkpoint::run(&shared.cuda_checkpoint, Op::Resume, &pids, timeout).await;

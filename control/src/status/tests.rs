@@ -153,6 +153,7 @@ async fn a_waking_model_says_the_level_it_wakes_from() {
                 step: 0,
                 deadline: now + Duration::from_secs(30),
                 admitted: true,
+                left: None,
             };
         });
         assert_eq!((s.state, s.sleep_level), (State::Waking, level));
