@@ -598,3 +598,67 @@ async fn a_sleep_and_a_neighbours_wake_on_one_gpu_take_turns() {
         b.last_error
     );
 }
+
+/// A CUDA restore allocates as a wake does: fake-cuda-checkpoint frees an engine's memory
+/// on the simulated GPU at the suspend and takes it again at the resume, as the driver
+/// does. `a`'s restore while `b` goes to sleep (4 s) beside it waits for that sleep, which
+/// then does not fail; `a`'s wake timeout (2 s) does not count the wait.
+#[tokio::test]
+async fn a_restore_waits_for_a_neighbours_sleep_on_its_gpu() {
+    let models = format!(
+        "{}{}",
+        sim_model("a", "0.5", "wake_timeout = \"2s\""),
+        sim_model(
+            "b",
+            "0.3",
+            r#"args = ["--asleep-residual-mib", "1024", "--sleep-time", "4s"]"#
+        )
+    );
+    let config = gpu_config("@DIR@/state", 1, &models).replace(
+        "p2p_probe = \"off\"",
+        &format!(
+            "p2p_probe = \"off\"\ncuda_checkpoint = {:?}",
+            siesta_tests::bin_path("fake-cuda-checkpoint")
+                .display()
+                .to_string()
+        ),
+    );
+    let ctl = start(&config).await;
+    let mut c = ctl.client().await;
+    if !gpus_from_config(&mut c).await {
+        return;
+    }
+    let awake = wake_awake(&mut c, "a").await;
+    c.suspend(pb::ModelRequest { name: "a".into() })
+        .await
+        .unwrap();
+    wait_state(&mut c, "a", pb::ModelState::Suspended, LONG).await;
+    wake_awake(&mut c, "b").await;
+    // b frees 23 GiB over 4 s; a's restore takes 40 GiB meanwhile.
+    c.sleep(pb::SleepRequest {
+        name: "b".into(),
+        level: 1,
+    })
+    .await
+    .unwrap();
+    wait_state(&mut c, "b", pb::ModelState::Sleeping, LONG).await;
+    let r = wake(&mut c, "a", true).await;
+    let a = r.model.unwrap();
+    assert_eq!(
+        (state(&a), a.pid, a.failures, a.restarts),
+        (pb::ModelState::Awake, awake.pid, 0, 1),
+        "{}: {}",
+        r.message,
+        a.last_error
+    );
+    let b = wait_status(&mut c, "b", "asleep or failed", LONG, |s| {
+        matches!(state(s), pb::ModelState::Asleep | pb::ModelState::Failed)
+    })
+    .await;
+    assert_eq!(
+        (state(&b), b.failures, b.restarts),
+        (pb::ModelState::Asleep, 0, 1),
+        "b's sleep failed: {}",
+        b.last_error
+    );
+}

@@ -75,6 +75,23 @@ pub enum SimGpuError {
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// The name's suffix of an entry a CUDA checkpoint set aside (not counted: the memory is free).
+const CHECKPOINTED: &str = ".checkpointed";
+
+/// GPU ids from `CUDA_VISIBLE_DEVICES` (default `0`).
+fn gpus_of(visible: &str) -> Vec<String> {
+    let mut gpus: Vec<String> = visible
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
+    if gpus.is_empty() {
+        gpus.push("0".into());
+    }
+    gpus
+}
+
 /// This engine's view of the simulated GPUs.
 #[derive(Debug)]
 pub struct SimGpu {
@@ -101,20 +118,76 @@ impl SimGpu {
             return None;
         };
         let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_default();
-        let mut gpus: Vec<String> = visible
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(str::to_string)
-            .collect();
-        if gpus.is_empty() {
-            gpus.push("0".into());
-        }
         Some(SimGpu {
             dir: dir.clone(),
             total,
-            gpus,
+            gpus: gpus_of(&visible),
         })
+    }
+
+    /// The simulated GPUs process `pid` was started with (its environment's
+    /// `FAKE_VLLM_GPU_TOTAL_BYTES`, `FAKE_VLLM_GPU_DIR` and `CUDA_VISIBLE_DEVICES`): what the
+    /// fake CUDA checkpoint helper frees and takes again. None when it has none.
+    pub fn of_process(pid: u32) -> Option<SimGpu> {
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let var = |name: &str| {
+            env.split(|b| *b == 0).find_map(|kv| {
+                kv.strip_prefix(format!("{name}=").as_bytes())
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+            })
+        };
+        Some(SimGpu {
+            dir: PathBuf::from(var("FAKE_VLLM_GPU_DIR")?),
+            total: var("FAKE_VLLM_GPU_TOTAL_BYTES")?.parse().ok()?,
+            gpus: gpus_of(&var("CUDA_VISIBLE_DEVICES").unwrap_or_default()),
+        })
+    }
+
+    /// A CUDA checkpoint of `holder`: its memory on every GPU is free until
+    /// [`SimGpu::restore`] (its entry is set aside). False when it held none.
+    pub fn checkpoint(&self, holder: u32) -> Result<bool, SimGpuError> {
+        let _taking = self.lock()?;
+        let mut held = false;
+        for gpu in &self.gpus {
+            let dir = self.gpu_dir(gpu);
+            let entry = dir.join(holder.to_string());
+            if entry.exists() {
+                let aside = dir.join(format!("{holder}{CHECKPOINTED}"));
+                std::fs::rename(&entry, &aside).map_err(|e| Self::io(&aside, e))?;
+                held = true;
+            }
+        }
+        Ok(held)
+    }
+
+    /// The restore of a checkpointed `holder`: its memory is taken again on every GPU, out
+    /// of memory (nothing taken) when others took the room meanwhile.
+    pub fn restore(&self, holder: u32) -> Result<(), SimGpuError> {
+        let _taking = self.lock()?;
+        let aside = |gpu: &str| self.gpu_dir(gpu).join(format!("{holder}{CHECKPOINTED}"));
+        for gpu in &self.gpus {
+            let Ok(text) = std::fs::read_to_string(aside(gpu)) else {
+                continue;
+            };
+            let want = text.trim().parse::<u64>().unwrap_or(0);
+            let free = self.total.saturating_sub(self.used_by_others(gpu, holder)?);
+            if free < want {
+                return Err(SimGpuError::OutOfMemory {
+                    gpu: gpu.clone(),
+                    want: want as f64 / GIB,
+                    total: self.total as f64 / GIB,
+                    free: free as f64 / GIB,
+                });
+            }
+        }
+        for gpu in &self.gpus {
+            let from = aside(gpu);
+            if from.exists() {
+                let to = self.gpu_dir(gpu).join(holder.to_string());
+                std::fs::rename(&from, &to).map_err(|e| Self::io(&to, e))?;
+            }
+        }
+        Ok(())
     }
 
     /// Bytes per GPU.
@@ -306,6 +379,34 @@ mod tests {
             e.starts_with("AssertionError: Error in memory profiling. Initial free memory 6.00 GiB, current free memory 9.00 GiB."),
             "{e}"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A CUDA checkpoint frees the engine's memory; its restore takes it again, or fails out
+    /// of memory (taking nothing) when another engine took the room meanwhile.
+    #[test]
+    fn a_checkpoint_frees_memory_and_a_restore_needs_it_back() {
+        let dir = std::env::temp_dir().join(format!("fake-vllm-ckpt-{}", std::process::id()));
+        let g = gpu(&dir);
+        let me = std::process::id();
+        let other = std::os::unix::process::parent_id();
+        g.grow(me, 0, 6 << 30).unwrap();
+        assert!(g.checkpoint(me).unwrap());
+        assert_eq!(g.used(), vec![("0".into(), 0), ("3".into(), 0)]);
+        g.record(other, 5 << 30).unwrap();
+        let e = g.restore(me).unwrap_err().to_string();
+        assert!(
+            e.starts_with("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.00 GiB"),
+            "{e}"
+        );
+        assert_eq!(g.used(), vec![("0".into(), 5 << 30), ("3".into(), 5 << 30)]);
+        g.record(other, 4 << 30).unwrap();
+        g.restore(me).unwrap();
+        assert_eq!(
+            g.used(),
+            vec![("0".into(), 10 << 30), ("3".into(), 10 << 30)]
+        );
+        assert!(!g.checkpoint(other + 1_000_000).unwrap(), "held nothing");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -9,6 +9,10 @@
 //! `suspend` fails a suspend (nothing is stopped); `slow` makes each
 //! command take a second (a resume long enough to see requests held).
 //!
+//! On fake-vllm's simulated GPU (`FAKE_VLLM_GPU_DIR` in the target's environment), a
+//! suspend frees what the process holds there and a resume takes it again, failing out of
+//! memory when another engine took the room meanwhile, as the driver's restore does.
+//!
 //! Like the real thing, an engine that something reached while it was
 //! checkpointed is dead: a resume first looks for bytes (or connections)
 //! the kernel queued for the engine's sockets while it was frozen; if there
@@ -18,6 +22,7 @@
 use std::io::Write;
 use std::time::Instant;
 
+use fake_vllm::sim_gpu::SimGpu;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -151,15 +156,28 @@ fn main() {
             }
             "suspend" => {
                 let ok = kill(Pid::from_raw(pid), Signal::SIGSTOP).is_ok();
-                all &= ok;
-                line(
-                    pid,
-                    op,
-                    ok,
-                    serde_json::json!({
-                        "state": "checkpointed", "lock_ms": 0, "checkpoint_ms": ms()
-                    }),
-                );
+                // The checkpoint frees what the process holds on its GPUs.
+                let freed = match SimGpu::of_process(pid as u32).map(|g| g.checkpoint(pid as u32)) {
+                    Some(Err(e)) => Err(e.to_string()),
+                    _ => Ok(()),
+                };
+                match freed {
+                    Ok(()) => {
+                        all &= ok;
+                        line(
+                            pid,
+                            op,
+                            ok,
+                            serde_json::json!({
+                                "state": "checkpointed", "lock_ms": 0, "checkpoint_ms": ms()
+                            }),
+                        );
+                    }
+                    Err(e) => {
+                        all = false;
+                        line(pid, op, false, serde_json::json!({ "error": e }));
+                    }
+                }
             }
             "resume" if fault(pid, "resume") => {
                 all = false;
@@ -173,6 +191,22 @@ fn main() {
                 );
             }
             "resume" => {
+                // The restore allocates on its GPUs again: out of memory when another
+                // process took the room meanwhile (the process stays checkpointed).
+                if let Some(Err(e)) = SimGpu::of_process(pid as u32).map(|g| g.restore(pid as u32))
+                {
+                    all = false;
+                    line(
+                        pid,
+                        op,
+                        false,
+                        serde_json::json!({ "error": format!(
+                            "restore failed: cuCheckpointProcessRestore(pid) failed: \
+                             CUDA_ERROR_OUT_OF_MEMORY (2): {e}"
+                        ) }),
+                    );
+                    continue;
+                }
                 let ok = kill(Pid::from_raw(pid), Signal::SIGCONT).is_ok();
                 all &= ok;
                 line(
