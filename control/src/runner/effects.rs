@@ -3,6 +3,7 @@
 
 use super::{Msg, Runner};
 use crate::config::Launch;
+use crate::engine::EngineError;
 use crate::reconciler::{Effect, Event, Phase};
 use crate::store::EngineRecord;
 use crate::supervisor::{self, free_port, spawn_spec};
@@ -162,8 +163,10 @@ impl Runner {
                     // would fail this sleep.
                     let quiet = hold_off_wakes(&shared, &name, &gpus, &tx).await;
                     send(Event::FreeBegan { epoch });
-                    let slept = client.sleep(level, timeout).await;
-                    drop((guards, quiet));
+                    let slept = to_the_end((guards, quiet), async move {
+                        client.sleep(level, timeout).await
+                    })
+                    .await;
                     send(match slept {
                         Ok(()) => Event::SleepDone { epoch },
                         Err(error) => Event::SleepFailed { epoch, error },
@@ -197,8 +200,8 @@ impl Runner {
                     // wake's allocation would fail that sleep.
                     let guards = hold_off_sleeps(&shared, &name, &gpus, &tx).await;
                     send(Event::WakeBegan { epoch, step });
-                    let woken = client.wake(call, timeout).await;
-                    drop(guards);
+                    let woken =
+                        to_the_end(guards, async move { client.wake(call, timeout).await }).await;
                     send(match woken {
                         Ok(()) => Event::WakeStepDone { epoch, step },
                         Err(error) => Event::WakeFailed { epoch, error },
@@ -408,8 +411,13 @@ impl Runner {
                 p.signal(NixSignal::SIGTERM);
             }
             send(Event::FreeBegan { epoch });
-            let _ = p.exited.clone().wait_for(|gone| *gone).await;
-            drop(guards);
+            let mut exited = p.exited.clone();
+            let _ = to_the_end(guards, async move {
+                let gone = exited.wait_for(|gone| *gone);
+                let _ = tokio::time::timeout(crate::reconciler::ROOM_WAIT, gone).await;
+                Ok(())
+            })
+            .await;
         });
     }
 
@@ -490,6 +498,31 @@ pub(super) async fn hand_over_admission(tx: &mpsc::UnboundedSender<Msg>, epoch: 
     {
         let _ = taken.await;
     }
+}
+
+/// Runs `call`, an engine call (or a wait for an engine's exit) made holding
+/// `turns` (the GPU locks it needs), to its end even when the op awaiting
+/// it is aborted by a newer epoch: the engine goes on freeing or allocating
+/// whoever waits for its answer (vLLM does not call off a sleep or wake
+/// whose client went away), so the turns are held until it has answered.
+/// The call's own timeout bounds that. Before, a stop during a sleep let a
+/// neighbour's start begin while the sleep still freed memory, and vLLM
+/// failed that start ("Error in memory profiling").
+pub(super) async fn to_the_end<G, T>(
+    turns: G,
+    call: impl std::future::Future<Output = Result<T, EngineError>> + Send + 'static,
+) -> Result<T, EngineError>
+where
+    G: Send + 'static,
+    T: Send + 'static,
+{
+    tokio::spawn(async move {
+        let answer = call.await;
+        drop(turns);
+        answer
+    })
+    .await
+    .unwrap_or_else(|e| Err(format!("the engine call ended without an answer: {e}")))
 }
 
 /// Holds off starts on `gpus` while `model` frees memory there (`what`:
