@@ -291,6 +291,20 @@ async fn neighbours() -> Option<(Ctl, siesta_tests::ctl::Client)> {
     .await
 }
 
+/// `name` goes to sleep and is asleep, its sleep never failed.
+async fn asleep_unharmed(c: &mut siesta_tests::ctl::Client, name: &str) {
+    let s = wait_status(c, name, "asleep or failed", LONG, |s| {
+        matches!(state(s), pb::ModelState::Asleep | pb::ModelState::Failed)
+    })
+    .await;
+    assert_eq!(
+        (state(&s), s.failures, s.restarts),
+        (pb::ModelState::Asleep, 0, 1),
+        "{name}'s sleep failed: {}",
+        s.last_error
+    );
+}
+
 /// For the next round: a stopped, b awake.
 async fn stop_a_wake_b(c: &mut siesta_tests::ctl::Client) {
     c.stop(pb::ModelRequest { name: "a".into() }).await.unwrap();
@@ -587,16 +601,7 @@ async fn a_sleep_and_a_neighbours_wake_on_one_gpu_take_turns() {
         r.message,
         a.last_error
     );
-    let b = wait_status(&mut c, "b", "asleep or failed", LONG, |s| {
-        matches!(state(s), pb::ModelState::Asleep | pb::ModelState::Failed)
-    })
-    .await;
-    assert_eq!(
-        (state(&b), b.failures, b.restarts),
-        (pb::ModelState::Asleep, 0, 1),
-        "b's sleep failed: {}",
-        b.last_error
-    );
+    asleep_unharmed(&mut c, "b").await;
 }
 
 /// A CUDA restore allocates as a wake does: fake-cuda-checkpoint frees an engine's memory
@@ -651,16 +656,7 @@ async fn a_restore_waits_for_a_neighbours_sleep_on_its_gpu() {
         r.message,
         a.last_error
     );
-    let b = wait_status(&mut c, "b", "asleep or failed", LONG, |s| {
-        matches!(state(s), pb::ModelState::Asleep | pb::ModelState::Failed)
-    })
-    .await;
-    assert_eq!(
-        (state(&b), b.failures, b.restarts),
-        (pb::ModelState::Asleep, 0, 1),
-        "b's sleep failed: {}",
-        b.last_error
-    );
+    asleep_unharmed(&mut c, "b").await;
 }
 
 /// A sleep called off by a stop (an operator's, mid-sleep) goes on in the engine: vLLM

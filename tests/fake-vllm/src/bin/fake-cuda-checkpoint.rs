@@ -99,6 +99,10 @@ fn line(pid: i32, op: &str, ok: bool, extra: serde_json::Value) {
     let _ = writeln!(out, "{v}");
 }
 
+fn failed(pid: i32, op: &str, error: String) {
+    line(pid, op, false, serde_json::json!({ "error": error }));
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some((op, rest)) = args.split_first() else {
@@ -156,28 +160,25 @@ fn main() {
             }
             "suspend" => {
                 let ok = kill(Pid::from_raw(pid), Signal::SIGSTOP).is_ok();
-                // The checkpoint frees what the process holds on its GPUs.
-                let freed = match SimGpu::of_process(pid as u32).map(|g| g.checkpoint(pid as u32)) {
-                    Some(Err(e)) => Err(e.to_string()),
-                    _ => Ok(()),
-                };
-                match freed {
-                    Ok(()) => {
-                        all &= ok;
-                        line(
-                            pid,
-                            op,
-                            ok,
-                            serde_json::json!({
-                                "state": "checkpointed", "lock_ms": 0, "checkpoint_ms": ms()
-                            }),
-                        );
-                    }
-                    Err(e) => {
-                        all = false;
-                        line(pid, op, false, serde_json::json!({ "error": e }));
-                    }
+                // The checkpoint frees what the process holds on its GPUs (a failure is
+                // rolled back: the process runs on).
+                if let Some(Err(e)) =
+                    SimGpu::of_process(pid as u32).map(|g| g.checkpoint(pid as u32))
+                {
+                    let _ = kill(Pid::from_raw(pid), Signal::SIGCONT);
+                    all = false;
+                    failed(pid, op, e.to_string());
+                    continue;
                 }
+                all &= ok;
+                line(
+                    pid,
+                    op,
+                    ok,
+                    serde_json::json!({
+                        "state": "checkpointed", "lock_ms": 0, "checkpoint_ms": ms()
+                    }),
+                );
             }
             "resume" if fault(pid, "resume") => {
                 all = false;
@@ -196,14 +197,13 @@ fn main() {
                 if let Some(Err(e)) = SimGpu::of_process(pid as u32).map(|g| g.restore(pid as u32))
                 {
                     all = false;
-                    line(
+                    failed(
                         pid,
                         op,
-                        false,
-                        serde_json::json!({ "error": format!(
+                        format!(
                             "restore failed: cuCheckpointProcessRestore(pid) failed: \
                              CUDA_ERROR_OUT_OF_MEMORY (2): {e}"
-                        ) }),
+                        ),
                     );
                     continue;
                 }
