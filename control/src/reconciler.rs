@@ -615,6 +615,22 @@ pub struct ModelState {
     /// old engine stopped (its drain takes up to a stop grace) does not
     /// adopt an engine spawned before this, and the restart is not lost.
     pub restart_asked: Option<Instant>,
+    /// Starts in a row that vLLM failed because memory was freed on their
+    /// GPUs while it profiled (`PROFILE_RETRIES` at most are started
+    /// again at once, held requests still held).
+    pub profile_races: u32,
+}
+
+/// Starts failed by memory freed on their GPUs while vLLM profiled ("Error
+/// in memory profiling": a neighbour that crashed, or a process siesta does
+/// not run) that are started again at once, not failed: the cause is gone
+/// once the memory is free, and a failed model's held requests would be
+/// answered 503.
+pub const PROFILE_RETRIES: u32 = 3;
+
+/// Whether an engine's exit cause is vLLM's memory-profiling assertion.
+pub fn profiling_race(cause: &str) -> bool {
+    cause.contains("Error in memory profiling")
 }
 
 impl ModelState {
@@ -655,6 +671,7 @@ impl ModelState {
             tiers_after: None,
             deepen_after: None,
             restart_asked: None,
+            profile_races: 0,
         }
     }
 

@@ -707,3 +707,49 @@ async fn a_sleep_called_off_by_a_stop_keeps_its_turn_until_the_engine_answers() 
     );
     wait_state(&mut c, "a", pb::ModelState::Stopped, LONG).await;
 }
+
+/// vLLM fails a start whose GPU's free memory grows while it profiles; a neighbour that
+/// crashes meanwhile frees its memory (siesta can hold back its own sleeps and stops, not a
+/// crash, nor a process it does not run). The start is made again at once, the model still
+/// `starting` (held requests stay held), not failed and retried after backoff: here `a`
+/// crashes (`kill -9` of its process group) while `b` starts beside it, and `b`'s waited
+/// wake answers awake with no failure, its second engine serving.
+#[tokio::test]
+async fn a_start_failed_by_a_neighbours_crash_is_made_again_at_once() {
+    let Some((_ctl, mut c)) = on_one_gpu(&format!(
+        "{}{}",
+        sim_model("a", "0.45", r#"args = ["--asleep-residual-mib", "1024"]"#),
+        sim_model("b", "0.45", r#"args = ["--startup-time", "3s"]"#)
+    ))
+    .await
+    else {
+        return;
+    };
+    let a = wake_awake(&mut c, "a").await;
+    let mut waiter = c.clone();
+    let woken = tokio::spawn(async move { wake(&mut waiter, "b", true).await });
+    wait_status(&mut c, "b", "b's engine starting", LONG, |s| {
+        state(s) == pb::ModelState::Starting && s.pid != 0
+    })
+    .await;
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(a.pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let r = woken.await.unwrap();
+    let b = r.model.unwrap();
+    assert_eq!(
+        (state(&b), b.failures, b.restarts),
+        (pb::ModelState::Awake, 0, 2),
+        "{}: {}",
+        r.message,
+        b.last_error
+    );
+    log_has(
+        &mut c,
+        "b",
+        "memory was freed on its GPUs while vLLM profiled",
+    )
+    .await;
+}

@@ -283,7 +283,7 @@ fn unreaped(pid: u32) -> String {
     )
 }
 
-fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
+pub(super) fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     m.transition_start = now;
     m.stable_at = None;
     m.engine_running = 0;

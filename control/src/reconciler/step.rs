@@ -357,11 +357,26 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 _ => {
                     // Why, where the engine said: an operator reads it in
                     // `last_error` without digging through its log.
-                    let error = match cause {
+                    let error = match &cause {
                         Some(cause) => format!("engine exited unexpectedly ({status}): {cause}"),
                         None => format!("engine exited unexpectedly ({status})"),
                     };
-                    fail(m, error, now, fx);
+                    let raced = matches!(m.phase, Phase::Starting { .. })
+                        && cause.as_deref().is_some_and(profiling_race);
+                    if raced && m.profile_races < PROFILE_RETRIES {
+                        m.profile_races += 1;
+                        fx.push(Effect::ReleaseStartLock);
+                        fx.push(Effect::Log(format!(
+                            "start failed: memory was freed on its GPUs while vLLM profiled (a \
+                             process siesta does not run, or one that crashed); starting again \
+                             at once ({}/{PROFILE_RETRIES}): {error}",
+                            m.profile_races
+                        )));
+                        m.last_error = Some(error);
+                        drive::start(m, now, fx);
+                    } else {
+                        fail(m, error, now, fx);
+                    }
                 }
             }
         }
@@ -386,6 +401,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 // after it became ready keeps backing off.
                 m.stable_at = (m.failures > 0).then(|| now + STABLE_AFTER);
                 m.last_error = None;
+                m.profile_races = 0;
                 // The idle clock starts when the engine is ready, not when
                 // it was asked for (real vLLM takes a minute or more); an
                 // attached engine found serving after a restart of siesta

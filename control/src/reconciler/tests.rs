@@ -171,6 +171,74 @@ fn start_to_awake_and_calibrates() {
     assert_eq!(s.m.restarts, 1);
 }
 
+/// vLLM fails a start whose GPU's free memory grew while it profiled (a
+/// neighbour crashed, or a process siesta does not run ended): that cause
+/// is gone once the memory is free, so the start is made again at once,
+/// still `starting` (held requests stay held; a failed model's would be
+/// answered 503), up to `PROFILE_RETRIES` times in a row; other exits fail.
+#[test]
+fn a_start_failed_by_memory_freed_while_profiling_is_made_again_at_once() {
+    let profiling = "AssertionError: Error in memory profiling. Initial free memory 44.00 GiB, \
+                     current free memory 79.00 GiB.";
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Demand);
+    for round in 1..=PROFILE_RETRIES + 1 {
+        let spawned = s.m.proc_gen;
+        s.ev(Event::Admitted { epoch: s.m.epoch });
+        s.ev(Event::Spawned {
+            proc_gen: spawned,
+            pid: 42,
+        });
+        s.now += secs(1);
+        s.ev(Event::ChildExited {
+            proc_gen: spawned,
+            status: "exit status: 1".into(),
+            cause: Some(profiling.into()),
+        });
+        if round <= PROFILE_RETRIES {
+            assert!(
+                matches!(s.m.phase, Phase::Starting { spawned: false, .. }),
+                "round {round}: {:?}",
+                s.m.phase
+            );
+            assert!(
+                s.has(|f| matches!(f, Effect::Spawn { proc_gen, .. } if *proc_gen == spawned + 1))
+            );
+            assert!(s.has(|f| matches!(f, Effect::ReleaseStartLock)));
+            assert_eq!(s.m.failures, 0);
+            assert!(
+                s.m.last_error
+                    .as_deref()
+                    .unwrap()
+                    .contains("memory profiling")
+            );
+        } else {
+            assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+            assert_eq!(s.m.failures, 1);
+        }
+    }
+    // Once an engine has come up, the count starts again.
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Demand);
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit status: 1".into(),
+        cause: Some(profiling.into()),
+    });
+    assert_eq!(s.m.profile_races, 1);
+    s.boot();
+    assert_eq!((s.m.phase, s.m.profile_races), (Phase::Awake, 0));
+    // Any other cause fails the start as before.
+    let mut s = Sim::new(Preload::None);
+    s.ev(Event::Demand);
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit status: 1".into(),
+        cause: Some("ValueError: Free memory on device cuda:0 (2.0/79.1 GiB)".into()),
+    });
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+}
+
 #[test]
 fn preload_asleep_starts_then_sleeps_level_1() {
     let mut s = Sim::new(Preload::Asleep);
