@@ -140,8 +140,9 @@ pub enum Phase {
     /// wake waits for room on its GPUs (at most [`ROOM_WAIT`]). Then each
     /// step's call may wait for a neighbour's sleep on its GPUs (vLLM fails
     /// a sleep whose GPU's memory grows meanwhile): while `left` is set the
-    /// step has not been called, and the deadline allows [`ROOM_WAIT`] more
-    /// than the `left` wake time; `WakeBegan` makes it `left` from then.
+    /// step has not been called, and the deadline allows [`ROOM_WAIT`]
+    /// ([`first_call_wait`] for the first) more than the `left` wake time;
+    /// `WakeBegan` makes it `left` from then.
     /// The wake timeout counts only while calls run.
     Waking {
         from_level: u8,
@@ -617,7 +618,9 @@ pub struct ModelState {
     pub restart_asked: Option<Instant>,
     /// Starts in a row that vLLM failed because memory was freed on their
     /// GPUs while it profiled (`PROFILE_RETRIES` at most are started
-    /// again at once, held requests still held).
+    /// again at once, held requests still held); reset when an engine
+    /// comes up and when the model fails (its next start, after backoff,
+    /// may be made anew again).
     pub profile_races: u32,
 }
 
@@ -627,6 +630,14 @@ pub struct ModelState {
 /// once the memory is free, and a failed model's held requests would be
 /// answered 503.
 pub const PROFILE_RETRIES: u32 = 3;
+
+/// How long a wake's first call may wait before it is made, beyond admission:
+/// for a sleep still draining on the engine (the runner gives it half the
+/// wake timeout, and its probes) and for a neighbour's sleep on its GPUs
+/// (at most [`ROOM_WAIT`]). Past that (and the wake time), the wake fails.
+pub fn first_call_wait(wake: Duration) -> Duration {
+    ROOM_WAIT + wake / 2 + Duration::from_secs(10)
+}
 
 /// Whether an engine's exit cause is vLLM's memory-profiling assertion.
 pub fn profiling_race(cause: &str) -> bool {

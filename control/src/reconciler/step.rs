@@ -101,6 +101,8 @@ fn expire_pin(m: &mut ModelState, now: Instant) {
 
 pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec<Effect>) {
     m.failures = m.failures.saturating_add(1);
+    // The next start (after backoff) may again be made anew at once.
+    m.profile_races = 0;
     m.stable_at = None;
     m.recorded_floor = None;
     if !m.settings.attach {
@@ -599,14 +601,14 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 ..
             } = m.phase
             {
-                // Its call may still wait for a neighbour's sleep
-                // (`WakeBegan` ends that wait).
+                // Its call may still wait for a draining sleep and a
+                // neighbour's sleep (`WakeBegan` ends those waits).
                 let left = m.settings.timeouts.wake;
                 m.transition_start = now;
                 m.phase = Phase::Waking {
                     from_level,
                     step: 0,
-                    deadline: now + ROOM_WAIT + left,
+                    deadline: now + first_call_wait(left) + left,
                     admitted: true,
                     left: Some(left),
                 };

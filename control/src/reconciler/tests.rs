@@ -217,6 +217,23 @@ fn a_start_failed_by_memory_freed_while_profiling_is_made_again_at_once() {
             assert_eq!(s.m.failures, 1);
         }
     }
+    // After the backoff, the next start may be made anew at once again.
+    s.advance(secs(1));
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit status: 1".into(),
+        cause: Some(profiling.into()),
+    });
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
     // Once an engine has come up, the count starts again.
     let mut s = Sim::new(Preload::None);
     s.ev(Event::Demand);
@@ -361,7 +378,7 @@ fn every_transition_has_a_deadline() {
     s.ev(Event::Admitted { epoch: s.m.epoch });
     // From when the engine is called (a neighbour's sleep on its GPUs
     // before that has its own bound).
-    assert_eq!(s.timer(), Some(s.now + ROOM_WAIT + secs(5)));
+    assert_eq!(s.timer(), Some(s.now + first_call_wait(secs(5)) + secs(5)));
     s.ev(Event::WakeBegan {
         epoch: s.m.epoch,
         step: 0,
@@ -1011,12 +1028,12 @@ fn a_wakes_time_counts_only_while_its_calls_run() {
             .unwrap()
             .contains("wake from level 2 timed out")
     );
-    // A call that never begins (the runner's own wait is bounded by
-    // ROOM_WAIT) times out after that and the wake's time.
+    // A first call that never begins (the runner's waits are bounded)
+    // times out after those waits and the wake's time.
     let mut s = Sim::asleep_without_tiers();
     s.ev(Event::Demand);
     s.ev(Event::Admitted { epoch: s.m.epoch });
-    s.advance(ROOM_WAIT + secs(4));
+    s.advance(first_call_wait(secs(5)) + secs(4));
     assert!(matches!(s.m.phase, Phase::Waking { .. }), "{:?}", s.m.phase);
     s.advance(secs(1));
     assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);

@@ -404,6 +404,8 @@ impl Runner {
         let p = p.clone();
         let (shared, name, tx) = (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
         let gpus = self.placed.gpus.clone();
+        // SIGTERM, the grace, SIGKILL and the exit of what it killed.
+        let exit_bound = self.cfg.timeouts.stop_grace + crate::reconciler::ROOM_WAIT;
         self.op(async move {
             let guards = hold_off_starts(&shared, &name, "stop", &gpus, &tx).await;
             if !p.has_exited() {
@@ -414,7 +416,7 @@ impl Runner {
             let mut exited = p.exited.clone();
             let _ = to_the_end(guards, async move {
                 let gone = exited.wait_for(|gone| *gone);
-                let _ = tokio::time::timeout(crate::reconciler::ROOM_WAIT, gone).await;
+                let _ = tokio::time::timeout(exit_bound, gone).await;
                 Ok(())
             })
             .await;
@@ -505,7 +507,8 @@ pub(super) async fn hand_over_admission(tx: &mpsc::UnboundedSender<Msg>, epoch: 
 /// it is aborted by a newer epoch: the engine goes on freeing or allocating
 /// whoever waits for its answer (vLLM does not call off a sleep or wake
 /// whose client went away), so the turns are held until it has answered.
-/// The call's own timeout bounds that. Before, a stop during a sleep let a
+/// The call's own timeout bounds that (a stop's wait for the exit: its
+/// grace and 5 minutes). Before, a stop during a sleep let a
 /// neighbour's start begin while the sleep still freed memory, and vLLM
 /// failed that start ("Error in memory profiling").
 pub(super) async fn to_the_end<G, T>(

@@ -93,7 +93,7 @@ impl Runner {
             // Not while an engine starts on its GPUs: the memory the
             // checkpoint frees would fail that start (see `GpuLocks`). A
             // request held meanwhile calls the suspend off.
-            let _guards = tokio::select! {
+            let guards = tokio::select! {
                 g = super::effects::hold_off_starts(&shared, &name, "suspend", &gpus, &tx) => g,
                 () = cancel.cancelled() => {
                     send(Event::SuspendCalledOff { epoch });
@@ -139,15 +139,21 @@ impl Runner {
                 store.set_engine(&name, &rec);
             }
             tracing::info!(model = %name, ?pids, gpu_bytes = bytes, "suspending: CUDA checkpoint");
-            match checkpoint::run(&tool, Op::Suspend, &pids, SUSPEND_TIMEOUT).await {
+            // To its end, holding the GPU turn, even if this op is aborted:
+            // the driver goes on freeing (and a killed helper would leave
+            // the engine half checkpointed).
+            let checkpointed = super::effects::to_the_end(guards, async move {
+                checkpoint::run(&tool, Op::Suspend, &pids, SUSPEND_TIMEOUT)
+                    .await
+                    .map_err(|e| e.to_string())
+            })
+            .await;
+            match checkpointed {
                 Ok(reports) => {
                     logs.push("siesta", times_line("suspend", &reports));
                     send(Event::SuspendDone { epoch });
                 }
-                Err(e) => send(Event::SuspendFailed {
-                    epoch,
-                    error: e.to_string(),
-                }),
+                Err(error) => send(Event::SuspendFailed { epoch, error }),
             }
         });
     }
@@ -183,18 +189,21 @@ impl Runner {
             let guards = super::effects::hold_off_sleeps(&shared, &name, &gpus, &tx).await;
             send(Event::WakeBegan { epoch, step: 0 });
             tracing::info!(model = %name, ?pids, "resuming: CUDA restore");
-            let restored =
-                checkpoint::run(&shared.cuda_checkpoint, Op::Resume, &pids, timeout).await;
-            drop(guards);
+            // To its end, holding the GPU turn, even if this op is aborted:
+            // the driver goes on allocating.
+            let tool = shared.cuda_checkpoint.clone();
+            let restored = super::effects::to_the_end(guards, async move {
+                checkpoint::run(&tool, Op::Resume, &pids, timeout)
+                    .await
+                    .map_err(|e| e.to_string())
+            })
+            .await;
             match restored {
                 Ok(reports) => {
                     logs.push("siesta", times_line("resume", &reports));
                     send(Event::ResumeDone { epoch });
                 }
-                Err(e) => send(Event::ResumeFailed {
-                    epoch,
-                    error: e.to_string(),
-                }),
+                Err(error) => send(Event::ResumeFailed { epoch, error }),
             }
         });
     }
