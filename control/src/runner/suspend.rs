@@ -139,16 +139,7 @@ impl Runner {
                 store.set_engine(&name, &rec);
             }
             tracing::info!(model = %name, ?pids, gpu_bytes = bytes, "suspending: CUDA checkpoint");
-            // To its end, holding the GPU turn, even if this op is aborted:
-            // the driver goes on freeing (and a killed helper would leave
-            // the engine half checkpointed).
-            let checkpointed = super::effects::to_the_end(guards, async move {
-                checkpoint::run(&tool, Op::Suspend, &pids, SUSPEND_TIMEOUT)
-                    .await
-                    .map_err(|e| e.to_string())
-            })
-            .await;
-            match checkpointed {
+            match run_holding(guards, tool, Op::Suspend, pids, SUSPEND_TIMEOUT).await {
                 Ok(reports) => {
                     logs.push("siesta", times_line("suspend", &reports));
                     send(Event::SuspendDone { epoch });
@@ -189,16 +180,8 @@ impl Runner {
             let guards = super::effects::hold_off_sleeps(&shared, &name, &gpus, &tx).await;
             send(Event::WakeBegan { epoch, step: 0 });
             tracing::info!(model = %name, ?pids, "resuming: CUDA restore");
-            // To its end, holding the GPU turn, even if this op is aborted:
-            // the driver goes on allocating.
             let tool = shared.cuda_checkpoint.clone();
-            let restored = super::effects::to_the_end(guards, async move {
-                checkpoint::run(&tool, Op::Resume, &pids, timeout)
-                    .await
-                    .map_err(|e| e.to_string())
-            })
-            .await;
-            match restored {
+            match run_holding(guards, tool, Op::Resume, pids, timeout).await {
                 Ok(reports) => {
                     logs.push("siesta", times_line("resume", &reports));
                     send(Event::ResumeDone { epoch });
@@ -207,6 +190,25 @@ impl Runner {
             }
         });
     }
+}
+
+/// Runs the checkpoint helper's `op` on `pids` to its end holding `turns`,
+/// the GPU locks it needs, even if the op awaiting it is aborted (see
+/// `to_the_end`): the driver goes on freeing or allocating, and a helper
+/// killed mid-way would leave the engine half checkpointed.
+async fn run_holding<G: Send + 'static>(
+    turns: G,
+    tool: std::path::PathBuf,
+    op: Op,
+    pids: Vec<u32>,
+    deadline: Duration,
+) -> Result<Vec<checkpoint::PidReport>, String> {
+    super::effects::to_the_end(turns, async move {
+        checkpoint::run(&tool, op, &pids, deadline)
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await
 }
 
 /// `suspend: pid 12 lock 3 ms checkpoint 2301 ms; ...` for the model's log.
