@@ -340,11 +340,16 @@ impl World {
                 }
             }
             Action::Health { sel, ok, asleep } => {
-                let epoch = take(&mut self.probes, sel)?;
                 if ok {
+                    let epoch = take(&mut self.probes, sel)?;
                     let asleep = if self.m.settings.attach { asleep } else { None };
                     Event::HealthOk { epoch, asleep }
                 } else {
+                    // A probe never ends in failure: the runner's probe polls
+                    // until the engine answers (runner/effects.rs,
+                    // `ProbeHealth`). A failure is a periodic poll's, seen
+                    // while the probe still runs.
+                    let epoch = *self.probes.get(sel % self.probes.len().max(1))?;
                     Event::HealthFailed {
                         epoch,
                         error: "refused".into(),
