@@ -583,9 +583,18 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                         call: calls[step + 1],
                     });
                 } else {
-                    m.calibration
-                        .wake_mut(from_level)
-                        .add(now - m.transition_start);
+                    // The wake's own time: its calls, not the waits for
+                    // neighbours' sleeps between them (each call's
+                    // `WakeBegan` set the deadline to the time left).
+                    let took = match left {
+                        None if admitted => m
+                            .settings
+                            .timeouts
+                            .wake
+                            .saturating_sub(deadline.saturating_duration_since(now)),
+                        _ => now - m.transition_start,
+                    };
+                    m.calibration.wake_mut(from_level).add(took);
                     fx.push(Effect::Log(format!(
                         "awake (woken from level {from_level})"
                     )));

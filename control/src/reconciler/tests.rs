@@ -1040,6 +1040,37 @@ fn a_wakes_time_counts_only_while_its_calls_run() {
 }
 
 #[test]
+fn a_wakes_calibration_counts_its_calls_not_the_waits_between_them() {
+    let mut s = Sim::asleep_without_tiers();
+    s.ev(Event::Command(Command::Sleep(2)));
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    s.wake_all();
+    s.ev(Event::FreeBegan { epoch: s.m.epoch });
+    s.ev(Event::SleepDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Asleep { level: 2 }, "{:?}", s.m);
+    s.ev(Event::Command(Command::Wake));
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    let epoch = s.m.epoch;
+    // Each of the four calls waits 30 s for a neighbour's sleep, then
+    // takes 250 ms.
+    let mut calls = 0;
+    while let Phase::Waking { step, .. } = s.m.phase {
+        s.advance(secs(30));
+        s.ev(Event::WakeBegan { epoch, step });
+        s.advance(Duration::from_millis(250));
+        s.ev(Event::WakeStepDone { epoch, step });
+        calls += 1;
+    }
+    assert_eq!(calls, 4);
+    assert_eq!(s.m.phase, Phase::Awake, "{:?}", s.m);
+    let took = s.m.calibration.wake_mut(2).ms;
+    assert!(
+        (took - 1000.0).abs() < 1.0,
+        "the wake took 1 s of calls, calibrated {took} ms"
+    );
+}
+
+#[test]
 fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
     let mut s = Sim::asleep_without_tiers();
     s.ev(Event::Demand);
