@@ -508,3 +508,77 @@ fn scopeguard(pid: u32, tag: String) -> impl Drop {
     }
     Guard(pid, tag)
 }
+
+/// A control plane that takes longer to serve than a call's 30 s deadline
+/// (here a P2P probe at start that runs 40 s; on a real box: many GPUs to
+/// probe, NVML slow to answer, engines of the last run to adopt): `up`'s
+/// banner says the models come later, and once it serves, they and every
+/// change after are printed. Before, `up` gave up its Watch after 30 s and
+/// printed nothing more for its whole life.
+#[tokio::test]
+async fn up_prints_the_models_and_their_changes_once_a_slow_control_plane_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    // The probe is looked for next to the running binary.
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    std::fs::copy(bin_path("siesta"), bin.join("siesta")).unwrap();
+    let probe = bin.join("siesta-p2p-probe");
+    std::fs::write(&probe, "#!/bin/sh\nsleep 40\nexit 1\n").unwrap();
+    std::fs::set_permissions(&probe, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let config = dir.path().join("slow-control.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[control]\nstate_dir = {:?}\np2p_probe_timeout = \"90s\"\n\n\
+             [[gpu]]\nindex = 0\nname = \"test-gpu\"\nmemory = \"80GiB\"\n\n\
+             [[gpu]]\nindex = 1\nname = \"test-gpu\"\nmemory = \"80GiB\"\n\n\
+             [[model]]\nname = \"m\"\nmodel = \"org/m\"\nexecutable = {fake:?}\n\
+             args = [\"--startup-time\", \"0s\"]\n",
+            dir.path().join("state"),
+            fake = bin_path("fake-vllm"),
+        ),
+    )
+    .unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let mut cmd = Command::new(bin.join("siesta"));
+    cmd.args([
+        "up",
+        "--listen",
+        "127.0.0.1:0",
+        "--control-listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--config",
+    ])
+    .arg(&config)
+    .arg("--addr-file")
+    .arg(&addr_file)
+    .env("TMPDIR", dir.path())
+    .env("SIESTA_TEST_TAG", dir.path())
+    .env_remove("SIESTA_TOKEN");
+    let mut up = Up {
+        child: Child::spawn("siesta-up", cmd),
+        tag: format!("SIESTA_TEST_TAG={}", dir.path().display()),
+    };
+    let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
+    let http = addrs[0];
+    let banner = up
+        .output()
+        .wait_for("listed below once siesta-control serves", DEADLINE)
+        .await;
+    assert!(!banner.contains("  models       m ("), "{banner}");
+    // The probe ends after 40 s; the Watch opened at once gave up at 30 s.
+    let slow = Duration::from_secs(120);
+    up.output().wait_for("snapshot: 1 models", slow).await;
+    up.output().wait_for("m: stopped", slow).await;
+    let r = reqwest::Client::new()
+        .post(format!("http://{http}/v1/chat/completions"))
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+        .timeout(slow)
+        .send()
+        .await
+        .expect("an answer");
+    assert_eq!(r.status(), 200);
+    up.output().wait_for("m: starting → awake", slow).await;
+}

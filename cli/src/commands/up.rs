@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::watch::TextWatch;
+use super::watch::{self, TextWatch};
 use crate::args::{DEFAULT_CONTROL, UpArgs};
 use crate::client::Conn;
 use crate::failure::Failure;
@@ -115,7 +115,7 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     }
     let models = tokio::select! {
         m = list_models(&control_url, token) => m,
-        _ = shutdown.cancelled() => Vec::new(),
+        _ = shutdown.cancelled() => None,
     };
     print!(
         "{}",
@@ -124,7 +124,7 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
             admin,
             web,
             &control_url,
-            &models,
+            models.as_deref(),
             args.config.as_deref()
         )
     );
@@ -132,6 +132,7 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     tokio::spawn(print_events(
         control_url.clone(),
         token.map(str::to_owned),
+        models.is_some(),
         shutdown.child_token(),
     ));
 
@@ -217,46 +218,89 @@ async fn finish<T>(what: &str, task: &mut JoinHandle<T>, grace: Duration) {
 }
 
 /// The models, for the banner (none if the control plane is slow to answer).
-async fn list_models(control_url: &str, token: Option<&str>) -> Vec<pb::ModelStatus> {
-    let Ok(conn) = Conn::connect(control_url, token).await else {
-        return Vec::new();
-    };
+async fn list_models(control_url: &str, token: Option<&str>) -> Option<Vec<pb::ModelStatus>> {
+    let conn = Conn::connect(control_url, token).await.ok()?;
     conn.call_within(Duration::from_secs(5), |mut c| async move {
         c.list_models(pb::ListModelsRequest {}).await
     })
     .await
     .map(|r| r.models)
-    .unwrap_or_default()
+    .ok()
 }
 
 /// Prints model changes as `siesta watch` does, until shutdown.
-async fn print_events(control_url: String, token: Option<String>, shutdown: CancellationToken) {
-    let Ok(conn) = Conn::connect(&control_url, token.as_deref()).await else {
-        return;
-    };
-    let req = pb::WatchRequest {
-        since_revision: 0,
-        client_id: "siesta up".into(),
-        incarnation: 0,
-    };
-    let Ok(mut events) = conn.call(|mut c| async move { c.watch(req).await }).await else {
-        return;
-    };
+///
+/// The control plane may take a while before it serves (GPU detection, a
+/// P2P probe of many GPUs, recovering the last run's engines): until it
+/// answers, and whenever the stream breaks, the Watch is opened again
+/// after the last revision printed, with capped backoff. `listed`: the
+/// banner listed the models; if it could not, the first snapshot is
+/// printed.
+async fn print_events(
+    control_url: String,
+    token: Option<String>,
+    mut listed: bool,
+    shutdown: CancellationToken,
+) {
     let mut text = TextWatch::changes_only();
+    let mut since = 0;
+    let mut backoff = watch::BACKOFF_MIN;
     loop {
-        let ev = tokio::select! {
+        let opened = tokio::select! {
             _ = shutdown.cancelled() => return,
-            ev = events.next() => ev,
+            o = open_watch(&control_url, token.as_deref(), since) => o,
         };
-        let Some(Ok(ev)) = ev else { return };
-        let lines = text.lines(&ev);
-        // The banner already listed the models: skip the snapshot.
-        if matches!(ev.kind, Some(pb::watch_event::Kind::Model(_))) {
-            for line in lines {
-                println!("{line}");
+        match opened {
+            Ok(mut events) => loop {
+                let ev = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    ev = events.next() => ev,
+                };
+                let Some(Ok(ev)) = ev else { break };
+                backoff = watch::BACKOFF_MIN;
+                since = ev.revision;
+                let lines = text.lines(&ev);
+                let print = match ev.kind {
+                    Some(pb::watch_event::Kind::Model(_)) => true,
+                    Some(pb::watch_event::Kind::Snapshot(_)) => {
+                        !std::mem::replace(&mut listed, true)
+                    }
+                    _ => false,
+                };
+                if print {
+                    for line in lines {
+                        println!("{line}");
+                    }
+                }
+            },
+            Err(status) if !watch::retryable(&status) => {
+                eprintln!(
+                    "siesta: model changes will not be shown: {}",
+                    status.message()
+                );
+                return;
             }
+            Err(_) => {}
         }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            () = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(watch::BACKOFF_MAX);
     }
+}
+
+/// A Watch of the control plane after revision `since` (of this run: `up`'s
+/// control plane does not restart under it).
+async fn open_watch(
+    control_url: &str,
+    token: Option<&str>,
+    since: u64,
+) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
+    let conn = Conn::connect(control_url, token)
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+    watch::open(&conn, since, &(String::new(), 0)).await
 }
 
 /// One half ended before Ctrl-C: that is a failure unless shutdown had begun.
@@ -313,7 +357,7 @@ pub fn banner(
     admin: SocketAddr,
     web: Option<SocketAddr>,
     control_url: &str,
-    models: &[pb::ModelStatus],
+    models: Option<&[pb::ModelStatus]>,
     config: Option<&Path>,
 ) -> String {
     let http = loopback_for(http);
@@ -328,14 +372,23 @@ pub fn banner(
     if let Some(web) = web {
         o += &format!("  status page  http://{}/\n", loopback_for(web));
     }
-    if !models.is_empty() {
-        let list: Vec<String> = models
-            .iter()
-            .map(|m| format!("{} ({})", m.name, render::state_label(m)))
-            .collect();
-        o += &format!("  models       {}\n", list.join(", "));
+    match models {
+        Some([]) => {}
+        Some(models) => {
+            let list: Vec<String> = models
+                .iter()
+                .map(|m| format!("{} ({})", m.name, render::state_label(m)))
+                .collect();
+            o += &format!("  models       {}\n", list.join(", "));
+        }
+        None => {
+            o += "  models       listed below once siesta-control serves (it is still starting: \
+               detecting GPUs, probing P2P, or adopting the last run's engines)\n";
+        }
     }
-    let model = models.first().map_or("MODEL", |m| m.name.as_str());
+    let model = models
+        .and_then(<[_]>::first)
+        .map_or("MODEL", |m| m.name.as_str());
     let flag = if control_url == DEFAULT_CONTROL {
         String::new()
     } else {
@@ -368,7 +421,7 @@ mod tests {
             "127.0.0.1:9090".parse().unwrap(),
             Some("0.0.0.0:8081".parse().unwrap()),
             "http://127.0.0.1:50051",
-            &[m],
+            Some(&[m]),
             None,
         );
         assert!(b.contains("OpenAI API   http://127.0.0.1:8080/v1"), "{b}");
@@ -382,12 +435,15 @@ mod tests {
             "127.0.0.1:2".parse().unwrap(),
             None,
             "http://127.0.0.1:3",
-            &[],
+            None,
             None,
         );
         assert!(
             b.contains("siesta --control http://127.0.0.1:3 status"),
             "{b}"
         );
+        // A control plane still starting: its models come later.
+        assert!(b.contains("listed below once siesta-control serves"), "{b}");
+        assert!(b.contains("\"model\": \"MODEL\""), "{b}");
     }
 }

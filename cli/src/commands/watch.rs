@@ -16,9 +16,9 @@ use crate::render;
 pub use crate::view::EventView;
 
 /// First wait before reconnecting a watch that ended.
-const BACKOFF_MIN: Duration = Duration::from_millis(200);
+pub(super) const BACKOFF_MIN: Duration = Duration::from_millis(200);
 /// Longest wait between reconnection attempts.
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
+pub(super) const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// Which run of which control plane: revisions only compare within one.
 pub(super) type Incarnation = (String, i64);
@@ -137,7 +137,7 @@ async fn incarnation(conn: &Conn) -> Result<Incarnation, Failure> {
 
 /// Errors that another attempt can cure (the control plane away or
 /// restarting); not a refused token or an unknown method.
-fn retryable(status: &tonic::Status) -> bool {
+pub(super) fn retryable(status: &tonic::Status) -> bool {
     !matches!(
         status.code(),
         tonic::Code::Unauthenticated
