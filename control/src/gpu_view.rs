@@ -8,8 +8,8 @@ use crate::gpu::p2p::P2pMatrix;
 use crate::gpu::{GpuSource, GpuSpec, Inventory, InventorySource};
 use crate::placement::default_residual;
 use crate::placement::{
-    FailedEngine, Machine, ModelRuntime, Placed, Placement, Planned, Policy, RunState, WakePlan,
-    budgets, place_config, plan_wake, policy_of,
+    FailedEngine, Foreign, Machine, ModelRuntime, Placed, Placement, Planned, Policy, RunState,
+    WakePlan, budgets, place_config, plan_wake, policy_of,
 };
 use crate::reconciler::Desired;
 use crate::status::Residual;
@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+mod foreign;
 mod p2p;
 mod report;
 #[cfg(test)]
@@ -368,6 +369,15 @@ impl GpuView {
         Some(out.into_iter().collect())
     }
 
+    /// Replaces the inventory, as an NVML read would (tests: processes
+    /// on the GPUs).
+    #[cfg(test)]
+    pub(crate) fn set_inventory(&self, inventory: Inventory) {
+        let mut st = self.state.lock().unwrap();
+        st.inventory = inventory;
+        st.read_at = Instant::now();
+    }
+
     /// Every placement (empty when placement failed).
     #[cfg(test)]
     pub(crate) fn placements(&self) -> Vec<Placement> {
@@ -455,16 +465,19 @@ impl GpuView {
     /// Whether `target` fits awake now (models without a placement or GPUs
     /// always do).
     pub fn plan_wake(&self, target: &str, models: &[ModelStatus]) -> WakePlan {
-        self.plan_wake_in(target, &runtime(models), false)
+        let foreign = self.foreign(models);
+        self.plan_wake_in(target, &runtime(models), false, &foreign)
     }
 
     /// [`Self::plan_wake`] given each model's run time as admission sees
-    /// it; `yield_busy`: busy models whose turn is over may be victims.
+    /// it; `yield_busy`: busy models whose turn is over may be victims;
+    /// `foreign`: what processes siesta does not run hold ([`Self::foreign`]).
     pub(crate) fn plan_wake_in(
         &self,
         target: &str,
         runtime: &BTreeMap<String, ModelRuntime>,
         yield_busy: bool,
+        foreign: &BTreeMap<u32, Foreign>,
     ) -> WakePlan {
         let st = self.state.lock().unwrap();
         if !st
@@ -474,7 +487,8 @@ impl GpuView {
         {
             return WakePlan::Ready;
         }
-        let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
+        let mut machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
+        machine.foreign = foreign.clone();
         plan_wake(
             target,
             &machine,
@@ -486,8 +500,10 @@ impl GpuView {
     }
 
     pub fn placement(&self, models: &[ModelStatus]) -> PlacementReport {
+        let foreign = self.foreign(models);
         let st = self.state.lock().unwrap();
-        let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
+        let mut machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
+        machine.foreign = foreign;
         let runtime = runtime(models);
         let mut placements: Vec<ModelPlacement> = st
             .placements

@@ -87,6 +87,31 @@ pub struct GpuCapacity {
     pub total_bytes: u64,
 }
 
+/// GPU memory held by processes siesta does not run (NVML): a notebook, a
+/// job of another user, a worker orphaned by an engine long gone.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Foreign {
+    pub bytes: u64,
+    /// (pid, bytes) of each such process, largest first.
+    pub processes: Vec<(u32, u64)>,
+}
+
+impl Foreign {
+    /// `pid 4242 (60.0 GiB), pid 4250 (1.0 GiB)`: at most three.
+    pub fn describe(&self) -> String {
+        let mut parts: Vec<String> = self
+            .processes
+            .iter()
+            .take(3)
+            .map(|(pid, b)| format!("pid {pid} ({})", gib(*b)))
+            .collect();
+        if self.processes.len() > 3 {
+            parts.push(format!("{} more", self.processes.len() - 3));
+        }
+        parts.join(", ")
+    }
+}
+
 /// The box: GPUs, how they are linked, and the P2P verdicts.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Machine {
@@ -94,6 +119,9 @@ pub struct Machine {
     /// Link kind per unordered pair (key: (low, high)); missing = unknown.
     pub links: BTreeMap<(u32, u32), LinkKind>,
     pub p2p: P2pMatrix,
+    /// Per GPU, what processes siesta does not run hold (run time only:
+    /// placement at start plans over the whole GPU).
+    pub foreign: BTreeMap<u32, Foreign>,
 }
 
 impl Machine {
@@ -129,11 +157,17 @@ impl Machine {
                 .collect(),
             links,
             p2p,
+            foreign: BTreeMap::new(),
         }
     }
 
     pub fn gpu(&self, index: u32) -> Option<&GpuCapacity> {
         self.gpus.iter().find(|g| g.index == index)
+    }
+
+    /// Bytes of GPU `index` held by processes siesta does not run.
+    pub fn foreign_on(&self, index: u32) -> u64 {
+        self.foreign.get(&index).map_or(0, |f| f.bytes)
     }
 
     pub fn link(&self, a: u32, b: u32) -> LinkKind {

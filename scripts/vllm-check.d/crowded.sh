@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # `vllm-check crowded`: a process siesta does not run holds most of GPU 0's memory (torch on
 # the GPU machine; LOCAL: fake-vllm's simulated GPU with a holder's entry).
-#   crowded-start-says-why: 100 GiB held; a model of gpu_memory 0.5 asked for there cannot
-#     start (vLLM refuses: less free memory than its --gpu-memory-utilization asks for);
-#     the failed `siesta wake --wait` and `last_error` say why in vLLM's own words, not only
-#     "exit status: 1".
-#   crowded-wake-says-why: the holder gone, the model starts and sleeps at level 1; then
-#     120 GiB are held and it is woken: the wake runs out of memory, and siesta says so.
-#     What vLLM did (an error answer, or its engine dying) is in the line.
+# On the GPU machine siesta sees the holder through NVML and plans around it:
+#   crowded-start-waits-for-room: 100 GiB held; a model of gpu_memory 0.5 asked for there
+#     is not started: `siesta wake --wait --timeout 30s` ends without it, the model's
+#     `waiting_for` names the holder's pid and what it holds; once the holder exits, the
+#     same wake (still queued) starts it, answered 200.
+#   crowded-wake-waits-for-room: asleep at level 1, then 120 GiB held and it is woken: the
+#     wake waits (engine alive, asleep, `waiting_for` names the holder), and completes once
+#     the holder exits; the answer after it is 200.
+# LOCAL (no NVML: siesta-control cannot see the simulated GPU) siesta admits both and
+# fake-vllm refuses them as vLLM does when siesta cannot see the holder:
+#   crowded-start-says-why: the failed `siesta wake --wait` and `last_error` say why in
+#     vLLM's own words (`ValueError: Free memory on device ...`), not only "exit status: 1".
+#   crowded-wake-says-why: the wake runs out of memory, and siesta says so.
 # About two minutes.
 set -uo pipefail
 : "${D:?}" "${RUN:?}" "${B:?}" "${EXE:?}" "${MODEL:?}" "${LOCAL:?}"
@@ -41,6 +47,93 @@ release() {
     HOLDER=
 }
 trap release EXIT
+# LOCAL: siesta cannot see the holder; fake-vllm refuses as vLLM does.
+crowded_local() {
+    local out rc state err ok PID alive
+    out=$(S wake crowded --wait --timeout 6m 2>&1)
+    rc=$?
+    log "siesta wake crowded --wait (exit $rc): $out"
+    state=$(mget crowded state)
+    err=$(mget crowded last_error)
+    ok=1
+    [ "$rc" = 1 ] && [ "$state" = failed ] && [[ "$err" == *"exited unexpectedly"*": ValueError: Free memory on device"* ]] &&
+        [[ "$out" == *"ValueError: Free memory on device"* ]] || ok=0
+    result "$(verdict $ok)" crowded-start-says-why wake_exit=$rc state=$state last_error="$err"
+
+    release
+    out=$(S wake crowded --wait --timeout 6m 2>&1)
+    rc=$?
+    log "siesta wake crowded --wait, GPU free (exit $rc): $out"
+    S sleep crowded --level 1 --wait --timeout 2m >/dev/null 2>&1
+    state=$(mstate crowded)
+    PID=$(mget crowded pid)
+    if [ "$rc" != 0 ] || [ "$state" != "asleep(l1)" ]; then
+        result FAIL crowded-wake-says-why "not started and asleep: wake_exit=$rc state=$state"
+        return
+    fi
+    hold 120
+    out=$(S wake crowded --wait --timeout 4m 2>&1)
+    rc=$?
+    log "siesta wake crowded --wait, 120 GiB held (exit $rc): $out"
+    state=$(mstate crowded)
+    err=$(mget crowded last_error)
+    alive=$(kill -0 "$PID" 2>/dev/null && echo yes || echo no)
+    ok=1
+    [ "$rc" = 1 ] && [[ "${err,,}" == *"out of memory"* ]] || ok=0
+    result "$(verdict $ok)" crowded-wake-says-why wake_exit=$rc state=$state engine_alive=$alive last_error="$err"
+    release
+}
+
+# NVML: siesta sees the holder and waits for it, naming it.
+crowded_nvml() {
+    local out rc state why ok PID alive t0 ms after same
+    out=$(S wake crowded --wait --timeout 30s 2>&1)
+    rc=$?
+    log "siesta wake crowded --wait --timeout 30s, 100 GiB held (exit $rc): $out"
+    state=$(mget crowded state)
+    why=$(mget crowded waiting_for)
+    logcmd S placement
+    ok=1
+    [ "$rc" != 0 ] && [ "$state" = starting ] && [[ "$why" == *"processes siesta does not run: pid $HOLDER ("* ]] || ok=0
+    release
+    t0=$SECONDS
+    out=$(S wake crowded --wait --timeout 6m 2>&1)
+    rc=$?
+    log "siesta wake crowded --wait, holder gone (exit $rc): $out"
+    after=$(mget crowded state)
+    [ "$rc" = 0 ] && [ "$after" = awake ] || ok=0
+    result "$(verdict $ok)" crowded-start-waits-for-room state_while_held=$state waiting_for="$why" \
+        started_after_release_s=$((SECONDS - t0)) state_after=$after
+
+    S sleep crowded --level 1 --wait --timeout 2m >/dev/null 2>&1
+    state=$(mstate crowded)
+    PID=$(mget crowded pid)
+    if [ "$state" != "asleep(l1)" ]; then
+        result FAIL crowded-wake-waits-for-room "not asleep: state=$state"
+        return
+    fi
+    hold 120
+    out=$(S wake crowded --wait --timeout 30s 2>&1)
+    rc=$?
+    log "siesta wake crowded --wait --timeout 30s, 120 GiB held (exit $rc): $out"
+    state=$(mget crowded state)
+    why=$(mget crowded waiting_for)
+    alive=$(kill -0 "$PID" 2>/dev/null && echo yes || echo no)
+    ok=1
+    [ "$rc" != 0 ] && [ "$state" = waking ] && [ "$alive" = yes ] &&
+        [[ "$why" == *"processes siesta does not run: pid $HOLDER ("* ]] || ok=0
+    release
+    t0=$SECONDS
+    out=$(S wake crowded --wait --timeout 4m 2>&1)
+    rc=$?
+    ms=$(((SECONDS - t0) * 1000))
+    log "siesta wake crowded --wait, holder gone (exit $rc): $out"
+    after=$(mget crowded state)
+    same=$([ "$(mget crowded pid)" = "$PID" ] && echo yes || echo no)
+    [ "$rc" = 0 ] && [ "$after" = awake ] && [ "$same" = yes ] || ok=0
+    result "$(verdict $ok)" crowded-wake-waits-for-room state_while_held=$state engine_alive=$alive \
+        waiting_for="$why" woke_after_release_ms=$ms state_after=$after same_pid=$same
+}
 if [ "$LOCAL" = 1 ]; then
     GPU=$'\n[[gpu]]\nindex = 0\nname = "fake"\nmemory = "140GiB"'
     ENV="env = { FAKE_VLLM_GPU_TOTAL_BYTES = \"$((140 << 30))\", FAKE_VLLM_GPU_DIR = \"$RUN/simgpu\" }"
@@ -74,37 +167,10 @@ start_control first || {
     result FAIL crowded-stack control_log=logs/control-first.log
     finish 1
 }
-out=$(S wake crowded --wait --timeout 6m 2>&1)
-rc=$?
-log "siesta wake crowded --wait (exit $rc): $out"
-state=$(mget crowded state)
-err=$(mget crowded last_error)
-ok=1
-[ "$rc" = 1 ] && [ "$state" = failed ] && [[ "$err" == *"exited unexpectedly"*": ValueError: Free memory on device"* ]] &&
-    [[ "$out" == *"ValueError: Free memory on device"* ]] || ok=0
-result "$(verdict $ok)" crowded-start-says-why wake_exit=$rc state=$state last_error="$err"
-
-release
-out=$(S wake crowded --wait --timeout 6m 2>&1)
-rc=$?
-log "siesta wake crowded --wait, GPU free (exit $rc): $out"
-S sleep crowded --level 1 --wait --timeout 2m >/dev/null 2>&1
-state=$(mstate crowded)
-PID=$(mget crowded pid)
-if [ "$rc" != 0 ] || [ "$state" != "asleep(l1)" ]; then
-    result FAIL crowded-wake-says-why "not started and asleep: wake_exit=$rc state=$state"
+if [ "$LOCAL" = 1 ]; then
+    crowded_local
 else
-    hold 120
-    out=$(S wake crowded --wait --timeout 4m 2>&1)
-    rc=$?
-    log "siesta wake crowded --wait, 120 GiB held (exit $rc): $out"
-    state=$(mstate crowded)
-    err=$(mget crowded last_error)
-    alive=$(kill -0 "$PID" 2>/dev/null && echo yes || echo no)
-    ok=1
-    [ "$rc" = 1 ] && [[ "${err,,}" == *"out of memory"* ]] || ok=0
-    result "$(verdict $ok)" crowded-wake-says-why wake_exit=$rc state=$state engine_alive=$alive last_error="$err"
-    release
+    crowded_nvml
 fi
 kill -TERM "$(cat "$RUN/control.pid")" 2>/dev/null
 end=$((SECONDS + 60))

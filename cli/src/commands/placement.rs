@@ -64,13 +64,20 @@ pub fn describe(r: &pb::GetPlacementResponse) -> String {
     let mut out = t.render();
     if !r.gpus.is_empty() {
         out.push('\n');
-        let mut g = Table::new(["gpu", "total", "awake", "asleep", "free", "models"]);
+        let mut g = Table::new([
+            "gpu", "total", "awake", "asleep", "others", "free", "models",
+        ]);
         for b in &r.gpus {
             g.row(vec![
                 b.index.to_string(),
                 render::bytes(b.total_bytes),
                 render::bytes(b.awake_bytes),
                 render::bytes(b.asleep_bytes),
+                if b.foreign_bytes == 0 {
+                    "-".into()
+                } else {
+                    render::bytes(b.foreign_bytes)
+                },
                 render::bytes(b.free_bytes),
                 if b.models.is_empty() {
                     "-".into()

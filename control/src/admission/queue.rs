@@ -3,7 +3,7 @@
 
 use super::{AdmissionMetrics, AdmissionPolicy, Registry, Waiting};
 use crate::gpu_view::{GpuView, runtime};
-use crate::placement::{ModelRuntime, RunState, WakePlan};
+use crate::placement::{Foreign, ModelRuntime, RunState, WakePlan};
 use crate::reconciler::{Desired, Event, ROOM_WAIT, Reason};
 use crate::status::{Clock, ModelStatus, State};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -63,7 +63,12 @@ pub(super) fn longer_turn(turn: Duration, given_up: u32) -> Duration {
 /// attached engines keep, a GPU too small for it beside them). Before, such
 /// an ask held up every later ask on its GPUs, one that fitted beside the
 /// pinned model included, until it gave up (5 minutes).
-fn stuck(gpus: &GpuView, model: &str, models: &[ModelStatus]) -> bool {
+fn stuck(
+    gpus: &GpuView,
+    model: &str,
+    models: &[ModelStatus],
+    foreign: &BTreeMap<u32, Foreign>,
+) -> bool {
     let mut best = runtime(models);
     for m in models.iter().filter(|m| m.name != model) {
         let Some(r) = best.get_mut(&m.name) else {
@@ -80,7 +85,10 @@ fn stuck(gpus: &GpuView, model: &str, models: &[ModelStatus]) -> bool {
             _ => {}
         }
     }
-    matches!(gpus.plan_wake_in(model, &best, true), WakePlan::Wait(_))
+    matches!(
+        gpus.plan_wake_in(model, &best, true, foreign),
+        WakePlan::Wait(_)
+    )
 }
 
 /// What is left of `d` after `elapsed_ms`, in ms.
@@ -149,6 +157,8 @@ pub(crate) struct Core {
     /// in between must not take them for awake and ask another model to
     /// sleep for the same room.
     asked_to_sleep: BTreeMap<String, Grant>,
+    /// What processes siesta does not run hold per GPU, as of this plan.
+    foreign: BTreeMap<u32, Foreign>,
     gpus: Arc<GpuView>,
     registry: Registry,
     clock: Clock,
@@ -167,6 +177,7 @@ impl Core {
             queue: VecDeque::new(),
             granted: BTreeMap::new(),
             asked_to_sleep: BTreeMap::new(),
+            foreign: BTreeMap::new(),
             gpus,
             registry,
             clock,
@@ -265,6 +276,8 @@ impl Core {
                 .iter()
                 .any(|m| m.name == *n && g.unmoved(m, ASKED_UNSEEN_MAX))
         });
+        // NVML, read again when over a second old.
+        self.foreign = self.gpus.foreign(models);
         let now_ms = self.clock.now_ms();
         let mut rt = runtime(models);
         let queued: BTreeSet<&str> = self.queue.iter().map(|a| a.model.as_str()).collect();
@@ -383,7 +396,9 @@ impl Core {
                     .iter()
                     .find(|m| m.name == model)
                     .is_some_and(wanted_by_someone);
-            let mut plan = self.gpus.plan_wake_in(&model, &rt, yield_busy);
+            let mut plan = self
+                .gpus
+                .plan_wake_in(&model, &rt, yield_busy, &self.foreign);
             if let WakePlan::Going(going) = &plan
                 && let Some((without, not_needed)) =
                     self.without_yields(&self.queue[i], going, &rt, models)
@@ -534,7 +549,7 @@ impl Core {
                     // holds up no later ask on its GPUs: one that fits
                     // beside what it waits on goes ahead. Else, in line:
                     // the room busy models free is its first.
-                    if !stuck(&self.gpus, &model, models) {
+                    if !stuck(&self.gpus, &model, models, &self.foreign) {
                         blocked.extend(&gpus);
                     }
                     i += 1;
@@ -571,7 +586,10 @@ impl Core {
             }
         }
         // Idle models only: busy ones keep their turn.
-        match self.gpus.plan_wake_in(&ask.model, &without, false) {
+        match self
+            .gpus
+            .plan_wake_in(&ask.model, &without, false, &self.foreign)
+        {
             WakePlan::Wait(_) => None,
             plan => Some((plan, draining)),
         }

@@ -1202,3 +1202,72 @@ fn a_pause_between_requests_is_not_idleness() {
         assert_eq!(w.run[0], Run::Sleeping, "yield_after {yield_after:?}");
     }
 }
+
+/// The world's one GPU as NVML shows it, with this test's own process (a
+/// process siesta does not run) holding `gib` GiB of it.
+fn another_process_holds(w: &World, gib: u64) {
+    use crate::gpu::{GpuInfo, GpuProcessInfo, GpuSpec, Inventory, InventorySource};
+    let mut g = GpuInfo::from_spec(&GpuSpec {
+        index: 0,
+        name: "g".into(),
+        memory_bytes: 80 * GIB,
+    });
+    if gib > 0 {
+        g.processes = vec![GpuProcessInfo {
+            pid: std::process::id(),
+            used_bytes: gib * GIB,
+        }];
+    }
+    w.view.set_inventory(Inventory {
+        source: InventorySource::Nvml,
+        gpus: vec![g],
+        note: None,
+    });
+}
+
+/// Memory held by a process siesta does not run counts: two models of
+/// 0.45 fit one 80 GiB GPU together, but not beside 20 GiB of someone
+/// else's, so the idle one is put to sleep first; beside 50 GiB even that
+/// is not enough, and the ask waits, told whose memory it waits for, until
+/// that process is gone. Before, both were admitted and vLLM failed the
+/// second (start: "Free memory on device ... is less than desired"; wake:
+/// out of memory).
+#[test]
+fn memory_held_by_processes_siesta_does_not_run_is_planned_around() {
+    let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45)])).unwrap();
+    another_process_holds(&w, 0);
+    w.run[0] = Run::Awake;
+    w.demand(1);
+    w.plan().unwrap();
+    assert_eq!(w.run, [Run::Awake, Run::Waking(true)], "72 of 80 GiB fit");
+    w.engines_step();
+
+    let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45)])).unwrap();
+    another_process_holds(&w, 20);
+    w.run[0] = Run::Awake;
+    w.demand(1);
+    w.plan().unwrap();
+    assert_eq!(w.run[0], Run::Sleeping, "idle m0 makes room");
+    assert_eq!(w.run[1], Run::Waking(false));
+    w.engines_step();
+    w.plan().unwrap();
+    assert_eq!(w.run, [Run::Asleep, Run::Waking(true)]);
+
+    let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45)])).unwrap();
+    another_process_holds(&w, 50);
+    w.demand(1);
+    w.plan().unwrap();
+    assert_eq!(w.run[1], Run::Waking(false));
+    let told = w.told.lock().unwrap()[1].clone().unwrap_or_default();
+    let pid = std::process::id();
+    assert!(
+        told.contains(&format!(
+            "50.0 GiB by processes siesta does not run: pid {pid} (50.0 GiB)"
+        )),
+        "{told}"
+    );
+    // It ends: the ask is admitted.
+    another_process_holds(&w, 0);
+    w.plan().unwrap();
+    assert_eq!(w.run[1], Run::Waking(true));
+}

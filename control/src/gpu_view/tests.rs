@@ -483,3 +483,56 @@ fn start_up_places_recorded_engines_where_they_run() {
         [0, 1]
     );
 }
+
+/// What counts as held by processes siesta does not run: not an engine's
+/// process nor one in its group (TP workers), not a process of another PID
+/// namespace (it may be an engine seen by its host pid), and less what an
+/// attached engine (no pid known) holds on that GPU.
+#[test]
+fn foreign_memory_is_what_no_engine_of_siesta_holds() {
+    use super::foreign::foreign_use;
+    use crate::gpu::{GpuInfo, GpuProcessInfo, Inventory, InventorySource};
+    let gpu = |index: u32, procs: &[(u32, u64)]| {
+        let mut g = GpuInfo::from_spec(&crate::gpu::GpuSpec {
+            index,
+            name: "g".into(),
+            memory_bytes: 80 << 30,
+        });
+        g.processes = procs
+            .iter()
+            .map(|&(pid, used_bytes)| GpuProcessInfo { pid, used_bytes })
+            .collect();
+        g
+    };
+    // Engine 10 with its TP worker 11 (group 10); 20 and 21 are someone
+    // else's; 30 is not in this PID namespace.
+    let inv = Inventory {
+        source: InventorySource::Nvml,
+        gpus: vec![
+            gpu(0, &[(10, 36 << 30), (20, 1 << 30), (21, 20 << 30)]),
+            gpu(1, &[(11, 36 << 30), (30, 40 << 30)]),
+            gpu(2, &[(20, 30 << 30)]),
+        ],
+        note: None,
+    };
+    let group = |pid: u32| match pid {
+        10 | 11 => Some(10),
+        20 | 21 => Some(20),
+        _ => None,
+    };
+    let engines = [10].into_iter().collect();
+    let attached = [(2, 36u64 << 30)].into_iter().collect();
+    let f = foreign_use(&inv, &engines, &attached, group);
+    assert_eq!(f[&0].bytes, 21 << 30);
+    assert_eq!(f[&0].processes, [(21, 20 << 30), (20, 1 << 30)]);
+    assert_eq!(f[&0].describe(), "pid 21 (20.0 GiB), pid 20 (1.0 GiB)");
+    assert!(!f.contains_key(&1), "{f:?}");
+    // 30 GiB of unknown processes beside an attached engine of 36 GiB:
+    // taken for the attached engine's.
+    assert!(!f.contains_key(&2), "{f:?}");
+    let attached = [(2, 10u64 << 30)].into_iter().collect();
+    assert_eq!(
+        foreign_use(&inv, &engines, &attached, group)[&2].bytes,
+        20 << 30
+    );
+}

@@ -125,6 +125,8 @@ pub struct GpuBudget {
     pub total_bytes: u64,
     pub awake_bytes: u64,
     pub asleep_bytes: u64,
+    /// Held by processes siesta does not run (NVML).
+    pub foreign_bytes: u64,
     pub free_bytes: u64,
     pub models: Vec<String>,
 }
@@ -168,6 +170,7 @@ pub fn budgets(
                 total_bytes: g.total_bytes,
                 awake_bytes: 0,
                 asleep_bytes: 0,
+                foreign_bytes: machine.foreign_on(g.index),
                 free_bytes: 0,
                 models: Vec::new(),
             };
@@ -182,7 +185,9 @@ pub fn budgets(
                 b.asleep_bytes += r;
                 b.models.push(p.model.clone());
             }
-            b.free_bytes = g.total_bytes.saturating_sub(b.awake_bytes + b.asleep_bytes);
+            b.free_bytes = g
+                .total_bytes
+                .saturating_sub(b.awake_bytes + b.asleep_bytes + b.foreign_bytes);
             b
         })
         .collect()
@@ -209,7 +214,8 @@ pub fn plan_wake(
         return WakePlan::Wait(format!("\"{target}\" has no placement"));
     };
     let res = |m: &str| policy.residual_of(m);
-    // Deficit per GPU of the target: held by others + its awake share − total.
+    // Deficit per GPU of the target: held by others (siesta's models and
+    // processes it does not run) + its awake share − total.
     let mut deficit: BTreeMap<u32, i128> = BTreeMap::new();
     for &g in &me.gpus {
         let total = machine.gpu(g).map_or(0, |c| c.total_bytes);
@@ -221,6 +227,7 @@ pub fn plan_wake(
                 a + r
             })
             .sum();
+        let held = held + machine.foreign_on(g);
         deficit.insert(
             g,
             i128::from(held) + i128::from(me.awake_on(g)) - i128::from(total),
@@ -389,6 +396,14 @@ pub fn plan_wake(
             Some(format!("\"{}\" ({why})", p.model))
         })
         .collect();
+    let mut holders = holders;
+    if let Some(f) = machine.foreign.get(&g).filter(|f| f.bytes > 0) {
+        holders.push(format!(
+            "{} by processes siesta does not run: {}",
+            gib(f.bytes),
+            f.describe()
+        ));
+    }
     WakePlan::Wait(format!(
         "room on GPU {g}: needs {} of {}, {} free even after sleeping idle models; held by {}",
         gib(me.awake_on(g)),

@@ -468,3 +468,21 @@ fn asleep_models_are_stopped_for_what_they_keep_when_nothing_else_frees_room() {
         .set("c", rt(RunState::Stopping, 5));
     assert_eq!(w.plan("d"), WakePlan::Going(vec!["c".into()]));
 }
+
+/// A GPU's budget says what processes siesta does not run hold, and its
+/// free room leaves it out.
+#[test]
+fn the_budget_counts_what_other_processes_hold() {
+    let mut machine = Machine::uniform(1, 80 * GIB);
+    machine.foreign.insert(
+        0,
+        crate::placement::Foreign {
+            bytes: 30 * GIB,
+            processes: vec![(4242, 30 * GIB)],
+        },
+    );
+    let b = &budgets(&machine, &[], &BTreeMap::new(), &Policy::default())[0];
+    assert_eq!(b.foreign_bytes, 30 * GIB);
+    assert_eq!(b.free_bytes, 50 * GIB);
+    assert_eq!(crate::api::convert::gpu_budget(b).foreign_bytes, 30 * GIB);
+}

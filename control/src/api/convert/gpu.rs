@@ -48,6 +48,7 @@ pub fn gpu_budget(b: &GpuBudget) -> pb::GpuBudget {
         asleep_bytes: b.asleep_bytes,
         free_bytes: b.free_bytes,
         models: b.models.clone(),
+        foreign_bytes: b.foreign_bytes,
     }
 }
 
