@@ -367,6 +367,8 @@ pub struct GpuBudgetView {
     pub total_bytes: u64,
     pub awake_bytes: u64,
     pub asleep_bytes: u64,
+    /// Held by processes siesta does not run.
+    pub foreign_bytes: u64,
     pub free_bytes: u64,
     pub models: Vec<String>,
 }
@@ -383,6 +385,7 @@ impl From<&pb::GetPlacementResponse> for PlacementView {
                     total_bytes: g.total_bytes,
                     awake_bytes: g.awake_bytes,
                     asleep_bytes: g.asleep_bytes,
+                    foreign_bytes: g.foreign_bytes,
                     free_bytes: g.free_bytes,
                     models: g.models.clone(),
                 })
