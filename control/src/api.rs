@@ -85,7 +85,7 @@ impl pb::control_server::Control for ControlService {
         let status = self.models.status(&req.get_ref().name)?;
         let placement = self
             .gpus
-            .placement(std::slice::from_ref(&status))
+            .placement_of(std::slice::from_ref(&status))
             .models
             .into_iter()
             .find(|p| p.model == status.name)

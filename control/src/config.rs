@@ -82,6 +82,11 @@ pub const DEFAULT_MIN_AWAKE: Duration = Duration::from_secs(2);
 /// `yield_after` must be shorter, or no busy model would ever yield.
 pub const ROOM_WAIT: Duration = Duration::from_secs(300);
 
+/// How the error of a start, wake or restore that found no room within
+/// [`ROOM_WAIT`] begins (the runner adds what admission last said it waited
+/// for).
+pub const NO_ROOM: &str = "no room on its GPUs within";
+
 /// Default `[control] yield_after`.
 pub const DEFAULT_YIELD_AFTER: Duration = Duration::from_secs(10);
 

@@ -40,6 +40,12 @@ struct ViewState {
     placement_note: Option<String>,
     /// The configuration can never fit: the daemon refuses to start.
     refusal: Option<ConfigError>,
+    /// The last NVML read failed: `inventory` is an older snapshot, its
+    /// processes maybe gone.
+    read_failed: bool,
+    /// NVML's pids are this process's PID namespace's (the host's): only
+    /// then can a GPU process be told siesta's or someone else's.
+    pids_here: bool,
 }
 
 /// Inventory, P2P and placement.
@@ -184,6 +190,8 @@ impl GpuView {
                 placements: Vec::new(),
                 placement_note: None,
                 refusal: None,
+                read_failed: false,
+                pids_here: foreign::host_pid_namespace(),
             }),
             source: Mutex::new(source),
             policy: policy_of(config),
@@ -376,6 +384,7 @@ impl GpuView {
         let mut st = self.state.lock().unwrap();
         st.inventory = inventory;
         st.read_at = Instant::now();
+        st.pids_here = true;
     }
 
     /// Every placement (empty when placement failed).
@@ -428,8 +437,12 @@ impl GpuView {
             Some(inv) if inv.gpus.is_empty() && !st.inventory.gpus.is_empty() => {
                 // Keep the last good snapshot; say why it is old.
                 st.inventory.note = inv.note;
+                st.read_failed = true;
             }
-            Some(inv) => st.inventory = inv,
+            Some(inv) => {
+                st.inventory = inv;
+                st.read_failed = false;
+            }
             None => {}
         }
     }
@@ -499,8 +512,20 @@ impl GpuView {
         )
     }
 
+    /// Every model's placement and every GPU's budget, memory held by
+    /// processes siesta does not run included (NVML).
     pub fn placement(&self, models: &[ModelStatus]) -> PlacementReport {
         let foreign = self.foreign(models);
+        self.report(models, foreign)
+    }
+
+    /// [`Self::placement`] for a few models' own placement (`GetModel`):
+    /// no NVML read, the budgets count siesta's models only.
+    pub fn placement_of(&self, models: &[ModelStatus]) -> PlacementReport {
+        self.report(models, BTreeMap::new())
+    }
+
+    fn report(&self, models: &[ModelStatus], foreign: BTreeMap<u32, Foreign>) -> PlacementReport {
         let st = self.state.lock().unwrap();
         let mut machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
         machine.foreign = foreign;

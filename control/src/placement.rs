@@ -94,6 +94,9 @@ pub struct Foreign {
     pub bytes: u64,
     /// (pid, bytes) of each such process, largest first.
     pub processes: Vec<(u32, u64)>,
+    /// Of what they hold, what was taken for attached engines' own (their
+    /// pids unknown, they may be among these processes).
+    pub attached_bytes: u64,
 }
 
 impl Foreign {
@@ -108,7 +111,14 @@ impl Foreign {
         if self.processes.len() > 3 {
             parts.push(format!("{} more", self.processes.len() - 3));
         }
-        parts.join(", ")
+        let mut s = parts.join(", ");
+        if self.attached_bytes > 0 {
+            s += &format!(
+                " (less {} taken for attached engines)",
+                gib(self.attached_bytes)
+            );
+        }
+        s
     }
 }
 

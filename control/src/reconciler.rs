@@ -36,7 +36,7 @@ pub struct ProxyLoad {
 
 /// How long a wake may wait for room on its GPUs (see the constant in
 /// `config`, which bounds `yield_after` by it).
-pub use crate::config::ROOM_WAIT;
+pub use crate::config::{NO_ROOM, ROOM_WAIT};
 
 /// How long the checkpoint helper may take to suspend an engine: it copies
 /// the whole GPU allocation to host memory (about 2 GB/s measured on an

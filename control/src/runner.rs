@@ -535,6 +535,7 @@ impl Runner {
     fn apply(&mut self, event: Event) {
         let now = Instant::now();
         let epoch = self.state.epoch;
+        let error_before = self.state.last_error.clone();
         let (state, effects) = step(self.state.clone(), event, now);
         self.state = state;
         self.frozen.store(
@@ -551,7 +552,10 @@ impl Runner {
         }
         if self.state.epoch != epoch {
             // Results of the old epoch's operations would be ignored anyway.
-            self.facts.waiting_for.clear();
+            let waited_for = std::mem::take(&mut self.facts.waiting_for);
+            if let Some(e) = no_room_why(&error_before, &self.state.last_error, &waited_for) {
+                self.state.last_error = Some(e);
+            }
             for op in self.ops.drain(..) {
                 op.abort();
             }
@@ -654,6 +658,19 @@ impl Runner {
 /// `SWEEP_DEADLINE` more for the rest of its group to be gone.
 const SPAWN_END_WAIT: Duration =
     Duration::from_secs(15).saturating_add(crate::supervisor::SWEEP_DEADLINE);
+
+/// A wait for room given up in this step (`before` → `after`): its error
+/// with what admission last said it waited for (its models, or processes
+/// siesta does not run), which the reconciler cannot know.
+fn no_room_why(
+    before: &Option<String>,
+    after: &Option<String>,
+    waited_for: &str,
+) -> Option<String> {
+    let e = after.as_deref()?;
+    (!waited_for.is_empty() && after != before && e.starts_with(crate::reconciler::NO_ROOM))
+        .then(|| format!("{e}; it waited for {waited_for}"))
+}
 
 #[cfg(test)]
 pub(crate) mod tests;

@@ -14,7 +14,7 @@
 #   crowded-start-says-why: the failed `siesta wake --wait` and `last_error` say why in
 #     vLLM's own words (`ValueError: Free memory on device ...`), not only "exit status: 1".
 #   crowded-wake-says-why: the wake runs out of memory, and siesta says so.
-# About two minutes.
+# About three minutes.
 set -uo pipefail
 : "${D:?}" "${RUN:?}" "${B:?}" "${EXE:?}" "${MODEL:?}" "${LOCAL:?}"
 source "$D/lib.sh"
@@ -38,7 +38,10 @@ print("held", flush=True)
 time.sleep(600)' "$1" >"$RUN/logs/holder-$1.log" 2>&1 &
         HOLDER=$!
         local end=$((SECONDS + 120))
-        until grep -q held "$RUN/logs/holder-$1.log" 2>/dev/null || [ $SECONDS -ge $end ]; do sleep 0.5; done
+        until grep -q held "$RUN/logs/holder-$1.log" 2>/dev/null || ! kill -0 "$HOLDER" 2>/dev/null ||
+            [ $SECONDS -ge $end ]; do sleep 0.5; done
+        grep -q held "$RUN/logs/holder-$1.log" 2>/dev/null ||
+            log "the holder did not take $1 GiB: $(tail -3 "$RUN/logs/holder-$1.log" 2>/dev/null)"
     fi
     log "holder pid $HOLDER holds $1 GiB; GPU memory used: $(gpu_used_mib) MiB"
 }

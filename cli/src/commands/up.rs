@@ -235,7 +235,7 @@ async fn list_models(control_url: &str, token: Option<&str>) -> Option<Vec<pb::M
 /// answers, and whenever the stream breaks, the Watch is opened again
 /// after the last revision printed, with capped backoff. `listed`: the
 /// banner listed the models; if it could not, the first snapshot is
-/// printed.
+/// printed (a later one, after a break that lost history, always is).
 async fn print_events(
     control_url: String,
     token: Option<String>,
@@ -260,10 +260,12 @@ async fn print_events(
                 backoff = watch::BACKOFF_MIN;
                 since = ev.revision;
                 let lines = text.lines(&ev);
+                // The first snapshot repeats the banner's list; a later
+                // one (history lost during a break) says what changed.
                 let print = match ev.kind {
                     Some(pb::watch_event::Kind::Model(_)) => true,
                     Some(pb::watch_event::Kind::Snapshot(_)) => {
-                        !std::mem::replace(&mut listed, true)
+                        !std::mem::replace(&mut listed, false)
                     }
                     _ => false,
                 };
@@ -299,8 +301,12 @@ async fn open_watch(
 ) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
     let conn = Conn::connect(control_url, token)
         .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
-    watch::open(&conn, since, &(String::new(), 0)).await
+        .map_err(|e| match e {
+            // A bad address or token: no retry cures it.
+            Failure::Usage(m) => tonic::Status::invalid_argument(m),
+            e => tonic::Status::unavailable(e.to_string()),
+        })?;
+    watch::open(&conn, since, &(String::new(), 0), "siesta up").await
 }
 
 /// One half ended before Ctrl-C: that is a failure unless shutdown had begun.

@@ -36,7 +36,7 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
     let mut backoff = BACKOFF_MIN;
     let mut connected_once = false;
     loop {
-        let why = match open(&conn, since, &incarnation).await {
+        let why = match open(&conn, since, &incarnation, "siesta watch").await {
             Ok(mut events) => {
                 if connected_once {
                     eprintln!("siesta watch: reconnected to {}", conn.url);
@@ -104,11 +104,12 @@ pub(super) async fn open(
     conn: &Conn,
     since: u64,
     of: &Incarnation,
+    client_id: &str,
 ) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
     let mut client = conn.client.clone();
     let req = pb::WatchRequest {
         since_revision: since,
-        client_id: "siesta watch".into(),
+        client_id: client_id.into(),
         incarnation: of.1,
     };
     match tokio::time::timeout(RPC_TIMEOUT, client.watch(req)).await {

@@ -10,15 +10,28 @@ use super::{GpuView, pgid_of, runtime};
 use crate::gpu::{Inventory, InventorySource};
 use crate::placement::{Foreign, Machine, budgets};
 use crate::status::ModelStatus;
+use crate::supervisor::{STATE_ENV, procfs, state_marker};
 use std::collections::{BTreeMap, BTreeSet};
+
+/// Whose a process NVML lists on a GPU is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Whose {
+    /// One of siesta's engines (or their workers).
+    Siesta,
+    /// Someone else's.
+    Other,
+    /// Not seen from here (another PID namespace): left out.
+    Unseen,
+}
 
 impl GpuView {
     /// What processes siesta does not run hold on each GPU now (NVML, read
-    /// again when over a second old; empty without NVML).
+    /// again when over a second old; empty without NVML, after a failed
+    /// read, or outside the host's PID namespace).
     pub(crate) fn foreign(&self, models: &[ModelStatus]) -> BTreeMap<u32, Foreign> {
         self.refresh_inventory();
         let st = self.state.lock().unwrap();
-        if st.inventory.source != InventorySource::Nvml {
+        if st.inventory.source != InventorySource::Nvml || st.read_failed || !st.pids_here {
             return BTreeMap::new();
         }
         // Attached engines' processes are not siesta's children: it knows
@@ -45,37 +58,66 @@ impl GpuView {
                 .collect()
         };
         let engines: BTreeSet<u32> = models.iter().filter_map(|m| m.pid).collect();
-        foreign_use(&st.inventory, &engines, &attached_use, pgid_of)
+        let marker = state_marker(&self.state_dir);
+        let whose = |pid: u32| {
+            if engines.contains(&pid) {
+                return Whose::Siesta;
+            }
+            match pgid_of(pid) {
+                None => Whose::Unseen,
+                Some(group) if engines.contains(&group) => Whose::Siesta,
+                // A worker that left its engine's group (`setsid`) still
+                // carries the state directory siesta spawned it for.
+                Some(_) if procfs::carries_env(pid, STATE_ENV, &marker) == Some(true) => {
+                    Whose::Siesta
+                }
+                Some(_) => Whose::Other,
+            }
+        };
+        foreign_use(&st.inventory, &attached_use, whose)
     }
 }
 
-/// Per GPU of `inventory`, the memory of processes that are none of
-/// `engines` (process group leaders) nor in their groups, less what
-/// attached engines hold there (`attached`). A process `pgid_of` cannot
-/// see (another PID namespace: a container sees the host's pids in NVML)
-/// is left out: it may be one of siesta's own engines.
+/// Whether this process runs in the host's PID namespace, whose pids NVML
+/// lists. In a container without it (a Kubernetes pod without `hostPID`)
+/// NVML's pids name other processes here, or none: memory of processes
+/// siesta does not run is then not counted (it could be its own engines').
+pub(crate) fn host_pid_namespace() -> bool {
+    /// The initial PID namespace's inode (`PROC_PID_INIT_INO`).
+    const INIT: &str = "pid:[4026531836]";
+    std::fs::read_link("/proc/self/ns/pid").is_ok_and(|l| l.as_os_str() == INIT)
+}
+
+/// Per GPU of `inventory`, the memory of the processes `whose` says are
+/// someone else's, less what attached engines hold there (`attached`).
 pub(crate) fn foreign_use(
     inventory: &Inventory,
-    engines: &BTreeSet<u32>,
     attached: &BTreeMap<u32, u64>,
-    pgid_of: impl Fn(u32) -> Option<u32>,
+    whose: impl Fn(u32) -> Whose,
 ) -> BTreeMap<u32, Foreign> {
     let mut out = BTreeMap::new();
     for g in &inventory.gpus {
         let mut processes: Vec<(u32, u64)> = g
             .processes
             .iter()
-            .filter(|p| !engines.contains(&p.pid))
-            .filter(|p| pgid_of(p.pid).is_some_and(|group| !engines.contains(&group)))
+            .filter(|p| whose(p.pid) == Whose::Other)
             .map(|p| (p.pid, p.used_bytes))
             .collect();
         let sum: u64 = processes.iter().map(|(_, b)| b).sum();
-        let bytes = sum.saturating_sub(attached.get(&g.index).copied().unwrap_or(0));
+        let taken = attached.get(&g.index).copied().unwrap_or(0).min(sum);
+        let bytes = sum - taken;
         if bytes == 0 {
             continue;
         }
         processes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        out.insert(g.index, Foreign { bytes, processes });
+        out.insert(
+            g.index,
+            Foreign {
+                bytes,
+                processes,
+                attached_bytes: taken,
+            },
+        );
     }
     out
 }

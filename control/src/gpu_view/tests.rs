@@ -484,13 +484,13 @@ fn start_up_places_recorded_engines_where_they_run() {
     );
 }
 
-/// What counts as held by processes siesta does not run: not an engine's
-/// process nor one in its group (TP workers), not a process of another PID
-/// namespace (it may be an engine seen by its host pid), and less what an
-/// attached engine (no pid known) holds on that GPU.
+/// What counts as held by processes siesta does not run: only processes
+/// `whose` says are someone else's (not an engine's, not in its group, not
+/// carrying its state directory, seen in this PID namespace), less what an
+/// attached engine (no pid known) holds on that GPU, which the message says.
 #[test]
 fn foreign_memory_is_what_no_engine_of_siesta_holds() {
-    use super::foreign::foreign_use;
+    use super::foreign::{Whose, foreign_use};
     use crate::gpu::{GpuInfo, GpuProcessInfo, Inventory, InventorySource};
     let gpu = |index: u32, procs: &[(u32, u64)]| {
         let mut g = GpuInfo::from_spec(&crate::gpu::GpuSpec {
@@ -504,8 +504,8 @@ fn foreign_memory_is_what_no_engine_of_siesta_holds() {
             .collect();
         g
     };
-    // Engine 10 with its TP worker 11 (group 10); 20 and 21 are someone
-    // else's; 30 is not in this PID namespace.
+    // 10 and 11 are siesta's (an engine and its worker); 20 and 21 are
+    // someone else's; 30 is not seen here.
     let inv = Inventory {
         source: InventorySource::Nvml,
         gpus: vec![
@@ -515,14 +515,13 @@ fn foreign_memory_is_what_no_engine_of_siesta_holds() {
         ],
         note: None,
     };
-    let group = |pid: u32| match pid {
-        10 | 11 => Some(10),
-        20 | 21 => Some(20),
-        _ => None,
+    let whose = |pid: u32| match pid {
+        10 | 11 => Whose::Siesta,
+        20 | 21 => Whose::Other,
+        _ => Whose::Unseen,
     };
-    let engines = [10].into_iter().collect();
     let attached = [(2, 36u64 << 30)].into_iter().collect();
-    let f = foreign_use(&inv, &engines, &attached, group);
+    let f = foreign_use(&inv, &attached, whose);
     assert_eq!(f[&0].bytes, 21 << 30);
     assert_eq!(f[&0].processes, [(21, 20 << 30), (20, 1 << 30)]);
     assert_eq!(f[&0].describe(), "pid 21 (20.0 GiB), pid 20 (1.0 GiB)");
@@ -531,8 +530,57 @@ fn foreign_memory_is_what_no_engine_of_siesta_holds() {
     // taken for the attached engine's.
     assert!(!f.contains_key(&2), "{f:?}");
     let attached = [(2, 10u64 << 30)].into_iter().collect();
+    let f = foreign_use(&inv, &attached, whose);
+    assert_eq!(f[&2].bytes, 20 << 30);
     assert_eq!(
-        foreign_use(&inv, &engines, &attached, group)[&2].bytes,
-        20 << 30
+        f[&2].describe(),
+        "pid 20 (30.0 GiB) (less 10.0 GiB taken for attached engines)"
     );
+}
+
+/// Through the view: an engine's worker that left its group (`setsid`)
+/// but carries the state directory siesta spawned it for is siesta's; this
+/// test's own process is someone else's; after a failed NVML read nothing
+/// is counted (the processes listed may be gone).
+#[test]
+fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_nothing() {
+    use crate::gpu::{GpuInfo, GpuProcessInfo, Inventory, InventorySource};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = two_gpus(dir.path(), "");
+    let view = GpuView::detect(&cfg, &Default::default());
+    let marker = crate::supervisor::state_marker(dir.path());
+    use std::os::unix::process::CommandExt;
+    let mut worker = std::process::Command::new("sleep")
+        .arg("30")
+        .env(crate::supervisor::STATE_ENV, &marker)
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let me = std::process::id();
+    let mut g = GpuInfo::from_spec(&crate::gpu::GpuSpec {
+        index: 0,
+        name: "g".into(),
+        memory_bytes: 80 << 30,
+    });
+    g.processes = vec![
+        GpuProcessInfo {
+            pid: worker.id(),
+            used_bytes: 30 << 30,
+        },
+        GpuProcessInfo {
+            pid: me,
+            used_bytes: 5 << 30,
+        },
+    ];
+    view.set_inventory(Inventory {
+        source: InventorySource::Nvml,
+        gpus: vec![g],
+        note: None,
+    });
+    let f = view.foreign(&[]);
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    assert_eq!(f[&0].processes, [(me, 5 << 30)], "{f:?}");
+    view.state.lock().unwrap().read_failed = true;
+    assert!(view.foreign(&[]).is_empty());
 }

@@ -479,6 +479,7 @@ fn the_budget_counts_what_other_processes_hold() {
         crate::placement::Foreign {
             bytes: 30 * GIB,
             processes: vec![(4242, 30 * GIB)],
+            attached_bytes: 0,
         },
     );
     let b = &budgets(&machine, &[], &BTreeMap::new(), &Policy::default())[0];

@@ -141,9 +141,9 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             // No room within ROOM_WAIT: nothing was spawned, so nothing
             // failed; the model stays stopped until the next request.
             let error = format!(
-                "no room on its GPUs within {ROOM_WAIT:?}: the models holding them stayed busy \
-                 or pinned (`siesta placement` shows who holds what); the engine was not \
-                 started and the next request tries again"
+                "{NO_ROOM} {ROOM_WAIT:?}: the models holding them stayed busy or pinned, or \
+                 processes siesta does not run kept their memory (`siesta placement` shows who \
+                 holds what); the engine was not started and the next request tries again"
             );
             fx.push(Effect::Log(format!("start gave up: {error}")));
             fx.push(Effect::ReleaseStartLock);
@@ -166,9 +166,9 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         } => {
             // No room within ROOM_WAIT: the engine stays asleep, unharmed.
             let error = format!(
-                "no room on its GPUs within {ROOM_WAIT:?}: the models holding them stayed busy \
-                 or pinned (`siesta placement` shows who holds what); the engine stays asleep \
-                 and the next request tries again"
+                "{NO_ROOM} {ROOM_WAIT:?}: the models holding them stayed busy or pinned, or \
+                 processes siesta does not run kept their memory (`siesta placement` shows who \
+                 holds what); the engine stays asleep and the next request tries again"
             );
             fx.push(Effect::Log(format!("wake gave up: {error}")));
             m.last_error = Some(error);
@@ -211,9 +211,9 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         } => {
             // No room within ROOM_WAIT: the engine stays suspended, unharmed.
             let error = format!(
-                "no room on its GPUs within {ROOM_WAIT:?} to restore it: the models holding \
-                 them stayed busy or pinned; the engine stays suspended and the next request \
-                 tries again"
+                "{NO_ROOM} {ROOM_WAIT:?} to restore it: the models holding them stayed busy or \
+                 pinned, or processes siesta does not run kept their memory; the engine stays \
+                 suspended and the next request tries again"
             );
             fx.push(Effect::Log(format!("resume gave up: {error}")));
             m.last_error = Some(error);

@@ -408,3 +408,23 @@ gpus = 0
     cancel.cancel();
     h.join().await;
 }
+
+/// A wait for room given up says what it waited for, as admission last
+/// told it (the reconciler's error cannot know whether models or processes
+/// siesta does not run held the room); other errors, an error not new in
+/// this step, or nothing told, are left as they are.
+#[test]
+fn a_wait_for_room_given_up_says_what_it_waited_for() {
+    let no_room = Some(format!("{} 300s: ...", crate::reconciler::NO_ROOM));
+    let told =
+        "room on GPU 0: ... held by 98.5 GiB by processes siesta does not run: pid 833 (98.5 GiB)";
+    let e = no_room_why(&None, &no_room, told).unwrap();
+    assert!(e.ends_with(&format!("; it waited for {told}")), "{e}");
+    assert_eq!(no_room_why(&no_room, &no_room, told), None);
+    assert_eq!(no_room_why(&None, &no_room, ""), None);
+    assert_eq!(
+        no_room_why(&None, &Some("start timed out".into()), told),
+        None
+    );
+    assert_eq!(no_room_why(&None, &None, told), None);
+}
