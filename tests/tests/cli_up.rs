@@ -79,7 +79,17 @@ fn spawn_up(tmp: &std::path::Path, addr_file: &std::path::Path) -> Up {
 
 /// [`spawn_up`] with more arguments (a `--config`).
 fn spawn_up_with(tmp: &std::path::Path, addr_file: &std::path::Path, args: &[&str]) -> Up {
-    let mut cmd = Command::new(bin_path("siesta"));
+    spawn_up_of(&bin_path("siesta"), tmp, addr_file, args)
+}
+
+/// [`spawn_up_with`] running the `siesta` binary at `siesta`.
+fn spawn_up_of(
+    siesta: &std::path::Path,
+    tmp: &std::path::Path,
+    addr_file: &std::path::Path,
+    args: &[&str],
+) -> Up {
+    let mut cmd = Command::new(siesta);
     cmd.args([
         "up",
         "--listen",
@@ -540,27 +550,12 @@ async fn up_prints_the_models_and_their_changes_once_a_slow_control_plane_serves
     )
     .unwrap();
     let addr_file = dir.path().join("up.addr");
-    let mut cmd = Command::new(bin.join("siesta"));
-    cmd.args([
-        "up",
-        "--listen",
-        "127.0.0.1:0",
-        "--control-listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--config",
-    ])
-    .arg(&config)
-    .arg("--addr-file")
-    .arg(&addr_file)
-    .env("TMPDIR", dir.path())
-    .env("SIESTA_TEST_TAG", dir.path())
-    .env_remove("SIESTA_TOKEN");
-    let mut up = Up {
-        child: Child::spawn("siesta-up", cmd),
-        tag: format!("SIESTA_TEST_TAG={}", dir.path().display()),
-    };
+    let mut up = spawn_up_of(
+        &bin.join("siesta"),
+        dir.path(),
+        &addr_file,
+        &["--config", config.to_str().unwrap()],
+    );
     let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
     let http = addrs[0];
     let banner = up

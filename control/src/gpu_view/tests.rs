@@ -232,19 +232,7 @@ async fn admission_hands_the_current_p2p_switch_to_the_next_start() {
 
 #[test]
 fn an_engines_residual_is_the_memory_of_its_process_group_per_gpu() {
-    use crate::gpu::{GpuInfo, GpuProcessInfo, Inventory, InventorySource};
-    let gpu = |index: u32, procs: &[(u32, u64)]| {
-        let mut g = GpuInfo::from_spec(&crate::gpu::GpuSpec {
-            index,
-            name: "g".into(),
-            memory_bytes: 80 << 30,
-        });
-        g.processes = procs
-            .iter()
-            .map(|&(pid, used_bytes)| GpuProcessInfo { pid, used_bytes })
-            .collect();
-        g
-    };
+    use crate::gpu::{Inventory, InventorySource};
     // TP=2: the workers (pids 11, 12) are in the engine's group 10; 20 is
     // another engine.
     let inv = Inventory {
@@ -491,19 +479,7 @@ fn start_up_places_recorded_engines_where_they_run() {
 #[test]
 fn foreign_memory_is_what_no_engine_of_siesta_holds() {
     use super::foreign::{Whose, foreign_use};
-    use crate::gpu::{GpuInfo, GpuProcessInfo, Inventory, InventorySource};
-    let gpu = |index: u32, procs: &[(u32, u64)]| {
-        let mut g = GpuInfo::from_spec(&crate::gpu::GpuSpec {
-            index,
-            name: "g".into(),
-            memory_bytes: 80 << 30,
-        });
-        g.processes = procs
-            .iter()
-            .map(|&(pid, used_bytes)| GpuProcessInfo { pid, used_bytes })
-            .collect();
-        g
-    };
+    use crate::gpu::{Inventory, InventorySource};
     // 10 and 11 are siesta's (an engine and its worker); 20 and 21 are
     // someone else's; 30 is not seen here.
     let inv = Inventory {
@@ -544,7 +520,7 @@ fn foreign_memory_is_what_no_engine_of_siesta_holds() {
 /// is counted (the processes listed may be gone).
 #[test]
 fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_nothing() {
-    use crate::gpu::{GpuInfo, GpuProcessInfo, Inventory, InventorySource};
+    use crate::gpu::{Inventory, InventorySource};
     let dir = tempfile::tempdir().unwrap();
     let cfg = two_gpus(dir.path(), "");
     let view = GpuView::detect(&cfg, &Default::default());
@@ -557,24 +533,9 @@ fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_nothing() {
         .spawn()
         .unwrap();
     let me = std::process::id();
-    let mut g = GpuInfo::from_spec(&crate::gpu::GpuSpec {
-        index: 0,
-        name: "g".into(),
-        memory_bytes: 80 << 30,
-    });
-    g.processes = vec![
-        GpuProcessInfo {
-            pid: worker.id(),
-            used_bytes: 30 << 30,
-        },
-        GpuProcessInfo {
-            pid: me,
-            used_bytes: 5 << 30,
-        },
-    ];
     view.set_inventory(Inventory {
         source: InventorySource::Nvml,
-        gpus: vec![g],
+        gpus: vec![gpu(0, &[(worker.id(), 30 << 30), (me, 5 << 30)])],
         note: None,
     });
     let f = view.foreign(&[]);
@@ -583,4 +544,18 @@ fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_nothing() {
     assert_eq!(f[&0].processes, [(me, 5 << 30)], "{f:?}");
     view.state.lock().unwrap().read_failed = true;
     assert!(view.foreign(&[]).is_empty());
+}
+
+/// An 80 GiB GPU as NVML shows it, with (pid, bytes) processes on it.
+fn gpu(index: u32, procs: &[(u32, u64)]) -> crate::gpu::GpuInfo {
+    let mut g = crate::gpu::GpuInfo::from_spec(&crate::gpu::GpuSpec {
+        index,
+        name: "g".into(),
+        memory_bytes: 80 << 30,
+    });
+    g.processes = procs
+        .iter()
+        .map(|&(pid, used_bytes)| crate::gpu::GpuProcessInfo { pid, used_bytes })
+        .collect();
+    g
 }

@@ -139,6 +139,21 @@ impl Sim {
             }
         )
     }
+    /// From asleep at level 1 to level 2: a wake, then a sleep.
+    fn to_level_2(&mut self) {
+        self.ev(Event::Command(Command::Sleep(2)));
+        self.ev(Event::Admitted {
+            epoch: self.m.epoch,
+        });
+        self.wake_all();
+        self.ev(Event::FreeBegan {
+            epoch: self.m.epoch,
+        });
+        self.ev(Event::SleepDone {
+            epoch: self.m.epoch,
+        });
+        assert_eq!(self.m.phase, Phase::Asleep { level: 2 }, "{:?}", self.m);
+    }
     fn wake_all(&mut self) {
         while let Phase::Waking { step, .. } = self.m.phase {
             self.ev(Event::WakeBegan {
@@ -982,13 +997,7 @@ fn wake_deadline_counts_from_admission() {
 #[test]
 fn a_wakes_time_counts_only_while_its_calls_run() {
     let mut s = Sim::asleep_without_tiers();
-    s.ev(Event::Command(Command::Sleep(2)));
-    // From level 1 to 2 takes a wake and a sleep.
-    s.ev(Event::Admitted { epoch: s.m.epoch });
-    s.wake_all();
-    s.ev(Event::FreeBegan { epoch: s.m.epoch });
-    s.ev(Event::SleepDone { epoch: s.m.epoch });
-    assert_eq!(s.m.phase, Phase::Asleep { level: 2 }, "{:?}", s.m);
+    s.to_level_2();
     s.ev(Event::Command(Command::Wake));
     s.ev(Event::Admitted { epoch: s.m.epoch });
     let epoch = s.m.epoch;
@@ -1042,12 +1051,7 @@ fn a_wakes_time_counts_only_while_its_calls_run() {
 #[test]
 fn a_wakes_calibration_counts_its_calls_not_the_waits_between_them() {
     let mut s = Sim::asleep_without_tiers();
-    s.ev(Event::Command(Command::Sleep(2)));
-    s.ev(Event::Admitted { epoch: s.m.epoch });
-    s.wake_all();
-    s.ev(Event::FreeBegan { epoch: s.m.epoch });
-    s.ev(Event::SleepDone { epoch: s.m.epoch });
-    assert_eq!(s.m.phase, Phase::Asleep { level: 2 }, "{:?}", s.m);
+    s.to_level_2();
     s.ev(Event::Command(Command::Wake));
     s.ev(Event::Admitted { epoch: s.m.epoch });
     let epoch = s.m.epoch;
