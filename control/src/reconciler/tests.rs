@@ -140,7 +140,7 @@ impl Sim {
         )
     }
     /// From asleep at level 1 to level 2: a wake, then a sleep.
-    fn to_level_2(&mut self) {
+    fn sleep_to_level_2(&mut self) {
         self.ev(Event::Command(Command::Sleep(2)));
         self.ev(Event::Admitted {
             epoch: self.m.epoch,
@@ -997,7 +997,7 @@ fn wake_deadline_counts_from_admission() {
 #[test]
 fn a_wakes_time_counts_only_while_its_calls_run() {
     let mut s = Sim::asleep_without_tiers();
-    s.to_level_2();
+    s.sleep_to_level_2();
     s.ev(Event::Command(Command::Wake));
     s.ev(Event::Admitted { epoch: s.m.epoch });
     let epoch = s.m.epoch;
@@ -1051,7 +1051,7 @@ fn a_wakes_time_counts_only_while_its_calls_run() {
 #[test]
 fn a_wakes_calibration_counts_its_calls_not_the_waits_between_them() {
     let mut s = Sim::asleep_without_tiers();
-    s.to_level_2();
+    s.sleep_to_level_2();
     s.ev(Event::Command(Command::Wake));
     s.ev(Event::Admitted { epoch: s.m.epoch });
     let epoch = s.m.epoch;
