@@ -512,6 +512,11 @@ impl GpuView {
         )
     }
 
+    /// Whether the inventory comes from NVML (it moves on its own).
+    pub fn reads_nvml(&self) -> bool {
+        self.state.lock().unwrap().inventory.source == InventorySource::Nvml
+    }
+
     /// Every model's placement and every GPU's budget, memory held by
     /// processes siesta does not run included (NVML).
     pub fn placement(&self, models: &[ModelStatus]) -> PlacementReport {

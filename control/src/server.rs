@@ -327,8 +327,14 @@ async fn reload_on_sighup(
     }
 }
 
+/// How often the placement is republished with no model change, for the
+/// memory processes siesta does not run hold (NVML), which comes and goes
+/// on its own.
+const OTHERS_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Placement budgets follow the models' states: republish them (the hub
-/// drops unchanged ones) whenever a model's status changes.
+/// drops unchanged ones) whenever a model's status changes, and with NVML
+/// every [`OTHERS_EVERY`].
 async fn publish_placement_changes(
     hub: Arc<Hub>,
     gpus: Arc<GpuView>,
@@ -338,10 +344,17 @@ async fn publish_placement_changes(
     let Some(mut sub) = hub.subscribe(hub.revision()) else {
         return;
     };
+    let mut others = tokio::time::interval(OTHERS_EVERY);
+    others.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let nvml = gpus.reads_nvml();
     loop {
         let item = tokio::select! {
             _ = cancel.cancelled() => return,
             item = sub.next() => item,
+            _ = others.tick(), if nvml => {
+                hub.set_placement(gpus.placement(&models.list()));
+                continue;
+            }
         };
         match item.map(|i| matches!(i.body, Body::Model(_) | Body::ModelRemoved(_))) {
             None => return,
