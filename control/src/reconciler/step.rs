@@ -585,14 +585,18 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 } else {
                     // The wake's own time: its calls, not the waits for
                     // neighbours' sleeps between them (each call's
-                    // `WakeBegan` set the deadline to the time left).
+                    // `WakeBegan` set the deadline to the time left). Never
+                    // more than since its first call began (a reload may
+                    // have changed the wake timeout meanwhile).
+                    let since_first = now - m.transition_start;
                     let took = match left {
                         None if admitted => m
                             .settings
                             .timeouts
                             .wake
-                            .saturating_sub(deadline.saturating_duration_since(now)),
-                        _ => now - m.transition_start,
+                            .saturating_sub(deadline.saturating_duration_since(now))
+                            .min(since_first),
+                        _ => since_first,
                     };
                     m.calibration.wake_mut(from_level).add(took);
                     fx.push(Effect::Log(format!(
