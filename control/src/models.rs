@@ -411,11 +411,7 @@ impl Models {
                 let intent = format!("{:?} ({:?})", i.desired, i.reason).to_lowercase();
                 format!("the wake was called off: the intent is now {intent}{why}")
             }
-            Err(_) => format!(
-                "still {:?} after {timeout:?}; the wake goes on",
-                status.state
-            )
-            .to_lowercase(),
+            Err(_) => still_waking(&status, timeout),
         };
         Ok((status, msg))
     }
@@ -779,6 +775,17 @@ fn account(before: &ModelStatus, after: &ModelStatus, cmd: Command) -> String {
             )
         }
         _ => state,
+    }
+}
+
+/// What a waited wake that ran out of time says: the state, and what the
+/// model waits for if anything (room held by other models or by processes
+/// siesta does not run, a neighbour's turn on its GPUs).
+fn still_waking(status: &ModelStatus, timeout: Duration) -> String {
+    let state = format!("{:?}", status.state).to_lowercase();
+    match status.waiting_for.as_deref().filter(|w| !w.is_empty()) {
+        Some(w) => format!("still {state} after {timeout:?}, waiting for {w}; the wake goes on"),
+        None => format!("still {state} after {timeout:?}; the wake goes on"),
     }
 }
 

@@ -447,3 +447,28 @@ async fn a_waited_wake_cut_short_by_shutdown_says_so() {
         .unwrap();
     assert!(matches!(r, Err(OpError::ShuttingDown)), "{r:?}");
 }
+
+/// A waited wake that runs out of time says what the model waits for (the
+/// room processes siesta does not run hold, say), not only its state.
+#[tokio::test]
+async fn a_waited_wake_out_of_time_says_what_the_model_waits_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, cancel) = boot(&sleeper("m", "none", "", "1s"), shared(dir.path()));
+    let mut s = models.status("m").unwrap();
+    s.state = State::Starting;
+    s.waiting_for = Some(
+        "room on GPU 0: ... held by 98.5 GiB by processes siesta does not run: pid 833 (98.5 GiB)"
+            .into(),
+    );
+    assert_eq!(
+        super::still_waking(&s, Duration::from_secs(15)),
+        "still starting after 15s, waiting for room on GPU 0: ... held by 98.5 GiB by \
+         processes siesta does not run: pid 833 (98.5 GiB); the wake goes on"
+    );
+    s.waiting_for = None;
+    assert_eq!(
+        super::still_waking(&s, Duration::from_secs(15)),
+        "still starting after 15s; the wake goes on"
+    );
+    cancel.cancel();
+}
