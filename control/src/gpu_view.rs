@@ -476,13 +476,7 @@ impl GpuView {
     }
 
     /// Whether `target` fits awake now (models without a placement or GPUs
-    /// always do).
-    pub fn plan_wake(&self, target: &str, models: &[ModelStatus]) -> WakePlan {
-        let foreign = self.foreign(models);
-        self.plan_wake_in(target, &runtime(models), false, &foreign)
-    }
-
-    /// [`Self::plan_wake`] given each model's run time as admission sees
+    /// always do), given each model's run time as admission sees
     /// it; `yield_busy`: busy models whose turn is over may be victims;
     /// `foreign`: what processes siesta does not run hold ([`Self::foreign`]).
     pub(crate) fn plan_wake_in(

@@ -74,33 +74,26 @@ min_awake = "0s"
 idle = []
 start_timeout = "2m"
 
-[[model]]
-name = "a"
-model = "fake/a"
-executable = "$BIN/fake-vllm"
-gpus = 1
-gpu_ids = [0]
-gpu_memory = 0.45
-args = ["--gpu-memory", "$((A_GIB << 30))"]
-
-[[model]]
-name = "b"
-model = "fake/b"
-executable = "$BIN/fake-vllm"
-gpus = 1
-gpu_ids = [0]
-gpu_memory = 0.45
-args = ["--gpu-memory", "$((A_GIB << 30))"]
-
-[[model]]
-name = "big"
-model = "fake/big"
-executable = "$BIN/fake-vllm"
-gpus = 1
-gpu_ids = [0]
-gpu_memory = 0.5
-args = ["--gpu-memory", "$((BIG_GIB << 30))"]
 TOML
+# model NAME SHARE GIB: a fake-vllm engine on GPU 0 holding GIB of real memory awake.
+model() {
+    cat <<TOML
+
+[[model]]
+name = "$1"
+model = "fake/$1"
+executable = "$BIN/fake-vllm"
+gpus = 1
+gpu_ids = [0]
+gpu_memory = $2
+args = ["--gpu-memory", "$(($3 << 30))"]
+TOML
+}
+{
+    model a 0.45 "$A_GIB"
+    model b 0.45 "$A_GIB"
+    model big 0.5 "$BIG_GIB"
+} >>"$W/siesta.toml"
 "$BIN/siesta" up --config "$W/siesta.toml" --listen 127.0.0.1:0 --control-listen 127.0.0.1:0 \
     --admin-listen 127.0.0.1:0 --addr-file "$W/up.addr" >"$W/up.log" 2>&1 &
 UP=$!

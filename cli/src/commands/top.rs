@@ -200,7 +200,7 @@ async fn watch_feed(conn: Conn, tx: mpsc::Sender<Feed>) {
                     since = 0;
                 }
                 let of = incarnation.insert(now);
-                match watch::open(&conn, since, of, "siesta watch").await {
+                match watch::open(&conn, since, of, "siesta top").await {
                     Err(s) => s.message().to_string(),
                     Ok(mut events) => {
                         if tx.send(Feed::Live).await.is_err() {

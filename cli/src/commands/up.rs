@@ -10,7 +10,6 @@ use siesta_control::{ServeOptions, Server, StopBound};
 use siesta_proto::v1 as pb;
 use siesta_proxy::{Proxy, ProxyConfig};
 use tokio::task::JoinHandle;
-use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::watch::{self, TextWatch};
@@ -231,82 +230,51 @@ async fn list_models(control_url: &str, token: Option<&str>) -> Option<Vec<pb::M
 /// Prints model changes as `siesta watch` does, until shutdown.
 ///
 /// The control plane may take a while before it serves (GPU detection, a
-/// P2P probe of many GPUs, recovering the last run's engines): until it
-/// answers, and whenever the stream breaks, the Watch is opened again
-/// after the last revision printed, with capped backoff. `listed`: the
-/// banner listed the models; if it could not, the first snapshot is
-/// printed (a later one, after a break that lost history, always is).
+/// P2P probe of many GPUs, recovering the last run's engines): the Watch
+/// is kept patiently ([`watch::follow`]). `listed`: the banner listed the
+/// models, so the first snapshot is not printed (a later one, after a
+/// break that lost history, is).
 async fn print_events(
     control_url: String,
     token: Option<String>,
     mut listed: bool,
     shutdown: CancellationToken,
 ) {
+    let conn = match Conn::connect(&control_url, token.as_deref()).await {
+        Ok(conn) => conn,
+        Err(e) => {
+            eprintln!("siesta: model changes will not be shown: {e}");
+            return;
+        }
+    };
     let mut text = TextWatch::changes_only();
-    let mut since = 0;
-    let mut backoff = watch::BACKOFF_MIN;
-    loop {
-        let opened = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            o = open_watch(&control_url, token.as_deref(), since) => o,
+    let how = watch::Follow {
+        client_id: "siesta up",
+        patient: true,
+        say: false,
+    };
+    let followed = watch::follow(&conn, how, |ev| {
+        let lines = text.lines(&ev);
+        let print = match ev.kind {
+            Some(pb::watch_event::Kind::Model(_)) => true,
+            Some(pb::watch_event::Kind::Snapshot(_)) => !std::mem::replace(&mut listed, false),
+            _ => false,
         };
-        match opened {
-            Ok(mut events) => loop {
-                let ev = tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    ev = events.next() => ev,
-                };
-                let Some(Ok(ev)) = ev else { break };
-                backoff = watch::BACKOFF_MIN;
-                since = ev.revision;
-                let lines = text.lines(&ev);
-                // The first snapshot repeats the banner's list; a later
-                // one (history lost during a break) says what changed.
-                let print = match ev.kind {
-                    Some(pb::watch_event::Kind::Model(_)) => true,
-                    Some(pb::watch_event::Kind::Snapshot(_)) => {
-                        !std::mem::replace(&mut listed, false)
-                    }
-                    _ => false,
-                };
-                if print {
-                    for line in lines {
-                        println!("{line}");
-                    }
-                }
-            },
-            Err(status) if !watch::retryable(&status) => {
-                eprintln!(
-                    "siesta: model changes will not be shown: {}",
-                    status.message()
-                );
-                return;
+        if print {
+            for line in lines {
+                println!("{line}");
             }
-            Err(_) => {}
         }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            () = tokio::time::sleep(backoff) => {}
+        Ok(())
+    });
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        r = followed => {
+            if let Err(e) = r {
+                eprintln!("siesta: model changes will not be shown: {e}");
+            }
         }
-        backoff = (backoff * 2).min(watch::BACKOFF_MAX);
     }
-}
-
-/// A Watch of the control plane after revision `since` (of this run: `up`'s
-/// control plane does not restart under it).
-async fn open_watch(
-    control_url: &str,
-    token: Option<&str>,
-    since: u64,
-) -> Result<tonic::Streaming<pb::WatchEvent>, tonic::Status> {
-    let conn = Conn::connect(control_url, token)
-        .await
-        .map_err(|e| match e {
-            // A bad address or token: no retry cures it.
-            Failure::Usage(m) => tonic::Status::invalid_argument(m),
-            e => tonic::Status::unavailable(e.to_string()),
-        })?;
-    watch::open(&conn, since, &(String::new(), 0), "siesta up").await
 }
 
 /// One half ended before Ctrl-C: that is a failure unless shutdown had begun.

@@ -16,29 +16,81 @@ use crate::render;
 pub use crate::view::EventView;
 
 /// First wait before reconnecting a watch that ended.
-pub(super) const BACKOFF_MIN: Duration = Duration::from_millis(200);
+const BACKOFF_MIN: Duration = Duration::from_millis(200);
 /// Longest wait between reconnection attempts.
-pub(super) const BACKOFF_MAX: Duration = Duration::from_secs(5);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// Which run of which control plane: revisions only compare within one.
 pub(super) type Incarnation = (String, i64);
 
-/// Prints events until interrupted. When the stream ends or breaks (the
-/// control plane restarted, the network went away) it reconnects with
-/// capped backoff and resumes after the last revision it printed; a
-/// restarted control plane (new revisions) or lost history gives a fresh
-/// snapshot, marked as a resync.
+/// Prints events until interrupted (see [`follow`]).
 pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
-    let mut incarnation = incarnation(&conn).await?;
     let mut text = TextWatch::default();
+    let how = Follow {
+        client_id: "siesta watch",
+        patient: false,
+        say: true,
+    };
+    follow(&conn, how, |ev| print(&ev, format, &mut text)).await
+}
+
+/// How [`follow`] keeps its Watch.
+pub(super) struct Follow<'a> {
+    pub client_id: &'a str,
+    /// Keep trying before the control plane first answers too (`up`: it
+    /// may take minutes to serve); else that is an error at once.
+    pub patient: bool,
+    /// Say on stderr when the stream is lost, found again, or resynced.
+    pub say: bool,
+}
+
+/// Hands every event to `each` until `each` fails or the control plane
+/// refuses (a token, an unknown method). When the stream ends or breaks
+/// (the control plane restarted, the network went away) it reconnects with
+/// capped backoff and resumes after the last revision seen; a restarted
+/// control plane (new revisions) or lost history gives a fresh snapshot,
+/// marked as a resync.
+pub(super) async fn follow(
+    conn: &Conn,
+    how: Follow<'_>,
+    mut each: impl FnMut(pb::WatchEvent) -> Result<(), Failure>,
+) -> Result<(), Failure> {
+    let mut incarnation: Option<Incarnation> = None;
     let mut since = 0;
     let mut resynced = false;
     let mut backoff = BACKOFF_MIN;
     let mut connected_once = false;
+    // A failure before the control plane ever answered ends it, unless patient.
+    let give_up = |status: &tonic::Status, connected_once: bool| {
+        !retryable(status) || (!how.patient && !connected_once)
+    };
     loop {
-        let why = match open(&conn, since, &incarnation, "siesta watch").await {
+        let now = match incarnation_now(conn).await {
+            Ok(now) => now,
+            Err(status) if give_up(&status, connected_once) => return Err(conn.err(status)),
+            Err(_) => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                continue;
+            }
+        };
+        if let Some(was) = &incarnation
+            && (*was != now.0 || now.1 < since)
+        {
+            // Another run of the control plane: its revisions are not ours.
+            if how.say {
+                eprintln!(
+                    "siesta watch: siesta-control at {} restarted; resyncing from a fresh snapshot",
+                    conn.url
+                );
+            }
+            since = 0;
+            resynced = true;
+        }
+        let of = incarnation.insert(now.0);
+        let why = match open(conn, since, of, how.client_id).await {
             Ok(mut events) => {
-                if connected_once {
+                if connected_once && how.say {
                     eprintln!("siesta watch: reconnected to {}", conn.url);
                 }
                 connected_once = true;
@@ -51,38 +103,22 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
                                 s.resync |= std::mem::take(&mut resynced);
                             }
                             since = ev.revision;
-                            print(&ev, format, &mut text)?;
+                            each(ev)?;
                         }
                         Some(Err(status)) => break status.message().to_owned(),
                         None => break "the control plane ended the stream".to_owned(),
                     }
                 }
             }
-            Err(status) if !retryable(&status) => return Err(conn.err(status)),
-            Err(status) if !connected_once => return Err(conn.err(status)),
+            Err(status) if give_up(&status, connected_once) => return Err(conn.err(status)),
             Err(status) => status.message().to_owned(),
         };
-        eprintln!("siesta watch: lost {} ({why}); reconnecting…", conn.url);
-        // Until it answers again, retry with doubling waits.
-        let now = loop {
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(BACKOFF_MAX);
-            match incarnation_now(&conn).await {
-                Ok(now) => break now,
-                Err(status) if !retryable(&status) => return Err(conn.err(status)),
-                Err(_) => {}
-            }
-        };
-        if now.0 != incarnation || now.1 < since {
-            // Another run of the control plane: its revisions are not ours.
-            eprintln!(
-                "siesta watch: siesta-control at {} restarted; resyncing from a fresh snapshot",
-                conn.url
-            );
-            incarnation = now.0;
-            since = 0;
-            resynced = true;
+        if how.say {
+            eprintln!("siesta watch: lost {} ({why}); reconnecting…", conn.url);
         }
+        // Until it answers again, retry with doubling waits.
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(BACKOFF_MAX);
     }
 }
 
@@ -129,16 +165,9 @@ pub(super) async fn incarnation_now(conn: &Conn) -> Result<(Incarnation, u64), t
     Ok(((info.control_id, info.started_unix_ms), info.revision))
 }
 
-async fn incarnation(conn: &Conn) -> Result<Incarnation, Failure> {
-    incarnation_now(conn)
-        .await
-        .map(|(i, _)| i)
-        .map_err(|s| conn.err(s))
-}
-
 /// Errors that another attempt can cure (the control plane away or
 /// restarting); not a refused token or an unknown method.
-pub(super) fn retryable(status: &tonic::Status) -> bool {
+fn retryable(status: &tonic::Status) -> bool {
     !matches!(
         status.code(),
         tonic::Code::Unauthenticated

@@ -355,7 +355,7 @@ pub fn plan_wake(
     let (&g, &short) = d.iter().find(|(_, x)| **x > 0).unwrap();
     let total = machine.gpu(g).map_or(0, |c| c.total_bytes);
     let free_after = i128::from(me.awake_on(g)) - short;
-    let holders: Vec<String> = placements
+    let mut holders: Vec<String> = placements
         .iter()
         .filter(|p| p.model != target && p.gpus.contains(&g))
         .filter_map(|p| {
@@ -396,7 +396,6 @@ pub fn plan_wake(
             Some(format!("\"{}\" ({why})", p.model))
         })
         .collect();
-    let mut holders = holders;
     if let Some(f) = machine.foreign.get(&g).filter(|f| f.bytes > 0) {
         holders.push(format!(
             "{} by processes siesta does not run: {}",
