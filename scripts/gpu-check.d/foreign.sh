@@ -119,9 +119,13 @@ log "siesta up: grpc $GRPC"
 # 1. counted: the holder's memory, not a's engine's.
 S wake a --wait --timeout 2m >/dev/null 2>&1
 hold 0.15
-sleep 1.5 # NVML is read again when over a second old
-got=$(others)
 want=$(frac_gib 0.15)
+# NVML is read again when over a second old: wait for the holder to show.
+for _ in $(seq 1 50); do
+    got=$(others)
+    python3 -c "import sys; sys.exit(0 if abs(float(sys.argv[1]) - float(sys.argv[2])) < 1.5 else 1)" "$got" "$want" 2>/dev/null && break
+    sleep 0.2
+done
 S placement | sed 's/^/    /'
 ok=PASS
 python3 -c "import sys; sys.exit(0 if abs(float(sys.argv[1]) - float(sys.argv[2])) < 1.5 else 1)" "$got" "$want" 2>/dev/null || ok=FAIL
