@@ -146,7 +146,7 @@ async fn reload_adds_and_removes_models() {
     // An invalid file is refused and changes nothing.
     std::fs::write(&ctl.config_path, format!("{text}\nbogus = 1\n")).unwrap();
     let e = c.reload(pb::ReloadRequest {}).await.unwrap_err();
-    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     assert!(
         e.message().contains("bogus: unknown key"),
         "{}",

@@ -178,7 +178,7 @@ async fn reload_places_added_models_keeps_engines_on_settings_changes_and_refuse
     for (models, want) in &refused {
         write_config(&ctl, &gpu_config(models));
         let e = c.reload(pb::ReloadRequest {}).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
         assert!(
             e.message().contains(want.as_str()),
             "{want}\nnot in: {}",

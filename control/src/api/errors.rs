@@ -9,8 +9,10 @@ impl From<OpError> for Status {
         let msg = e.to_string();
         match e {
             OpError::NotFound(_) => Status::not_found(msg),
-            OpError::Invalid { .. } | OpError::Config(_) => Status::invalid_argument(msg),
-            OpError::Refused(_) => Status::failed_precondition(msg),
+            OpError::Invalid { .. } => Status::invalid_argument(msg),
+            // Reload takes no argument: the file on disk is the state that
+            // is wrong, not the request.
+            OpError::Refused(_) | OpError::Config(_) => Status::failed_precondition(msg),
             OpError::ShuttingDown => Status::unavailable(msg),
             OpError::Internal(_) | OpError::Io { .. } => Status::internal(msg),
         }
@@ -55,7 +57,7 @@ mod tests {
         assert_eq!(
             code(OpError::Config(cfg)),
             (
-                Code::InvalidArgument,
+                Code::FailedPrecondition,
                 "/etc/siesta.toml: model[0].colour: unknown key".into()
             )
         );
