@@ -395,24 +395,10 @@ impl Models {
             // last status says nothing about the wake.
             return Err(OpError::ShuttingDown);
         }
+        // Read after the wait, whether it ran out or not: a model that got
+        // there at the deadline is told as it is, not as still waking.
         let status = h.status.borrow().clone();
-        let msg = match waited {
-            Ok(_) if status.state == State::Awake => "awake".to_string(),
-            Ok(_) if status.state == State::Failed => format!(
-                "failed: {}",
-                status.last_error.as_deref().unwrap_or("no reason given")
-            ),
-            Ok(_) => {
-                let i = &status.intent;
-                let why = status
-                    .last_error
-                    .as_deref()
-                    .map_or(String::new(), |e| format!(": {e}"));
-                let intent = format!("{:?} ({:?})", i.desired, i.reason).to_lowercase();
-                format!("the wake was called off: the intent is now {intent}{why}")
-            }
-            Err(_) => still_waking(&status, timeout),
-        };
+        let msg = waited_wake_says(&status, timeout);
         Ok((status, msg))
     }
 
@@ -781,6 +767,29 @@ fn account(before: &ModelStatus, after: &ModelStatus, cmd: Command) -> String {
 /// What a waited wake that ran out of time says: the state, and what the
 /// model waits for if anything (room held by other models or by processes
 /// siesta does not run, a neighbour's turn on its GPUs).
+/// What a waited wake says of the model as it is when the wait ends (the
+/// model awake, failed, no longer wanted awake, or still on its way after
+/// `timeout`).
+fn waited_wake_says(status: &ModelStatus, timeout: Duration) -> String {
+    match status.state {
+        State::Awake => "awake".to_string(),
+        State::Failed => format!(
+            "failed: {}",
+            status.last_error.as_deref().unwrap_or("no reason given")
+        ),
+        _ if status.intent.desired != Desired::Awake => {
+            let i = &status.intent;
+            let why = status
+                .last_error
+                .as_deref()
+                .map_or(String::new(), |e| format!(": {e}"));
+            let intent = format!("{:?} ({:?})", i.desired, i.reason).to_lowercase();
+            format!("the wake was called off: the intent is now {intent}{why}")
+        }
+        _ => still_waking(status, timeout),
+    }
+}
+
 fn still_waking(status: &ModelStatus, timeout: Duration) -> String {
     let state = format!("{:?}", status.state).to_lowercase();
     match status.waiting_for.as_deref().filter(|w| !w.is_empty()) {

@@ -315,6 +315,41 @@ async fn up_fails_clearly_when_the_address_file_cannot_be_written() {
     .await;
 }
 
+/// A configuration the control plane refuses once it sees the GPUs (a model
+/// that can never fit): `up` prints no banner promising the models "once
+/// siesta-control serves", only the reason, and exits 1.
+#[tokio::test]
+async fn up_whose_control_plane_refuses_its_gpus_prints_the_reason_and_no_banner() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("huge.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[control]\nstate_dir = {:?}\n\n[[gpu]]\nindex = 0\nmemory = \"80GiB\"\n\n\
+             [[model]]\nname = \"huge\"\nmodel = \"org/huge\"\nexecutable = {:?}\ngpus = 1\n\
+             gpu_memory = \"100GiB\"\n",
+            dir.path().join("state"),
+            bin_path("fake-vllm"),
+        ),
+    )
+    .unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let mut up = spawn_up_with(
+        dir.path(),
+        &addr_file,
+        &["--config", config.to_str().unwrap()],
+    );
+    let status = up.wait_exit(DEADLINE).await;
+    let text = up.output().text();
+    assert_eq!(status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("siesta-control stopped")
+            && text.contains("needs 1 × 100.0 GiB but GPU 0 has 80.0 GiB"),
+        "{text}"
+    );
+    assert!(!text.contains("siesta is up"), "{text}");
+}
+
 /// A second Ctrl-C while `up` waits out an engine's long stop grace kills
 /// the engine's whole process group at once and exits 130: an operator who
 /// will not wait is never left with an engine holding its GPUs.

@@ -101,7 +101,16 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         stop_control: CancellationToken::new(),
         stop_bound,
     };
-    let mut control_task = tokio::spawn(server.run(halves.stop_control.clone()));
+    // Cancelled when the control plane's run ends, however it ends.
+    let control_ended = CancellationToken::new();
+    let mut control_task = tokio::spawn({
+        let run = server.run(halves.stop_control.clone());
+        let ended = control_ended.clone().drop_guard();
+        async move {
+            let _ended = ended;
+            run.await
+        }
+    });
     let mut proxy_task = tokio::spawn(proxy.run(halves.stop_proxy.clone()));
 
     if let Some(path) = &args.addr_file
@@ -112,28 +121,29 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
         halves.stop(&mut proxy_task, &mut control_task).await;
         return Err(e);
     }
-    let models = tokio::select! {
-        m = list_models(&control_url, token) => m,
-        _ = shutdown.cancelled() => None,
-    };
-    print!(
-        "{}",
-        banner(
-            http,
-            admin,
-            web,
-            &control_url,
-            models.as_deref(),
-            args.config.as_deref()
-        )
-    );
-    // What happens next, one line per change, so a model is seen waking.
-    tokio::spawn(print_events(
-        control_url.clone(),
-        token.map(str::to_owned),
-        models.is_some(),
-        shutdown.child_token(),
-    ));
+    match first_listing(&control_url, token, &control_ended, &shutdown).await {
+        Listing::Ending => {}
+        Listing::Models(models) => {
+            print!(
+                "{}",
+                banner(
+                    http,
+                    admin,
+                    web,
+                    &control_url,
+                    models.as_deref(),
+                    args.config.as_deref()
+                )
+            );
+            // What happens next, one line per change, so a model is seen waking.
+            tokio::spawn(print_events(
+                control_url.clone(),
+                token.map(str::to_owned),
+                models.is_some(),
+                shutdown.child_token(),
+            ));
+        }
+    }
 
     let outcome = tokio::select! {
         biased;
@@ -217,6 +227,44 @@ async fn finish<T>(what: &str, task: &mut JoinHandle<T>, grace: Duration) {
 }
 
 /// The models, for the banner (none if the control plane is slow to answer).
+/// What the banner can say about the models.
+enum Listing {
+    /// Listed, or `None`: the control plane does not serve yet.
+    Models(Option<Vec<pb::ModelStatus>>),
+    /// Ctrl-C came first, or the control plane already ended (it refused
+    /// its configuration, say): no banner, the reason comes next.
+    Ending,
+}
+
+/// The models as the control plane lists them, unless it ends or Ctrl-C
+/// comes first. A failed listing waits up to [`ENDING_GRACE`] for the
+/// control plane's end: the call fails at once when its listener closes,
+/// a moment before its task has finished.
+async fn first_listing(
+    control_url: &str,
+    token: Option<&str>,
+    control_ended: &CancellationToken,
+    shutdown: &CancellationToken,
+) -> Listing {
+    let models = tokio::select! {
+        m = list_models(control_url, token) => m,
+        _ = shutdown.cancelled() => return Listing::Ending,
+        _ = control_ended.cancelled() => return Listing::Ending,
+    };
+    if models.is_none() {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Listing::Ending,
+            _ = control_ended.cancelled() => return Listing::Ending,
+            _ = tokio::time::sleep(ENDING_GRACE) => {}
+        }
+    }
+    Listing::Models(models)
+}
+
+/// How long a failed first listing waits to see whether the control plane
+/// is ending (see [`first_listing`]).
+const ENDING_GRACE: Duration = Duration::from_millis(500);
+
 async fn list_models(control_url: &str, token: Option<&str>) -> Option<Vec<pb::ModelStatus>> {
     let conn = Conn::connect(control_url, token).await.ok()?;
     conn.call_within(Duration::from_secs(5), |mut c| async move {
@@ -256,7 +304,7 @@ async fn print_events(
     let followed = watch::follow(&conn, how, |ev| {
         let lines = text.lines(&ev);
         let print = match ev.kind {
-            Some(pb::watch_event::Kind::Model(_)) => true,
+            Some(pb::watch_event::Kind::Model(_) | pb::watch_event::Kind::ModelRemoved(_)) => true,
             Some(pb::watch_event::Kind::Snapshot(_)) => !std::mem::replace(&mut listed, false),
             _ => false,
         };

@@ -90,6 +90,8 @@ pub(super) async fn follow(
         let of = incarnation.insert(now.0);
         let why = match open(conn, since, of, how.client_id).await {
             Ok(mut events) => {
+                // Open again: the next break starts from the shortest wait.
+                backoff = BACKOFF_MIN;
                 if connected_once && how.say {
                     eprintln!("siesta watch: reconnected to {}", conn.url);
                 }
@@ -97,7 +99,6 @@ pub(super) async fn follow(
                 loop {
                     match events.next().await {
                         Some(Ok(mut ev)) => {
-                            backoff = BACKOFF_MIN;
                             if let Some(Kind::Snapshot(s)) = &mut ev.kind {
                                 // A restart's snapshot replaces what was printed.
                                 s.resync |= std::mem::take(&mut resynced);
@@ -184,6 +185,8 @@ pub struct TextWatch {
     states: HashMap<String, String>,
     /// Only state changes (no activity-only updates).
     changes_only: bool,
+    /// The last placement printed (without its time and revision).
+    placement: Option<String>,
 }
 
 impl TextWatch {
@@ -234,12 +237,25 @@ impl TextWatch {
                 g.p2p.len()
             )],
             Some(Kind::Placement(p)) => {
-                let parts: Vec<String> = p
+                let mut parts: Vec<String> = p
                     .models
                     .iter()
                     .map(|m| format!("{} on {}", m.model, render::gpus(&m.gpus)))
                     .collect();
-                vec![format!("{at} #{rev} placement: {}", parts.join(", "))]
+                parts.extend(p.gpus.iter().filter(|g| g.foreign_bytes > 0).map(|g| {
+                    format!(
+                        "others hold {} on {}",
+                        render::bytes(g.foreign_bytes),
+                        g.index
+                    )
+                }));
+                let line = parts.join(", ");
+                // Republished every few seconds with NVML: only a change is news.
+                if self.placement.as_ref() == Some(&line) {
+                    return Vec::new();
+                }
+                self.placement = Some(line.clone());
+                vec![format!("{at} #{rev} placement: {line}")]
             }
             None => vec![format!("{at} #{rev} (unknown event)")],
         }
@@ -332,6 +348,44 @@ mod tests {
             w.lines(&model_event(3, "chat", pb::ModelState::Sleeping))
                 .len(),
             1
+        );
+    }
+
+    /// Placement is republished every few seconds with NVML (others'
+    /// memory moves): a line only when what it shows changed.
+    #[test]
+    fn placement_prints_only_what_changed_with_others_memory() {
+        let placement = |rev: u64, gpus: Vec<u32>, foreign_gib: u64| pb::WatchEvent {
+            revision: rev,
+            at_unix_ms: 3_723_004,
+            kind: Some(Kind::Placement(pb::GetPlacementResponse {
+                models: vec![pb::ModelPlacement {
+                    model: "chat".into(),
+                    gpus,
+                    ..Default::default()
+                }],
+                gpus: vec![pb::GpuBudget {
+                    index: 0,
+                    foreign_bytes: foreign_gib << 30,
+                    ..Default::default()
+                }],
+            })),
+            ..Default::default()
+        };
+        let mut w = TextWatch::default();
+        assert_eq!(
+            w.lines(&placement(1, vec![0], 0)),
+            ["01:02:03.004 #1 placement: chat on 0"]
+        );
+        assert!(w.lines(&placement(2, vec![0], 0)).is_empty());
+        assert_eq!(
+            w.lines(&placement(3, vec![0], 21)),
+            ["01:02:03.004 #3 placement: chat on 0, others hold 21.0 GiB on 0"]
+        );
+        assert!(w.lines(&placement(4, vec![0], 21)).is_empty());
+        assert_eq!(
+            w.lines(&placement(5, vec![1], 21)),
+            ["01:02:03.004 #5 placement: chat on 1, others hold 21.0 GiB on 0"]
         );
     }
 

@@ -470,5 +470,18 @@ async fn a_waited_wake_out_of_time_says_what_the_model_waits_for() {
         super::still_waking(&s, Duration::from_secs(15)),
         "still starting after 15s; the wake goes on"
     );
+    // Failed (or awake) right at the deadline: told as it is, never "still
+    // failed ...; the wake goes on".
+    s.state = State::Failed;
+    s.last_error = Some("engine exited unexpectedly".into());
+    assert_eq!(
+        super::waited_wake_says(&s, Duration::from_secs(15)),
+        "failed: engine exited unexpectedly"
+    );
+    s.state = State::Awake;
+    assert_eq!(
+        super::waited_wake_says(&s, Duration::from_secs(15)),
+        "awake"
+    );
     cancel.cancel();
 }
