@@ -159,6 +159,9 @@ pub enum GpuSource {
         specs: Vec<GpuSpec>,
         note: Option<String>,
     },
+    /// Tests: reads as NVML would, what the test last put here.
+    #[cfg(test)]
+    Scripted(std::sync::Arc<std::sync::Mutex<Vec<GpuInfo>>>),
 }
 
 impl GpuSource {
@@ -185,9 +188,25 @@ impl GpuSource {
         }
     }
 
+    /// Whether a snapshot reads the GPUs now (NVML), not a fixed list.
+    pub fn reads_live(&self) -> bool {
+        match self {
+            Self::Nvml(_) => true,
+            Self::Config { .. } => false,
+            #[cfg(test)]
+            Self::Scripted(_) => true,
+        }
+    }
+
     /// The current inventory (blocking; NVML queries take milliseconds).
     pub fn snapshot(&self) -> Inventory {
         match self {
+            #[cfg(test)]
+            Self::Scripted(gpus) => Inventory {
+                source: InventorySource::Nvml,
+                gpus: gpus.lock().unwrap().clone(),
+                note: None,
+            },
             Self::Nvml(inv) => match inv.snapshot() {
                 Ok(gpus) => Inventory {
                     source: InventorySource::Nvml,

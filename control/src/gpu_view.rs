@@ -65,7 +65,7 @@ pub struct GpuView {
 }
 
 /// How old an NVML inventory may get before `ListGpus` reads it again.
-const INVENTORY_MAX_AGE: Duration = Duration::from_secs(1);
+pub(crate) const INVENTORY_MAX_AGE: Duration = Duration::from_secs(1);
 
 /// NVML when any model needs a GPU (the config's `[[gpu]]` list where NVML
 /// is absent), else only the config's list.
@@ -324,12 +324,8 @@ impl GpuView {
     /// model's asleep residual. None where NVML is absent or shows none of
     /// the engine's processes. Blocking (NVML): call from `spawn_blocking`.
     pub fn measure_residual(&self, model: &str, pgid: u32) -> Option<Residual> {
-        {
-            let mut st = self.state.lock().unwrap();
-            // Read NVML now, whatever the age of the last read.
-            st.read_at = Instant::now() - INVENTORY_MAX_AGE;
-        }
-        self.refresh_inventory();
+        // Read NVML now, whatever the age of the last read.
+        self.refresh_inventory_within(Duration::ZERO);
         let (bytes, awake) = {
             let st = self.state.lock().unwrap();
             if st.inventory.source != InventorySource::Nvml {
@@ -357,11 +353,8 @@ impl GpuView {
     /// GPU memory each holds (summed over GPUs): what a suspend
     /// checkpoints. None without NVML. Blocking.
     pub fn engine_cuda_processes(&self, pgid: u32) -> Option<Vec<(u32, u64)>> {
-        {
-            let mut st = self.state.lock().unwrap();
-            st.read_at = Instant::now() - INVENTORY_MAX_AGE;
-        }
-        self.refresh_inventory();
+        // Read NVML now, whatever the age of the last read.
+        self.refresh_inventory_within(Duration::ZERO);
         let st = self.state.lock().unwrap();
         if st.inventory.source != InventorySource::Nvml {
             return None;
@@ -385,6 +378,19 @@ impl GpuView {
         st.inventory = inventory;
         st.read_at = Instant::now();
         st.pids_here = true;
+    }
+
+    /// Makes the last read `by` older (tests).
+    #[cfg(test)]
+    pub(crate) fn age_reads(&self, by: Duration) {
+        let mut st = self.state.lock().unwrap();
+        st.read_at -= by;
+    }
+
+    /// Reads the GPUs from `gpus` from now on, as from NVML (tests).
+    #[cfg(test)]
+    pub(crate) fn script_nvml(&self, gpus: std::sync::Arc<Mutex<Vec<crate::gpu::GpuInfo>>>) {
+        *self.source.lock().unwrap() = GpuSource::Scripted(gpus);
     }
 
     /// Every placement (empty when placement failed).
@@ -414,15 +420,20 @@ impl GpuView {
     /// and processes move as engines sleep and wake). Blocks for NVML's
     /// milliseconds; on a multi-threaded runtime it tells tokio so.
     fn refresh_inventory(&self) {
+        self.refresh_inventory_within(INVENTORY_MAX_AGE);
+    }
+
+    /// [`Self::refresh_inventory`] for a read at most `max_age` old.
+    fn refresh_inventory_within(&self, max_age: Duration) {
         {
             let st = self.state.lock().unwrap();
-            if st.read_at.elapsed() < INVENTORY_MAX_AGE {
+            if st.read_at.elapsed() < max_age {
                 return;
             }
         }
         let read = || {
             let source = self.source.lock().unwrap();
-            matches!(*source, GpuSource::Nvml(_)).then(|| source.snapshot())
+            source.reads_live().then(|| source.snapshot())
         };
         let multi = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);

@@ -22,6 +22,8 @@ const GRANT_UNSEEN_MAX: Duration = Duration::from_secs(30);
 /// publishes within milliseconds; one that ignored the ask (it became busy
 /// meanwhile) is planned for again after this.
 const ASKED_UNSEEN_MAX: Duration = Duration::from_secs(2);
+/// How old an NVML read may be when admission lets a start or wake go.
+const FRESH_READ: Duration = Duration::from_millis(50);
 
 /// Whether a model waiting for room is wanted by someone a busy model
 /// should yield to: requests held for it, or an operator's wake or pin. A
@@ -276,8 +278,10 @@ impl Core {
                 .iter()
                 .any(|m| m.name == *n && g.unmoved(m, ASKED_UNSEEN_MAX))
         });
-        // NVML, read again when over a second old.
+        // NVML, read again when over a second old (afresh before an ask
+        // goes: see below).
         self.foreign = self.gpus.foreign(models);
+        let mut fresh = !self.gpus.reads_nvml();
         let now_ms = self.clock.now_ms();
         let mut rt = runtime(models);
         let queued: BTreeSet<&str> = self.queue.iter().map(|a| a.model.as_str()).collect();
@@ -399,6 +403,14 @@ impl Core {
             let mut plan = self
                 .gpus
                 .plan_wake_in(&model, &rt, yield_busy, &self.foreign);
+            if !fresh && !matches!(plan, WakePlan::Wait(_)) {
+                // About to let it go, or to move others for it, on a read
+                // up to a second old: a process that took its memory since
+                // is in none. Read NVML now and plan this ask again.
+                self.foreign = self.gpus.foreign_within(models, FRESH_READ);
+                fresh = true;
+                continue;
+            }
             if let WakePlan::Going(going) = &plan
                 && let Some((without, not_needed)) =
                     self.without_yields(&self.queue[i], going, &rt, models)

@@ -1225,6 +1225,50 @@ fn another_process_holds(w: &World, gib: u64) {
     });
 }
 
+/// A process that took its memory a moment ago is in no read up to a
+/// second old, which admission otherwise plans on (it re-plans every
+/// 250 ms): before a wake goes, NVML is read afresh. On an H200, a wake
+/// 46 ms after a torch process took 120 GiB was let go on the older read
+/// and vLLM failed it ("CUDA Error: out of memory"), and siesta stopped
+/// the engine.
+#[test]
+fn a_wake_goes_only_on_a_fresh_read_of_what_others_hold() {
+    use crate::gpu::{GpuInfo, GpuProcessInfo, GpuSpec};
+    let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45)])).unwrap();
+    let gpu = |holder_gib: u64| {
+        let mut g = GpuInfo::from_spec(&GpuSpec {
+            index: 0,
+            name: "g".into(),
+            memory_bytes: 80 * GIB,
+        });
+        if holder_gib > 0 {
+            g.processes = vec![GpuProcessInfo {
+                pid: std::process::id(),
+                used_bytes: holder_gib * GIB,
+            }];
+        }
+        g
+    };
+    // The last read (a moment ago) saw nobody else; NVML now shows 50 GiB.
+    another_process_holds(&w, 0);
+    let nvml = std::sync::Arc::new(std::sync::Mutex::new(vec![gpu(50)]));
+    w.view.script_nvml(nvml.clone());
+    // Older than a fresh read may be (50 ms), younger than the second the
+    // plan otherwise reads again after.
+    w.view.age_reads(std::time::Duration::from_millis(60));
+    w.demand(1);
+    w.plan().unwrap();
+    assert_eq!(w.run[1], Run::Waking(false), "admitted on a stale read");
+    let told = w.told.lock().unwrap()[1].clone().unwrap_or_default();
+    assert!(told.contains("by processes siesta does not run"), "{told}");
+    // The holder gone: the same ask goes at the next read (a waiting ask
+    // is planned on reads up to a second old).
+    *nvml.lock().unwrap() = vec![gpu(0)];
+    w.view.age_reads(crate::gpu_view::INVENTORY_MAX_AGE);
+    w.plan().unwrap();
+    assert_eq!(w.run[1], Run::Waking(true));
+}
+
 /// Memory held by a process siesta does not run counts: two models of
 /// 0.45 fit one 80 GiB GPU together, but not beside 20 GiB of someone
 /// else's, so the idle one is put to sleep first; beside 50 GiB even that

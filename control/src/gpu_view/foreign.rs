@@ -26,12 +26,25 @@ pub(crate) enum Whose {
 
 impl GpuView {
     /// What processes siesta does not run hold on each GPU now (NVML, read
-    /// again when over a second old; empty without NVML, after a failed
-    /// read, or outside the host's PID namespace).
+    /// again when over a second old; empty without NVML or outside the
+    /// host's PID namespace). After a failed read, the last good read's
+    /// processes that still live count: a holder does not vanish from the
+    /// plan because one read failed (one gone from `/proc` is not counted).
     pub(crate) fn foreign(&self, models: &[ModelStatus]) -> BTreeMap<u32, Foreign> {
-        self.refresh_inventory();
+        self.foreign_within(models, super::INVENTORY_MAX_AGE)
+    }
+
+    /// [`Self::foreign`] from an NVML read at most `max_age` old: admission
+    /// reads afresh before it lets a start or wake go (a holder that took
+    /// its memory a moment ago is in no older read).
+    pub(crate) fn foreign_within(
+        &self,
+        models: &[ModelStatus],
+        max_age: std::time::Duration,
+    ) -> BTreeMap<u32, Foreign> {
+        self.refresh_inventory_within(max_age);
         let st = self.state.lock().unwrap();
-        if st.inventory.source != InventorySource::Nvml || st.read_failed || !st.pids_here {
+        if st.inventory.source != InventorySource::Nvml || !st.pids_here {
             return BTreeMap::new();
         }
         // Attached engines' processes are not siesta's children: it knows
@@ -57,6 +70,10 @@ impl GpuView {
                 .map(|b| (b.index, b.awake_bytes + b.asleep_bytes))
                 .collect()
         };
+        // `/proc` is read without the lock: a process stuck in the driver
+        // can hold up a read of its environment.
+        let inventory = st.inventory.clone();
+        drop(st);
         let engines: BTreeSet<u32> = models.iter().filter_map(|m| m.pid).collect();
         let marker = state_marker(&self.state_dir);
         let whose = |pid: u32| {
@@ -74,7 +91,7 @@ impl GpuView {
                 Some(_) => Whose::Other,
             }
         };
-        foreign_use(&st.inventory, &attached_use, whose)
+        foreign_use(&inventory, &attached_use, whose)
     }
 }
 

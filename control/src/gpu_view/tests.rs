@@ -516,10 +516,11 @@ fn foreign_memory_is_what_no_engine_of_siesta_holds() {
 
 /// Through the view: an engine's worker that left its group (`setsid`)
 /// but carries the state directory siesta spawned it for is siesta's; this
-/// test's own process is someone else's; after a failed NVML read nothing
-/// is counted (the processes listed may be gone).
+/// test's own process is someone else's. After a failed NVML read, the last
+/// good read's processes that still live count (a holder does not vanish
+/// from the plan because one read failed); one gone since does not.
 #[test]
-fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_nothing() {
+fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_who_still_lives() {
     use crate::gpu::{Inventory, InventorySource};
     let dir = tempfile::tempdir().unwrap();
     let cfg = two_gpus(dir.path(), "");
@@ -532,18 +533,71 @@ fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_nothing() {
         .process_group(0)
         .spawn()
         .unwrap();
+    // The child's environment shows in /proc a moment after the spawn.
+    let started = std::time::Instant::now();
+    while crate::supervisor::procfs::carries_env(worker.id(), crate::supervisor::STATE_ENV, &marker)
+        != Some(true)
+    {
+        assert!(started.elapsed() < Duration::from_secs(10), "no marker");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let me = std::process::id();
+    let stranger = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let mut stranger = scopeguard_kill(stranger);
     view.set_inventory(Inventory {
         source: InventorySource::Nvml,
-        gpus: vec![gpu(0, &[(worker.id(), 30 << 30), (me, 5 << 30)])],
+        gpus: vec![gpu(
+            0,
+            &[
+                (worker.id(), 30 << 30),
+                (me, 5 << 30),
+                (stranger.id(), 7 << 30),
+            ],
+        )],
         note: None,
     });
     let f = view.foreign(&[]);
     worker.kill().unwrap();
     worker.wait().unwrap();
-    assert_eq!(f[&0].processes, [(me, 5 << 30)], "{f:?}");
+    assert_eq!(
+        f[&0].processes,
+        [(stranger.id(), 7 << 30), (me, 5 << 30)],
+        "{f:?}"
+    );
+    // A failed read: the last good one stands for those still alive.
     view.state.lock().unwrap().read_failed = true;
-    assert!(view.foreign(&[]).is_empty());
+    stranger.kill().unwrap();
+    stranger.wait().unwrap();
+    let f = view.foreign(&[]);
+    assert_eq!(f[&0].processes, [(me, 5 << 30)], "{f:?}");
+}
+
+/// Kills the child when dropped (a failed assertion too).
+fn scopeguard_kill(
+    child: std::process::Child,
+) -> impl std::ops::DerefMut<Target = std::process::Child> {
+    struct Guard(std::process::Child);
+    impl std::ops::Deref for Guard {
+        type Target = std::process::Child;
+        fn deref(&self) -> &Self::Target {
+            &self.0
+        }
+    }
+    impl std::ops::DerefMut for Guard {
+        fn deref_mut(&mut self) -> &mut Self::Target {
+            &mut self.0
+        }
+    }
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    Guard(child)
 }
 
 /// An 80 GiB GPU as NVML shows it, with (pid, bytes) processes on it.
