@@ -15,6 +15,8 @@ use crate::render;
 
 /// How often the progress line is redrawn on a terminal.
 const TICK: Duration = Duration::from_millis(100);
+/// How long `wake --wait` waits for its progress Watch to open.
+const PROGRESS_OPEN: Duration = Duration::from_secs(10);
 /// Width of the progress bar in characters.
 const BAR: usize = 24;
 
@@ -53,14 +55,20 @@ pub async fn run(
 
     // Progress comes from Watch; the outcome from the waited Wake call.
     let mut watch_client = conn.client.clone();
-    let mut events = watch_client
-        .watch(pb::WatchRequest {
+    // Progress only: a Watch that does not open within its bound is done
+    // without (the wake itself is sent either way).
+    let opened = tokio::time::timeout(
+        PROGRESS_OPEN,
+        watch_client.watch(pb::WatchRequest {
             since_revision: 0,
             client_id: "siesta wake --wait".into(),
             incarnation: 0,
-        })
-        .await
+        }),
+    )
+    .await;
+    let mut events = opened
         .ok()
+        .and_then(Result::ok)
         .map(tonic::Response::into_inner);
     let mut wake_client = conn.client.clone();
     let wake = wake_client.wake(req);
