@@ -465,6 +465,7 @@ impl GpuView {
             .iter()
             .filter_map(|m| Some((m.pid?, m.name.clone())))
             .collect();
+        let marker = crate::supervisor::state_marker(&self.state_dir);
         let owners = st
             .inventory
             .gpus
@@ -474,7 +475,20 @@ impl GpuView {
                 engines
                     .get(&p.pid)
                     .or_else(|| pgid_of(p.pid).and_then(|g| engines.get(&g)))
-                    .map(|m| (p.pid, m.clone()))
+                    .cloned()
+                    // A worker that left its engine's group (`setsid`).
+                    .or_else(|| {
+                        let ours = crate::supervisor::procfs::carries_env(
+                            p.pid,
+                            crate::supervisor::STATE_ENV,
+                            &marker,
+                        );
+                        (ours == Some(true))
+                            .then(|| foreign::spawned_for(p.pid, models))
+                            .flatten()
+                            .map(|m| m.name.clone())
+                    })
+                    .map(|m| (p.pid, m))
             })
             .collect();
         GpuList {

@@ -10,8 +10,25 @@ use super::{GpuView, pgid_of, runtime};
 use crate::gpu::{Inventory, InventorySource};
 use crate::placement::{Foreign, Machine, budgets};
 use crate::status::ModelStatus;
-use crate::supervisor::{STATE_ENV, procfs, state_marker};
+use crate::supervisor::{STATE_ENV, TAG_ENV, procfs, state_marker};
 use std::collections::{BTreeMap, BTreeSet};
+
+/// The model whose engine `pid` was spawned for, by the engine tag in its
+/// environment (a worker that left its engine's group keeps it).
+pub(super) fn spawned_for(pid: u32, models: &[ModelStatus]) -> Option<&ModelStatus> {
+    let tag = procfs::env_value(pid, TAG_ENV)?;
+    models.iter().find(|m| tag_of(&tag, m))
+}
+
+/// Whether the engine tag `tag` (`CONTROL_ID/MODEL/GENERATION/NONCE`, see
+/// the runner's spawn) is one of `m`'s engines.
+fn tag_of(tag: &str, m: &ModelStatus) -> bool {
+    tag.strip_prefix(m.control_id.as_str())
+        .and_then(|t| t.strip_prefix('/'))
+        .and_then(|t| t.strip_prefix(m.name.as_str()))
+        .and_then(|t| t.strip_prefix('/'))
+        .is_some_and(|rest| rest.matches('/').count() == 1)
+}
 
 /// Whose a process NVML lists on a GPU is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,9 +101,14 @@ impl GpuView {
                 None => Whose::Unseen,
                 Some(group) if engines.contains(&group) => Whose::Siesta,
                 // A worker that left its engine's group (`setsid`) still
-                // carries the state directory siesta spawned it for.
+                // carries the state directory siesta spawned it for: siesta's
+                // while its model has an engine, else left over (it outlived
+                // the sweep after its engine ended) and counted.
                 Some(_) if procfs::carries_env(pid, STATE_ENV, &marker) == Some(true) => {
-                    Whose::Siesta
+                    match spawned_for(pid, models) {
+                        Some(m) if m.pid.is_none() => Whose::Other,
+                        _ => Whose::Siesta,
+                    }
                 }
                 Some(_) => Whose::Other,
             }

@@ -575,6 +575,56 @@ fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_who_still_liv
     assert_eq!(f[&0].processes, [(me, 5 << 30)], "{f:?}");
 }
 
+/// A worker that left its engine's group and outlived the engine (the
+/// sweep's SIGKILL did not end it: stuck in the driver) is left over: its
+/// model has no engine any more, so what it holds counts as others'
+/// memory; while the model has an engine, the same worker is siesta's.
+/// The tag names the model (`CONTROL_ID/MODEL/GEN/NONCE`), also one whose
+/// name holds a `/`, and a model named by a prefix of it is not the one.
+#[test]
+fn a_worker_left_over_by_an_ended_engine_counts_as_others() {
+    use crate::gpu::{Inventory, InventorySource};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = two_gpus(dir.path(), "");
+    let view = GpuView::detect(&cfg, &Default::default());
+    let marker = crate::supervisor::state_marker(dir.path());
+    use std::os::unix::process::CommandExt;
+    let worker = std::process::Command::new("sleep")
+        .arg("30")
+        .env(crate::supervisor::STATE_ENV, &marker)
+        .env(crate::supervisor::TAG_ENV, "ctl/org/m/3/00ab")
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let worker = scopeguard_kill(worker);
+    let started = std::time::Instant::now();
+    while crate::supervisor::procfs::carries_env(worker.id(), crate::supervisor::STATE_ENV, &marker)
+        != Some(true)
+    {
+        assert!(started.elapsed() < Duration::from_secs(10), "no marker");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    view.set_inventory(Inventory {
+        source: InventorySource::Nvml,
+        gpus: vec![gpu(0, &[(worker.id(), 30 << 30)])],
+        note: None,
+    });
+    let mut m = crate::status::test_status("org/m", 3);
+    let mut prefix = crate::status::test_status("org", 0);
+    prefix.pid = Some(1);
+    m.pid = Some(1);
+    assert!(
+        view.foreign(&[m.clone(), prefix.clone()]).is_empty(),
+        "its model has an engine: siesta's"
+    );
+    // `siesta gpus` names its model.
+    let owners = view.list_gpus(&[m.clone(), prefix.clone()]).owners;
+    assert_eq!(owners.get(&worker.id()).map(String::as_str), Some("org/m"));
+    m.pid = None;
+    let f = view.foreign(&[m, prefix]);
+    assert_eq!(f[&0].processes, [(worker.id(), 30 << 30)], "{f:?}");
+}
+
 /// Kills the child when dropped (a failed assertion too).
 fn scopeguard_kill(
     child: std::process::Child,
