@@ -94,8 +94,9 @@ pub struct Foreign {
     pub bytes: u64,
     /// (pid, bytes) of each such process, largest first.
     pub processes: Vec<(u32, u64)>,
-    /// Of what they hold, what was taken for attached engines' own (their
-    /// pids unknown, they may be among these processes).
+    /// Of what they hold, what was taken for engines whose processes
+    /// siesta cannot tell (attached ones, or spawned ones none of whose
+    /// processes NVML lists as theirs): they may be among these.
     pub attached_bytes: u64,
 }
 
@@ -114,7 +115,7 @@ impl Foreign {
         let mut s = parts.join(", ");
         if self.attached_bytes > 0 {
             s += &format!(
-                " (less {} taken for attached engines)",
+                " (less {} taken for engines whose pids siesta does not know)",
                 gib(self.attached_bytes)
             );
         }

@@ -9,7 +9,7 @@
 use super::{GpuView, pgid_of, runtime};
 use crate::gpu::{Inventory, InventorySource};
 use crate::placement::{Foreign, Machine, budgets};
-use crate::status::ModelStatus;
+use crate::status::{ModelStatus, State};
 use crate::supervisor::{STATE_ENV, TAG_ENV, procfs, state_marker};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -64,56 +64,79 @@ impl GpuView {
         if st.inventory.source != InventorySource::Nvml || !st.pids_here {
             return BTreeMap::new();
         }
-        // Attached engines' processes are not siesta's children: it knows
-        // no pid of theirs, so what such an engine holds (as placement
-        // counts it) is taken off what unknown processes hold.
-        let attached: BTreeSet<&str> = models
-            .iter()
-            .filter(|m| m.launch == "attach" && m.pid.is_none())
-            .map(|m| m.name.as_str())
-            .collect();
-        let attached_use: BTreeMap<u32, u64> = if attached.is_empty() {
-            BTreeMap::new()
-        } else {
-            let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
-            let placements: Vec<_> = st
-                .placements
-                .iter()
-                .filter(|p| attached.contains(p.model.as_str()))
-                .cloned()
-                .collect();
-            budgets(&machine, &placements, &runtime(models), &self.run_policy())
-                .into_iter()
-                .map(|b| (b.index, b.awake_bytes + b.asleep_bytes))
-                .collect()
-        };
         // `/proc` is read without the lock: a process stuck in the driver
         // can hold up a read of its environment.
         let inventory = st.inventory.clone();
+        let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
+        let placements = st.placements.clone();
         drop(st);
-        let engines: BTreeSet<u32> = models.iter().filter_map(|m| m.pid).collect();
+        let engines: BTreeMap<u32, &str> = models
+            .iter()
+            .filter_map(|m| Some((m.pid?, m.name.as_str())))
+            .collect();
         let marker = state_marker(&self.state_dir);
-        let whose = |pid: u32| {
-            if engines.contains(&pid) {
-                return Whose::Siesta;
+        // Whose each listed process is, and of siesta's, which model's.
+        let owner = |pid: u32| -> (Whose, Option<&str>) {
+            if let Some(m) = engines.get(&pid) {
+                return (Whose::Siesta, Some(m));
             }
             match pgid_of(pid) {
-                None => Whose::Unseen,
-                Some(group) if engines.contains(&group) => Whose::Siesta,
+                None => (Whose::Unseen, None),
+                Some(group) if engines.contains_key(&group) => {
+                    (Whose::Siesta, engines.get(&group).copied())
+                }
                 // A worker that left its engine's group (`setsid`) still
                 // carries the state directory siesta spawned it for: siesta's
                 // while its model has an engine, else left over (it outlived
                 // the sweep after its engine ended) and counted.
                 Some(_) if procfs::carries_env(pid, STATE_ENV, &marker) == Some(true) => {
                     match spawned_for(pid, models) {
-                        Some(m) if m.pid.is_none() => Whose::Other,
-                        _ => Whose::Siesta,
+                        Some(m) if m.pid.is_none() => (Whose::Other, None),
+                        m => (Whose::Siesta, m.map(|m| m.name.as_str())),
                     }
                 }
-                Some(_) => Whose::Other,
+                Some(_) => (Whose::Other, None),
             }
         };
-        foreign_use(&inventory, &attached_use, whose)
+        let listed: BTreeMap<u32, (Whose, Option<&str>)> = inventory
+            .gpus
+            .iter()
+            .flat_map(|g| &g.processes)
+            .map(|p| (p.pid, owner(p.pid)))
+            .collect();
+        let seen: BTreeSet<&str> = listed.values().filter_map(|(_, m)| *m).collect();
+        // Engines whose processes NVML does not show as theirs: attached
+        // ones (not siesta's children, no pid known), and spawned ones
+        // awake or asleep with none of their processes listed (an
+        // `executable` that runs the engine in a container, or under
+        // `sudo`, which drops the marker). What they hold, as placement
+        // counts it, is taken off what unknown processes hold, not
+        // counted twice.
+        let unseen: BTreeSet<&str> = models
+            .iter()
+            .filter(|m| {
+                (m.launch == "attach" && m.pid.is_none())
+                    || (m.pid.is_some()
+                        && matches!(m.state, State::Awake | State::Asleep)
+                        && !seen.contains(m.name.as_str()))
+            })
+            .map(|m| m.name.as_str())
+            .collect();
+        let attached_use: BTreeMap<u32, u64> = if unseen.is_empty() {
+            BTreeMap::new()
+        } else {
+            let placements: Vec<_> = placements
+                .into_iter()
+                .filter(|p| unseen.contains(p.model.as_str()))
+                .collect();
+            budgets(&machine, &placements, &runtime(models), &self.run_policy())
+                .into_iter()
+                .map(|b| (b.index, b.awake_bytes + b.asleep_bytes))
+                .collect()
+        };
+        foreign_use(&inventory, &attached_use, |pid| {
+            listed.get(&pid).map_or(Whose::Unseen, |(w, _)| *w)
+        })
     }
 }
 

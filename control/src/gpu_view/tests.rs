@@ -510,7 +510,7 @@ fn foreign_memory_is_what_no_engine_of_siesta_holds() {
     assert_eq!(f[&2].bytes, 20 << 30);
     assert_eq!(
         f[&2].describe(),
-        "pid 20 (30.0 GiB) (less 10.0 GiB taken for attached engines)"
+        "pid 20 (30.0 GiB) (less 10.0 GiB taken for engines whose pids siesta does not know)"
     );
 }
 
@@ -623,6 +623,56 @@ fn a_worker_left_over_by_an_ended_engine_counts_as_others() {
     m.pid = None;
     let f = view.foreign(&[m, prefix]);
     assert_eq!(f[&0].processes, [(worker.id(), 30 << 30)], "{f:?}");
+}
+
+/// A spawned engine awake on GPU 0 whose processes NVML lists under pids
+/// that are not its own (an `executable` that runs it in a container):
+/// what placement counts for it is taken off those unknown processes, not
+/// counted a second time as others' memory. Once NVML lists one of its
+/// processes, the rest are others' again.
+#[test]
+fn an_engine_whose_processes_nvml_shows_under_other_pids_is_not_counted_twice() {
+    use crate::gpu::{Inventory, InventorySource};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = two_gpus(
+        dir.path(),
+        "[[model]]\nname = \"a\"\nmodel = \"m\"\ngpu_memory = 0.5\ngpu_ids = [0]\n",
+    );
+    let view = GpuView::detect(&cfg, &Default::default());
+    let name = "a";
+    let mut m = crate::status::test_status(name, 1);
+    m.state = crate::status::State::Awake;
+    let stranger = scopeguard_kill(
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap(),
+    );
+    // The engine's own pid: this test's process (alive, in its own group).
+    let engine = std::process::id();
+    m.pid = Some(engine + 1_000_000);
+    view.set_inventory(Inventory {
+        source: InventorySource::Nvml,
+        gpus: vec![gpu(0, &[(stranger.id(), 70 << 30)]), gpu(1, &[])],
+        note: None,
+    });
+    let f = view.foreign(std::slice::from_ref(&m));
+    let budget = view.placement(std::slice::from_ref(&m)).gpus[0].awake_bytes;
+    assert!(budget > 0, "{name} takes room on GPU 0");
+    assert_eq!(f[&0].bytes, (70 << 30) - budget, "{f:?}");
+    assert_eq!(f[&0].attached_bytes, budget);
+    // Listed as its own: the stranger's memory is all others'.
+    m.pid = Some(engine);
+    view.set_inventory(Inventory {
+        source: InventorySource::Nvml,
+        gpus: vec![
+            gpu(0, &[(stranger.id(), 70 << 30), (engine, 1 << 30)]),
+            gpu(1, &[]),
+        ],
+        note: None,
+    });
+    let f = view.foreign(std::slice::from_ref(&m));
+    assert_eq!(f[&0].bytes, 70 << 30, "{f:?}");
 }
 
 /// Kills the child when dropped (a failed assertion too).
