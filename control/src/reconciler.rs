@@ -150,6 +150,9 @@ pub enum Phase {
         deadline: Instant,
         admitted: bool,
         left: Option<Duration>,
+        /// The wake timeout its deadlines count from once admitted (the
+        /// settings' then: a reload may change them mid-wake).
+        budget: Duration,
     },
     /// The checkpoint helper runs on the engine's CUDA processes. `under`:
     /// the sleep level the engine was at (0: awake), where a resume lands.

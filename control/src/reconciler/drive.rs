@@ -380,6 +380,7 @@ fn begin_wake(m: &mut ModelState, from_level: u8, now: Instant, fx: &mut Vec<Eff
             deadline,
             admitted: false,
             left: None,
+            budget: m.settings.timeouts.wake,
         },
         now,
     );

@@ -523,6 +523,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 step: current,
                 admitted: true,
                 left: Some(left),
+                budget,
                 ..
             } if step == current => {
                 if step == 0 {
@@ -534,6 +535,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     deadline: now + left,
                     admitted: true,
                     left: None,
+                    budget,
                 };
             }
             Phase::Resuming {
@@ -557,6 +559,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 deadline,
                 admitted,
                 left,
+                budget,
             } = m.phase
                 && step == current
             {
@@ -576,6 +579,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                         },
                         admitted,
                         left: admitted.then_some(left),
+                        budget,
                     };
                     fx.push(Effect::Wake {
                         epoch,
@@ -585,15 +589,13 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 } else {
                     // The wake's own time: its calls, not the waits for
                     // neighbours' sleeps between them (each call's
-                    // `WakeBegan` set the deadline to the time left). Never
-                    // more than since its first call began (a reload may
-                    // have changed the wake timeout meanwhile).
+                    // `WakeBegan` set the deadline to the time left of
+                    // `budget`, the wake timeout at admission: a reload
+                    // may change the settings' meanwhile). Never more than
+                    // since its first call began.
                     let since_first = now - m.transition_start;
                     let took = match left {
-                        None if admitted => m
-                            .settings
-                            .timeouts
-                            .wake
+                        None if admitted => budget
                             .saturating_sub(deadline.saturating_duration_since(now))
                             .min(since_first),
                         _ => since_first,
@@ -624,6 +626,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                     deadline: now + first_call_wait(left) + left,
                     admitted: true,
                     left: Some(left),
+                    budget: left,
                 };
             }
         }

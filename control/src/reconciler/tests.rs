@@ -1074,6 +1074,36 @@ fn a_wakes_calibration_counts_its_calls_not_the_waits_between_them() {
     );
 }
 
+/// A reload that changes the wake timeout mid-wake changes nothing in
+/// what the wake is calibrated at: its calls' time (it read 0 ms when the
+/// timeout was lowered, and the waits between calls too when raised).
+#[test]
+fn a_wakes_calibration_holds_when_a_reload_changes_its_timeout_mid_wake() {
+    for factor in [0.25, 4.0] {
+        let mut s = Sim::asleep_without_tiers();
+        s.sleep_to_level_2();
+        s.ev(Event::Command(Command::Wake));
+        s.ev(Event::Admitted { epoch: s.m.epoch });
+        let epoch = s.m.epoch;
+        let wake = s.m.settings.timeouts.wake;
+        while let Phase::Waking { step, .. } = s.m.phase {
+            s.advance(secs(30));
+            s.ev(Event::WakeBegan { epoch, step });
+            s.advance(Duration::from_millis(250));
+            if step == 1 {
+                s.m.settings.timeouts.wake = wake.mul_f64(factor);
+            }
+            s.ev(Event::WakeStepDone { epoch, step });
+        }
+        assert_eq!(s.m.phase, Phase::Awake, "{:?}", s.m);
+        let took = s.m.calibration.wake_mut(2).ms;
+        assert!(
+            (took - 1000.0).abs() < 1.0,
+            "timeout ×{factor} mid-wake: 1 s of calls, calibrated {took} ms"
+        );
+    }
+}
+
 #[test]
 fn a_wake_that_finds_no_room_gives_up_without_harming_the_engine() {
     let mut s = Sim::asleep_without_tiers();

@@ -154,6 +154,7 @@ async fn a_waking_model_says_the_level_it_wakes_from() {
                 deadline: now + Duration::from_secs(30),
                 admitted: true,
                 left: None,
+                budget: Duration::from_secs(30),
             };
         });
         assert_eq!((s.state, s.sleep_level), (State::Waking, level));
