@@ -82,6 +82,27 @@ fn spawn_up_with(tmp: &std::path::Path, addr_file: &std::path::Path, args: &[&st
     spawn_up_of(&bin_path("siesta"), tmp, addr_file, args)
 }
 
+/// `siesta up --config FILE`, FILE being `[control]` with this test's state
+/// directory and the `control` lines, then `rest` (`EXE`: fake-vllm's
+/// path); with the address file it writes.
+fn spawn_up_configured(
+    dir: &std::path::Path,
+    control: &str,
+    rest: &str,
+) -> (Up, std::path::PathBuf) {
+    let config = dir.join("up.toml");
+    let exe = format!("{:?}", bin_path("fake-vllm"));
+    let text = format!(
+        "[control]\nstate_dir = {:?}\n{control}\n\n{}",
+        dir.join("state"),
+        rest.replace("EXE", &exe)
+    );
+    std::fs::write(&config, text).unwrap();
+    let addr_file = dir.join("up.addr");
+    let up = spawn_up_with(dir, &addr_file, &["--config", config.to_str().unwrap()]);
+    (up, addr_file)
+}
+
 /// [`spawn_up_with`] running the `siesta` binary at `siesta`.
 fn spawn_up_of(
     siesta: &std::path::Path,
@@ -321,23 +342,11 @@ async fn up_fails_clearly_when_the_address_file_cannot_be_written() {
 #[tokio::test]
 async fn up_whose_control_plane_refuses_its_gpus_prints_the_reason_and_no_banner() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("huge.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[control]\nstate_dir = {:?}\n\n[[gpu]]\nindex = 0\nmemory = \"80GiB\"\n\n\
-             [[model]]\nname = \"huge\"\nmodel = \"org/huge\"\nexecutable = {:?}\ngpus = 1\n\
-             gpu_memory = \"100GiB\"\n",
-            dir.path().join("state"),
-            bin_path("fake-vllm"),
-        ),
-    )
-    .unwrap();
-    let addr_file = dir.path().join("up.addr");
-    let mut up = spawn_up_with(
+    let (mut up, _) = spawn_up_configured(
         dir.path(),
-        &addr_file,
-        &["--config", config.to_str().unwrap()],
+        "",
+        "[[gpu]]\nindex = 0\nmemory = \"80GiB\"\n\n[[model]]\nname = \"huge\"\n\
+         model = \"org/huge\"\nexecutable = EXE\ngpus = 1\ngpu_memory = \"100GiB\"\n",
     );
     let status = up.wait_exit(DEADLINE).await;
     let text = up.output().text();
@@ -414,22 +423,11 @@ async fn up_with_a_stubborn_engine(stop_grace: &str) -> (tempfile::TempDir, Up, 
 #[tokio::test]
 async fn up_with_a_config_token_serves_without_one_in_the_environment() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("token.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[control]\nstate_dir = {:?}\ntoken = \"s3cret\"\n\n[[model]]\nname = \"chat\"\n\
-             model = \"org/chat\"\nexecutable = {:?}\ngpus = 0\nstart_timeout = \"60s\"\n",
-            dir.path().join("state"),
-            bin_path("fake-vllm"),
-        ),
-    )
-    .unwrap();
-    let addr_file = dir.path().join("up.addr");
-    let mut up = spawn_up_with(
+    let (mut up, addr_file) = spawn_up_configured(
         dir.path(),
-        &addr_file,
-        &["--config", config.to_str().unwrap()],
+        "token = \"s3cret\"",
+        "[[model]]\nname = \"chat\"\nmodel = \"org/chat\"\nexecutable = EXE\ngpus = 0\n\
+         start_timeout = \"60s\"\n",
     );
     let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
     let http = addrs[0];

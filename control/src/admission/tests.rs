@@ -1206,7 +1206,18 @@ fn a_pause_between_requests_is_not_idleness() {
 /// The world's one GPU as NVML shows it, with this test's own process (a
 /// process siesta does not run) holding `gib` GiB of it.
 fn another_process_holds(w: &World, gib: u64) {
-    use crate::gpu::{GpuInfo, GpuProcessInfo, GpuSpec, Inventory, InventorySource};
+    use crate::gpu::{Inventory, InventorySource};
+    w.view.set_inventory(Inventory {
+        source: InventorySource::Nvml,
+        gpus: vec![held_gpu(gib)],
+        note: None,
+    });
+}
+
+/// GPU 0 of 80 GiB as NVML shows it, with this test's process holding
+/// `gib` GiB there (none for 0).
+fn held_gpu(gib: u64) -> crate::gpu::GpuInfo {
+    use crate::gpu::{GpuInfo, GpuProcessInfo, GpuSpec};
     let mut g = GpuInfo::from_spec(&GpuSpec {
         index: 0,
         name: "g".into(),
@@ -1218,11 +1229,7 @@ fn another_process_holds(w: &World, gib: u64) {
             used_bytes: gib * GIB,
         }];
     }
-    w.view.set_inventory(Inventory {
-        source: InventorySource::Nvml,
-        gpus: vec![g],
-        note: None,
-    });
+    g
 }
 
 /// A process that took its memory a moment ago is in no read up to a
@@ -1233,22 +1240,8 @@ fn another_process_holds(w: &World, gib: u64) {
 /// the engine.
 #[test]
 fn a_wake_goes_only_on_a_fresh_read_of_what_others_hold() {
-    use crate::gpu::{GpuInfo, GpuProcessInfo, GpuSpec};
     let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45)])).unwrap();
-    let gpu = |holder_gib: u64| {
-        let mut g = GpuInfo::from_spec(&GpuSpec {
-            index: 0,
-            name: "g".into(),
-            memory_bytes: 80 * GIB,
-        });
-        if holder_gib > 0 {
-            g.processes = vec![GpuProcessInfo {
-                pid: std::process::id(),
-                used_bytes: holder_gib * GIB,
-            }];
-        }
-        g
-    };
+    let gpu = held_gpu;
     // The last read (a moment ago) saw nobody else; NVML now shows 50 GiB.
     another_process_holds(&w, 0);
     let nvml = std::sync::Arc::new(std::sync::Mutex::new(vec![gpu(50)]));

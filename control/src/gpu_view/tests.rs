@@ -533,14 +533,7 @@ fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_who_still_liv
         .process_group(0)
         .spawn()
         .unwrap();
-    // The child's environment shows in /proc a moment after the spawn.
-    let started = std::time::Instant::now();
-    while crate::supervisor::procfs::carries_env(worker.id(), crate::supervisor::STATE_ENV, &marker)
-        != Some(true)
-    {
-        assert!(started.elapsed() < Duration::from_secs(10), "no marker");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_marker(worker.id(), &marker);
     let me = std::process::id();
     let stranger = std::process::Command::new("sleep")
         .arg("30")
@@ -597,13 +590,7 @@ fn a_worker_left_over_by_an_ended_engine_counts_as_others() {
         .spawn()
         .unwrap();
     let worker = scopeguard_kill(worker);
-    let started = std::time::Instant::now();
-    while crate::supervisor::procfs::carries_env(worker.id(), crate::supervisor::STATE_ENV, &marker)
-        != Some(true)
-    {
-        assert!(started.elapsed() < Duration::from_secs(10), "no marker");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_marker(worker.id(), &marker);
     view.set_inventory(Inventory {
         source: InventorySource::Nvml,
         gpus: vec![gpu(0, &[(worker.id(), 30 << 30)])],
@@ -673,6 +660,18 @@ fn an_engine_whose_processes_nvml_shows_under_other_pids_is_not_counted_twice() 
     });
     let f = view.foreign(std::slice::from_ref(&m));
     assert_eq!(f[&0].bytes, 70 << 30, "{f:?}");
+}
+
+/// Waits (up to 10 s) until `pid`'s environment in `/proc` shows the state
+/// directory marker: a child's shows a moment after its spawn returns.
+fn wait_for_marker(pid: u32, marker: &str) {
+    let started = std::time::Instant::now();
+    while crate::supervisor::procfs::carries_env(pid, crate::supervisor::STATE_ENV, marker)
+        != Some(true)
+    {
+        assert!(started.elapsed() < Duration::from_secs(10), "no marker");
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 /// Kills the child when dropped (a failed assertion too).
