@@ -461,42 +461,22 @@ impl GpuView {
     pub fn list_gpus(&self, models: &[ModelStatus]) -> GpuList {
         self.refresh_inventory();
         let st = self.state.lock().unwrap();
-        let engines: BTreeMap<u32, String> = models
-            .iter()
-            .filter_map(|m| Some((m.pid?, m.name.clone())))
-            .collect();
+        let inventory = st.inventory.clone();
+        let p2p = st.p2p.results().cloned().collect();
+        let p2p_probed_unix_ms = st.p2p_probed_unix_ms;
+        // `/proc` is read without the lock (see `foreign`).
+        drop(st);
         let marker = crate::supervisor::state_marker(&self.state_dir);
-        let owners = st
-            .inventory
-            .gpus
-            .iter()
-            .flat_map(|g| &g.processes)
-            .filter_map(|p| {
-                engines
-                    .get(&p.pid)
-                    .or_else(|| pgid_of(p.pid).and_then(|g| engines.get(&g)))
-                    .cloned()
-                    // A worker that left its engine's group (`setsid`).
-                    .or_else(|| {
-                        let ours = crate::supervisor::procfs::carries_env(
-                            p.pid,
-                            crate::supervisor::STATE_ENV,
-                            &marker,
-                        );
-                        (ours == Some(true))
-                            .then(|| foreign::spawned_for(p.pid, models))
-                            .flatten()
-                            .map(|m| m.name.clone())
-                    })
-                    .map(|m| (p.pid, m))
-            })
+        let owners = foreign::owners(&inventory, models, &marker)
+            .into_iter()
+            .filter_map(|(pid, (_, m))| Some((pid, m?.to_owned())))
             .collect();
         GpuList {
-            gpus: st.inventory.gpus.clone(),
+            source: inventory.source,
+            gpus: inventory.gpus,
             owners,
-            source: st.inventory.source,
-            p2p: st.p2p.results().cloned().collect(),
-            p2p_probed_unix_ms: st.p2p_probed_unix_ms,
+            p2p,
+            p2p_probed_unix_ms,
         }
     }
 

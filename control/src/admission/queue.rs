@@ -403,10 +403,17 @@ impl Core {
             let mut plan = self
                 .gpus
                 .plan_wake_in(&model, &rt, yield_busy, &self.foreign);
-            if !fresh && !matches!(plan, WakePlan::Wait(_)) {
-                // About to let it go, or to move others for it, on a read
-                // up to a second old: a process that took its memory since
-                // is in none. Read NVML now and plan this ask again.
+            // About to let it go, to move others for it, or to call off a
+            // busy model's yield for it (room found without it), on a read
+            // up to a second old: a process that took its memory since is
+            // in none. Read NVML now and plan this ask again. (Not for a
+            // model without GPUs, nor one only waiting on others' sleeps.)
+            let acts = match &plan {
+                WakePlan::Ready | WakePlan::Evict(_) => !gpus.is_empty(),
+                WakePlan::Going(_) => !self.queue[i].yields.is_empty(),
+                WakePlan::Wait(_) => false,
+            };
+            if !fresh && acts {
                 self.foreign = self.gpus.foreign_within(models, FRESH_READ);
                 fresh = true;
                 continue;

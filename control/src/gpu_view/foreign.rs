@@ -13,16 +13,65 @@ use crate::status::{ModelStatus, State};
 use crate::supervisor::{STATE_ENV, TAG_ENV, procfs, state_marker};
 use std::collections::{BTreeMap, BTreeSet};
 
-/// The model whose engine `pid` was spawned for, by the engine tag in its
-/// environment (a worker that left its engine's group keeps it).
-pub(super) fn spawned_for(pid: u32, models: &[ModelStatus]) -> Option<&ModelStatus> {
-    let tag = procfs::env_value(pid, TAG_ENV)?;
-    models.iter().find(|m| tag_of(&tag, m))
+/// Whose each process `inventory` lists is, and of siesta's, which
+/// model's: an engine's pid, a process in an engine's group, or a worker
+/// that left the group (`setsid`) but carries the state directory `marker`
+/// siesta spawned it for and the engine tag of an engine that runs now. A
+/// worker with the marker and any other tag is left over (it outlived the
+/// sweep after its engine ended, stuck in the driver): counted, and named
+/// by the model its tag names. Reads `/proc`: call without locks.
+pub(super) fn owners<'a>(
+    inventory: &Inventory,
+    models: &'a [ModelStatus],
+    marker: &str,
+) -> BTreeMap<u32, (Whose, Option<&'a str>)> {
+    let engines: BTreeMap<u32, &str> = models
+        .iter()
+        .filter_map(|m| Some((m.pid?, m.name.as_str())))
+        .collect();
+    // The tags of the engines that run now, read once when needed.
+    let mut live: Option<BTreeSet<String>> = None;
+    let mut owner = |pid: u32| -> (Whose, Option<&'a str>) {
+        if let Some(m) = engines.get(&pid) {
+            return (Whose::Siesta, Some(m));
+        }
+        match pgid_of(pid) {
+            None => (Whose::Unseen, None),
+            Some(group) if engines.contains_key(&group) => {
+                (Whose::Siesta, engines.get(&group).copied())
+            }
+            Some(_) if procfs::carries_env(pid, STATE_ENV, marker) == Some(true) => {
+                let tag = procfs::env_value(pid, TAG_ENV).unwrap_or_default();
+                let named = models
+                    .iter()
+                    .find(|m| tag_of(&tag, m))
+                    .map(|m| m.name.as_str());
+                let live = live.get_or_insert_with(|| {
+                    engines
+                        .keys()
+                        .filter_map(|p| procfs::env_value(*p, TAG_ENV))
+                        .collect()
+                });
+                if live.contains(&tag) {
+                    (Whose::Siesta, named)
+                } else {
+                    (Whose::Other, named)
+                }
+            }
+            Some(_) => (Whose::Other, None),
+        }
+    };
+    inventory
+        .gpus
+        .iter()
+        .flat_map(|g| &g.processes)
+        .map(|p| (p.pid, owner(p.pid)))
+        .collect()
 }
 
 /// Whether the engine tag `tag` (`CONTROL_ID/MODEL/GENERATION/NONCE`, see
 /// the runner's spawn) is one of `m`'s engines.
-fn tag_of(tag: &str, m: &ModelStatus) -> bool {
+pub(super) fn tag_of(tag: &str, m: &ModelStatus) -> bool {
     tag.strip_prefix(m.control_id.as_str())
         .and_then(|t| t.strip_prefix('/'))
         .and_then(|t| t.strip_prefix(m.name.as_str()))
@@ -69,42 +118,14 @@ impl GpuView {
         let inventory = st.inventory.clone();
         let machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
         let placements = st.placements.clone();
+        let read_failed = st.read_failed;
         drop(st);
-        let engines: BTreeMap<u32, &str> = models
-            .iter()
-            .filter_map(|m| Some((m.pid?, m.name.as_str())))
+        let listed = owners(&inventory, models, &state_marker(&self.state_dir));
+        let seen: BTreeSet<&str> = listed
+            .values()
+            .filter(|(w, _)| *w == Whose::Siesta)
+            .filter_map(|(_, m)| *m)
             .collect();
-        let marker = state_marker(&self.state_dir);
-        // Whose each listed process is, and of siesta's, which model's.
-        let owner = |pid: u32| -> (Whose, Option<&str>) {
-            if let Some(m) = engines.get(&pid) {
-                return (Whose::Siesta, Some(m));
-            }
-            match pgid_of(pid) {
-                None => (Whose::Unseen, None),
-                Some(group) if engines.contains_key(&group) => {
-                    (Whose::Siesta, engines.get(&group).copied())
-                }
-                // A worker that left its engine's group (`setsid`) still
-                // carries the state directory siesta spawned it for: siesta's
-                // while its model has an engine, else left over (it outlived
-                // the sweep after its engine ended) and counted.
-                Some(_) if procfs::carries_env(pid, STATE_ENV, &marker) == Some(true) => {
-                    match spawned_for(pid, models) {
-                        Some(m) if m.pid.is_none() => (Whose::Other, None),
-                        m => (Whose::Siesta, m.map(|m| m.name.as_str())),
-                    }
-                }
-                Some(_) => (Whose::Other, None),
-            }
-        };
-        let listed: BTreeMap<u32, (Whose, Option<&str>)> = inventory
-            .gpus
-            .iter()
-            .flat_map(|g| &g.processes)
-            .map(|p| (p.pid, owner(p.pid)))
-            .collect();
-        let seen: BTreeSet<&str> = listed.values().filter_map(|(_, m)| *m).collect();
         // Engines whose processes NVML does not show as theirs: attached
         // ones (not siesta's children, no pid known), and spawned ones
         // awake or asleep with none of their processes listed (an
@@ -112,11 +133,14 @@ impl GpuView {
         // `sudo`, which drops the marker). What they hold, as placement
         // counts it, is taken off what unknown processes hold, not
         // counted twice.
+        // (Only on a good read: one that failed lists what ran before,
+        // not an engine that started since.)
         let unseen: BTreeSet<&str> = models
             .iter()
             .filter(|m| {
                 (m.launch == "attach" && m.pid.is_none())
-                    || (m.pid.is_some()
+                    || (!read_failed
+                        && m.pid.is_some()
                         && matches!(m.state, State::Awake | State::Asleep)
                         && !seen.contains(m.name.as_str()))
             })

@@ -515,7 +515,8 @@ fn foreign_memory_is_what_no_engine_of_siesta_holds() {
 }
 
 /// Through the view: an engine's worker that left its group (`setsid`)
-/// but carries the state directory siesta spawned it for is siesta's; this
+/// but carries the state directory siesta spawned it for and its running
+/// engine's tag is siesta's; this
 /// test's own process is someone else's. After a failed NVML read, the last
 /// good read's processes that still live count (a holder does not vanish
 /// from the plan because one read failed); one gone since does not.
@@ -527,9 +528,24 @@ fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_who_still_liv
     let view = GpuView::detect(&cfg, &Default::default());
     let marker = crate::supervisor::state_marker(dir.path());
     use std::os::unix::process::CommandExt;
+    // The engine (its leader carries its tag) and its worker, which left
+    // the engine's group with the state directory and the same tag.
+    let tag = "ctl/m/1/00aa";
+    let leader = scopeguard_kill(
+        std::process::Command::new("sleep")
+            .arg("30")
+            .env(crate::supervisor::TAG_ENV, tag)
+            .spawn()
+            .unwrap(),
+    );
+    wait_for_env(leader.id(), crate::supervisor::TAG_ENV, tag);
+    let mut m = crate::status::test_status("m", 1);
+    m.pid = Some(leader.id());
+    let models = [m];
     let mut worker = std::process::Command::new("sleep")
         .arg("30")
         .env(crate::supervisor::STATE_ENV, &marker)
+        .env(crate::supervisor::TAG_ENV, tag)
         .process_group(0)
         .spawn()
         .unwrap();
@@ -552,7 +568,7 @@ fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_who_still_liv
         )],
         note: None,
     });
-    let f = view.foreign(&[]);
+    let f = view.foreign(&models);
     worker.kill().unwrap();
     worker.wait().unwrap();
     assert_eq!(
@@ -564,7 +580,7 @@ fn a_worker_that_left_its_group_is_siesta_and_a_failed_read_counts_who_still_liv
     view.state.lock().unwrap().read_failed = true;
     stranger.kill().unwrap();
     stranger.wait().unwrap();
-    let f = view.foreign(&[]);
+    let f = view.foreign(&models);
     assert_eq!(f[&0].processes, [(me, 5 << 30)], "{f:?}");
 }
 
@@ -596,20 +612,60 @@ fn a_worker_left_over_by_an_ended_engine_counts_as_others() {
         gpus: vec![gpu(0, &[(worker.id(), 30 << 30)])],
         note: None,
     });
-    let mut m = crate::status::test_status("org/m", 3);
-    let mut prefix = crate::status::test_status("org", 0);
-    prefix.pid = Some(1);
-    m.pid = Some(1);
-    assert!(
-        view.foreign(&[m.clone(), prefix.clone()]).is_empty(),
-        "its model has an engine: siesta's"
+    // The engine it was spawned for runs (its leader carries the tag).
+    let leader = scopeguard_kill(
+        std::process::Command::new("sleep")
+            .arg("30")
+            .env(crate::supervisor::TAG_ENV, "ctl/org/m/3/00ab")
+            .spawn()
+            .unwrap(),
     );
-    // `siesta gpus` names its model.
-    let owners = view.list_gpus(&[m.clone(), prefix.clone()]).owners;
+    wait_for_env(leader.id(), crate::supervisor::TAG_ENV, "ctl/org/m/3/00ab");
+    let mut m = crate::status::test_status("org/m", 3);
+    let prefix = crate::status::test_status("org", 0);
+    m.pid = Some(leader.id());
+    let models = [prefix, m];
+    assert!(
+        view.foreign(&models).is_empty(),
+        "its model's engine runs: siesta's"
+    );
+    // `siesta gpus` names its model (not `org`, a prefix of it).
+    let owners = view.list_gpus(&models).owners;
     assert_eq!(owners.get(&worker.id()).map(String::as_str), Some("org/m"));
-    m.pid = None;
-    let f = view.foreign(&[m, prefix]);
+    // The model runs a newer engine: this one's worker is left over.
+    let [prefix, mut m] = models;
+    m.pid = Some(std::process::id());
+    let f = view.foreign(&[prefix.clone(), m.clone()]);
     assert_eq!(f[&0].processes, [(worker.id(), 30 << 30)], "{f:?}");
+    // No engine, or no such model any more: left over too.
+    m.pid = None;
+    let f = view.foreign(&[prefix.clone(), m]);
+    assert_eq!(f[&0].processes, [(worker.id(), 30 << 30)], "{f:?}");
+    let f = view.foreign(&[prefix]);
+    assert_eq!(f[&0].processes, [(worker.id(), 30 << 30)], "{f:?}");
+}
+
+/// Which model an engine tag (`CONTROL_ID/MODEL/GEN/NONCE`) names: model
+/// names and control ids may hold `/`.
+#[test]
+fn an_engine_tag_names_its_model_exactly() {
+    let status = |control: &str, name: &str| {
+        let mut m = crate::status::test_status(name, 0);
+        m.control_id = control.into();
+        m
+    };
+    let of = |tag: &str, m: &crate::status::ModelStatus| super::foreign::tag_of(tag, m);
+    assert!(of("ctl/org/m/3/00ab", &status("ctl", "org/m")));
+    assert!(!of("ctl/org/m/3/00ab", &status("ctl", "org")));
+    assert!(!of("ctl/org/m/3/00ab", &status("ctl", "m")));
+    assert!(of("ctl/m/3/3/00ab", &status("ctl", "m/3")));
+    assert!(!of("ctl/m/3/3/00ab", &status("ctl", "m")));
+    // (Every model of one control plane has its control id: "a" + "b/m"
+    // and "a/b" + "m" never meet.)
+    assert!(of("a/b/m/1/ff", &status("a/b", "m")));
+    assert!(!of("a/b/m/1/ff", &status("a/b", "b/m")));
+    assert!(!of("other/m/1/ff", &status("ctl", "m")));
+    assert!(!of("", &status("ctl", "m")));
 }
 
 /// A spawned engine awake on GPU 0 whose processes NVML lists under pids
@@ -665,11 +721,14 @@ fn an_engine_whose_processes_nvml_shows_under_other_pids_is_not_counted_twice() 
 /// Waits (up to 10 s) until `pid`'s environment in `/proc` shows the state
 /// directory marker: a child's shows a moment after its spawn returns.
 fn wait_for_marker(pid: u32, marker: &str) {
+    wait_for_env(pid, crate::supervisor::STATE_ENV, marker);
+}
+
+/// Waits (up to 10 s) until `pid`'s environment in `/proc` holds `key=value`.
+fn wait_for_env(pid: u32, key: &str, value: &str) {
     let started = std::time::Instant::now();
-    while crate::supervisor::procfs::carries_env(pid, crate::supervisor::STATE_ENV, marker)
-        != Some(true)
-    {
-        assert!(started.elapsed() < Duration::from_secs(10), "no marker");
+    while crate::supervisor::procfs::carries_env(pid, key, value) != Some(true) {
+        assert!(started.elapsed() < Duration::from_secs(10), "no {key}");
         std::thread::sleep(Duration::from_millis(5));
     }
 }
