@@ -81,6 +81,7 @@ pub fn encode(
 ) -> String {
     let (models, _) = hub.models();
     let list = gpus.list_gpus(&models);
+    let budgets = gpus.placement(&models).gpus;
     let models: Vec<pb::ModelStatus> = models.iter().map(model_status).collect();
     let mut reg = Registry::with_prefix("siesta_control");
     let state = Family::<StateLabels, G>::default();
@@ -150,6 +151,20 @@ pub fn encode(
         Unit::Bytes,
         used.clone(),
     );
+    let others = Family::<GpuLabels, GBytes>::default();
+    reg.register_with_unit(
+        "gpu_memory_others",
+        "GPU memory held by processes siesta does not run, as admission counts it (NVML; 0 without it)",
+        Unit::Bytes,
+        others.clone(),
+    );
+    for b in &budgets {
+        others
+            .get_or_create(&GpuLabels {
+                gpu: b.index.to_string(),
+            })
+            .set(b.foreign_bytes);
+    }
     let engine = Family::<EngineLabels, GBytes>::default();
     reg.register_with_unit(
         "engine_gpu_memory",
@@ -218,6 +233,57 @@ mod tests {
             "{out}"
         );
         assert!(out.contains("state=\"stopped\"} 0"), "{out}");
+    }
+
+    /// Memory another process holds on a GPU (NVML) is exported per GPU,
+    /// as admission counts it; a GPU with none exports 0.
+    #[test]
+    fn memory_others_hold_is_exported_per_gpu() {
+        use crate::gpu::{GpuInfo, GpuProcessInfo, GpuSpec, Inventory, InventorySource};
+        let dir = tempfile::tempdir().unwrap();
+        let text = format!(
+            "[control]\nstate_dir = \"{}\"\np2p_probe = \"off\"\n\
+             [[gpu]]\nindex = 0\nmemory = \"80GiB\"\n[[gpu]]\nindex = 1\nmemory = \"80GiB\"\n\
+             [[model]]\nname = \"a\"\nmodel = \"m\"\ngpu_memory = 0.5\n",
+            dir.path().display()
+        );
+        let cfg = crate::config::Config::parse(&text, "test.toml").unwrap();
+        let gpus = GpuView::detect(&cfg, &Default::default());
+        let gpu = |index: u32, held: u64| {
+            let mut g = GpuInfo::from_spec(&GpuSpec {
+                index,
+                name: "g".into(),
+                memory_bytes: 80 << 30,
+            });
+            if held > 0 {
+                // This test's own process: none of siesta's engines.
+                g.processes = vec![GpuProcessInfo {
+                    pid: std::process::id(),
+                    used_bytes: held,
+                }];
+            }
+            g
+        };
+        gpus.set_inventory(Inventory {
+            source: InventorySource::Nvml,
+            gpus: vec![gpu(0, 0), gpu(1, 21 << 30)],
+            note: None,
+        });
+        let hub = crate::hub::Hub::new(crate::status::Clock::new(), 16, 16);
+        let out = encode(
+            &hub,
+            &gpus,
+            &crate::web::track::Tracker::new(),
+            &Default::default(),
+        );
+        assert!(
+            out.contains("siesta_control_gpu_memory_others_bytes{gpu=\"1\"} 22548578304"),
+            "{out}"
+        );
+        assert!(
+            out.contains("siesta_control_gpu_memory_others_bytes{gpu=\"0\"} 0"),
+            "{out}"
+        );
     }
 
     /// Every state but `unknown` has a series, so none exports all zeros.
