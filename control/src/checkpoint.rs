@@ -98,17 +98,10 @@ pub fn group_pids(pgid: u32) -> Vec<u32> {
     };
     let mut pids: Vec<u32> = dir
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&pid| pgid_of(pid) == Some(pgid))
+        .filter(|&pid| crate::supervisor::procfs::pgid(pid) == Some(pgid))
         .collect();
     pids.sort_unstable();
     pids
-}
-
-/// A process's group, from `/proc/PID/stat` (None: gone).
-pub fn pgid_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 2..];
-    after.split_whitespace().nth(2)?.parse().ok()
 }
 
 /// `MemAvailable` of `/proc/meminfo`, bytes.
@@ -221,7 +214,7 @@ mod tests {
         let (pids, bytes) = targets(1, Some(vec![(30, 5), (20, 7)]));
         assert_eq!((pids, bytes), (vec![20, 30], Some(12)));
         let me = std::process::id();
-        let group = pgid_of(me).unwrap();
+        let group = crate::supervisor::procfs::pgid(me).unwrap();
         let (pids, bytes) = targets(group, None);
         assert!(pids.contains(&me) && bytes.is_none());
     }

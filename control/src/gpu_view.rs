@@ -14,6 +14,7 @@ use crate::placement::{
 use crate::reconciler::Desired;
 use crate::status::Residual;
 use crate::status::{ModelStatus, State};
+use crate::supervisor::procfs;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -155,13 +156,6 @@ pub(crate) fn runtime(models: &[ModelStatus]) -> BTreeMap<String, ModelRuntime> 
             (m.name.clone(), r)
         })
         .collect()
-}
-
-/// The process group of a pid (from /proc), to tell whose a GPU process is.
-fn pgid_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = &stat[stat.rfind(')')? + 2..];
-    after.split_whitespace().nth(2)?.parse().ok()
 }
 
 impl GpuView {
@@ -337,7 +331,10 @@ impl GpuView {
                 .find(|p| p.model == model)
                 .and_then(|p| p.awake_bytes.iter().copied().max())
                 .unwrap_or(0);
-            (engine_bytes_per_gpu(&st.inventory, pgid, pgid_of), awake)
+            (
+                engine_bytes_per_gpu(&st.inventory, pgid, procfs::pgid),
+                awake,
+            )
         };
         let r = residual_from(bytes.values().copied().max().filter(|b| *b > 0)?, awake);
         self.residuals.lock().unwrap().insert(model.to_string(), r);
@@ -362,7 +359,7 @@ impl GpuView {
         let mut out: BTreeMap<u32, u64> = BTreeMap::new();
         for g in &st.inventory.gpus {
             for p in &g.processes {
-                if p.pid == pgid || pgid_of(p.pid) == Some(pgid) {
+                if p.pid == pgid || procfs::pgid(p.pid) == Some(pgid) {
                     *out.entry(p.pid).or_default() += p.used_bytes;
                 }
             }

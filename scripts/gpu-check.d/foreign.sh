@@ -39,10 +39,7 @@ HOLDER=
 hold() {
     local gib
     gib=$(frac_gib "$1")
-    python3 -c 'import sys, time, torch
-x = torch.empty(int(sys.argv[1]) << 30, dtype=torch.uint8, device="cuda:0")
-print("held", flush=True)
-time.sleep(900)' "$gib" >"$W/holder-$1.log" 2>&1 &
+    python3 scripts/gpu-hold.py "$gib" 900 >"$W/holder-$1.log" 2>&1 &
     HOLDER=$!
     local end=$((SECONDS + 120))
     until grep -q held "$W/holder-$1.log" 2>/dev/null || ! kill -0 "$HOLDER" 2>/dev/null ||

@@ -32,10 +32,7 @@ hold() {
         HOLDER=$!
         echo $(($1 << 30)) >"$RUN/simgpu/gpu-0/$HOLDER"
     else
-        python3 -c 'import sys, time, torch
-x = torch.empty(int(sys.argv[1]) << 30, dtype=torch.uint8, device="cuda:0")
-print("held", flush=True)
-time.sleep(600)' "$1" >"$RUN/logs/holder-$1.log" 2>&1 &
+        python3 "$D/../gpu-hold.py" "$1" 600 >"$RUN/logs/holder-$1.log" 2>&1 &
         HOLDER=$!
         local end=$((SECONDS + 120))
         until grep -q held "$RUN/logs/holder-$1.log" 2>/dev/null || ! kill -0 "$HOLDER" 2>/dev/null ||

@@ -6,7 +6,7 @@
 //! put an idle neighbour to sleep to make the room. Admission now plans
 //! over what NVML says these processes hold.
 
-use super::{GpuView, pgid_of, runtime};
+use super::{GpuView, runtime};
 use crate::gpu::{Inventory, InventorySource};
 use crate::placement::{Foreign, Machine, budgets};
 use crate::status::{ModelStatus, State};
@@ -35,7 +35,7 @@ pub(super) fn owners<'a>(
         if let Some(m) = engines.get(&pid) {
             return (Whose::Siesta, Some(m));
         }
-        match pgid_of(pid) {
+        match procfs::pgid(pid) {
             None => (Whose::Unseen, None),
             Some(group) if engines.contains_key(&group) => {
                 (Whose::Siesta, engines.get(&group).copied())
