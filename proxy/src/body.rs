@@ -19,7 +19,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::Instant;
 
-use crate::forward::{InFlightGuard, UpstreamConn, UpstreamError};
+use crate::forward::{InFlightGuard, RawHead, UpstreamConn, UpstreamError};
 
 /// Body of every response the proxy sends.
 #[derive(Debug)]
@@ -163,6 +163,16 @@ impl ProxyBody {
             body.end(true);
         }
         body
+    }
+
+    /// An engine's end-to-end headers kept raw for the proxy's own HTTP/1.1
+    /// server (then the response's `HeaderMap` has only what the proxy
+    /// added).
+    pub fn raw_head(&self) -> Option<&RawHead> {
+        match self {
+            ProxyBody::Upstream { conn, .. } => conn.raw_head(),
+            _ => None,
+        }
     }
 
     /// Over HTTP/2: an engine's body gets a stall watchdog ([`StreamWatch`]);

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Response;
-use http::header::{self, HeaderValue};
+use http::header::HeaderValue;
 use http::uri::Authority;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::OwnedSemaphorePermit;
@@ -39,7 +39,7 @@ use crate::metrics::{Metrics, ModelLabels};
 use crate::route_table::Upstream;
 pub use conn::UpstreamConn;
 use h1::RequestHead;
-pub use h1::UpstreamError;
+pub use h1::{ClientHeaders, RawHead, UpstreamError, named_in, stops_here};
 use pool::EnginePool;
 
 /// Default time an idle upstream connection is kept: below uvicorn's 5 s.
@@ -64,6 +64,28 @@ pub enum ForwardError {
     Fenced,
     /// Anything after the request may have reached the engine.
     Other(String),
+}
+
+/// The client's request, as forwarding needs it (the body aside).
+#[derive(Debug, Clone, Copy)]
+pub struct ClientRequest<'a> {
+    pub method: &'a http::Method,
+    /// Origin form: path and query.
+    pub target: &'a str,
+    pub version: http::Version,
+    pub headers: ClientHeaders<'a>,
+}
+
+impl<'a> ClientRequest<'a> {
+    /// A request hyper parsed.
+    pub fn of(parts: &'a http::request::Parts) -> Self {
+        ClientRequest {
+            method: &parts.method,
+            target: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()),
+            version: parts.version,
+            headers: ClientHeaders::Map(&parts.headers),
+        }
+    }
 }
 
 /// What forwarding to one [`Upstream`] needs, resolved on its first request
@@ -220,7 +242,7 @@ impl Forwarder {
     pub async fn forward(
         &self,
         up: &Arc<Upstream>,
-        parts: &http::request::Parts,
+        req: &ClientRequest<'_>,
         body: Bytes,
         gate: Option<OwnedSemaphorePermit>,
     ) -> Result<Response<ProxyBody>, ForwardError> {
@@ -233,8 +255,8 @@ impl Forwarder {
         }
         let h = self.handles(up);
         let head = RequestHead {
-            method: &parts.method,
-            target: parts.uri.path_and_query().map_or("/", |pq| pq.as_str()),
+            method: req.method,
+            target: req.target,
             host: h.host.as_bytes(),
             content_length: body.len(),
             strip_authorization: self.strip_authorization,
@@ -265,9 +287,9 @@ impl Forwarder {
         };
         let sent = Instant::now();
         let mut result = match gate {
-            None => conn.send(&head, &parts.headers, &body).await,
+            None => conn.send(&head, req.headers, &body).await,
             // Boxed: the timer stays out of every other request's future.
-            Some(gate) => Box::pin(send_gated(&mut conn, &head, &parts.headers, &body, gate)).await,
+            Some(gate) => Box::pin(send_gated(&mut conn, &head, req.headers, &body, gate)).await,
         };
         let mut first_error = None;
         if let Err(e) = &result
@@ -292,7 +314,7 @@ impl Forwarder {
             // Like a one-off client: the retry's connection is not kept.
             conn.poolable = false;
             first_error = Some(error);
-            result = conn.send(&head, &parts.headers, &body).await;
+            result = conn.send(&head, req.headers, &body).await;
         }
         if let Err(e) = &result
             && !conn.answered()
@@ -310,15 +332,17 @@ impl Forwarder {
             )));
         }
         match result {
-            Ok(resp) => {
+            Ok(conn::Answer { mut parts, sse }) => {
                 h.ttfb.observe(guard.started.elapsed().as_secs_f64());
-                let sse = resp
-                    .headers
-                    .get(header::CONTENT_TYPE)
-                    .and_then(|v| v.to_str().ok())
-                    .is_some_and(|v| v.starts_with("text/event-stream"));
+                if conn.body_done()
+                    && let Some(raw) = conn.raw_head()
+                {
+                    // The body is over before it is relayed: the connection
+                    // goes back now, its raw headers with it.
+                    parts.headers = raw.to_map();
+                }
                 Ok(Response::from_parts(
-                    resp,
+                    parts,
                     ProxyBody::upstream(conn, guard, sse),
                 ))
             }
@@ -346,10 +370,10 @@ impl Forwarder {
 async fn send_gated(
     conn: &mut UpstreamConn,
     head: &RequestHead<'_>,
-    headers: &http::HeaderMap,
+    headers: ClientHeaders<'_>,
     body: &Bytes,
     gate: OwnedSemaphorePermit,
-) -> Result<http::response::Parts, UpstreamError> {
+) -> Result<conn::Answer, UpstreamError> {
     let send = conn.send(head, headers, body);
     tokio::pin!(send);
     tokio::select! {

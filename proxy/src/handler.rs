@@ -14,7 +14,7 @@ use crate::activity::Activity;
 use crate::body::ProxyBody;
 use crate::errors::{ApiError, ShedReason};
 use crate::form_field::rewrite_form_model;
-use crate::forward::{ForwardError, Forwarder};
+use crate::forward::{ClientRequest, ForwardError, Forwarder};
 use crate::hold::{self, Holds, Release, Ticket, Wait};
 use crate::metrics::{Metrics, ModelLabels, ShedLabels, no_model};
 use crate::model_field::{FieldKind, ModelField, rewrite_model};
@@ -176,7 +176,7 @@ fn closing_if(
     resp
 }
 
-/// A POST to a `/v1` path: find the model, then forward or hold.
+/// A POST to a `/v1` path: read the body, then [`routed`].
 async fn model_request(
     shared: &Shared,
     req: Request<Incoming>,
@@ -201,7 +201,39 @@ async fn model_request(
         .headers
         .get(header::CONTENT_TYPE)
         .map(|v| v.as_bytes());
-    let field = match find_request_model(&body, content_type) {
+    let field = find_request_model(&body, content_type);
+    routed(shared, &ClientRequest::of(&parts), &body, field, waited).await
+}
+
+/// A plain request read whole by the proxy's own HTTP/1.1 server
+/// ([`crate::server::http1`]): a POST to a forwardable path with a valid
+/// key (or none needed), `field` its body's model field; `page`: it has an
+/// `Origin` header.
+pub async fn handle_plain(
+    shared: &Shared,
+    req: &ClientRequest<'_>,
+    page: bool,
+    body: &Bytes,
+    field: Result<ModelField<'_>, ApiError>,
+    waited: Waited,
+) -> Response<ProxyBody> {
+    let (model, mut resp) = routed(shared, req, body, field, waited).await;
+    if page {
+        cors::allow_origin(&mut resp);
+    }
+    shared.metrics.request(&model, resp.status());
+    resp
+}
+
+/// A model request whose body is read: find the model, then forward or hold.
+async fn routed(
+    shared: &Shared,
+    req: &ClientRequest<'_>,
+    body: &Bytes,
+    field: Result<ModelField<'_>, ApiError>,
+    waited: Waited,
+) -> (Arc<str>, Response<ProxyBody>) {
+    let field = match field {
         Ok(f) => f,
         Err(e) => return (no_model(), e.into_response()),
     };
@@ -215,8 +247,8 @@ async fn model_request(
     };
     let model = route.name.clone();
     drop(view);
-    let http2 = parts.version == http::Version::HTTP_2;
-    let resp = route_loop(shared, &model, &field, &parts, &body, waited)
+    let http2 = req.version == http::Version::HTTP_2;
+    let resp = route_loop(shared, &model, &field, req, body, waited)
         .await
         // A stalled HTTP/2 stream blocks no socket write: timed per stream.
         .map(|r| {
@@ -272,7 +304,7 @@ async fn route_loop(
     shared: &Shared,
     model: &Arc<str>,
     field: &ModelField<'_>,
-    parts: &http::request::Parts,
+    req: &ClientRequest<'_>,
     body: &Bytes,
     waited: Waited,
 ) -> Result<Response<ProxyBody>, ApiError> {
@@ -314,7 +346,7 @@ async fn route_loop(
                 FieldKind::Json => rewrite_model(body, field.span.clone(), &up.served_name),
             };
             // Boxed: a held request's future need not carry its size.
-            match Box::pin(shared.forwarder.forward(&up, parts, out, gate.take())).await {
+            match Box::pin(shared.forwarder.forward(&up, req, out, gate.take())).await {
                 Ok(resp) => return Ok(resp),
                 Err(ForwardError::Fenced) => {
                     // The route table is being rebuilt with the model not

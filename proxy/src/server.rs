@@ -1,5 +1,6 @@
 //! The proxy process: listeners, connections, background tasks, draining.
 
+pub mod http1;
 mod serve;
 
 use std::net::SocketAddr;

@@ -16,6 +16,8 @@ mod errors_test;
 mod forward_test;
 #[path = "component/hold_test.rs"]
 mod hold_test;
+#[path = "component/http1_test.rs"]
+mod http1_test;
 #[path = "component/threads_test.rs"]
 mod threads_test;
 #[path = "component/upstream_conn_test.rs"]

@@ -265,6 +265,22 @@ pub async fn gpus_from_config(c: &mut Client) -> bool {
     true
 }
 
+/// Waits until the proxy's `/v1/models/MODEL` shows `state` as its
+/// `siesta_state` (the proxy has the event, not only the control plane).
+pub async fn proxy_sees(proxy: &crate::ProxyProc, model: &str, state: &str) {
+    let url = format!("{}/v1/models/{model}", proxy.url());
+    crate::wait_until(&format!("the proxy sees {model} {state}"), LONG, || async {
+        match reqwest::get(&url).await {
+            Ok(r) if r.status() == 200 => r
+                .json::<serde_json::Value>()
+                .await
+                .is_ok_and(|v| v["siesta_state"] == state),
+            _ => false,
+        }
+    })
+    .await;
+}
+
 /// Waits until the proxy's `/readyz` answers 200 (it has a route table).
 pub async fn proxy_ready(proxy: &crate::ProxyProc) {
     let ready = format!("{}/readyz", proxy.admin_url());

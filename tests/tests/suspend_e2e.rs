@@ -475,6 +475,9 @@ async fn a_request_while_a_suspend_waits_for_the_proxies_calls_it_off() {
         .await
         .expect("suspend accepted");
     wait_state(&mut c, "m", pb::ModelState::Suspending, LONG).await;
+    // Sent once `b` has the event too: before it, `b` still routes to the
+    // awake engine (and the suspend waits for that request to end).
+    proxy_sees(&b, "m", "suspending").await;
     let answered = try_chat(&b.url(), "m", 4, LONG).await;
     let s = status(&mut c, "m").await;
     let frozen_engine = group(awake.pid).iter().any(|(_, st)| *st == 'T');

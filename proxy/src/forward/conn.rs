@@ -11,12 +11,11 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header::HeaderMap;
 use http::response;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::h1::{self, Decoded, Decoder, RequestHead, UpstreamError};
+use super::h1::{self, ClientHeaders, Decoded, Decoder, RawHead, RequestHead, UpstreamError};
 use super::pool::EnginePool;
 
 /// How long connecting to an engine may take.
@@ -51,6 +50,20 @@ pub struct UpstreamConn {
     pub shard: usize,
     /// Bytes of the current response have arrived.
     answered: bool,
+    /// The current response's headers, when the client's request came as
+    /// [`ClientHeaders::Lines`] (the proxy's own server writes them as
+    /// they are): `raw_valid` says they are the current response's.
+    raw: RawHead,
+    raw_valid: bool,
+}
+
+/// What [`UpstreamConn::send`] returns: the response's status and headers
+/// (empty when kept raw: [`UpstreamConn::raw_head`]), and whether it is a
+/// server-sent event stream.
+#[derive(Debug)]
+pub struct Answer {
+    pub parts: response::Parts,
+    pub sse: bool,
 }
 
 impl UpstreamConn {
@@ -80,6 +93,8 @@ impl UpstreamConn {
             poolable: true,
             shard: pool.shard_here(),
             answered: false,
+            raw: RawHead::default(),
+            raw_valid: false,
         }))
     }
 
@@ -108,10 +123,11 @@ impl UpstreamConn {
     pub async fn send(
         &mut self,
         head: &RequestHead<'_>,
-        headers: &HeaderMap,
+        headers: ClientHeaders<'_>,
         body: &Bytes,
-    ) -> Result<response::Parts, UpstreamError> {
+    ) -> Result<Answer, UpstreamError> {
         self.answered = false;
+        self.raw_valid = matches!(headers, ClientHeaders::Lines(_));
         self.write.clear();
         h1::encode_request(&mut self.write, head, headers);
         if body.len() <= COPY_BODY {
@@ -121,10 +137,14 @@ impl UpstreamConn {
             return Ok(early);
         }
         loop {
-            if let Some(resp) = h1::parse_response(&mut self.read, head.method)? {
+            let raw = self.raw_valid.then_some(&mut self.raw);
+            if let Some(resp) = h1::parse_response(&mut self.read, head.method, raw)? {
                 self.body = Decoder::new(resp.body);
                 self.poolable &= resp.keep_alive;
-                return Ok(resp.parts);
+                return Ok(Answer {
+                    parts: resp.parts,
+                    sse: resp.sse,
+                });
             }
             make_room(&mut self.read);
             if self.io.read_buf(&mut self.read).await? == 0 {
@@ -146,7 +166,7 @@ impl UpstreamConn {
         &mut self,
         method: &http::Method,
         body: &Bytes,
-    ) -> Result<Option<response::Parts>, UpstreamError> {
+    ) -> Result<Option<Answer>, UpstreamError> {
         let (mut rd, mut wr) = self.io.split();
         let write = write_both(&mut wr, &self.write, body);
         tokio::pin!(write);
@@ -165,10 +185,14 @@ impl UpstreamConn {
                         Ok(0) => None,
                         Ok(_) => {
                             self.answered = true;
-                            if let Some(resp) = h1::parse_response(&mut self.read, method)? {
+                            let raw = self.raw_valid.then_some(&mut self.raw);
+                            if let Some(resp) = h1::parse_response(&mut self.read, method, raw)? {
                                 self.body = Decoder::new(resp.body);
                                 self.poolable = false;
-                                return Ok(Some(resp.parts));
+                                return Ok(Some(Answer {
+                                    parts: resp.parts,
+                                    sse: resp.sse,
+                                }));
                             }
                             make_room(&mut self.read);
                             continue;
@@ -221,6 +245,11 @@ impl UpstreamConn {
                 }
             }
         }
+    }
+
+    /// The current response's end-to-end headers, when they were kept raw.
+    pub fn raw_head(&self) -> Option<&RawHead> {
+        self.raw_valid.then_some(&self.raw)
     }
 
     /// The response body has been read to its end.

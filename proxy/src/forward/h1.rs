@@ -84,21 +84,25 @@ fn invalid(what: impl Into<String>) -> UpstreamError {
     UpstreamError::Invalid(what.into())
 }
 
-/// Hop-by-hop by name (those the `Connection` header names aside).
-fn hop_by_hop(name: &HeaderName) -> bool {
-    *name == header::CONNECTION
-        || *name == header::TE
-        || *name == header::TRAILER
-        || *name == header::TRANSFER_ENCODING
-        || *name == header::UPGRADE
-        || *name == header::PROXY_AUTHENTICATE
-        || *name == header::PROXY_AUTHORIZATION
-        || name.as_str() == "keep-alive"
-        || name.as_str() == "proxy-connection"
+/// Hop-by-hop by name, in any case (those the `Connection` header names
+/// aside).
+fn hop_by_hop(name: &[u8]) -> bool {
+    const NAMES: [&[u8]; 9] = [
+        b"connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"keep-alive",
+        b"proxy-connection",
+    ];
+    NAMES.iter().any(|n| n.eq_ignore_ascii_case(name))
 }
 
 /// Whether `name` is one of the comma-separated tokens of `connection`.
-fn named_in(connection: &[u8], name: &[u8]) -> bool {
+pub fn named_in(connection: &[u8], name: &[u8]) -> bool {
     connection
         .split(|b| *b == b',')
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(name))
@@ -117,33 +121,56 @@ pub struct RequestHead<'a> {
     pub strip_authorization: bool,
 }
 
+/// The client's headers, to pass on to the engine.
+#[derive(Debug, Clone, Copy)]
+pub enum ClientHeaders<'a> {
+    /// As hyper parsed them; those that stop at the proxy are left out
+    /// when the request head is written.
+    Map(&'a HeaderMap),
+    /// Already filtered ([`stops_here`], `Connection`-named ones too) and
+    /// written as lines, each beginning with CRLF: the proxy's own server.
+    Lines(&'a [u8]),
+}
+
+/// A client header that is not passed on to the engine (`name` in any
+/// case): hop-by-hop by name, `Host` and `Content-Length` (the engine's
+/// and the body's own are written), `Expect` (the body is already whole),
+/// and `Authorization` when it carries the proxy's key. Those the
+/// `Connection` header names are left out too (see [`named_in`]).
+pub fn stops_here(name: &[u8], strip_authorization: bool) -> bool {
+    hop_by_hop(name)
+        || name.eq_ignore_ascii_case(b"host")
+        || name.eq_ignore_ascii_case(b"content-length")
+        || name.eq_ignore_ascii_case(b"expect")
+        || (strip_authorization && name.eq_ignore_ascii_case(b"authorization"))
+}
+
 /// Writes the request head for `headers` (the client's) into `out`.
-pub fn encode_request(out: &mut Vec<u8>, head: &RequestHead<'_>, headers: &HeaderMap) {
+pub fn encode_request(out: &mut Vec<u8>, head: &RequestHead<'_>, headers: ClientHeaders<'_>) {
     out.extend_from_slice(head.method.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(head.target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(head.host);
-    let connection = headers.get_all(header::CONNECTION);
-    let named = |name: &HeaderName| {
-        connection
-            .iter()
-            .any(|c| named_in(c.as_bytes(), name.as_str().as_bytes()))
-    };
-    for (name, value) in headers {
-        if hop_by_hop(name)
-            || *name == header::HOST
-            || *name == header::CONTENT_LENGTH
-            || *name == header::EXPECT
-            || (head.strip_authorization && *name == header::AUTHORIZATION)
-            || named(name)
-        {
-            continue;
+    match headers {
+        ClientHeaders::Lines(lines) => out.extend_from_slice(lines),
+        ClientHeaders::Map(headers) => {
+            let connection = headers.get_all(header::CONNECTION);
+            let named = |name: &HeaderName| {
+                connection
+                    .iter()
+                    .any(|c| named_in(c.as_bytes(), name.as_str().as_bytes()))
+            };
+            for (name, value) in headers {
+                if stops_here(name.as_str().as_bytes(), head.strip_authorization) || named(name) {
+                    continue;
+                }
+                out.extend_from_slice(b"\r\n");
+                out.extend_from_slice(name.as_str().as_bytes());
+                out.extend_from_slice(b": ");
+                out.extend_from_slice(value.as_bytes());
+            }
         }
-        out.extend_from_slice(b"\r\n");
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
     }
     // Writing to a Vec cannot fail.
     let _ = write!(out, "\r\ncontent-length: {}\r\n\r\n", head.content_length);
@@ -162,11 +189,47 @@ pub enum BodyKind {
 /// A parsed response head.
 #[derive(Debug)]
 pub struct ResponseHead {
-    /// Status and end-to-end headers (hop-by-hop ones removed).
+    /// Status and end-to-end headers (hop-by-hop ones removed); the headers
+    /// are left empty when they were asked for as a [`RawHead`].
     pub parts: response::Parts,
     pub body: BodyKind,
     /// The connection may carry another request after this response.
     pub keep_alive: bool,
+    /// A server-sent event stream (`Content-Type: text/event-stream`).
+    pub sse: bool,
+}
+
+/// A response's end-to-end headers as the proxy's own HTTP/1.1 server
+/// writes them: the engine's lines, filtered as for a `HeaderMap`, each
+/// `name: value` and CRLF. Kept with the upstream connection and reused.
+#[derive(Debug, Default)]
+pub struct RawHead {
+    pub lines: Vec<u8>,
+    /// A `Content-Length` line is among them (the body is sized).
+    pub has_length: bool,
+    /// A `Date` line is among them.
+    pub has_date: bool,
+}
+
+impl RawHead {
+    /// The lines as a `HeaderMap` (for a body that ended before it was
+    /// relayed, whose lines are not kept with it).
+    pub fn to_map(&self) -> HeaderMap {
+        let mut map = HeaderMap::new();
+        for line in self.lines.split(|b| *b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let Some(colon) = line.iter().position(|b| *b == b':') else {
+                continue;
+            };
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(&line[..colon]),
+                HeaderValue::from_bytes(line[colon + 1..].trim_ascii()),
+            ) {
+                map.append(name, value);
+            }
+        }
+        map
+    }
 }
 
 /// One header's name and value as offsets into the head's bytes.
@@ -203,10 +266,12 @@ fn content_length(value: &[u8]) -> Option<u64> {
 
 /// Parses the response head at the start of `buf` and takes its bytes out
 /// (interim 1xx responses are skipped); `None` until the head is whole.
-/// `method` is the request's (a `HEAD` response has no body).
+/// `method` is the request's (a `HEAD` response has no body). With `keep_raw`,
+/// the end-to-end headers are written there instead of into a `HeaderMap`.
 pub fn parse_response(
     buf: &mut BytesMut,
     method: &Method,
+    mut keep_raw: Option<&mut RawHead>,
 ) -> Result<Option<ResponseHead>, UpstreamError> {
     loop {
         // Neither array is initialised up front: zeroing room for 100
@@ -296,31 +361,63 @@ pub fn parse_response(
                 (None, Some(l)) => BodyKind::Length(l),
             }
         };
-        let mut headers = HeaderMap::with_capacity(spans.len());
-        for s in spans {
-            let name = HeaderName::from_bytes(&head[s.name.0..s.name.0 + s.name.1])
-                .map_err(|_| invalid("a header name"))?;
-            if hop_by_hop(&name)
-                || named(name.as_str().as_bytes())
+        let passed = |name: &[u8]| {
+            !(hop_by_hop(name)
+                || named(name)
                 // With chunked framing any length is wrong (RFC 9112 §6.3).
-                || (chunked.is_some() && name == header::CONTENT_LENGTH)
-            {
-                continue;
-            }
-            let value =
-                HeaderValue::from_maybe_shared(head.slice(s.value.0..s.value.0 + s.value.1))
-                    .map_err(|_| invalid(format!("the value of {name}")))?;
-            headers.append(name, value);
-        }
+                || (chunked.is_some() && name.eq_ignore_ascii_case(b"content-length")))
+        };
+        let mut sse = false;
         let mut parts = response::Response::new(()).into_parts().0;
         parts.status = status;
-        parts.headers = headers;
+        if let Some(raw) = keep_raw.as_deref_mut() {
+            // httparse checked the names (tokens) and values (no control
+            // bytes) as `HeaderName` and `HeaderValue` would.
+            raw.lines.clear();
+            raw.has_length = false;
+            raw.has_date = false;
+            for s in spans {
+                let name = &head[s.name.0..s.name.0 + s.name.1];
+                let value = &head[s.value.0..s.value.0 + s.value.1];
+                if !passed(name) {
+                    continue;
+                }
+                raw.has_length |= name.eq_ignore_ascii_case(b"content-length");
+                raw.has_date |= name.eq_ignore_ascii_case(b"date");
+                sse |= name.eq_ignore_ascii_case(b"content-type") && is_sse(value);
+                raw.lines.extend_from_slice(name);
+                raw.lines.extend_from_slice(b": ");
+                raw.lines.extend_from_slice(value);
+                raw.lines.extend_from_slice(b"\r\n");
+            }
+        } else {
+            let mut headers = HeaderMap::with_capacity(spans.len());
+            for s in spans {
+                let name = HeaderName::from_bytes(&head[s.name.0..s.name.0 + s.name.1])
+                    .map_err(|_| invalid("a header name"))?;
+                if !passed(name.as_str().as_bytes()) {
+                    continue;
+                }
+                let value =
+                    HeaderValue::from_maybe_shared(head.slice(s.value.0..s.value.0 + s.value.1))
+                        .map_err(|_| invalid(format!("the value of {name}")))?;
+                sse |= name == header::CONTENT_TYPE && is_sse(value.as_bytes());
+                headers.append(name, value);
+            }
+            parts.headers = headers;
+        }
         return Ok(Some(ResponseHead {
             parts,
             body,
             keep_alive: keep_alive && body != BodyKind::UntilClose,
+            sse,
         }));
     }
+}
+
+/// A `Content-Type` of server-sent events.
+fn is_sse(value: &[u8]) -> bool {
+    value.len() >= 17 && value[..17].eq_ignore_ascii_case(b"text/event-stream")
 }
 
 /// What the decoder took out of the buffer.

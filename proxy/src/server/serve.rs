@@ -17,16 +17,15 @@ use crate::config::ProxyConfig;
 use crate::handler::{self, Shared};
 use crate::metrics::ThreadLabels;
 use crate::self_wake::Absorbing;
-use crate::waiting_room::{self, Rewind};
+use crate::server::http1;
+use crate::waiting_room::Rewind;
 
 /// What every serving thread shares: the request state, the HTTP settings,
 /// the shutdown signal.
 pub struct Serve {
     pub shared: Arc<Shared>,
     builder: auto::Builder<TokioExecutor>,
-    max_header_bytes: usize,
-    header_timeout: Duration,
-    send_timeout: Duration,
+    limits: http1::Limits,
     drain_timeout: Duration,
     pub shutdown: CancellationToken,
 }
@@ -48,9 +47,11 @@ impl Serve {
         Serve {
             shared,
             builder,
-            max_header_bytes: cfg.max_header_bytes,
-            header_timeout: cfg.header_timeout,
-            send_timeout: cfg.send_timeout,
+            limits: http1::Limits {
+                max_header_bytes: cfg.max_header_bytes,
+                header_timeout: cfg.header_timeout,
+                send_timeout: cfg.send_timeout,
+            },
             drain_timeout: cfg.drain_timeout,
             shutdown,
         }
@@ -157,50 +158,37 @@ impl Serve {
         }));
     }
 
-    /// One client connection: the waiting room first (a request for a
-    /// sleeping model waits there, cheaply, before hyper's connection state
-    /// exists), then hyper.
+    /// One client connection: the proxy's own HTTP/1.1 server first (plain
+    /// requests, waiting in the waiting room when their model is not
+    /// awake), then hyper, from the first request of another kind on.
     async fn client_connection(
         self: Arc<Self>,
         stream: tokio::net::TcpStream,
         watcher: hyper_util::server::graceful::Watcher,
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let entry = waiting_room::enter(
-            &self.shared,
-            &stream,
-            self.max_header_bytes,
-            self.header_timeout,
-            &self.shutdown,
-        )
-        .await;
-        if entry.closed {
-            return Ok(());
-        }
-        let first = std::sync::Mutex::new(Some(handler::Waited {
-            since: entry.held_since,
-            gate: entry.gate,
-        }));
+        let prefix = match http1::serve(&self.shared, &stream, &self.limits, &self.shutdown).await {
+            http1::End::Closed => return Ok(()),
+            http1::End::Hyper(prefix) => prefix,
+        };
         let shared = self.shared.clone();
         let svc = service_fn(move |req| {
             let s = shared.clone();
-            // The gate goes with the request: given back at its answer's
-            // head (or a second into a long one), so the model's next
-            // waiting request may leave.
-            let waited = first.lock().unwrap().take().unwrap_or_default();
-            async move { Ok::<_, Infallible>(handler::handle_main(s, req, waited).await) }
+            async move {
+                Ok::<_, Infallible>(handler::handle_main(s, req, handler::Waited::default()).await)
+            }
         });
         let draining = self.shutdown.is_cancelled();
-        if draining && entry.prefix.is_empty() {
+        if draining && prefix.is_empty() {
             // Nothing sent within the grace: nothing to answer.
             return Ok(());
         }
-        // HTTP/2 with prior knowledge: the waiting room stops reading at its
+        // HTTP/2 with prior knowledge: the HTTP/1 reader stops at its
         // preface's version.
-        let http2 = entry.prefix.starts_with(H2_PREFACE_START);
+        let http2 = prefix.starts_with(H2_PREFACE_START);
         // hyper's HTTP/1 has no write deadline: a client that stops reading
         // would keep its request (and the engine's) going for ever.
-        let mut io = TimeoutWriter::new(Rewind::new(entry.prefix, stream));
-        io.set_timeout(Some(self.send_timeout));
+        let mut io = TimeoutWriter::new(Rewind::new(prefix, stream));
+        io.set_timeout(Some(self.limits.send_timeout));
         let io = TokioIo::new(Box::pin(io));
         if draining && http2 {
             // Served as HTTP/2 from the start: the watcher's graceful
@@ -209,7 +197,7 @@ impl Serve {
             // handshake is done) lets the streams already sent finish.
             let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
             h2.timer(TokioTimer::new())
-                .max_header_list_size(self.max_header_bytes.min(u32::MAX as usize) as u32);
+                .max_header_list_size(self.limits.max_header_bytes.min(u32::MAX as usize) as u32);
             Box::pin(watcher.watch(h2.serve_connection(io, svc)))
                 .await
                 .map_err(Into::into)

@@ -12,7 +12,11 @@ fn head<'a>(method: &'a Method, strip: bool) -> RequestHead<'a> {
 
 fn encoded(headers: &HeaderMap, strip: bool) -> String {
     let mut out = Vec::new();
-    encode_request(&mut out, &head(&Method::POST, strip), headers);
+    encode_request(
+        &mut out,
+        &head(&Method::POST, strip),
+        ClientHeaders::Map(headers),
+    );
     String::from_utf8(out).unwrap()
 }
 
@@ -66,7 +70,7 @@ fn the_request_head_keeps_end_to_end_headers_and_drops_hop_by_hop_ones() {
 
 fn parse(bytes: &[u8]) -> (Result<Option<ResponseHead>, UpstreamError>, BytesMut) {
     let mut buf = BytesMut::from(bytes);
-    let r = parse_response(&mut buf, &Method::POST);
+    let r = parse_response(&mut buf, &Method::POST, None);
     (r, buf)
 }
 
@@ -156,7 +160,9 @@ fn framing_and_keep_alive_follow_the_head() {
         }
     }
     let mut buf = BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"[..]);
-    let h = parse_response(&mut buf, &Method::HEAD).unwrap().unwrap();
+    let h = parse_response(&mut buf, &Method::HEAD, None)
+        .unwrap()
+        .unwrap();
     assert_eq!(h.body, BodyKind::Empty, "a HEAD response has no body");
     assert_eq!(h.parts.headers[header::CONTENT_LENGTH], "5");
 }
@@ -329,4 +335,74 @@ fn only_a_close_before_any_answer_may_be_sent_again() {
     assert!(!UpstreamError::Io(Error::from(ErrorKind::TimedOut)).closed_before_answer());
     assert!(!UpstreamError::ClosedInBody.closed_before_answer());
     assert!(!UpstreamError::Invalid("x".into()).closed_before_answer());
+}
+
+/// For the proxy's own HTTP/1.1 server the engine's headers are kept as
+/// lines: the same headers the `HeaderMap` gets, in the engine's order.
+#[test]
+fn raw_response_headers_are_the_map_headers_as_lines() {
+    let chunked = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\nContent-Length: 9\r\nConnection: keep-alive, x-hop\r\nx-hop: 1\r\nDate: Thu, 03 Dec 2026 18:00:00 GMT\r\nx-request-id: abc\r\n\r\n";
+    let sized = b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 2\r\nkeep-alive: timeout=5\r\n\r\n{}";
+    for (bytes, lines, has_length, has_date, sse) in [
+        (
+            &chunked[..],
+            "Content-Type: text/event-stream\r\nDate: Thu, 03 Dec 2026 18:00:00 GMT\r\nx-request-id: abc\r\n",
+            false,
+            true,
+            true,
+        ),
+        (
+            &sized[..],
+            "content-type: application/json\r\ncontent-length: 2\r\n",
+            true,
+            false,
+            false,
+        ),
+    ] {
+        let mut a = BytesMut::from(bytes);
+        let map = parse_response(&mut a, &Method::POST, None)
+            .unwrap()
+            .unwrap();
+        let mut raw = RawHead::default();
+        let mut b = BytesMut::from(bytes);
+        let head = parse_response(&mut b, &Method::POST, Some(&mut raw))
+            .unwrap()
+            .unwrap();
+        assert_eq!(a, b, "both took the same bytes");
+        assert!(head.parts.headers.is_empty());
+        assert_eq!(head.parts.status, map.parts.status);
+        assert_eq!((head.body, head.keep_alive), (map.body, map.keep_alive));
+        assert_eq!((head.sse, map.sse), (sse, sse));
+        assert_eq!(String::from_utf8(raw.lines.clone()).unwrap(), lines);
+        assert_eq!((raw.has_length, raw.has_date), (has_length, has_date));
+        assert_eq!(raw.to_map(), map.parts.headers);
+    }
+}
+
+/// The client headers the proxy's own server passes on are those the
+/// `HeaderMap` path passes on.
+#[test]
+fn the_headers_that_stop_here_are_the_same_in_any_case() {
+    for (name, strip, stops) in [
+        ("Connection", false, true),
+        ("TE", false, true),
+        ("Keep-Alive", false, true),
+        ("Proxy-Connection", false, true),
+        ("HOST", false, true),
+        ("Content-Length", false, true),
+        ("Expect", false, true),
+        ("Authorization", false, false),
+        ("Authorization", true, true),
+        ("X-Request-Id", false, false),
+        ("Content-Type", false, false),
+    ] {
+        assert_eq!(stops_here(name.as_bytes(), strip), stops, "{name} {strip}");
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            HeaderName::from_bytes(name.as_bytes()).unwrap(),
+            HeaderValue::from_static("v"),
+        );
+        let passed = encoded(&headers, strip).contains(&format!("\r\n{}: v", name.to_lowercase()));
+        assert_eq!(passed, !stops, "{name} {strip}");
+    }
 }

@@ -1,0 +1,200 @@
+//! The proxy's own HTTP/1.1 server, for the request nearly every client
+//! sends: a POST of a whole body to a `/v1/...` path, on a keep-alive
+//! connection. Each such request is read whole ([`request`]), waits in the
+//! waiting room if its model is not awake, goes through the usual handler
+//! ([`handler::handle_plain`]), and its response is written here
+//! ([`response`]); then the next request on the connection.
+//!
+//! Why not hyper's server for these: at one request at a time hyper's
+//! connection machinery (its dispatcher, its parse into a `HeaderMap`, its
+//! moves of the request's future between layers) costs as much as the rest
+//! of the proxy's work per request (BENCHMARKS.md, runs M, O and S). Here
+//! the head is parsed once, in place, and the task runs the request and
+//! writes its answer without an intermediate layer.
+//!
+//! Anything else goes to hyper for the rest of the connection, with the
+//! bytes already read put back in front of the stream: HTTP/2, HTTP/1.0,
+//! any other method or path, a chunked or `Expect: 100-continue` request, a
+//! body over the limit, a request without a valid API key, one that is not
+//! whole within the header timeout, one that is not valid HTTP. hyper
+//! answers those exactly as it always did.
+//!
+//! What hyper's server did for these requests, done here the same way: a
+//! keep-alive connection waits for its next request for at most the header
+//! timeout (`--header-timeout`; then it is closed); the request's whole
+//! reading has that deadline too; a client that closes its connection while
+//! its request is with the engine (or held) ends it there; writes have the
+//! send timeout; a draining proxy closes idle connections at once, answers
+//! a request already begun (with `connection: close`), and gives a new
+//! connection [`FIRST_REQUEST_GRACE`] to send its first request; pipelined
+//! requests are answered in order.
+
+mod request;
+mod response;
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::handler::{self, Shared, Waited};
+use crate::request_model::{find_request_model, route_for};
+use crate::waiting_room;
+use request::Read;
+
+/// How long a new connection may take to send its first request once the
+/// proxy is draining; it is then served (and closed), or closed if it sent
+/// nothing.
+pub const FIRST_REQUEST_GRACE: Duration = Duration::from_secs(1);
+
+/// A connection's read buffer is kept between requests (its space is
+/// reused once a request's bytes are let go) unless a request was larger.
+const KEEP_BUFFER: usize = 4096;
+
+/// The client connection limits the server keeps.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// The longest request head.
+    pub max_header_bytes: usize,
+    /// How long a request may take to arrive whole (and an idle
+    /// keep-alive connection may wait for its next one).
+    pub header_timeout: Duration,
+    /// How long a write may wait for the client to take more.
+    pub send_timeout: Duration,
+}
+
+/// How a connection left this server.
+#[derive(Debug)]
+pub enum End {
+    /// Closed (by either side): nothing more to serve.
+    Closed,
+    /// To hyper, these bytes (read, not yet served) first.
+    Hyper(Bytes),
+}
+
+/// Serves `stream`'s plain requests until it closes or sends another kind.
+pub async fn serve(
+    shared: &Shared,
+    stream: &TcpStream,
+    limits: &Limits,
+    stopping: &CancellationToken,
+) -> End {
+    let mut buf = BytesMut::new();
+    let mut first = true;
+    loop {
+        let req = match next_request(shared, stream, &mut buf, limits, stopping, first).await {
+            Read::Plain(r) => r,
+            Read::Other => return End::Hyper(buf.freeze()),
+            Read::Closed => return End::Closed,
+        };
+        first = false;
+        let field = find_request_model(&req.body, req.content_type.clone().map(|r| &req.head[r]));
+        // Only a request sent alone waits here: the waiting room watches
+        // the connection for the client closing it.
+        let mut waited = Waited::default();
+        if buf.is_empty()
+            && let Ok(f) = &field
+            && asleep(shared, &f.name)
+        {
+            let held = waiting_room::hold(shared, stream, &f.name).await;
+            if held.closed {
+                return End::Closed;
+            }
+            waited = Waited {
+                since: held.since,
+                gate: held.gate,
+            };
+        }
+        let alone = buf.is_empty();
+        let resp = {
+            let client = req.client();
+            // Boxed: a connection waiting for its next request (or held)
+            // keeps no handler state.
+            let mut handling = Box::pin(handler::handle_plain(
+                shared, &client, req.origin, &req.body, field, waited,
+            ));
+            if alone {
+                tokio::select! {
+                    biased;
+                    r = &mut handling => r,
+                    // The client is gone: its request is dropped here (and
+                    // at its engine, whose connection closes).
+                    () = response::hung_up(stream) => return End::Closed,
+                }
+            } else {
+                handling.await
+            }
+        };
+        let large = req.head.len() + req.body.len() > KEEP_BUFFER;
+        let close = req.close;
+        drop(req);
+        let keep_alive = !close && !stopping.is_cancelled();
+        if !response::write(stream, resp, keep_alive, limits.send_timeout, alone).await {
+            return End::Closed;
+        }
+        if large && buf.is_empty() {
+            // The buffer grew for a large request: an idle connection
+            // keeps no more than a small one.
+            buf = BytesMut::new();
+        }
+    }
+}
+
+/// The model a body names is known and not awake (the waiting room may
+/// hold its request).
+fn asleep(shared: &Shared, model: &str) -> bool {
+    route_for(&shared.table.view(), model).is_ok_and(|r| !r.is_awake())
+}
+
+/// The next request: within the header timeout; once the proxy drains, an
+/// idle connection closes, and a new one (or one with part of a request
+/// read) has [`FIRST_REQUEST_GRACE`] to send it whole.
+async fn next_request(
+    shared: &Shared,
+    stream: &TcpStream,
+    buf: &mut BytesMut,
+    limits: &Limits,
+    stopping: &CancellationToken,
+    first: bool,
+) -> Read {
+    let draining = stopping.is_cancelled();
+    if draining && !first && buf.is_empty() {
+        return Read::Closed;
+    }
+    let limit = if draining {
+        FIRST_REQUEST_GRACE.min(limits.header_timeout)
+    } else {
+        limits.header_timeout
+    };
+    let r = {
+        let reading = tokio::time::timeout(
+            limit,
+            request::read(shared, stream, buf, limits.max_header_bytes),
+        );
+        tokio::pin!(reading);
+        tokio::select! {
+            r = &mut reading => Some(r),
+            () = stopping.cancelled(), if !draining => None,
+        }
+    };
+    let r = match r {
+        Some(r) => r,
+        // The drain began while this connection waited.
+        None if !first && buf.is_empty() => return Read::Closed,
+        None => {
+            tokio::time::timeout(
+                FIRST_REQUEST_GRACE.min(limits.header_timeout),
+                request::read(shared, stream, buf, limits.max_header_bytes),
+            )
+            .await
+        }
+    };
+    match r {
+        Ok(read) => read,
+        // Nothing came in time: close. Part of a request: hyper's (it
+        // waits its own header timeout, then closes).
+        Err(_) if buf.is_empty() => Read::Closed,
+        Err(_) => Read::Other,
+    }
+}

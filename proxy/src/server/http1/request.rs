@@ -1,0 +1,231 @@
+//! Reading one request of a client connection: its head parsed in place
+//! (`httparse`), its body read whole, both taken out of the connection's
+//! buffer without a copy. Only a *plain* request is read here: a POST to a
+//! forwardable `/v1/...` path, HTTP/1.1, one `Content-Length` within the
+//! body limit, no `Transfer-Encoding`, `Expect` or `Upgrade`, a valid API
+//! key when keys are configured. Anything else is hyper's (the connection
+//! goes to it with the bytes read), which answers it exactly as before.
+
+use std::io;
+use std::mem::MaybeUninit;
+use std::ops::Range;
+
+use bytes::{Bytes, BytesMut};
+use http::{Method, Version};
+use tokio::net::TcpStream;
+
+use crate::forward::{ClientHeaders, ClientRequest, named_in, stops_here};
+use crate::handler::Shared;
+use crate::handler::checks::{forwardable_path, key_ok};
+
+/// Headers parsed at most (more: hyper takes the request).
+pub const MAX_HEADERS: usize = 64;
+
+/// What reading a request came to.
+#[derive(Debug)]
+pub enum Read {
+    /// A whole plain request, taken out of the buffer.
+    Plain(Request),
+    /// Not a plain request (or not a valid one): hyper serves it from the
+    /// bytes still in the buffer.
+    Other,
+    /// The client closed the connection (or it failed).
+    Closed,
+}
+
+/// One plain request.
+#[derive(Debug)]
+pub struct Request {
+    /// The head's bytes (request line and headers, through the empty line).
+    pub head: Bytes,
+    pub body: Bytes,
+    /// Where the target (path and query) is in `head`.
+    target: Range<usize>,
+    /// The headers passed on to the engine, filtered and written as lines
+    /// ([`ClientHeaders::Lines`]).
+    pub lines: Vec<u8>,
+    /// Where the `Content-Type` value is in `head`.
+    pub content_type: Option<Range<usize>>,
+    /// It has an `Origin` header (sent by a web page).
+    pub origin: bool,
+    /// The client asked to close the connection after this request.
+    pub close: bool,
+}
+
+impl Request {
+    /// The request as forwarding needs it.
+    pub fn client(&self) -> ClientRequest<'_> {
+        ClientRequest {
+            method: &Method::POST,
+            // httparse took it as UTF-8 (visible ASCII).
+            target: std::str::from_utf8(&self.head[self.target.clone()]).unwrap_or("/"),
+            version: Version::HTTP_11,
+            headers: ClientHeaders::Lines(&self.lines),
+        }
+    }
+}
+
+/// What the buffer holds.
+enum Parsed {
+    /// A whole plain request, taken out of it.
+    Whole(Request),
+    /// Not whole yet: this many bytes are needed in all.
+    Need(usize),
+    /// Not a plain request (or not valid HTTP/1).
+    Other,
+}
+
+fn ascii_eq(a: &str, b: &[u8]) -> bool {
+    a.as_bytes().eq_ignore_ascii_case(b)
+}
+
+/// Parses the head at the start of `buf`; when the request is plain and
+/// whole, takes it out.
+fn take(shared: &Shared, buf: &mut BytesMut, max_header_bytes: usize) -> Parsed {
+    let mut raw = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let len = match httparse::ParserConfig::default()
+        .parse_request_with_uninit_headers(&mut req, buf, &mut raw)
+    {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) if buf.len() >= max_header_bytes => return Parsed::Other,
+        Ok(httparse::Status::Partial) => return Parsed::Need(max_header_bytes),
+        Err(_) => return Parsed::Other,
+    };
+    let Some(target) = req.path else {
+        return Parsed::Other;
+    };
+    // The path alone is checked (as the handler checks `uri().path()`);
+    // a query goes to the engine with it.
+    let path = match target.bytes().position(|b| b == b'?') {
+        Some(q) => &target[..q],
+        None => target,
+    };
+    if req.method != Some("POST") || req.version != Some(1) || !forwardable_path(path) {
+        return Parsed::Other;
+    }
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| s.as_ptr() as usize - base;
+    let mut length = None;
+    let mut auth = None;
+    let mut content_type = None;
+    let mut origin = false;
+    let mut close = false;
+    let mut connection = false;
+    for h in req.headers.iter() {
+        if ascii_eq(h.name, b"content-length") {
+            // Digits only, as hyper reads it: `usize::from_str` also takes
+            // "+13", which hyper refuses (400).
+            let v = h.value.trim_ascii();
+            if length.is_some() || v.is_empty() || v.len() > 18 || !v.iter().all(u8::is_ascii_digit)
+            {
+                return Parsed::Other;
+            }
+            length = Some(v.iter().fold(0usize, |n, d| n * 10 + usize::from(d - b'0')));
+        } else if ascii_eq(h.name, b"transfer-encoding")
+            || ascii_eq(h.name, b"expect")
+            || ascii_eq(h.name, b"upgrade")
+        {
+            return Parsed::Other;
+        } else if ascii_eq(h.name, b"authorization") {
+            auth = Some(h.value);
+        } else if ascii_eq(h.name, b"content-type") {
+            content_type = Some(at(h.value)..at(h.value) + h.value.len());
+        } else if ascii_eq(h.name, b"origin") {
+            origin = true;
+        } else if ascii_eq(h.name, b"connection") {
+            connection = true;
+            close |= named_in(h.value, b"close");
+        }
+    }
+    let Some(content_length) = length else {
+        return Parsed::Other;
+    };
+    if content_length > shared.max_body_bytes || !key_ok(shared, auth) {
+        return Parsed::Other;
+    }
+    if buf.len() < len + content_length {
+        return Parsed::Need(len + content_length);
+    }
+    // The headers the engine gets, as hyper's path filters them.
+    let strip_authorization = !shared.api_keys.is_empty();
+    let headers = &*req.headers;
+    let named = |name: &[u8]| {
+        connection
+            && headers
+                .iter()
+                .any(|c| ascii_eq(c.name, b"connection") && named_in(c.value, name))
+    };
+    let mut lines = Vec::with_capacity(len);
+    for h in headers {
+        let name = h.name.as_bytes();
+        if stops_here(name, strip_authorization) || named(name) {
+            continue;
+        }
+        lines.extend_from_slice(b"\r\n");
+        lines.extend_from_slice(name);
+        lines.extend_from_slice(b": ");
+        lines.extend_from_slice(h.value);
+    }
+    let target = at(target.as_bytes())..at(target.as_bytes()) + target.len();
+    let head = buf.split_to(len).freeze();
+    let body = buf.split_to(content_length).freeze();
+    Parsed::Whole(Request {
+        head,
+        body,
+        target,
+        lines,
+        content_type,
+        origin,
+        close,
+    })
+}
+
+/// Reads the next request into `buf` and takes it out when it is plain and
+/// whole. Safe to cancel and call again: what was read stays in `buf`.
+/// `max_header_bytes`: the longest head waited for.
+pub async fn read(
+    shared: &Shared,
+    stream: &TcpStream,
+    buf: &mut BytesMut,
+    max_header_bytes: usize,
+) -> Read {
+    loop {
+        let want = if buf.is_empty() {
+            max_header_bytes
+        } else {
+            match take(shared, buf, max_header_bytes) {
+                Parsed::Whole(r) => return Read::Plain(r),
+                Parsed::Other => return Read::Other,
+                Parsed::Need(n) => n,
+            }
+        };
+        match read_more(stream, buf, want).await {
+            Ok(true) => {}
+            // Closed: with nothing of a request read, nothing to answer;
+            // with part of one, hyper says what is wrong with it.
+            Ok(false) | Err(_) if buf.is_empty() => return Read::Closed,
+            Ok(false) | Err(_) => return Read::Other,
+        }
+    }
+}
+
+/// Reads what is there (at least one byte) into `buf`, which is to hold
+/// `want` bytes in all; `Ok(false)` at EOF.
+async fn read_more(stream: &TcpStream, buf: &mut BytesMut, want: usize) -> io::Result<bool> {
+    if buf.capacity() == buf.len() {
+        let more = buf
+            .len()
+            .max(1024)
+            .min(want.saturating_sub(buf.len()).max(1));
+        buf.reserve(more);
+    }
+    loop {
+        match stream.try_read_buf(buf) {
+            Ok(0) => return Ok(false),
+            Ok(_) => return Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => stream.readable().await?,
+            Err(e) => return Err(e),
+        }
+    }
+}

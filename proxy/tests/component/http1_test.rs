@@ -1,0 +1,283 @@
+//! The proxy's own HTTP/1.1 server (`server/http1.rs`), seen from a raw
+//! client: keep-alive, pipelining, the hand-over to hyper, `Connection:
+//! close`, the idle timeout, the drain, framing.
+
+use std::time::{Duration, Instant};
+
+use siesta_proto::v1::ModelState;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::control::{ScriptedControl, model};
+use crate::engine::Engine;
+use crate::support::*;
+
+/// One response read off a raw connection.
+#[derive(Debug)]
+struct RawReply {
+    status: u16,
+    /// The head's lines, lowercased.
+    head: String,
+    body: Vec<u8>,
+}
+
+impl RawReply {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.head
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+    }
+}
+
+/// Reads more of `s` into `buf`; false when it closed.
+async fn fill(s: &mut TcpStream, buf: &mut Vec<u8>) -> bool {
+    let mut chunk = [0u8; 8192];
+    match tokio::time::timeout(DEADLINE, s.read(&mut chunk))
+        .await
+        .expect("no answer within the deadline")
+    {
+        Ok(0) | Err(_) => false,
+        Ok(n) => {
+            buf.extend_from_slice(&chunk[..n]);
+            true
+        }
+    }
+}
+
+/// Reads one response (Content-Length or chunked) from `s`, `buf` keeping
+/// what came after it; `None` if the connection closed first.
+async fn read_reply(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<RawReply> {
+    let end = loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break end + 4;
+        }
+        if !fill(s, buf).await {
+            return None;
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    buf.drain(..end);
+    let mut reply = RawReply {
+        status,
+        head,
+        body: Vec::new(),
+    };
+    if reply.header("transfer-encoding") == Some("chunked") {
+        loop {
+            let line = loop {
+                if let Some(i) = buf.windows(2).position(|w| w == b"\r\n") {
+                    break i;
+                }
+                assert!(fill(s, buf).await, "closed inside a chunked body");
+            };
+            let size = usize::from_str_radix(std::str::from_utf8(&buf[..line]).unwrap(), 16)
+                .expect("a chunk size");
+            while buf.len() < line + 2 + size + 2 {
+                assert!(fill(s, buf).await, "closed inside a chunk");
+            }
+            assert_eq!(&buf[line + 2 + size..line + 4 + size], b"\r\n");
+            reply
+                .body
+                .extend_from_slice(&buf[line + 2..line + 2 + size]);
+            buf.drain(..line + 4 + size);
+            if size == 0 {
+                return Some(reply);
+            }
+        }
+    }
+    let len: usize = reply
+        .header("content-length")
+        .expect("neither a length nor chunked")
+        .parse()
+        .unwrap();
+    while buf.len() < len {
+        assert!(fill(s, buf).await, "closed inside a sized body");
+    }
+    reply.body = buf.drain(..len).collect();
+    Some(reply)
+}
+
+fn post_bytes(path: &str, extra: &str, body: &str) -> Vec<u8> {
+    format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// Waits until the server closes `s` (EOF or reset); how long that took.
+async fn closed_after(s: &mut TcpStream) -> Duration {
+    let t = Instant::now();
+    let mut b = [0u8; 64];
+    match tokio::time::timeout(DEADLINE, s.read(&mut b))
+        .await
+        .expect("the connection was never closed")
+    {
+        Ok(0) | Err(_) => t.elapsed(),
+        Ok(n) => panic!("unexpected bytes: {:?}", String::from_utf8_lossy(&b[..n])),
+    }
+}
+
+#[tokio::test]
+async fn requests_on_one_connection_are_answered_in_order_pipelined_or_not_and_after_a_hand_over_to_hyper()
+ {
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let before = accepted(&p).await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    let mut buf = Vec::new();
+
+    // Two at once in one write, then one alone.
+    let mut two = post_bytes("/v1/chat/completions", "", &chat("m"));
+    two.extend(post_bytes(
+        "/v1/embeddings",
+        "",
+        r#"{"model":"m","input":"x"}"#,
+    ));
+    s.write_all(&two).await.unwrap();
+    let a = read_reply(&mut s, &mut buf).await.unwrap();
+    let b = read_reply(&mut s, &mut buf).await.unwrap();
+    assert_eq!((a.status, b.status), (200, 200), "{a:?} {b:?}");
+    assert!(String::from_utf8_lossy(&a.body).contains("chat.completion"));
+    assert!(String::from_utf8_lossy(&b.body).contains("embedding"));
+    for r in [&a, &b] {
+        assert_eq!(r.header("x-engine"), Some("e1"));
+        assert!(r.header("date").is_some(), "no date: {}", r.head);
+        assert!(r.header("connection").is_none(), "{}", r.head);
+        assert!(r.header("x-hop").is_none(), "a hop-by-hop header leaked");
+    }
+    s.write_all(&post_bytes("/v1/chat/completions?x=1", "", &chat("m")))
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut s, &mut buf).await.unwrap().status, 200);
+
+    // A GET goes to hyper with the rest of the connection; a POST after it
+    // is hyper's too, answered all the same.
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let list = read_reply(&mut s, &mut buf).await.unwrap();
+    assert_eq!(list.status, 200);
+    assert!(String::from_utf8_lossy(&list.body).contains("\"m\""));
+    s.write_all(&post_bytes("/v1/chat/completions", "", &chat("m")))
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut s, &mut buf).await.unwrap().status, 200);
+
+    assert_eq!(e.count(), 4, "{:?}", e.received());
+    assert_eq!(accepted(&p).await - before, 1.0, "more than one connection");
+}
+
+#[tokio::test]
+async fn a_client_asking_to_close_gets_connection_close_and_the_connection_closes() {
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    let mut buf = Vec::new();
+    s.write_all(&post_bytes(
+        "/v1/chat/completions",
+        "connection: close\r\n",
+        &chat("m"),
+    ))
+    .await
+    .unwrap();
+    let r = read_reply(&mut s, &mut buf).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("connection"), Some("close"), "{}", r.head);
+    closed_after(&mut s).await;
+}
+
+#[tokio::test]
+async fn an_idle_connection_is_closed_after_the_header_timeout_not_before() {
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let timeout = Duration::from_millis(600);
+    let p = ready_proxy(vec![c.url()], |cfg| cfg.header_timeout = timeout).await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    let mut buf = Vec::new();
+    s.write_all(&post_bytes("/v1/chat/completions", "", &chat("m")))
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut s, &mut buf).await.unwrap().status, 200);
+    let idle = closed_after(&mut s).await;
+    assert!(
+        idle >= timeout - Duration::from_millis(100),
+        "closed after {idle:?} idle, before the header timeout of {timeout:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_drain_closes_idle_connections_at_once_and_finishes_a_request_begun_with_connection_close()
+ {
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    // An idle connection would otherwise stay open for a minute.
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.header_timeout = Duration::from_secs(60);
+    })
+    .await;
+    let mut idle = TcpStream::connect(p.addr).await.unwrap();
+    let mut ibuf = Vec::new();
+    idle.write_all(&post_bytes("/v1/chat/completions", "", &chat("m")))
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut idle, &mut ibuf).await.unwrap().status, 200);
+
+    e.set_gate(false);
+    let mut busy = TcpStream::connect(p.addr).await.unwrap();
+    let mut bbuf = Vec::new();
+    busy.write_all(&post_bytes("/v1/chat/completions", "", &chat("m")))
+        .await
+        .unwrap();
+    wait_until("the engine has the request", || async { e.count() == 2 }).await;
+
+    p.shutdown.cancel();
+    closed_after(&mut idle).await;
+    e.set_gate(true);
+    let r = read_reply(&mut busy, &mut bbuf).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("connection"), Some("close"), "{}", r.head);
+    closed_after(&mut busy).await;
+}
+
+#[tokio::test]
+async fn a_streamed_answer_is_chunked_whole_and_an_error_answer_is_sized() {
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    let mut buf = Vec::new();
+    s.write_all(&post_bytes("/v1/chat/completions", "", &chat_stream("m")))
+        .await
+        .unwrap();
+    let r = read_reply(&mut s, &mut buf).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("transfer-encoding"), Some("chunked"));
+    assert_eq!(r.header("content-type"), Some("text/event-stream"));
+    let text = String::from_utf8(r.body).unwrap();
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 3, "{text:?}");
+    assert!(events[0].contains("tok1") && events[1].contains("tok2"));
+    assert_eq!(events[2], "data: [DONE]");
+
+    // The proxy's own answer on the same connection: sized, kept open.
+    s.write_all(&post_bytes("/v1/chat/completions", "", &chat("nope")))
+        .await
+        .unwrap();
+    let r = read_reply(&mut s, &mut buf).await.unwrap();
+    assert_eq!(r.status, 404);
+    assert_eq!(
+        r.header("content-length")
+            .map(|l| l.parse::<usize>().unwrap()),
+        Some(r.body.len())
+    );
+    assert!(String::from_utf8_lossy(&r.body).contains("nope"));
+    s.write_all(&post_bytes("/v1/chat/completions", "", &chat("m")))
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut s, &mut buf).await.unwrap().status, 200);
+}
