@@ -49,6 +49,8 @@ pub struct Metrics {
     pub upstream_ttfb: Family<ModelLabels, Histogram, fn() -> Histogram>,
     pub upstream_failures: Family<ModelLabels, Counter>,
     pub connections: Family<ThreadLabels, Counter>,
+    /// Client connections the proxy's own HTTP/1.1 server handed to hyper's.
+    pub to_hyper: Counter,
 }
 
 /// Label for requests that name no known model.
@@ -110,9 +112,18 @@ impl Metrics {
             "Client connections accepted, by serving thread",
             connections.clone(),
         );
+        let to_hyper = Counter::default();
+        registry.register(
+            "hyper_connections",
+            "Client connections served by hyper's server from some request on: HTTP/2, HTTP/1.0, \
+             or a request other than a plain POST of a whole body to a /v1 path (the rest are \
+             served by the proxy's own HTTP/1.1 server)",
+            to_hyper.clone(),
+        );
         Metrics {
             registry,
             connections,
+            to_hyper,
             requests,
             held,
             hold_wait,

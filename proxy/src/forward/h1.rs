@@ -379,10 +379,12 @@ pub fn parse_response(
             for s in spans {
                 let name = &head[s.name.0..s.name.0 + s.name.1];
                 let value = &head[s.value.0..s.value.0 + s.value.1];
-                if !passed(name) {
+                let length = name.eq_ignore_ascii_case(b"content-length");
+                // One length line (equal ones were checked above).
+                if !passed(name) || (length && raw.has_length) {
                     continue;
                 }
-                raw.has_length |= name.eq_ignore_ascii_case(b"content-length");
+                raw.has_length |= length;
                 raw.has_date |= name.eq_ignore_ascii_case(b"date");
                 sse |= name.eq_ignore_ascii_case(b"content-type") && is_sse(value);
                 raw.lines.extend_from_slice(name);

@@ -44,7 +44,13 @@ pub fn authorized(shared: &Shared, req: &Request<Incoming>) -> bool {
 /// The Authorization header's value carries a valid API key (or none is
 /// needed).
 pub fn key_ok(shared: &Shared, authorization: Option<&[u8]>) -> bool {
-    if shared.api_keys.is_empty() {
+    key_among(&shared.api_keys, authorization)
+}
+
+/// The Authorization header's value carries one of `keys` (or `keys` is
+/// empty).
+pub fn key_among(keys: &[Vec<u8>], authorization: Option<&[u8]>) -> bool {
+    if keys.is_empty() {
         return true;
     }
     let Some(v) = authorization else {
@@ -55,9 +61,7 @@ pub fn key_ok(shared: &Shared, authorization: Option<&[u8]>) -> bool {
     }
     let key = v[7..].trim_ascii();
     // Compare against every key without stopping early.
-    shared
-        .api_keys
-        .iter()
+    keys.iter()
         .fold(false, |ok, k| ok | constant_time_eq(k, key))
 }
 

@@ -167,11 +167,9 @@ async fn next_request(
     } else {
         limits.header_timeout
     };
+    let rules = request::Rules::of(shared, limits.max_header_bytes);
     let r = {
-        let reading = tokio::time::timeout(
-            limit,
-            request::read(shared, stream, buf, limits.max_header_bytes),
-        );
+        let reading = tokio::time::timeout(limit, request::read(&rules, stream, buf));
         tokio::pin!(reading);
         tokio::select! {
             r = &mut reading => Some(r),
@@ -185,7 +183,7 @@ async fn next_request(
         None => {
             tokio::time::timeout(
                 FIRST_REQUEST_GRACE.min(limits.header_timeout),
-                request::read(shared, stream, buf, limits.max_header_bytes),
+                request::read(&rules, stream, buf),
             )
             .await
         }

@@ -170,6 +170,7 @@ impl Serve {
             http1::End::Closed => return Ok(()),
             http1::End::Hyper(prefix) => prefix,
         };
+        self.shared.metrics.to_hyper.inc();
         let shared = self.shared.clone();
         let svc = service_fn(move |req| {
             let s = shared.clone();
@@ -178,10 +179,6 @@ impl Serve {
             }
         });
         let draining = self.shutdown.is_cancelled();
-        if draining && prefix.is_empty() {
-            // Nothing sent within the grace: nothing to answer.
-            return Ok(());
-        }
         // HTTP/2 with prior knowledge: the HTTP/1 reader stops at its
         // preface's version.
         let http2 = prefix.starts_with(H2_PREFACE_START);

@@ -64,6 +64,9 @@ async fn read_reply(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<RawReply> {
         head,
         body: Vec::new(),
     };
+    if status == 204 || status == 304 {
+        return Some(reply);
+    }
     if reply.header("transfer-encoding") == Some("chunked") {
         loop {
             let line = loop {
@@ -127,6 +130,10 @@ async fn requests_on_one_connection_are_answered_in_order_pipelined_or_not_and_a
     let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
     let p = ready_proxy(vec![c.url()], |_| {}).await;
     let before = accepted(&p).await;
+    // (Waiting for readiness went to hyper: GET /readyz.)
+    let to_hyper =
+        || async { metric(&p.metrics().await, "siesta_proxy_hyper_connections_total").unwrap() };
+    let hyper_before = to_hyper().await;
     let mut s = TcpStream::connect(p.addr).await.unwrap();
     let mut buf = Vec::new();
 
@@ -153,6 +160,11 @@ async fn requests_on_one_connection_are_answered_in_order_pipelined_or_not_and_a
         .await
         .unwrap();
     assert_eq!(read_reply(&mut s, &mut buf).await.unwrap().status, 200);
+    assert_eq!(
+        to_hyper().await - hyper_before,
+        0.0,
+        "hyper served a plain request"
+    );
 
     // A GET goes to hyper with the rest of the connection; a POST after it
     // is hyper's too, answered all the same.
@@ -167,6 +179,11 @@ async fn requests_on_one_connection_are_answered_in_order_pipelined_or_not_and_a
         .unwrap();
     assert_eq!(read_reply(&mut s, &mut buf).await.unwrap().status, 200);
 
+    assert_eq!(
+        to_hyper().await - hyper_before,
+        1.0,
+        "the GET's connection went to hyper"
+    );
     assert_eq!(e.count(), 4, "{:?}", e.received());
     assert_eq!(accepted(&p).await - before, 1.0, "more than one connection");
 }
@@ -280,4 +297,84 @@ async fn a_streamed_answer_is_chunked_whole_and_an_error_answer_is_sized() {
         .await
         .unwrap();
     assert_eq!(read_reply(&mut s, &mut buf).await.unwrap().status, 200);
+}
+
+#[tokio::test]
+async fn a_sized_answer_cut_midway_is_never_read_past_its_length_and_the_connection_closes() {
+    // An event stream with a length, cut after 11 of 40 bytes: the proxy
+    // ends an event stream with an error event, which must not be read as
+    // the rest of the 40 bytes (or as the next answer).
+    let (url, _script) = crate::upstream_http_test::engine(vec![(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 40\r\n\r\ndata: one\n\n",
+        true,
+    )])
+    .await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    s.write_all(&post_bytes("/v1/chat/completions", "", &chat_stream("m")))
+        .await
+        .unwrap();
+    let mut all = Vec::new();
+    while fill(&mut s, &mut all).await {}
+    let end = all.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let head = String::from_utf8_lossy(&all[..end]).to_lowercase();
+    assert!(head.contains("content-length: 40"), "{head}");
+    let body = &all[end..];
+    assert!(
+        body.len() <= 40,
+        "{} bytes sent for a length of 40",
+        body.len()
+    );
+    assert!(
+        body.starts_with(b"data: one\n\n"),
+        "{:?}",
+        String::from_utf8_lossy(body)
+    );
+}
+
+#[tokio::test]
+async fn an_empty_engine_answer_keeps_its_headers_and_a_204_has_no_body() {
+    let (url, script) = crate::upstream_http_test::engine(vec![
+        (
+            "HTTP/1.1 200 OK\r\nx-engine-said: yes\r\ncontent-length: 0\r\n\r\n",
+            false,
+        ),
+        ("HTTP/1.1 204 No Content\r\nx-b: 1\r\n\r\n", false),
+        (
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
+            false,
+        ),
+    ])
+    .await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    let mut buf = Vec::new();
+    let ask = async |s: &mut TcpStream, buf: &mut Vec<u8>| {
+        s.write_all(&post_bytes("/v1/chat/completions", "", &chat("m")))
+            .await
+            .unwrap();
+        read_reply(s, buf).await.unwrap()
+    };
+    let empty = ask(&mut s, &mut buf).await;
+    assert_eq!(empty.status, 200);
+    assert_eq!(empty.header("x-engine-said"), Some("yes"), "{}", empty.head);
+    assert_eq!(empty.header("content-length"), Some("0"), "{}", empty.head);
+    assert!(
+        empty.header("date").is_some(),
+        "no date added: {}",
+        empty.head
+    );
+    let none = ask(&mut s, &mut buf).await;
+    assert_eq!(none.status, 204);
+    assert_eq!(none.header("x-b"), Some("1"));
+    assert!(none.header("content-length").is_none() && none.header("transfer-encoding").is_none());
+    let after = ask(&mut s, &mut buf).await;
+    assert_eq!((after.status, &after.body[..]), (200, &b"{}"[..]));
+    assert_eq!(
+        script.connections.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the engine connection was not kept"
+    );
 }

@@ -18,13 +18,13 @@ use crate::support::*;
 /// The engine's side: scripted answers (bytes, then close or not), the
 /// request heads it read, the connections it accepted.
 #[derive(Default)]
-struct Script {
+pub(crate) struct Script {
     answers: Mutex<VecDeque<(Vec<u8>, bool)>>,
-    requests: Mutex<Vec<String>>,
-    connections: AtomicUsize,
+    pub(crate) requests: Mutex<Vec<String>>,
+    pub(crate) connections: AtomicUsize,
 }
 
-async fn engine(answers: Vec<(&str, bool)>) -> (String, Arc<Script>) {
+pub(crate) async fn engine(answers: Vec<(&str, bool)>) -> (String, Arc<Script>) {
     let script = Arc::new(Script::default());
     script
         .answers

@@ -16,7 +16,10 @@ use tokio::net::TcpStream;
 
 use crate::forward::{ClientHeaders, ClientRequest, named_in, stops_here};
 use crate::handler::Shared;
-use crate::handler::checks::{forwardable_path, key_ok};
+use crate::handler::checks::{forwardable_path, key_among};
+
+/// A partial head shorter than this is parsed again at each read.
+const REPARSE_BELOW: usize = 8192;
 
 /// Headers parsed at most (more: hyper takes the request).
 pub const MAX_HEADERS: usize = 64;
@@ -75,19 +78,49 @@ enum Parsed {
     Other,
 }
 
+/// A byte the `http` crate takes in a query (what it refuses, hyper
+/// answers 400; a fragment it drops): httparse has already refused
+/// controls and spaces.
+fn query_byte(b: u8) -> bool {
+    b.is_ascii_graphic() && !matches!(b, b'"' | b'#' | b'<' | b'>' | b'`' | b'{' | b'}')
+}
+
 fn ascii_eq(a: &str, b: &[u8]) -> bool {
     a.as_bytes().eq_ignore_ascii_case(b)
 }
 
+/// What makes a request plain besides its form: the body limit and the API
+/// keys (when there are any, a request must carry one, and its
+/// `Authorization` is not passed on).
+#[derive(Debug, Clone, Copy)]
+pub struct Rules<'a> {
+    pub max_header_bytes: usize,
+    pub max_body_bytes: usize,
+    pub api_keys: &'a [Vec<u8>],
+}
+
+impl<'a> Rules<'a> {
+    pub fn of(shared: &'a Shared, max_header_bytes: usize) -> Self {
+        Rules {
+            max_header_bytes,
+            max_body_bytes: shared.max_body_bytes,
+            api_keys: &shared.api_keys,
+        }
+    }
+}
+
 /// Parses the head at the start of `buf`; when the request is plain and
 /// whole, takes it out.
-fn take(shared: &Shared, buf: &mut BytesMut, max_header_bytes: usize) -> Parsed {
+fn take(rules: &Rules<'_>, buf: &mut BytesMut) -> Parsed {
+    let max_header_bytes = rules.max_header_bytes;
     let mut raw = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut []);
     let len = match httparse::ParserConfig::default()
         .parse_request_with_uninit_headers(&mut req, buf, &mut raw)
     {
-        Ok(httparse::Status::Complete(n)) => n,
+        // A head over the limit is hyper's (431) even when it came whole.
+        Ok(httparse::Status::Complete(n)) if n <= max_header_bytes => n,
+        Ok(httparse::Status::Complete(_)) => return Parsed::Other,
         Ok(httparse::Status::Partial) if buf.len() >= max_header_bytes => return Parsed::Other,
         Ok(httparse::Status::Partial) => return Parsed::Need(max_header_bytes),
         Err(_) => return Parsed::Other,
@@ -97,11 +130,15 @@ fn take(shared: &Shared, buf: &mut BytesMut, max_header_bytes: usize) -> Parsed 
     };
     // The path alone is checked (as the handler checks `uri().path()`);
     // a query goes to the engine with it.
-    let path = match target.bytes().position(|b| b == b'?') {
-        Some(q) => &target[..q],
-        None => target,
+    let (path, query) = match target.bytes().position(|b| b == b'?') {
+        Some(q) => (&target[..q], &target[q..]),
+        None => (target, ""),
     };
-    if req.method != Some("POST") || req.version != Some(1) || !forwardable_path(path) {
+    if req.method != Some("POST")
+        || req.version != Some(1)
+        || !forwardable_path(path)
+        || !query.bytes().all(query_byte)
+    {
         return Parsed::Other;
     }
     let base = buf.as_ptr() as usize;
@@ -128,8 +165,14 @@ fn take(shared: &Shared, buf: &mut BytesMut, max_header_bytes: usize) -> Parsed 
         {
             return Parsed::Other;
         } else if ascii_eq(h.name, b"authorization") {
-            auth = Some(h.value);
+            // Twice: which one counts is hyper's to say (the first).
+            if auth.replace(h.value).is_some() {
+                return Parsed::Other;
+            }
         } else if ascii_eq(h.name, b"content-type") {
+            if content_type.is_some() {
+                return Parsed::Other;
+            }
             content_type = Some(at(h.value)..at(h.value) + h.value.len());
         } else if ascii_eq(h.name, b"origin") {
             origin = true;
@@ -141,14 +184,14 @@ fn take(shared: &Shared, buf: &mut BytesMut, max_header_bytes: usize) -> Parsed 
     let Some(content_length) = length else {
         return Parsed::Other;
     };
-    if content_length > shared.max_body_bytes || !key_ok(shared, auth) {
+    if content_length > rules.max_body_bytes || !key_among(rules.api_keys, auth) {
         return Parsed::Other;
     }
     if buf.len() < len + content_length {
         return Parsed::Need(len + content_length);
     }
     // The headers the engine gets, as hyper's path filters them.
-    let strip_authorization = !shared.api_keys.is_empty();
+    let strip_authorization = !rules.api_keys.is_empty();
     let headers = &*req.headers;
     let named = |name: &[u8]| {
         connection
@@ -183,23 +226,31 @@ fn take(shared: &Shared, buf: &mut BytesMut, max_header_bytes: usize) -> Parsed 
 
 /// Reads the next request into `buf` and takes it out when it is plain and
 /// whole. Safe to cancel and call again: what was read stays in `buf`.
-/// `max_header_bytes`: the longest head waited for.
-pub async fn read(
-    shared: &Shared,
-    stream: &TcpStream,
-    buf: &mut BytesMut,
-    max_header_bytes: usize,
-) -> Read {
+pub async fn read(rules: &Rules<'_>, stream: &TcpStream, buf: &mut BytesMut) -> Read {
+    // A long head arriving in small pieces is parsed again only when its
+    // end may have come (an empty line in the new bytes) or at the limit,
+    // and a body only once it is whole: each piece costs a scan of itself,
+    // not a parse of everything so far. A short head is parsed at each read
+    // (what is not HTTP is refused at once).
+    let mut want = rules.max_header_bytes;
+    let mut scanned = 0usize;
     loop {
-        let want = if buf.is_empty() {
-            max_header_bytes
+        let parse = if want != rules.max_header_bytes {
+            buf.len() >= want
+        } else if buf.len() < REPARSE_BELOW || buf.len() >= want {
+            !buf.is_empty()
         } else {
-            match take(shared, buf, max_header_bytes) {
+            let from = scanned.saturating_sub(2);
+            scanned = buf.len();
+            buf[from..].windows(2).any(|w| w == b"\n\n" || w == b"\n\r")
+        };
+        if parse {
+            match take(rules, buf) {
                 Parsed::Whole(r) => return Read::Plain(r),
                 Parsed::Other => return Read::Other,
-                Parsed::Need(n) => n,
+                Parsed::Need(n) => want = n,
             }
-        };
+        }
         match read_more(stream, buf, want).await {
             Ok(true) => {}
             // Closed: with nothing of a request read, nothing to answer;
@@ -229,3 +280,6 @@ async fn read_more(stream: &TcpStream, buf: &mut BytesMut, want: usize) -> io::R
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

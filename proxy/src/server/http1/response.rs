@@ -29,8 +29,10 @@ pub const FLUSH_AT: usize = 64 * 1024;
 /// How the body is framed on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Framing {
-    /// No body (204, 304) or one of a known length.
-    Plain,
+    /// No body (204, 304), or a sized one: `Some(n)` bytes still owed
+    /// (`None`: a length header the body gave no size for; the connection
+    /// closes after it).
+    Plain(Option<u64>),
     Chunked,
 }
 
@@ -61,9 +63,10 @@ pub async fn write(
     let sized = body.size_hint().exact().unwrap_or(0).min(FLUSH_AT as u64) as usize;
     let raw = body.raw_head().map_or(0, |r| r.lines.len());
     let mut out = Vec::with_capacity(128 + 64 * parts.headers.len() + raw + sized);
-    let (framing, keep_alive) = encode_head(&mut out, &parts, &body, keep_alive);
-    let no_body = framing == Framing::Plain
-        && (parts.status == StatusCode::NO_CONTENT || parts.status == StatusCode::NOT_MODIFIED);
+    let (mut framing, keep_alive) = encode_head(&mut out, &parts, &body, keep_alive);
+    let no_body = parts.status == StatusCode::NO_CONTENT
+        || parts.status == StatusCode::NOT_MODIFIED
+        || parts.status.is_informational();
     if no_body {
         drop(body);
         return write_all(stream, &out, send_timeout).await.is_ok() && keep_alive;
@@ -71,7 +74,7 @@ pub async fn write(
     loop {
         let waits = out.is_empty() && watch;
         let gathering =
-            std::future::poll_fn(|cx| gather(Pin::new(&mut body), cx, &mut out, framing));
+            std::future::poll_fn(|cx| gather(Pin::new(&mut body), cx, &mut out, &mut framing));
         let step = if waits {
             tokio::select! {
                 biased;
@@ -101,13 +104,19 @@ fn gather(
     mut body: Pin<&mut ProxyBody>,
     cx: &mut std::task::Context<'_>,
     out: &mut Vec<u8>,
-    framing: Framing,
+    framing: &mut Framing,
 ) -> Poll<Step> {
     loop {
         match body.as_mut().poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data() {
-                    frame_data(out, &data, framing);
+                if let Ok(data) = frame.into_data()
+                    && !frame_data(out, &data, framing)
+                {
+                    // More than the length said (an error event in place
+                    // of the rest of a sized body): what fits was sent,
+                    // the connection closes.
+                    tracing::debug!("response body longer than its length: closing the connection");
+                    return Poll::Ready(Step::Failed);
                 }
                 if out.len() >= FLUSH_AT {
                     return Poll::Ready(Step::More);
@@ -118,10 +127,22 @@ fn gather(
                 return Poll::Ready(Step::Failed);
             }
             Poll::Ready(None) => {
-                if framing == Framing::Chunked {
-                    out.extend_from_slice(b"0\r\n\r\n");
-                }
-                return Poll::Ready(Step::End);
+                return Poll::Ready(match *framing {
+                    Framing::Chunked => {
+                        out.extend_from_slice(b"0\r\n\r\n");
+                        Step::End
+                    }
+                    Framing::Plain(Some(0)) => Step::End,
+                    // Shorter than its length, or of a length not known
+                    // here: the client must not read the next answer as
+                    // the rest of this one.
+                    Framing::Plain(_) => {
+                        tracing::debug!(
+                            "response body ended short of its length: closing the connection"
+                        );
+                        Step::Failed
+                    }
+                });
             }
             Poll::Pending if out.is_empty() => return Poll::Pending,
             Poll::Pending => return Poll::Ready(Step::More),
@@ -129,11 +150,19 @@ fn gather(
     }
 }
 
-fn frame_data(out: &mut Vec<u8>, data: &Bytes, framing: Framing) {
+/// Appends `data`, framed; false when a sized body got more than it owed
+/// (what it owed is appended).
+fn frame_data(out: &mut Vec<u8>, data: &Bytes, framing: &mut Framing) -> bool {
     if data.is_empty() {
-        return;
+        return true;
     }
-    if framing == Framing::Chunked {
+    if let Framing::Plain(Some(left)) = framing {
+        let take = (data.len() as u64).min(*left);
+        out.extend_from_slice(&data[..take as usize]);
+        *left -= take;
+        return take == data.len() as u64;
+    }
+    if *framing == Framing::Chunked {
         let mut hex = [0u8; 16];
         let mut i = hex.len();
         let mut n = data.len();
@@ -149,6 +178,7 @@ fn frame_data(out: &mut Vec<u8>, data: &Bytes, framing: Framing) {
     } else {
         out.extend_from_slice(data);
     }
+    true
 }
 
 /// Encodes the status line and headers; the framing, and whether the
@@ -197,13 +227,20 @@ fn encode_head(
     let bodiless = status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
-    let framing = if bodiless || has_length {
-        Framing::Plain
-    } else if let Some(n) = body.size_hint().exact() {
+    let exact = body.size_hint().exact();
+    let framing = if bodiless {
+        Framing::Plain(Some(0))
+    } else if has_length {
+        // An engine's length: its body is sized by it (the decoder's count).
+        if exact.is_none() {
+            keep_alive = false;
+        }
+        Framing::Plain(exact)
+    } else if let Some(n) = exact {
         out.extend_from_slice(b"content-length: ");
         out.extend_from_slice(itoa(n, &mut [0u8; 20]));
         out.extend_from_slice(b"\r\n");
-        Framing::Plain
+        Framing::Plain(Some(n))
     } else {
         out.extend_from_slice(b"transfer-encoding: chunked\r\n");
         Framing::Chunked
