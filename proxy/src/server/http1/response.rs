@@ -22,6 +22,7 @@ use http_body::Body as _;
 use tokio::net::TcpStream;
 
 use crate::body::ProxyBody;
+use crate::forward::named_in;
 
 /// Gathered body bytes written at once at most (then the next are read).
 pub const FLUSH_AT: usize = 64 * 1024;
@@ -258,10 +259,7 @@ fn encode_head(
 }
 
 fn says_close(value: &HeaderValue) -> bool {
-    value
-        .as_bytes()
-        .split(|b| *b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"))
+    named_in(value.as_bytes(), b"close")
 }
 
 fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
