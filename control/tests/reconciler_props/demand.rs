@@ -2,7 +2,11 @@
 //! overdue or not, operator intents, failures, results still outstanding),
 //! a demand followed by no operator intent reaches Awake within the
 //! deadlines when the engine does what it is asked, and no idle tier fires
-//! while the demand waits.
+//! while the demand waits, with one exception by design (`tiers.rs`,
+//! `idle_eligible`): a failed engine no proxy holds a request for is idle,
+//! its idle clock counting from the demand, so its stop tier may end the
+//! retries the demand asked for (a model that crashed on each start was
+//! otherwise retried for ever).
 
 use super::*;
 
@@ -68,13 +72,34 @@ impl World {
         let t = self.m.settings.timeouts;
         let bound = (t.start * 2 + t.wake + t.sleep + t.stop_grace + KILL_GRACE) * 2
             + self.m.settings.backoff.max;
+        // The model was failed with nothing held before the last event.
+        let mut failed_idle = false;
         for _ in 0..1000 {
+            if failed_idle
+                && self.m.intent.desired == Desired::Stopped
+                && self.m.intent.reason == siesta_control::reconciler::Reason::IdleTier
+            {
+                // The exception above: its stop tier ended the retries.
+                prop_assert!(
+                    self.m
+                        .settings
+                        .tiers
+                        .iter()
+                        .any(|t| t.action == IdleAction::Stop),
+                    "stopped by a tier that does not stop: {:?}",
+                    self.m
+                );
+                return Ok(());
+            }
             prop_assert_eq!(
                 self.m.intent.desired,
                 Desired::Awake,
                 "the demand was overridden: {:?}",
                 self.m
             );
+            failed_idle = matches!(self.m.phase, Phase::Failed { .. })
+                && !self.m.settings.attach
+                && self.m.held() == 0;
             if self.m.phase == Phase::Awake {
                 prop_assert_eq!(self.m.demand_since, None);
                 return Ok(());
