@@ -94,8 +94,8 @@ pub async fn handle_admin(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
     ApiError::NoRoute(format!("{} {}", req.method(), req.uri().path())).into_response()
 }
 
-/// What the waiting room hands on with the first request of a connection
-/// that waited there (nothing for any other request).
+/// What the waiting room hands on with a request that waited there
+/// (nothing for any other request).
 #[derive(Debug, Default)]
 pub struct Waited {
     /// The request has waited for its model since then.
@@ -106,11 +106,7 @@ pub struct Waited {
 }
 
 /// The OpenAI-compatible listener.
-pub async fn handle_main(
-    shared: Arc<Shared>,
-    req: Request<Incoming>,
-    waited: Waited,
-) -> Response<ProxyBody> {
+pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBody> {
     let path = req.uri().path();
     // Sent by a web page: what the proxy answers itself carries CORS headers.
     let page = req.headers().contains_key(header::ORIGIN);
@@ -139,7 +135,7 @@ pub async fn handle_main(
         }
     } else if req.method() == Method::POST && forwardable_path(path) {
         if authorized(&shared, &req) {
-            model_request(&shared, req, waited).await
+            model_request(&shared, req).await
         } else {
             let resp = ApiError::Unauthorized.into_response();
             (no_model(), answered_unread(&req, resp))
@@ -177,11 +173,7 @@ fn closing_if(
 }
 
 /// A POST to a `/v1` path: read the body, then [`routed`].
-async fn model_request(
-    shared: &Shared,
-    req: Request<Incoming>,
-    waited: Waited,
-) -> (Arc<str>, Response<ProxyBody>) {
+async fn model_request(shared: &Shared, req: Request<Incoming>) -> (Arc<str>, Response<ProxyBody>) {
     let (parts, body) = req.into_parts();
     let content_length = parts
         .headers
@@ -202,6 +194,9 @@ async fn model_request(
         .get(header::CONTENT_TYPE)
         .map(|v| v.as_bytes());
     let field = find_request_model(&body, content_type);
+    // Held, if at all, in the handler: only the proxy's own server's
+    // requests wait in the waiting room.
+    let waited = Waited::default();
     routed(shared, &ClientRequest::of(&parts), &body, field, waited).await
 }
 

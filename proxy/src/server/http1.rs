@@ -39,7 +39,7 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::handler::{self, Shared, Waited};
-use crate::request_model::{find_request_model, route_for};
+use crate::request_model::find_request_model;
 use crate::waiting_room;
 use request::Read;
 
@@ -90,12 +90,12 @@ pub async fn serve(
         };
         first = false;
         let field = find_request_model(&req.body, req.content_type.clone().map(|r| &req.head[r]));
-        // Only a request sent alone waits here: the waiting room watches
-        // the connection for the client closing it.
+        // Only a request sent alone waits here (the waiting room watches
+        // the connection for the client closing it), and only for a model
+        // that is not awake (`hold` returns at once for one that is).
         let mut waited = Waited::default();
         if buf.is_empty()
             && let Ok(f) = &field
-            && asleep(shared, &f.name)
         {
             let held = waiting_room::hold(shared, stream, &f.name).await;
             if held.closed {
@@ -139,12 +139,6 @@ pub async fn serve(
             buf = BytesMut::new();
         }
     }
-}
-
-/// The model a body names is known and not awake (the waiting room may
-/// hold its request).
-fn asleep(shared: &Shared, model: &str) -> bool {
-    route_for(&shared.table.view(), model).is_ok_and(|r| !r.is_awake())
 }
 
 /// The next request: within the header timeout; once the proxy drains, an

@@ -174,9 +174,7 @@ impl Serve {
         let shared = self.shared.clone();
         let svc = service_fn(move |req| {
             let s = shared.clone();
-            async move {
-                Ok::<_, Infallible>(handler::handle_main(s, req, handler::Waited::default()).await)
-            }
+            async move { Ok::<_, Infallible>(handler::handle_main(s, req).await) }
         });
         let draining = self.shutdown.is_cancelled();
         // HTTP/2 with prior knowledge: the HTTP/1 reader stops at its

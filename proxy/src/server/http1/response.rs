@@ -16,7 +16,7 @@ use std::task::Poll;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use http::header::{self, HeaderValue};
+use http::header;
 use http::{Response, StatusCode};
 use http_body::Body as _;
 use tokio::net::TcpStream;
@@ -65,10 +65,8 @@ pub async fn write(
     let raw = body.raw_head().map_or(0, |r| r.lines.len());
     let mut out = Vec::with_capacity(128 + 64 * parts.headers.len() + raw + sized);
     let (mut framing, keep_alive) = encode_head(&mut out, &parts, &body, keep_alive);
-    let no_body = parts.status == StatusCode::NO_CONTENT
-        || parts.status == StatusCode::NOT_MODIFIED
-        || parts.status.is_informational();
-    if no_body {
+    if framing == Framing::Plain(Some(0)) {
+        // Nothing to relay (a 204 or 304, or an empty body).
         drop(body);
         return write_all(stream, &out, send_timeout).await.is_ok() && keep_alive;
     }
@@ -210,7 +208,7 @@ fn encode_head(
             has_length = true;
         } else if *name == header::DATE {
             has_date = true;
-        } else if *name == header::CONNECTION && says_close(value) {
+        } else if *name == header::CONNECTION && named_in(value.as_bytes(), b"close") {
             keep_alive = false;
             continue;
         }
@@ -239,7 +237,7 @@ fn encode_head(
         Framing::Plain(exact)
     } else if let Some(n) = exact {
         out.extend_from_slice(b"content-length: ");
-        out.extend_from_slice(itoa(n, &mut [0u8; 20]));
+        out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
         out.extend_from_slice(b"\r\n");
         Framing::Plain(Some(n))
     } else {
@@ -256,22 +254,6 @@ fn encode_head(
     }
     out.extend_from_slice(b"\r\n");
     (framing, keep_alive)
-}
-
-fn says_close(value: &HeaderValue) -> bool {
-    named_in(value.as_bytes(), b"close")
-}
-
-fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[i..];
-        }
-    }
 }
 
 thread_local! {
