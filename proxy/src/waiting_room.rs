@@ -17,6 +17,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -30,6 +31,7 @@ use crate::handler::Shared;
 use crate::hold::{Release, Wait};
 use crate::metrics::ModelLabels;
 use crate::request_model::route_for;
+use crate::route_table::ModelRoute;
 
 /// How a request's wait in the waiting room ended.
 #[derive(Debug, Default)]
@@ -45,21 +47,22 @@ pub struct Held {
     pub closed: bool,
 }
 
-/// A whole request for `model` (as its body names it: "" for none) that
-/// the client sent alone (nothing after it yet): when the model is known,
-/// not awake, and its queue has room, the request waits here until it is
-/// released, times out, the proxy drains, or the client sends more or
-/// closes. Otherwise (and after the wait) the handler answers it: it holds
-/// again, sheds or forwards, with the wait's start carried over.
-pub async fn hold(shared: &Shared, stream: &TcpStream, model: &str) -> Held {
-    let view = shared.table.view();
-    let Ok(route) = route_for(&view, model).cloned() else {
-        return Held::default();
-    };
-    drop(view);
-    if route.is_awake() {
-        return Held::default();
-    }
+/// The route of `model` (as a body names it: "" for none) when it is known
+/// and not awake: a request for it may wait here ([`hold`]).
+pub fn asleep(shared: &Shared, model: &str) -> Option<Arc<ModelRoute>> {
+    route_for(&shared.table.view(), model)
+        .ok()
+        .filter(|r| !r.is_awake())
+        .cloned()
+}
+
+/// A whole request for `route`'s model ([`asleep`]) that the client sent
+/// alone (nothing after it yet): when its queue has room, the request
+/// waits here until it is released, times out, the proxy drains, or the
+/// client sends more or closes. Otherwise (and after the wait) the handler
+/// answers it: it holds again, sheds or forwards, with the wait's start
+/// carried over.
+pub async fn hold(shared: &Shared, stream: &TcpStream, route: Arc<ModelRoute>) -> Held {
     let since = Instant::now();
     let Ok(mut ticket) = shared.holds.admit(&route, since) else {
         // Shed: the handler gives the same answer.

@@ -90,14 +90,14 @@ pub async fn serve(
         };
         first = false;
         let field = find_request_model(&req.body, req.content_type.clone().map(|r| &req.head[r]));
-        // Only a request sent alone waits here (the waiting room watches
-        // the connection for the client closing it), and only for a model
-        // that is not awake (`hold` returns at once for one that is).
+        // Only a request sent alone waits here: the waiting room watches
+        // the connection for the client closing it.
         let mut waited = Waited::default();
         if buf.is_empty()
             && let Ok(f) = &field
+            && let Some(route) = waiting_room::asleep(shared, &f.name)
         {
-            let held = waiting_room::hold(shared, stream, &f.name).await;
+            let held = waiting_room::hold(shared, stream, route).await;
             if held.closed {
                 return End::Closed;
             }
