@@ -387,45 +387,68 @@ impl EngineClient {
     /// next request reaches freed memory. A drain makes progress: requests
     /// that generate nothing for [`DRAIN_STALL`] are held by a paused
     /// scheduler (`mode=keep`), which only the wake lets go, and are not
-    /// waited for. Returns how many requests were running when the wait
-    /// began (0: nothing to wait for, or no way to tell: no metrics, no
-    /// answer).
+    /// waited for. A probe too slow to answer (a loaded box) says nothing
+    /// either way: it neither ends the wait nor counts as a stall, and the
+    /// probes go on until `within`. Returns how many requests were running
+    /// when the wait began (0: nothing to wait for, or no way to tell: no
+    /// metrics, an error).
     pub async fn wait_for_drain(&self, within: Duration) -> u32 {
         const EVERY: Duration = Duration::from_millis(100);
-        const PROBE: Duration = Duration::from_secs(1);
         if self.kind != EngineKind::Vllm {
             return 0;
         }
-        let draining = || async {
-            let m = self.metrics(PROBE).await.ok()?;
-            if m.sleep_level != Some(0) || m.running == 0 {
-                return None;
-            }
-            match self.is_sleeping_within(PROBE).await {
-                Ok(Some(true)) => Some((m.running, m.generation_tokens)),
-                _ => None,
-            }
-        };
-        let Some((first, mut tokens)) = draining().await else {
-            return 0;
-        };
-        let start = tokio::time::Instant::now();
-        let until = start + within;
-        let mut progressed = start;
-        while tokio::time::Instant::now() < until {
-            tokio::time::sleep(EVERY).await;
-            let Some((_, now_tokens)) = draining().await else {
-                break;
-            };
+        let until = tokio::time::Instant::now() + within;
+        let mut first = None;
+        let mut tokens = 0;
+        let mut progressed = tokio::time::Instant::now();
+        loop {
+            let seen = self.drain_probe().await;
             let now = tokio::time::Instant::now();
-            if now_tokens > tokens {
-                (tokens, progressed) = (now_tokens, now);
-            } else if now - progressed >= DRAIN_STALL {
-                tracing::info!(running = first, "requests paused, not draining: waking");
+            match (seen, first) {
+                (Drain::Over, _) => break,
+                (Drain::Unknown, _) => progressed = now,
+                (Drain::Running { running, tokens: t }, None) => {
+                    (first, tokens, progressed) = (Some(running), t, now);
+                }
+                (Drain::Running { tokens: t, .. }, Some(first)) => {
+                    if t > tokens {
+                        (tokens, progressed) = (t, now);
+                    } else if now - progressed >= DRAIN_STALL {
+                        tracing::info!(running = first, "requests paused, not draining: waking");
+                        break;
+                    }
+                }
+            }
+            if now + EVERY >= until {
+                if matches!(seen, Drain::Unknown) {
+                    tracing::warn!(engine = %self.base, ?within, "could not tell whether a sleep still drains: waking");
+                }
                 break;
             }
+            tokio::time::sleep(EVERY).await;
         }
-        first
+        first.unwrap_or(0)
+    }
+
+    /// One look at a possible drain for [`Self::wait_for_drain`].
+    async fn drain_probe(&self) -> Drain {
+        const PROBE: Duration = Duration::from_secs(1);
+        let m = match self.metrics_probe(PROBE).await {
+            Ok(m) => m,
+            Err(e) if e.timed_out => return Drain::Unknown,
+            Err(_) => return Drain::Over,
+        };
+        if m.sleep_level != Some(0) || m.running == 0 {
+            return Drain::Over;
+        }
+        match self.is_sleeping_within(PROBE).await {
+            Ok(Some(true)) => Drain::Running {
+                running: m.running,
+                tokens: m.generation_tokens,
+            },
+            Ok(None) => Drain::Unknown,
+            Ok(Some(false)) | Err(_) => Drain::Over,
+        }
     }
 
     /// `GET /metrics`, parsed (an engine kind without an activity gauge is
@@ -445,6 +468,17 @@ impl EngineClient {
             .map_err(ProbeError::from)?;
         Ok(parse_metrics(&String::from_utf8_lossy(&bytes)))
     }
+}
+
+/// What one probe saw of a sleep that may still drain.
+#[derive(Debug, Clone, Copy)]
+enum Drain {
+    /// Asleep by `/is_sleeping`, awake by the metric, requests running.
+    Running { running: u32, tokens: u64 },
+    /// Nothing drains (or the engine cannot tell: no metrics, an error).
+    Over,
+    /// A probe timed out.
+    Unknown,
 }
 
 /// How long requests under a paused scheduler may generate nothing before

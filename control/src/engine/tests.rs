@@ -213,3 +213,32 @@ async fn a_wake_waits_for_a_drain_but_not_for_requests_a_pause_holds() {
         "left before the drain ended"
     );
 }
+
+/// A probe that times out mid-drain (a loaded box) says nothing either way:
+/// the wait goes on to the drain's end. Before, the first slow `/metrics`
+/// ended the wait, the wake went out under the drain, and the drain then
+/// slept the memory the wake had just woken.
+#[tokio::test]
+async fn a_slow_probe_neither_starts_nor_ends_the_wait_for_a_drain() {
+    let polls = Arc::new(AtomicUsize::new(0));
+    let seen = polls.clone();
+    let e = engine(move |_, _, line| {
+        if line.contains("/is_sleeping") {
+            return Act::Ok(r#"{"is_sleeping":true}"#);
+        }
+        let i = seen.fetch_add(1, Ordering::SeqCst);
+        match i {
+            // The first look, and two in the middle, are never answered.
+            0 | 4 | 5 => Act::Hang,
+            _ => drain_metrics(u32::from(i < 10), 40 + i),
+        }
+    })
+    .await;
+    let c = EngineClient::new(&e.url);
+    assert_eq!(c.wait_for_drain(Duration::from_secs(120)).await, 1);
+    assert_eq!(
+        polls.load(Ordering::SeqCst),
+        11,
+        "left before the drain ended"
+    );
+}

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
 
@@ -10,6 +10,7 @@ use crate::cli::ServeArgs;
 use crate::memory::{Level, Memory, MemoryError, Tags};
 use crate::sim_gpu::{SimGpu, SimGpuError};
 
+mod drain;
 mod gpu;
 use crate::version::Imitated;
 
@@ -128,7 +129,9 @@ pub struct Engine {
     /// The engine core died.
     pub dead: AtomicBool,
     /// One engine-core operation at a time (sleep, wake, RPC, `/is_sleeping`).
-    ops: tokio::sync::Mutex<()>,
+    ops: Arc<tokio::sync::Mutex<()>>,
+    /// Sleeps waiting for a drain to end (see `drain.rs`).
+    drains: Mutex<drain::Drains>,
     sleep: Mutex<SleepState>,
     gate: watch::Sender<Gate>,
     /// Requests producing tokens.
@@ -176,7 +179,8 @@ impl Engine {
             gpu_holder: AtomicU32::new(std::process::id()),
             gpu_bytes: AtomicU64::new(0),
             dead: AtomicBool::new(false),
-            ops: tokio::sync::Mutex::new(()),
+            ops: Arc::new(tokio::sync::Mutex::new(())),
+            drains: Mutex::new(Vec::new()),
             sleep: Mutex::new(SleepState::default()),
             gate,
             running: AtomicU64::new(0),
@@ -326,7 +330,7 @@ impl Engine {
     pub async fn sleep(&self, level: u8, mode: SleepMode) -> Result<(), EngineError> {
         self.sleep_allowed()?;
         let (before, drain) = {
-            let _op = self.ops.lock().await;
+            let _op = self.op().await;
             let before = self.sleep_state();
             self.pause(mode);
             (
@@ -334,14 +338,14 @@ impl Engine {
                 mode == SleepMode::Wait && self.running.load(Ordering::SeqCst) > 0,
             )
         };
-        if drain {
+        // `has_work()`: requests the scheduler runs, those admitted after a
+        // resume too. The last to end hands over the lock (`drain.rs`).
+        let _op = if drain {
             tracing::info!("Waiting for in-flight requests to complete before sleeping...");
-            // `has_work()`: requests the scheduler runs, those admitted after a resume too.
-            while self.running.load(Ordering::SeqCst) > 0 {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        }
-        let _op = self.ops.lock().await;
+            self.drained().await
+        } else {
+            self.op().await
+        };
         self.gate.send_modify(|g| {
             if !g.admit {
                 g.run = false;
@@ -412,7 +416,7 @@ impl Engine {
     /// tag is left asleep. A tag named twice wakes, then fails as vLLM's `set.remove` does.
     pub async fn wake(&self, tags: Option<&[String]>) -> Result<Woken, EngineError> {
         self.sleep_allowed()?;
-        let _op = self.ops.lock().await;
+        let _op = self.op().await;
         if self.args.faults.hang_on_wake {
             tracing::warn!("fault: --hang-on-wake, this wake never finishes");
             std::future::pending::<()>().await;
@@ -526,7 +530,7 @@ impl Engine {
 
     /// `GET /is_sleeping`: a utility call that waits behind a running wake or RPC.
     pub async fn is_sleeping(&self) -> bool {
-        let _op = self.ops.lock().await;
+        let _op = self.op().await;
         self.sleep_state().is_sleeping()
     }
 
@@ -544,7 +548,7 @@ impl Engine {
 
     /// `collective_rpc reload_weights`.
     pub async fn reload_weights(&self) -> Result<(), EngineError> {
-        let _op = self.ops.lock().await;
+        let _op = self.op().await;
         if self.sleep_state().weights_asleep {
             return Err(MemoryError::WeightsAsleep.into());
         }

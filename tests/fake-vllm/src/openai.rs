@@ -252,14 +252,14 @@ struct Running<'a>(&'a crate::engine::Engine);
 
 impl<'a> Running<'a> {
     fn start(engine: &'a crate::engine::Engine) -> Self {
-        engine.running.fetch_add(1, Ordering::SeqCst);
+        engine.request_started();
         Running(engine)
     }
 }
 
 impl Drop for Running<'_> {
     fn drop(&mut self) {
-        self.0.running.fetch_sub(1, Ordering::SeqCst);
+        self.0.request_ended();
     }
 }
 
