@@ -3,6 +3,7 @@
 
 mod effects;
 mod persist;
+mod publish;
 mod suspend;
 
 use crate::config::{Launch, ModelConfig};
@@ -304,6 +305,7 @@ pub fn spawn_model_adopting(
         spawning: Vec::new(),
         ops: Vec::new(),
         timer: None,
+        hub_due: None,
         polling: false,
         awake_since_unix_ms: 0,
         found_asleep: None,
@@ -345,6 +347,8 @@ struct Runner {
     /// Effect tasks of the current epoch (aborted when it changes).
     ops: Vec<AbortHandle>,
     timer: Option<Instant>,
+    /// When a change of the deadline alone goes to the hub (`publish.rs`).
+    hub_due: Option<Instant>,
     polling: bool,
     /// `state_since` of the model's last published `awake`.
     awake_since_unix_ms: i64,
@@ -377,7 +381,7 @@ impl Runner {
         let mut poll = tokio::time::interval_at(Instant::now() + phase, every);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            let timer = self.timer;
+            let (timer, hub_due) = (self.timer, self.hub_due);
             tokio::select! {
                 _ = cancel.cancelled() => {
                     let stop = self.shared.stop_engines_on_exit;
@@ -396,6 +400,9 @@ impl Runner {
                 _ = tokio::time::sleep_until(timer.unwrap_or_else(Instant::now)), if timer.is_some() => {
                     self.timer = None;
                     self.apply(Event::Tick);
+                }
+                _ = tokio::time::sleep_until(hub_due.unwrap_or_else(Instant::now)), if hub_due.is_some() => {
+                    self.publish_due();
                 }
                 _ = poll.tick() => self.poll(),
             }
@@ -569,17 +576,6 @@ impl Runner {
         self.publish(now);
     }
 
-    fn publish(&mut self, now: Instant) {
-        let status = model_status(&self.cfg, &self.facts, &self.state, &self.shared.clock, now);
-        if *self.status_tx.borrow() != status {
-            if status.state == crate::status::State::Awake {
-                self.awake_since_unix_ms = status.state_since_unix_ms;
-            }
-            self.status_tx.send_replace(status.clone());
-            self.shared.hub.publish_model(status);
-        }
-    }
-
     /// Measures (NVML, where present) what the engine keeps on its GPUs
     /// asleep; placement counts that from now on.
     fn measure_residual(&self, pgid: u32) {
@@ -604,6 +600,9 @@ impl Runner {
     /// running for the next start to adopt. Then [`Runner::finish`].
     async fn end(&mut self, rx: &mut mpsc::UnboundedReceiver<Msg>, stop: bool) {
         rx.close();
+        if self.hub_due.is_some() {
+            self.publish_due();
+        }
         self.spawn_cancel.cancel();
         // A spawn holding the start lock: no start is under way any more.
         self.release_start_lock();

@@ -428,3 +428,101 @@ fn a_wait_for_room_given_up_says_what_it_waited_for() {
     );
     assert_eq!(no_room_why(&None, &None, told), None);
 }
+
+/// A sleep and a wake move their deadline at each step; a change of the
+/// deadline alone reaches the hub only with the next change, or alone
+/// after [`publish::DEADLINE_COALESCE`]: the Watch streams get one event
+/// per state (`sleeping`, `asleep`, `waking`, `awake`), where they got
+/// seven. The model's own status is current throughout.
+#[tokio::test]
+async fn a_deadline_that_moves_alone_waits_for_the_next_change() {
+    use crate::engine::test_server::{Act, engine};
+    use crate::hub::Body;
+    use crate::reconciler::Command;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let asleep = Arc::new(AtomicBool::new(false));
+    let hang_sleep = Arc::new(AtomicBool::new(false));
+    let e = engine({
+        let (asleep, hang_sleep) = (asleep.clone(), hang_sleep.clone());
+        move |_, _, line| {
+            if line.contains("/sleep") && hang_sleep.load(Ordering::SeqCst) {
+                return Act::Hang;
+            }
+            if line.contains("/sleep") {
+                asleep.store(true, Ordering::SeqCst);
+            } else if line.contains("/wake_up") {
+                asleep.store(false, Ordering::SeqCst);
+            }
+            if line.contains("/is_sleeping") {
+                if asleep.load(Ordering::SeqCst) {
+                    Act::Ok(r#"{"is_sleeping":true}"#)
+                } else {
+                    Act::Ok(r#"{"is_sleeping":false}"#)
+                }
+            } else {
+                Act::Ok("")
+            }
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[[model]]\nname = \"ext\"\nlaunch = \"attach\"\nurl = \"{}\"\ngpus = 0\n",
+        e.url
+    );
+    let cfg = Config::parse(&text, "t.toml").unwrap().models.remove(0);
+    let cancel = CancellationToken::new();
+    let shared = shared(dir.path());
+    let h = spawn_model(cfg, Placed::default(), shared.clone(), cancel.clone()).unwrap();
+    let mut rx = h.status.clone();
+    rx.wait_for(|s| s.state == State::Awake).await.unwrap();
+    let mut sub = shared.hub.subscribe(shared.hub.revision()).unwrap();
+    for (cmd, want) in [
+        (Command::Sleep(1), State::Asleep),
+        (Command::Wake, State::Awake),
+    ] {
+        h.notify(Event::Command(cmd));
+        rx.wait_for(|s| s.state == want).await.unwrap();
+    }
+    let mut states = Vec::new();
+    while states.last() != Some(&State::Awake) {
+        let item = tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .expect("the awake event")
+            .unwrap();
+        if let Body::Model(s) = &item.body {
+            states.push(s.state);
+        }
+    }
+    assert_eq!(
+        states,
+        [State::Sleeping, State::Asleep, State::Waking, State::Awake],
+        "one event per state"
+    );
+
+    // Alone, a moved deadline is published after the wait: here the
+    // engine never answers the sleep call, so the step from the drain's
+    // deadline to the call's is the last change for a while.
+    hang_sleep.store(true, Ordering::SeqCst);
+    h.notify(Event::Command(Command::Sleep(1)));
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let item = tokio::time::timeout(Duration::from_secs(30), sub.next())
+            .await
+            .expect("the sleeping events")
+            .unwrap();
+        if let Body::Model(s) = &item.body {
+            seen.push((item.at_unix_ms, s.state, s.deadline_unix_ms));
+        }
+    }
+    let ((t1, s1, d1), (t2, s2, d2)) = (seen[0], seen[1]);
+    assert_eq!((s1, s2), (State::Sleeping, State::Sleeping));
+    assert_ne!(d1, d2, "{seen:?}");
+    assert_eq!(d2, rx.borrow().deadline_unix_ms, "the call's deadline");
+    assert!(
+        t2 - t1 >= publish::DEADLINE_COALESCE.as_millis() as i64,
+        "published after the wait: {seen:?}"
+    );
+    cancel.cancel();
+    h.join().await;
+}
