@@ -13,12 +13,16 @@ pub type Client = ControlClient<Channel>;
 
 /// One HTTP/2 connection to the control plane.
 pub async fn connect(url: &str) -> Result<Client> {
-    let ch = Endpoint::from_shared(url.to_string())?
+    Ok(ControlClient::new(channel(url).await?).max_decoding_message_size(256 << 20))
+}
+
+/// One HTTP/2 connection to the control plane, as a channel.
+pub async fn channel(url: &str) -> Result<Channel> {
+    Endpoint::from_shared(url.to_string())?
         .tcp_nodelay(true)
         .connect()
         .await
-        .with_context(|| format!("connect to control at {url}"))?;
-    Ok(ControlClient::new(ch).max_decoding_message_size(256 << 20))
+        .with_context(|| format!("connect to control at {url}"))
 }
 
 pub async fn state(c: &mut Client, name: &str) -> Result<ModelState> {

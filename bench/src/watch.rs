@@ -8,13 +8,15 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use siesta_proto::v1::watch_event::Kind;
-use siesta_proto::v1::{ListModelsRequest, WatchRequest};
+use siesta_proto::v1::ListModelsRequest;
 use tokio::task::JoinHandle;
+use tonic::transport::Channel;
 
 use crate::control::{self, Client};
-use crate::http::unix_us;
 use crate::stats::{Row, Target, median, percentile, print_table};
+
+mod subscribers;
+use subscribers::ClientKind;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -43,6 +45,11 @@ pub struct Args {
     /// siesta-control's pid (for VmRSS).
     #[arg(long)]
     pid: Option<u32>,
+    /// The subscribers' client: `lean` (one task per connection, events
+    /// read for their revision, time and kind) or `full` (a task per
+    /// subscriber decoding each event whole); see `watch/subscribers.rs`.
+    #[arg(long, value_enum, default_value = "lean")]
+    client: ClientKind,
 }
 
 /// (revision, at_unix_ms, received unix µs) of each model event after the
@@ -51,7 +58,7 @@ type Seen = (Vec<(u64, i64, f64)>, usize);
 
 /// Open subscribers: their tasks and the last revision each has seen.
 struct Subs {
-    tasks: Vec<JoinHandle<Result<Seen>>>,
+    tasks: Vec<JoinHandle<Result<Vec<Seen>>>>,
     last: Arc<Vec<AtomicU64>>,
 }
 
@@ -59,7 +66,7 @@ pub async fn run(a: Args) -> Result<()> {
     let mut ctl = control::connect(&a.control).await?;
     let mut chans = Vec::new();
     for _ in 0..a.connections.max(1) {
-        chans.push(control::connect(&a.control).await?);
+        chans.push(control::channel(&a.control).await?);
     }
     for m in &a.models {
         control::wake_wait(&mut ctl, m).await?;
@@ -75,20 +82,21 @@ pub async fn run(a: Args) -> Result<()> {
 
 /// Opens `n` subscribers over `chans`; returns them and the time until
 /// every one had its snapshot.
-async fn open(n: usize, chans: &[Client], stop: &Arc<tokio::sync::Notify>) -> Result<(Subs, f64)> {
+async fn open(
+    kind: ClientKind,
+    n: usize,
+    chans: &[Channel],
+    stop: &Arc<tokio::sync::Notify>,
+) -> Result<(Subs, f64)> {
     let ready = Arc::new(AtomicUsize::new(0));
     let last: Arc<Vec<AtomicU64>> = Arc::new((0..n).map(|_| AtomicU64::new(0)).collect());
     let t_open = Instant::now();
-    let mut tasks = Vec::with_capacity(n);
-    for i in 0..n {
-        tasks.push(tokio::spawn(subscriber(
-            chans[i % chans.len()].clone(),
-            ready.clone(),
-            last.clone(),
-            stop.clone(),
-            i,
-        )));
-    }
+    let shared = subscribers::Shared {
+        ready: ready.clone(),
+        last: last.clone(),
+        stop: stop.clone(),
+    };
+    let tasks = subscribers::spawn(kind, n, chans, &shared);
     while ready.load(Ordering::Relaxed) < n {
         if t_open.elapsed() > Duration::from_secs(120) {
             bail!(
@@ -121,9 +129,9 @@ async fn close(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     stop.notify_waiters();
-    let mut seen = Vec::with_capacity(subs.tasks.len());
+    let mut seen = Vec::with_capacity(subs.last.len());
     for h in subs.tasks {
-        seen.push(h.await.context("join")??);
+        seen.extend(h.await.context("join")??);
     }
     Ok((seen, upto))
 }
@@ -133,7 +141,7 @@ async fn close(
 async fn held(a: &Args, ctl: &mut Client) -> Result<()> {
     let mut chans = Vec::new();
     for _ in 0..a.held_connections.max(1) {
-        chans.push(control::connect(&a.control).await?);
+        chans.push(control::channel(&a.control).await?);
     }
     let rss = || {
         a.pid
@@ -160,7 +168,7 @@ async fn held(a: &Args, ctl: &mut Client) -> Result<()> {
     ];
     let before = rss();
     let stop = Arc::new(tokio::sync::Notify::new());
-    let (subs, snap_ms) = open(a.held, &chans, &stop).await?;
+    let (subs, snap_ms) = open(a.client, a.held, &chans, &stop).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let with = rss();
     let m = &a.models[0];
@@ -196,7 +204,7 @@ async fn held(a: &Args, ctl: &mut Client) -> Result<()> {
     Ok(())
 }
 
-async fn fan_out(a: &Args, ctl: &mut Client, chans: &[Client]) -> Result<()> {
+async fn fan_out(a: &Args, ctl: &mut Client, chans: &[Channel]) -> Result<()> {
     let s = "5";
     let mut rows = vec![
         Row::new(s, "event delay, all (event, subscriber) p50", "ms"),
@@ -223,7 +231,7 @@ async fn fan_out(a: &Args, ctl: &mut Client, chans: &[Client]) -> Result<()> {
         let (sleep0, wake0) = cycle(ctl, a).await?;
         let c1 = cpu();
         let stop = Arc::new(tokio::sync::Notify::new());
-        let (subs, snap_ms) = open(a.subscribers, chans, &stop).await?;
+        let (subs, snap_ms) = open(a.client, a.subscribers, chans, &stop).await?;
         let c2 = cpu();
         let (sleep1, wake1) = cycle(ctl, a).await?;
         let c3 = cpu();
@@ -269,8 +277,8 @@ async fn fan_out(a: &Args, ctl: &mut Client, chans: &[Client]) -> Result<()> {
     }
     print_table(
         &format!(
-            "5. Watch fan-out ({} subscribers on {} connections)",
-            a.subscribers, a.connections
+            "5. Watch fan-out ({} subscribers on {} connections, {:?} client)",
+            a.subscribers, a.connections, a.client
         ),
         &rows,
     );
@@ -292,48 +300,6 @@ async fn cycle(ctl: &mut Client, a: &Args) -> Result<(Vec<f64>, Vec<f64>)> {
         }
     }
     Ok((sl, wk))
-}
-
-async fn subscriber(
-    mut c: Client,
-    ready: Arc<AtomicUsize>,
-    last: Arc<Vec<AtomicU64>>,
-    stop: Arc<tokio::sync::Notify>,
-    i: usize,
-) -> Result<Seen> {
-    let mut stream = c
-        .watch(WatchRequest {
-            since_revision: 0,
-            client_id: format!("bench-{i}"),
-            incarnation: 0,
-        })
-        .await?
-        .into_inner();
-    let mut events = Vec::new();
-    let mut snapshots = 0;
-    let stopped = stop.notified();
-    tokio::pin!(stopped);
-    loop {
-        tokio::select! {
-            _ = &mut stopped => break,
-            msg = stream.message() => {
-                let Some(ev) = msg? else { break };
-                let now = unix_us();
-                last[i].store(ev.revision, Ordering::Relaxed);
-                match ev.kind {
-                    Some(Kind::Snapshot(_)) => {
-                        snapshots += 1;
-                        if snapshots == 1 {
-                            ready.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    Some(Kind::Model(_)) => events.push((ev.revision, ev.at_unix_ms, now)),
-                    _ => {}
-                }
-            }
-        }
-    }
-    Ok((events, snapshots))
 }
 
 #[derive(Debug, Default)]
