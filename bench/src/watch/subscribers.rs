@@ -152,9 +152,8 @@ async fn lean(ch: Channel, s: Shared, ids: Vec<usize>) -> Result<Vec<Seen>> {
         async move {
             let mut grpc = tonic::client::Grpc::new(ch).max_decoding_message_size(256 << 20);
             grpc.ready().await.context("Watch: connection not ready")?;
-            let path = tonic::codegen::http::uri::PathAndQuery::from_static(
-                "/siesta.v1.Control/Watch",
-            );
+            let path =
+                tonic::codegen::http::uri::PathAndQuery::from_static("/siesta.v1.Control/Watch");
             let codec = tonic_prost::ProstCodec::<WatchRequest, EventHead>::default();
             let stream = grpc
                 .server_streaming(tonic::Request::new(request(i)), path, codec)

@@ -342,7 +342,10 @@ async fn an_empty_engine_answer_keeps_its_headers_and_a_204_has_no_body() {
             "HTTP/1.1 200 OK\r\nx-engine-said: yes\r\ncontent-length: 0\r\n\r\n",
             false,
         ),
-        ("HTTP/1.1 204 No Content\r\nx-b: 1\r\n\r\n", false),
+        (
+            "HTTP/1.1 204 No Content\r\nx-b: 1\r\nContent-Length: 0\r\nx-c: 2\r\n\r\n",
+            false,
+        ),
         (
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}",
             false,
@@ -371,7 +374,13 @@ async fn an_empty_engine_answer_keeps_its_headers_and_a_204_has_no_body() {
     let none = ask(&mut s, &mut buf).await;
     assert_eq!(none.status, 204);
     assert_eq!(none.header("x-b"), Some("1"));
-    assert!(none.header("content-length").is_none() && none.header("transfer-encoding").is_none());
+    assert_eq!(none.header("x-c"), Some("2"));
+    // The engine's length is not relayed on a 204 (RFC 9110 §8.6).
+    assert!(
+        none.header("content-length").is_none() && none.header("transfer-encoding").is_none(),
+        "{}",
+        none.head
+    );
     let after = ask(&mut s, &mut buf).await;
     assert_eq!((after.status, &after.body[..]), (200, &b"{}"[..]));
     assert_eq!(
