@@ -229,6 +229,29 @@ async fn an_idle_connection_is_closed_after_the_header_timeout_not_before() {
     );
 }
 
+/// A request whose head is not whole within the header timeout is closed
+/// then, with no answer, as hyper's server does; before, its bytes went to
+/// hyper, which waited a header timeout of its own before closing.
+#[tokio::test]
+async fn a_head_not_whole_within_the_header_timeout_is_closed_after_one_timeout() {
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let timeout = Duration::from_millis(1500);
+    let p = ready_proxy(vec![c.url()], |cfg| cfg.header_timeout = timeout).await;
+    let mut s = TcpStream::connect(p.addr).await.unwrap();
+    let sent = Instant::now();
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-le")
+        .await
+        .unwrap();
+    closed_after(&mut s).await;
+    let open = sent.elapsed();
+    assert!(open >= timeout, "closed after {open:?}, before the timeout");
+    assert!(
+        open < 2 * timeout,
+        "closed after {open:?}: two header timeouts of {timeout:?}"
+    );
+}
+
 #[tokio::test]
 async fn the_drain_closes_idle_connections_at_once_and_finishes_a_request_begun_with_connection_close()
  {
