@@ -282,4 +282,6 @@ async fn read_more(stream: &TcpStream, buf: &mut BytesMut, want: usize) -> io::R
 }
 
 #[cfg(test)]
+mod props;
+#[cfg(test)]
 mod tests;
