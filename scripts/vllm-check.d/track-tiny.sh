@@ -240,9 +240,18 @@ ok=1
 [ "$distinct" = 1 ] && [ "$REF" != '""' ] && [ -n "$REF" ] || ok=0
 result "$(verdict $ok)" 3-answers-identical answers=$n distinct=$distinct \
     labels=$(cut -f1 "$RUN/texts-tiny.tsv" | paste -sd, -) text=$REF${errors:+ direct_errors=$errors}
-ok=1
-[ "$NEG_S" = 200 ] && [ "$NEG" != "$REF" ] || ok=0
-result "$(verdict $ok)" 3-no-reload-differs status=$NEG_S without_reload=$NEG reference=$REF
+# What vLLM does, not siesta: a level-2 wake without reload_weights maps fresh memory whose
+# contents are undefined. Usually that answers garbage (""), which shows why siesta reloads;
+# when the driver hands back the very pages the weights were in, untouched, the answer is
+# right and shows nothing either way (seen once, 2026-12-03): SKIP, not PASS or FAIL.
+if [ "$NEG_S" != 200 ]; then
+    result FAIL 3-no-reload-differs status=$NEG_S without_reload=$NEG reference=$REF
+elif [ "$NEG" != "$REF" ]; then
+    result PASS 3-no-reload-differs status=$NEG_S without_reload=$NEG reference=$REF
+else
+    result SKIP 3-no-reload-differs status=$NEG_S without_reload=$NEG reference=$REF \
+        why=the_freed_memory_came_back_holding_the_weights
+fi
 
 # --- hang-up: clients that hang up mid-answer abort their requests (vLLM wraps its handlers
 # in `with_cancellation`; fake-vllm does the same): the engine's running gauge falls back to
