@@ -26,6 +26,13 @@ pub(crate) fn shared(dir: &std::path::Path) -> Arc<Shared> {
     })
 }
 
+/// An attach model `name` of the engine at `url`, on no GPU.
+fn attach(name: &str, url: &str) -> crate::config::ModelConfig {
+    let text =
+        format!("[[model]]\nname = \"{name}\"\nlaunch = \"attach\"\nurl = \"{url}\"\ngpus = 0\n");
+    Config::parse(&text, "t.toml").unwrap().models.remove(0)
+}
+
 #[tokio::test(start_paused = true)]
 async fn start_deadline_then_capped_backoff_retries() {
     let dir = tempfile::tempdir().unwrap();
@@ -280,11 +287,7 @@ async fn held_requests_fenced_before_the_last_awake_count_as_in_flight() {
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let text = format!(
-        "[[model]]\nname = \"ext\"\nlaunch = \"attach\"\nurl = \"{}\"\ngpus = 0\n",
-        e.url
-    );
-    let cfg = Config::parse(&text, "t.toml").unwrap().models.remove(0);
+    let cfg = attach("ext", &e.url);
     let cancel = CancellationToken::new();
     let h = spawn_model(cfg, Placed::default(), shared(dir.path()), cancel.clone()).unwrap();
     let mut rx = h.status.clone();
@@ -466,11 +469,7 @@ async fn a_deadline_that_moves_alone_waits_for_the_next_change() {
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
-    let text = format!(
-        "[[model]]\nname = \"ext\"\nlaunch = \"attach\"\nurl = \"{}\"\ngpus = 0\n",
-        e.url
-    );
-    let cfg = Config::parse(&text, "t.toml").unwrap().models.remove(0);
+    let cfg = attach("ext", &e.url);
     let cancel = CancellationToken::new();
     let shared = shared(dir.path());
     let h = spawn_model(cfg, Placed::default(), shared.clone(), cancel.clone()).unwrap();
