@@ -361,11 +361,14 @@ pub fn parse_response(
                 (None, Some(l)) => BodyKind::Length(l),
             }
         };
+        // With chunked framing any length is wrong (RFC 9112 §6.3), and a
+        // 1xx or 204 has none (RFC 9110 §8.6; hyper's server dropped it).
+        let no_length =
+            chunked.is_some() || status.is_informational() || status == StatusCode::NO_CONTENT;
         let passed = |name: &[u8]| {
             !(hop_by_hop(name)
                 || named(name)
-                // With chunked framing any length is wrong (RFC 9112 §6.3).
-                || (chunked.is_some() && name.eq_ignore_ascii_case(b"content-length")))
+                || (no_length && name.eq_ignore_ascii_case(b"content-length")))
         };
         let mut sse = false;
         let mut parts = response::Response::new(()).into_parts().0;

@@ -141,11 +141,6 @@ pub async fn serve(
     }
 }
 
-/// Whether `buf` holds a whole request head (an empty line ends it).
-fn head_is_whole(buf: &[u8]) -> bool {
-    buf.windows(2).any(|w| w == b"\n\n") || buf.windows(3).any(|w| w == b"\n\r\n")
-}
-
 /// The next request: within the header timeout; once the proxy drains, an
 /// idle connection closes, and a new one (or one with part of a request
 /// read) has [`FIRST_REQUEST_GRACE`] to send it whole.
@@ -194,7 +189,7 @@ async fn next_request(
         // it, the connection waited a timeout of its own first). A whole
         // head whose body is still on its way: hyper's, which reads it
         // under its own rules.
-        Err(_) if !head_is_whole(buf) => Read::Closed,
+        Err(_) if !request::head_is_whole(buf) => Read::Closed,
         Err(_) => Read::Other,
     }
 }

@@ -224,6 +224,12 @@ fn take(rules: &Rules<'_>, buf: &mut BytesMut) -> Parsed {
     })
 }
 
+/// Whether `buf` holds a whole request head (an empty line ends it; an
+/// LF alone ends a line, as httparse takes it).
+pub fn head_is_whole(buf: &[u8]) -> bool {
+    buf.windows(2).any(|w| w == b"\n\n") || buf.windows(3).any(|w| w == b"\n\r\n")
+}
+
 /// Reads the next request into `buf` and takes it out when it is plain and
 /// whole. Safe to cancel and call again: what was read stays in `buf`.
 pub async fn read(rules: &Rules<'_>, stream: &TcpStream, buf: &mut BytesMut) -> Read {

@@ -198,13 +198,10 @@ fn encode_head(
         out.extend_from_slice(status.canonical_reason().unwrap_or("<none>").as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    // RFC 9110 §8.6: no `Content-Length` on a 1xx or a 204, whatever the
-    // engine sent (hyper's server dropped it too).
-    let no_length = status.is_informational() || status == StatusCode::NO_CONTENT;
     let mut has_length = false;
     let mut has_date = false;
     for (name, value) in &parts.headers {
-        if *name == header::TRANSFER_ENCODING || (no_length && *name == header::CONTENT_LENGTH) {
+        if *name == header::TRANSFER_ENCODING {
             // The framing is decided here.
             continue;
         } else if *name == header::CONTENT_LENGTH {
@@ -222,19 +219,8 @@ fn encode_head(
     }
     if let Some(raw) = body.raw_head() {
         // An engine's headers, as it sent them (hop-by-hop ones left out).
-        if no_length && raw.has_length {
-            for line in raw.lines.split_inclusive(|b| *b == b'\n') {
-                if !line
-                    .get(..15)
-                    .is_some_and(|n| n.eq_ignore_ascii_case(b"content-length:"))
-                {
-                    out.extend_from_slice(line);
-                }
-            }
-        } else {
-            out.extend_from_slice(&raw.lines);
-            has_length |= raw.has_length;
-        }
+        out.extend_from_slice(&raw.lines);
+        has_length |= raw.has_length;
         has_date |= raw.has_date;
     }
     let bodiless = status.is_informational()

@@ -14,7 +14,8 @@
 //! - the lines the engine gets are one header each, never a hop-by-hop
 //!   one, `Host` or `Content-Length`;
 //! - only a POST over HTTP/1.1 with one length and no other framing is
-//!   taken.
+//!   taken;
+//! - [`head_is_whole`] says a head is whole exactly from its last byte on.
 
 use super::*;
 use proptest::prelude::*;
@@ -163,6 +164,8 @@ fn check(bytes: &[u8], extra: &[u8], exact: bool) -> Result<(), TestCaseError> {
             }
             // Taken whole from the bytes: never from a prefix of them.
             for k in 0..taken {
+                // What the header timeout looks at to close or hand over.
+                prop_assert_eq!(head_is_whole(&all[..k]), k >= req.head.len(), "at {}", k);
                 let mut part = BytesMut::from(&all[..k]);
                 match take(&r, &mut part) {
                     Parsed::Need(n) => prop_assert!(n > k, "needs {n} with {k} of {taken}"),
