@@ -389,7 +389,9 @@ impl EngineClient {
     /// scheduler (`mode=keep`), which only the wake lets go, and are not
     /// waited for. A probe too slow to answer (a loaded box) says nothing
     /// either way: it neither ends the wait nor counts as a stall, and the
-    /// probes go on until `within`. Returns how many requests were running
+    /// probes go on, for at most [`DRAIN_UNKNOWN`] in a row (an engine whose
+    /// `/metrics` never answers in time delays its wakes by that, not by
+    /// half the wake timeout). Returns how many requests were running
     /// when the wait began (0: nothing to wait for, or no way to tell: no
     /// metrics, an error).
     pub async fn wait_for_drain(&self, within: Duration) -> u32 {
@@ -401,12 +403,22 @@ impl EngineClient {
         let mut first = None;
         let mut tokens = 0;
         let mut progressed = tokio::time::Instant::now();
+        let mut unknown_since = None;
         loop {
             let seen = self.drain_probe().await;
             let now = tokio::time::Instant::now();
+            if !matches!(seen, Drain::Unknown) {
+                unknown_since = None;
+            }
             match (seen, first) {
                 (Drain::Over, _) => break,
-                (Drain::Unknown, _) => progressed = now,
+                (Drain::Unknown, _) => {
+                    progressed = now;
+                    if now - *unknown_since.get_or_insert(now) >= DRAIN_UNKNOWN {
+                        tracing::warn!(engine = %self.base, "could not tell for {DRAIN_UNKNOWN:?} whether a sleep still drains: waking");
+                        break;
+                    }
+                }
                 (Drain::Running { running, tokens: t }, None) => {
                     (first, tokens, progressed) = (Some(running), t, now);
                 }
@@ -420,9 +432,6 @@ impl EngineClient {
                 }
             }
             if now + EVERY >= until {
-                if matches!(seen, Drain::Unknown) {
-                    tracing::warn!(engine = %self.base, ?within, "could not tell whether a sleep still drains: waking");
-                }
                 break;
             }
             tokio::time::sleep(EVERY).await;
@@ -480,6 +489,10 @@ enum Drain {
     /// A probe timed out.
     Unknown,
 }
+
+/// How long probes may time out in a row before a wake stops waiting to
+/// tell whether a sleep still drains (see [`EngineClient::wait_for_drain`]).
+pub const DRAIN_UNKNOWN: Duration = Duration::from_secs(10);
 
 /// How long requests under a paused scheduler may generate nothing before
 /// they are taken for held (`mode=keep`), not draining (see

@@ -242,3 +242,16 @@ async fn a_slow_probe_neither_starts_nor_ends_the_wait_for_a_drain() {
         "left before the drain ended"
     );
 }
+
+/// An engine whose probes never answer delays a wake by
+/// [`DRAIN_UNKNOWN`], not by the whole wait it was given.
+#[tokio::test(start_paused = true)]
+async fn probes_that_never_answer_end_the_wait_for_a_drain_after_a_bound() {
+    let e = engine(|_, _, _| Act::Hang).await;
+    let c = EngineClient::new(&e.url);
+    let t0 = tokio::time::Instant::now();
+    assert_eq!(c.wait_for_drain(Duration::from_secs(600)).await, 0);
+    let took = t0.elapsed();
+    assert!(took >= DRAIN_UNKNOWN, "{took:?}");
+    assert!(took < DRAIN_UNKNOWN + Duration::from_secs(5), "{took:?}");
+}
