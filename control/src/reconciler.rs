@@ -172,7 +172,8 @@ pub enum Phase {
         deadline: Instant,
         admitted: bool,
     },
-    /// An operator's stop or restart of an awake engine, before SIGTERM:
+    /// A stop or restart of an awake engine (an operator's, a tier's, an
+    /// eviction's), before SIGTERM:
     /// published as stopping, so proxies forward nothing more to it; the
     /// SIGTERM waits until every live proxy has confirmed it has nothing in
     /// flight to it (`Drained`), or `deadline` (one stop grace).

@@ -127,7 +127,7 @@ mod tests {
         let later = done + Duration::from_secs(60);
         let (m, fx) = step(m, Event::Tick, later);
         assert!(
-            matches!(m.phase, Phase::Stopping { .. }),
+            matches!(m.phase, Phase::Draining { .. }),
             "{:?} {fx:?}",
             m.phase
         );
@@ -151,7 +151,7 @@ mod tests {
             settled - now
         );
         let (m, _) = step(m, Event::Tick, settled);
-        assert!(matches!(m.phase, Phase::Stopping { .. }), "{:?}", m.phase);
+        assert!(matches!(m.phase, Phase::Draining { .. }), "{:?}", m.phase);
     }
 
     #[test]

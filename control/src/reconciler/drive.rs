@@ -30,8 +30,8 @@ pub(super) fn terminate(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
     fx.push(Effect::Terminate { epoch: m.epoch });
 }
 
-/// An operator's stop (or restart) of an awake engine: answers under way
-/// finish first (see [`Phase::Draining`]), then [`terminate`].
+/// A stop (or restart) of an awake engine: answers under way finish first
+/// (see [`Phase::Draining`]), then [`terminate`].
 pub(super) fn drain(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     if m.pid.is_none() || m.settings.attach {
         terminate(m, now, fx);
@@ -45,10 +45,15 @@ pub(super) fn drain(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
         },
         now,
     );
-    fx.push(Effect::Log(format!(
-        "stopping: requests in flight finish first (up to {} s), then SIGTERM",
-        grace.as_secs()
-    )));
+    fx.push(Effect::Log(match m.intent.reason {
+        Reason::Operator | Reason::Config | Reason::Pin | Reason::Demand => format!(
+            "stopping: requests in flight finish first (up to {} s), then SIGTERM",
+            grace.as_secs()
+        ),
+        Reason::IdleTier | Reason::Eviction => {
+            "stopping: SIGTERM once every proxy confirms it forwards nothing more".into()
+        }
+    }));
     fx.push(Effect::Drain { epoch: m.epoch });
 }
 
@@ -504,12 +509,13 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
                     }
                 }
             }
-            // An operator's stop lets answers under way finish; a tier's
-            // or an eviction's fires only when nothing is in flight.
-            Desired::Stopped if m.intent.reason == Reason::Operator || m.retiring => {
-                drain(m, now, fx)
-            }
-            Desired::Stopped => terminate(m, now, fx),
+            // An operator's stop lets answers under way finish. A tier's
+            // or an eviction's is decided when nothing was in flight as the
+            // proxies last reported; a request one forwarded since then is
+            // answered before the SIGTERM (vLLM would end it with
+            // `finish_reason: "abort"`, or take a new one and answer it
+            // empty): the same fence, which takes one activity report.
+            Desired::Stopped => drain(m, now, fx),
         },
         Phase::Asleep { level } => match desired {
             Desired::Awake => begin_wake(m, level, now, fx),

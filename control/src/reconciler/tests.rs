@@ -459,6 +459,52 @@ fn a_sleep_that_waits_for_a_start_counts_its_time_from_when_it_began() {
     assert!(matches!(s.m.phase, Phase::Waking { .. }), "{:?}", s.m.phase);
 }
 
+/// A stop tier is decided when nothing was in flight as the proxies last
+/// reported, but one may have forwarded a request since: the SIGTERM waits
+/// for the same fence as an operator's stop (vLLM ends a request its
+/// SIGTERM catches with `finish_reason: "abort"`, and answers one that
+/// arrives then empty). A request held meanwhile starts it again.
+#[test]
+fn a_stop_tier_waits_for_the_proxies_fence_before_the_sigterm() {
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers = vec![IdleTier {
+        after: secs(30),
+        action: IdleAction::Stop,
+    }];
+    s.boot();
+    s.advance(secs(31));
+    assert!(
+        matches!(s.m.phase, Phase::Draining { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    assert_eq!(
+        (s.m.intent.desired, s.m.intent.reason),
+        (Desired::Stopped, Reason::IdleTier)
+    );
+    assert!(s.has(|f| matches!(f, Effect::Drain { epoch } if *epoch == s.m.epoch)));
+    assert!(!s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)));
+    assert!(s.has(|f| matches!(f, Effect::Log(l) if l.contains("once every proxy confirms"))));
+    // A proxy that saw `stopping` holds a new request.
+    s.report(0, 1);
+    assert!(!s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)));
+    s.ev(Event::Drained {
+        epoch: s.m.epoch,
+        error: None,
+    });
+    s.term_sent();
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "exit 0".into(),
+        cause: None,
+    });
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
+
 #[test]
 fn operator_stop_and_restart_let_requests_in_flight_finish() {
     // Stop: published as stopping; SIGTERM once the proxies have drained.
@@ -833,7 +879,7 @@ fn pin_blocks_tiers_until_it_expires() {
     assert_eq!(s.m.phase, Phase::Awake);
     s.advance(secs(50));
     // Idle for 100 s: the deepest due tier (stop) fires at once.
-    assert!(matches!(s.m.phase, Phase::Stopping { .. }));
+    assert!(matches!(s.m.phase, Phase::Draining { .. }));
 }
 
 #[test]

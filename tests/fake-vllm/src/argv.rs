@@ -61,7 +61,6 @@ pub const IGNORED_VALUE_FLAGS: &[&str] = &[
     "root-path",
     "scheduling-policy",
     "seed",
-    "shutdown-timeout",
     "speculative-config",
     "ssl-certfile",
     "ssl-keyfile",

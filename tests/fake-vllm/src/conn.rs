@@ -73,7 +73,8 @@ impl HttpBody for Tracked {
     }
 }
 
-/// Serves `stream` until the client closes it, it stays idle for `keep_alive`, or `shutdown`.
+/// Serves `stream` until the client closes it or it stays idle for `keep_alive`; after
+/// `shutdown`, until the answer under way (if any) is sent.
 pub async fn serve(
     app: Arc<App>,
     stream: TcpStream,
@@ -116,7 +117,10 @@ pub async fn serve(
                 }
                 return;
             }
-            () = shutdown.cancelled() => return,
+            () = shutdown.cancelled(), if !closing => {
+                conn.as_mut().graceful_shutdown();
+                closing = true;
+            }
             () = tokio::time::sleep(wait) => {
                 let idle = activity.in_flight.load(Ordering::SeqCst) == 0
                     && activity.idle_since.lock().unwrap().elapsed() >= keep_alive;

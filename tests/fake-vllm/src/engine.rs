@@ -12,7 +12,9 @@ use crate::sim_gpu::{SimGpu, SimGpuError};
 
 mod drain;
 mod gpu;
+mod shutdown;
 use crate::version::Imitated;
+pub use shutdown::Drained;
 
 /// What `/sleep?mode=` does with requests in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +36,8 @@ struct Gate {
     run: bool,
     /// Bumped by an aborting sleep; requests started in an older epoch stop.
     epoch: u64,
+    /// SIGTERM came: a request that arrives now is aborted at once.
+    closed: bool,
 }
 
 /// Which parts are asleep.
@@ -171,6 +175,7 @@ impl Engine {
             admit: true,
             run: true,
             epoch: 0,
+            closed: false,
         });
         Engine {
             args,
@@ -251,6 +256,10 @@ impl Engine {
     pub async fn admit(&self) -> Result<u64, Aborted> {
         let mut rx = self.gate.subscribe();
         let start = rx.borrow().epoch;
+        if rx.borrow().closed {
+            // `EngineCore._reject_add_in_shutdown`.
+            return Err(Aborted);
+        }
         let mut counted = false;
         let result = loop {
             let g = *rx.borrow_and_update();

@@ -111,13 +111,18 @@ async fn run(args: cli::ServeArgs, argv: &[OsString]) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // Like a process manager's stop timeout: whatever hangs, SIGTERM ends
+    // the process 10 s after the drain's own bound.
+    let bound = std::time::Duration::from_secs(args.shutdown_timeout.saturating_add(10));
     tokio::spawn(async move {
         tracing::info!("received {}", signal.await);
         token.cancel();
-        // Like a process manager's stop timeout: whatever hangs, SIGTERM ends the process.
-        std::thread::spawn(|| {
-            std::thread::sleep(std::time::Duration::from_secs(10));
-            eprintln!("fake-vllm: shutdown took over 10s, exiting");
+        std::thread::spawn(move || {
+            std::thread::sleep(bound);
+            eprintln!(
+                "fake-vllm: shutdown took over {}s, exiting",
+                bound.as_secs()
+            );
             std::process::exit(1);
         });
     });

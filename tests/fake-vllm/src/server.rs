@@ -13,6 +13,7 @@ use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::cli::ServeArgs;
 use crate::engine::{Engine, unix_ns};
@@ -229,7 +230,7 @@ pub async fn serve(
         })?;
         banner(&host, port);
         app.engine.set_ready();
-        accept(&app, listener, keep_alive, &shutdown).await;
+        serve_until_shut_down(&app, listener, keep_alive, &shutdown, &died).await;
     }
     tracing::info!("Shutting down FastAPI HTTP server.");
     if let Some(core) = &app.core {
@@ -361,11 +362,57 @@ fn banner(host: &str, port: u16) {
     let _ = out.flush();
 }
 
-async fn accept(
+/// How long connections get to finish their answers once the engine core
+/// is gone (uvicorn's own shutdown waits for them without a bound).
+const CONNECTIONS_CLOSE: Duration = Duration::from_secs(5);
+
+/// Serves until SIGTERM (`shutdown`), then as vLLM's `serve_http`: the
+/// engine core shuts down (see `engine/shutdown.rs`) while connections are
+/// still accepted and served; then the listener closes and each connection
+/// ends after the answer it is sending.
+async fn serve_until_shut_down(
     app: &Arc<App>,
     listener: tokio::net::TcpListener,
     keep_alive: Duration,
     shutdown: &CancellationToken,
+    died: &CancellationToken,
+) {
+    let (stop, conns) = (CancellationToken::new(), TaskTracker::new());
+    let acceptor = tokio::spawn(accept(
+        app.clone(),
+        listener,
+        keep_alive,
+        stop.clone(),
+        conns.clone(),
+    ));
+    shutdown.cancelled().await;
+    if !died.is_cancelled() {
+        let secs = app.engine.args.shutdown_timeout;
+        tracing::info!(
+            shutdown_timeout = secs,
+            "Shutdown requested: draining in-flight requests"
+        );
+        if app.engine.shut_down(secs).await == crate::engine::Drained::TimedOut {
+            tracing::warn!("Shutdown timeout reached: aborting requests still in flight");
+        }
+    }
+    stop.cancel();
+    let _ = acceptor.await;
+    conns.close();
+    if tokio::time::timeout(CONNECTIONS_CLOSE, conns.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after {CONNECTIONS_CLOSE:?}: closing them");
+    }
+}
+
+async fn accept(
+    app: Arc<App>,
+    listener: tokio::net::TcpListener,
+    keep_alive: Duration,
+    shutdown: CancellationToken,
+    conns: TaskTracker,
 ) {
     loop {
         let (stream, peer) = tokio::select! {
@@ -382,7 +429,7 @@ async fn accept(
         // vLLM (uvicorn) sets TCP_NODELAY; without it small responses wait
         // for the peer's delayed ACK.
         let _ = stream.set_nodelay(true);
-        tokio::spawn(conn::serve(
+        conns.spawn(conn::serve(
             app.clone(),
             stream,
             peer,

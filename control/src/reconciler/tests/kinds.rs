@@ -49,11 +49,14 @@ fn an_openai_server_skips_sleep_tiers_and_its_stop_tier_stops_it() {
     assert_eq!(s.m.phase, Phase::Awake);
     let fx = run_until(&mut s, start + secs(31));
     assert!(
-        fx.iter().any(|f| matches!(f, Effect::Terminate { .. })),
+        fx.iter().any(|f| matches!(f, Effect::Drain { .. })),
         "{fx:?}"
     );
-    assert!(matches!(s.m.phase, Phase::Stopping { .. }));
+    assert!(matches!(s.m.phase, Phase::Draining { .. }));
     assert_eq!(s.m.intent.desired, Desired::Stopped);
+    let epoch = s.m.epoch;
+    s.ev(Event::Drained { epoch, error: None });
+    s.term_sent();
 }
 
 #[test]
@@ -62,7 +65,7 @@ fn an_evicted_openai_server_is_stopped_and_an_attached_one_left_awake() {
     s.boot();
     s.ev(Event::Evict);
     assert!(!sleeps(&s.fx), "{:?}", s.fx);
-    assert!(matches!(s.m.phase, Phase::Stopping { .. }));
+    assert!(matches!(s.m.phase, Phase::Draining { .. }));
     assert_eq!(
         (s.m.intent.desired, s.m.intent.reason),
         (Desired::Stopped, Reason::Eviction)

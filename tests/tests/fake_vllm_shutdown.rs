@@ -1,0 +1,153 @@
+//! fake-vllm's SIGTERM, as vLLM 0.18+'s (`--shutdown-timeout`, `EngineCore._handle_shutdown`):
+//! the server keeps answering while the engine core shuts down; a request that arrives then
+//! is answered at once, 200 and empty, with `finish_reason: "abort"`; by default those in
+//! flight end the same way (what they produced is sent), with a timeout they finish, and past
+//! it they fail as with a dead engine core. A kinder fake (connections cut at SIGTERM) let a
+//! proxy take every such request for an engine it could route again.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use serde_json::{Value, json};
+use siesta_tests::{DEADLINE, FakeVllm, spawn_fake_vllm, wait_until};
+
+fn chat(max_tokens: u32, stream: bool) -> Value {
+    json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+           "max_tokens": max_tokens, "ignore_eos": true, "stream": stream})
+}
+
+async fn send(url: &str, body: Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&body)
+        .timeout(DEADLINE)
+        .send()
+        .await
+        .expect("an answer, not a cut connection")
+}
+
+/// The finish reason and text of a non-streamed chat answer.
+async fn finished(resp: reqwest::Response) -> (String, String) {
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    let c = &v["choices"][0];
+    (
+        c["finish_reason"].as_str().unwrap_or_default().to_string(),
+        c["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string(),
+    )
+}
+
+async fn running(fv: &FakeVllm) -> f64 {
+    let text = fv.get("/metrics").await.text().await.unwrap();
+    text.lines()
+        .find(|l| l.starts_with("vllm:num_requests_running"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn a_sigterm_aborts_the_answers_under_way_and_they_end_well_formed() {
+    // 20 tokens/s: 200 tokens would take 10 s.
+    let mut fv = spawn_fake_vllm(&["m", "--tokens-per-second", "20"]).await;
+    let plain = tokio::spawn({
+        let url = fv.url.clone();
+        async move { finished(send(&url, chat(200, false)).await).await }
+    });
+    let mut stream = send(&fv.url, chat(200, true)).await;
+    let first = stream.chunk().await.unwrap().expect("a first event");
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    wait_until("both requests to run", DEADLINE, || async {
+        running(&fv).await == 2.0
+    })
+    .await;
+    // As siesta stops an engine: the whole process group.
+    fv.child.signal_group(Signal::SIGTERM);
+    let mut rest = Vec::new();
+    while let Some(c) = stream.chunk().await.expect("the stream is not cut") {
+        rest.extend_from_slice(&c);
+    }
+    let rest = String::from_utf8(rest).unwrap();
+    assert!(rest.ends_with("data: [DONE]\n\n"), "{rest}");
+    assert!(rest.contains(r#""finish_reason":"abort""#), "{rest}");
+    let (reason, text) = plain.await.unwrap();
+    assert_eq!(reason, "abort");
+    assert!(text.len() < 200, "aborted, not finished: {text}");
+    assert!(fv.child.wait_exit(DEADLINE).await.success());
+}
+
+#[tokio::test]
+async fn with_a_shutdown_timeout_answers_under_way_finish_and_new_ones_are_aborted_empty() {
+    // 40 tokens of 20 a second: 2 s.
+    let mut fv =
+        spawn_fake_vllm(&["m", "--tokens-per-second", "20", "--shutdown-timeout", "60"]).await;
+    let under_way = tokio::spawn({
+        let url = fv.url.clone();
+        async move { finished(send(&url, chat(40, false)).await).await }
+    });
+    wait_until("the request to run", DEADLINE, || async {
+        running(&fv).await == 1.0
+    })
+    .await;
+    fv.child.signal(Signal::SIGTERM);
+    // The server still answers while the engine core drains: `/health` 200, and a new
+    // request 200 at once, empty, aborted (`_reject_add_in_shutdown`).
+    let (reason, text) = wait_until_aborted(&fv).await;
+    assert_eq!((reason.as_str(), text.as_str()), ("abort", ""));
+    assert_eq!(fv.get("/health").await.status(), 200);
+    let mut stream = send(&fv.url, chat(40, true)).await;
+    let mut all = Vec::new();
+    while let Some(c) = stream.chunk().await.expect("the stream is not cut") {
+        all.extend_from_slice(&c);
+    }
+    let all = String::from_utf8(all).unwrap();
+    assert!(all.contains(r#""finish_reason":"abort""#), "{all}");
+    assert!(all.ends_with("data: [DONE]\n\n"), "{all}");
+    // The request under way is answered whole.
+    let (reason, _) = under_way.await.unwrap();
+    assert_eq!(reason, "length");
+    assert!(fv.child.wait_exit(DEADLINE).await.success());
+}
+
+/// A request sent after the SIGTERM, once the server shows it is shutting down.
+async fn wait_until_aborted(fv: &FakeVllm) -> (String, String) {
+    let start = std::time::Instant::now();
+    loop {
+        let (reason, text) = finished(send(&fv.url, chat(5, false)).await).await;
+        if reason == "abort" {
+            return (reason, text);
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "no request aborted after the SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn past_the_shutdown_timeout_answers_still_running_fail_as_with_a_dead_engine() {
+    // 100 tokens of 10 a second: 10 s, past a 1 s timeout.
+    let mut fv =
+        spawn_fake_vllm(&["m", "--tokens-per-second", "10", "--shutdown-timeout", "1"]).await;
+    let under_way = tokio::spawn({
+        let url = fv.url.clone();
+        async move { send(&url, chat(100, false)).await }
+    });
+    wait_until("the request to run", DEADLINE, || async {
+        running(&fv).await == 1.0
+    })
+    .await;
+    fv.child.signal(Signal::SIGTERM);
+    let resp = tokio::time::timeout(Duration::from_secs(8), under_way)
+        .await
+        .expect("failed at the timeout, not run to its end")
+        .unwrap();
+    assert_eq!(resp.status(), 500);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["code"], 500, "{v}");
+    fv.child.wait_exit(DEADLINE).await;
+}
