@@ -91,9 +91,10 @@ pub struct ServeArgs {
     #[arg(long)]
     pub task: Option<String>,
     /// Seconds a SIGTERM lets the requests in flight finish (vLLM 0.18+): 0 aborts them
-    /// (`finish_reason: "abort"`); either way a request arriving meanwhile is answered at
-    /// once, empty, with `finish_reason: "abort"`, and `/health` stays 200. Past it, those
-    /// still running fail as with a dead engine core.
+    /// (`finish_reason: "abort"`); either way the listener closes at once and a request
+    /// that still reaches the server gets 500 "cannot schedule new futures after shutdown"
+    /// (vLLM 0.24 on the GPU machine). Past it, those still running fail as with a dead
+    /// engine core.
     #[arg(long, default_value_t = 0)]
     pub shutdown_timeout: u64,
     /// No stats: every `vllm:` metric is gone from `/metrics` (running, waiting, sleep state).

@@ -36,7 +36,8 @@ struct Gate {
     run: bool,
     /// Bumped by an aborting sleep; requests started in an older epoch stop.
     epoch: u64,
-    /// SIGTERM came: a request that arrives now is aborted at once.
+    /// SIGTERM came: a request that arrives now is refused (or aborted, if it
+    /// passed the server's check first).
     closed: bool,
 }
 
@@ -257,7 +258,8 @@ impl Engine {
         let mut rx = self.gate.subscribe();
         let start = rx.borrow().epoch;
         if rx.borrow().closed {
-            // `EngineCore._reject_add_in_shutdown`.
+            // Past the server's check before the SIGTERM, refused by the engine core
+            // (`EngineCore._reject_add_in_shutdown`): aborted.
             return Err(Aborted);
         }
         let mut counted = false;

@@ -118,6 +118,9 @@ impl App {
         if !self.engine.healthy() {
             return Err(engine_dead());
         }
+        if self.engine.shutting_down() {
+            return Err(shut_down());
+        }
         Ok(())
     }
 
@@ -157,6 +160,18 @@ pub fn engine_dead() -> ApiError {
         kind: "EngineDeadError",
         message: "EngineCore encountered an issue. See stack trace (above) for the root cause."
             .into(),
+        param: None,
+    }
+}
+
+/// What vLLM 0.24 answered a generation request that reached it after its
+/// SIGTERM (observed, `vllm-check sigterm`): the API server's thread pool,
+/// which renders the prompt, is already shut down.
+pub fn shut_down() -> ApiError {
+    ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        kind: "InternalServerError",
+        message: "cannot schedule new futures after shutdown".into(),
         param: None,
     }
 }
@@ -366,10 +381,12 @@ fn banner(host: &str, port: u16) {
 /// is gone (uvicorn's own shutdown waits for them without a bound).
 const CONNECTIONS_CLOSE: Duration = Duration::from_secs(5);
 
-/// Serves until SIGTERM (`shutdown`), then as vLLM's `serve_http`: the
-/// engine core shuts down (see `engine/shutdown.rs`) while connections are
-/// still accepted and served; then the listener closes and each connection
-/// ends after the answer it is sending.
+/// Serves until SIGTERM (`shutdown`), then as vLLM 0.24 did (`vllm-check
+/// sigterm`): the listener closes at once (new connections are refused),
+/// idle connections close, each busy one ends after the answer it is
+/// sending, while the engine core shuts down (see `engine/shutdown.rs`):
+/// with `--shutdown-timeout 0` those answers are aborted, else they run on
+/// for up to that long.
 async fn serve_until_shut_down(
     app: &Arc<App>,
     listener: tokio::net::TcpListener,
@@ -386,6 +403,8 @@ async fn serve_until_shut_down(
         conns.clone(),
     ));
     shutdown.cancelled().await;
+    stop.cancel();
+    let _ = acceptor.await;
     if !died.is_cancelled() {
         let secs = app.engine.args.shutdown_timeout;
         tracing::info!(
@@ -396,8 +415,6 @@ async fn serve_until_shut_down(
             tracing::warn!("Shutdown timeout reached: aborting requests still in flight");
         }
     }
-    stop.cancel();
-    let _ = acceptor.await;
     conns.close();
     if tokio::time::timeout(CONNECTIONS_CLOSE, conns.wait())
         .await

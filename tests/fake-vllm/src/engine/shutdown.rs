@@ -1,12 +1,13 @@
-//! A SIGTERM, as vLLM 0.18+ has it (`EngineCore._handle_shutdown`, the API
-//! server's `serve_http` signal handler): the HTTP server keeps serving
-//! while the engine core shuts down; a request that arrives meanwhile is
-//! answered at once with `finish_reason: "abort"` and no text
-//! (`_reject_add_in_shutdown`); with `--shutdown-timeout 0` (the default)
-//! the requests in flight and held are aborted the same way (what they
-//! produced so far is sent), else they run on for up to that many seconds,
-//! after which the engine core is killed and they fail as with a dead one.
-//! `/health` stays 200 throughout. A second SIGTERM changes nothing.
+//! A SIGTERM, as vLLM 0.24 did it on the GPU machine (`scripts/vllm-check
+//! sigterm`, docs/vllm-sigterm-output.txt; `EngineCore._handle_shutdown`):
+//! the HTTP server stops accepting at once (see `server.rs`); a generation
+//! request that still reaches it is answered 500 "cannot schedule new
+//! futures after shutdown"; with `--shutdown-timeout 0` (the default) the
+//! requests in flight and held are aborted (what they produced so far is
+//! sent, `finish_reason: "abort"`), else they run on for up to that many
+//! seconds, after which the engine core is killed and they fail as with a
+//! dead one. `/health` answers 200 on a connection still open. A second
+//! SIGTERM changes nothing.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -26,8 +27,8 @@ pub enum Drained {
 }
 
 impl Engine {
-    /// Starts the engine core's shutdown: new requests are aborted at once;
-    /// with `abort`, those in flight and held too.
+    /// Starts the engine core's shutdown: new requests are refused; with
+    /// `abort`, those in flight and held are aborted.
     pub fn begin_shutdown(&self, abort: bool) {
         self.gate.send_modify(|g| {
             g.closed = true;
@@ -35,6 +36,11 @@ impl Engine {
                 g.epoch += 1;
             }
         });
+    }
+
+    /// SIGTERM came: new requests are refused.
+    pub fn shutting_down(&self) -> bool {
+        self.gate.borrow().closed
     }
 
     /// Requests generating or waiting to be scheduled.
