@@ -271,6 +271,8 @@ impl pb::control_server::Control for ControlService {
         self.models.activity(&r.proxy_id, &reports);
         for f in &r.failures {
             tracing::warn!(proxy = %r.proxy_id, model = %f.model, url = %f.url, error = %f.error, "proxy reports an endpoint failure");
+            self.models
+                .endpoint_refused(&r.proxy_id, &f.model, &f.url, &f.error);
         }
         Ok(Response::new(pb::ReportActivityResponse {}))
     }

@@ -91,8 +91,11 @@ pub struct EngineMetrics {
 enum Failure {
     /// No answer within the deadline (the engine may be busy: not retried).
     Timeout(String),
-    /// Connection refused, closed or reset; body cut short.
+    /// Connection closed or reset; body cut short.
     Transport(String),
+    /// Connection refused: nothing listens on the engine's port (vLLM
+    /// closes its listener at SIGTERM).
+    Refused(String),
     /// The engine answered, but not what was wanted.
     Answer(String),
 }
@@ -103,14 +106,18 @@ enum Failure {
 pub struct ProbeError {
     pub message: String,
     pub timed_out: bool,
+    /// The connection was refused (see [`Failure::Refused`]).
+    pub refused: bool,
 }
 
 impl From<Failure> for ProbeError {
     fn from(f: Failure) -> Self {
         let timed_out = matches!(f, Failure::Timeout(_));
+        let refused = matches!(f, Failure::Refused(_));
         ProbeError {
             message: f.into_message(),
             timed_out,
+            refused,
         }
     }
 }
@@ -118,7 +125,10 @@ impl From<Failure> for ProbeError {
 impl Failure {
     fn into_message(self) -> String {
         match self {
-            Failure::Timeout(m) | Failure::Transport(m) | Failure::Answer(m) => m,
+            Failure::Timeout(m)
+            | Failure::Transport(m)
+            | Failure::Refused(m)
+            | Failure::Answer(m) => m,
         }
     }
 }
@@ -131,6 +141,20 @@ fn client(idle: Duration, max_idle: usize) -> HttpClient {
         .pool_idle_timeout(idle)
         .pool_max_idle_per_host(max_idle)
         .build(connector)
+}
+
+/// Whether `e` or an error under it is a refused connection.
+fn is_refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(c) = cur {
+        if c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            return true;
+        }
+        cur = c.source();
+    }
+    false
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {
@@ -199,19 +223,23 @@ impl EngineClient {
             .body(Full::new(Bytes::from(body.unwrap_or("").to_string())))
             .map_err(|e| Failure::Answer(format!("{what}: {e}")))?;
         let fut = async {
-            let resp = http.request(req).await.map_err(|e| error_chain(&e))?;
+            let resp = http
+                .request(req)
+                .await
+                .map_err(|e| (error_chain(&e), is_refused(&e)))?;
             let status = resp.status();
             let bytes = resp
                 .into_body()
                 .collect()
                 .await
-                .map_err(|e| format!("reading the answer: {}", error_chain(&e)))?
+                .map_err(|e| (format!("reading the answer: {}", error_chain(&e)), false))?
                 .to_bytes();
-            Ok::<_, String>((status, bytes))
+            Ok::<_, (String, bool)>((status, bytes))
         };
         match tokio::time::timeout_at(deadline, fut).await {
             Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) => Err(Failure::Transport(format!("{what}: {e}"))),
+            Ok(Err((e, true))) => Err(Failure::Refused(format!("{what}: {e}"))),
+            Ok(Err((e, false))) => Err(Failure::Transport(format!("{what}: {e}"))),
             Err(_) => Err(Failure::Timeout(format!("{what}: no answer in time"))),
         }
     }
@@ -227,7 +255,7 @@ impl EngineClient {
     ) -> Result<(hyper::StatusCode, Bytes), Failure> {
         let deadline = Instant::now() + timeout;
         let first = match self.send(&self.pooled, &method, path, body, deadline).await {
-            Err(Failure::Transport(e)) => e,
+            Err(Failure::Transport(e) | Failure::Refused(e)) => e,
             Err(Failure::Timeout(_)) => {
                 return Err(Failure::Timeout(format!(
                     "{method} {path}: no answer within {timeout:?}"
@@ -238,6 +266,9 @@ impl EngineClient {
         tracing::debug!(engine = %self.base, error = %first, "engine call failed; trying once more on a fresh connection");
         match self.send(&self.fresh, &method, path, body, deadline).await {
             Err(Failure::Transport(e)) => Err(Failure::Transport(format!(
+                "{e} (tried twice; first attempt: {first})"
+            ))),
+            Err(Failure::Refused(e)) => Err(Failure::Refused(format!(
                 "{e} (tried twice; first attempt: {first})"
             ))),
             Err(Failure::Timeout(_)) => Err(Failure::Timeout(format!(

@@ -494,6 +494,18 @@ impl Models {
         }
     }
 
+    /// A proxy's report of an engine that refused a connection while taken
+    /// as awake: its model probes it at once (see `runner/suspect.rs`).
+    pub fn endpoint_refused(&self, proxy: &str, model: &str, url: &str, error: &str) {
+        if let Ok(h) = self.resolve(model) {
+            h.endpoint_refused(crate::runner::Refused {
+                proxy: proxy.to_string(),
+                url: url.to_string(),
+                error: error.to_string(),
+            });
+        }
+    }
+
     /// Reads `path` and applies it; an invalid file, or one with a model
     /// that can never fit its GPUs, changes nothing and is refused with its
     /// errors (`FILE: KEY: what is wrong`).

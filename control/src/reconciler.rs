@@ -353,6 +353,10 @@ pub enum Event {
         /// No answer within the probe's deadline (not a refusal or an
         /// error answer): forgiven for a while when the engine is busy.
         timed_out: bool,
+        /// The connection was refused: nothing listens on the engine's
+        /// port (vLLM closes its listener at SIGTERM, then finishes or
+        /// aborts what it runs and exits).
+        refused: bool,
     },
     /// A periodic probe answered: the strikes start again from zero.
     ProbeOk {

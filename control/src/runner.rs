@@ -4,7 +4,10 @@
 mod effects;
 mod persist;
 mod publish;
+mod suspect;
 mod suspend;
+
+pub use suspect::Refused;
 
 use crate::config::{Launch, ModelConfig};
 use crate::engine::EngineClient;
@@ -105,6 +108,8 @@ pub(crate) enum Msg {
     /// that needs a new engine (see [`ModelHandle::reconfigure`]): take
     /// them, keep the engine.
     Reconfigure(Arc<ModelConfig>),
+    /// A proxy reports the engine refused a connection (see `suspect.rs`).
+    Refused(Refused),
     /// Stop the engine (if `stop_engine`) and end the task.
     Shutdown {
         stop_engine: bool,
@@ -135,6 +140,7 @@ impl std::fmt::Debug for Msg {
             Msg::Residual(r) => write!(f, "Residual({r:?})"),
             Msg::Reconfigure(c) => write!(f, "Reconfigure({})", c.name),
             Msg::Poll { epoch, result } => write!(f, "Poll({epoch}, {result:?})"),
+            Msg::Refused(r) => write!(f, "Refused({r:?})"),
             Msg::Shutdown { stop_engine, .. } => write!(f, "Shutdown({stop_engine})"),
         }
     }
@@ -165,6 +171,11 @@ impl ModelHandle {
     /// Sends a proxy's [`Event::Activity`] with the fence it reported.
     pub fn notify_activity(&self, event: Event, fenced_since_unix_ms: i64) {
         let _ = self.tx.send(Msg::Activity(event, fenced_since_unix_ms));
+    }
+
+    /// Sends a proxy's report of the engine refusing a connection.
+    pub fn endpoint_refused(&self, refused: Refused) {
+        let _ = self.tx.send(Msg::Refused(refused));
     }
 
     /// Waits for the task to end (after cancellation or shutdown).
@@ -307,6 +318,9 @@ pub fn spawn_model_adopting(
         timer: None,
         hub_due: None,
         polling: false,
+        suspect: None,
+        probe_soon: None,
+        poll_started: Instant::now(),
         awake_since_unix_ms: 0,
         found_asleep: None,
         probe_gate: Arc::default(),
@@ -350,6 +364,13 @@ struct Runner {
     /// When a change of the deadline alone goes to the hub (`publish.rs`).
     hub_due: Option<Instant>,
     polling: bool,
+    /// Since and until when a proxy's report keeps the probes quick
+    /// (`suspect.rs`).
+    suspect: Option<(Instant, Instant)>,
+    /// The next quick probe.
+    probe_soon: Option<Instant>,
+    /// When the last probe began.
+    poll_started: Instant,
     /// `state_since` of the model's last published `awake`.
     awake_since_unix_ms: i64,
     /// The epoch whose last poll found the engine asleep while awake.
@@ -405,6 +426,10 @@ impl Runner {
                     self.publish_due();
                 }
                 _ = poll.tick() => self.poll(),
+                _ = tokio::time::sleep_until(self.probe_soon.unwrap_or_else(Instant::now)), if self.probe_soon.is_some() => {
+                    self.probe_soon = None;
+                    self.poll();
+                }
             }
         }
     }
@@ -492,6 +517,7 @@ impl Runner {
                 if epoch != self.state.epoch {
                     return;
                 }
+                self.after_probe(result.is_ok(), self.poll_started);
                 match result {
                     Ok(metrics) => {
                         if self.state.health_strikes > 0 || self.state.busy_timeouts_since.is_some()
@@ -524,16 +550,22 @@ impl Runner {
                             self.apply(Event::EngineMetrics { running });
                         }
                     }
-                    Err(crate::engine::ProbeError { message, timed_out }) => {
+                    Err(crate::engine::ProbeError {
+                        message,
+                        timed_out,
+                        refused,
+                    }) => {
                         tracing::warn!(model = %self.cfg.name, error = %message, timed_out, "engine probe failed");
                         self.apply(Event::HealthFailed {
                             epoch,
                             error: message,
                             timed_out,
+                            refused,
                         });
                     }
                 }
             }
+            Msg::Refused(r) => self.on_refused(r),
             Msg::Shutdown { .. } => {}
         }
     }
@@ -566,6 +598,9 @@ impl Runner {
             for op in self.ops.drain(..) {
                 op.abort();
             }
+            // A report was about the engine of the old epoch.
+            self.suspect = None;
+            self.probe_soon = None;
             if !matches!(self.state.phase, Phase::Starting { .. }) {
                 self.spawn_cancel.cancel();
             }

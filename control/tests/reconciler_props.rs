@@ -124,7 +124,8 @@ enum Action {
         ok: bool,
         asleep: Option<u8>,
     },
-    PollFailed,
+    /// A periodic probe failed; `refused`: nothing listened.
+    PollFailed(bool),
     Sleep {
         sel: usize,
         ok: bool,
@@ -184,7 +185,7 @@ fn action() -> impl Strategy<Value = Action> {
         1 => sel.prop_map(Action::Exit),
         3 => (sel, prop::bool::weighted(0.8), proptest::option::of(1u8..=2))
             .prop_map(|(sel, ok, asleep)| Action::Health { sel, ok, asleep }),
-        1 => Just(Action::PollFailed),
+        1 => any::<bool>().prop_map(Action::PollFailed),
         3 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Sleep { sel, ok }),
         3 => (sel, prop::bool::weighted(0.8)).prop_map(|(sel, ok)| Action::Wake { sel, ok }),
         1 => sel.prop_map(Action::Admitted),
@@ -354,13 +355,15 @@ impl World {
                         epoch,
                         error: "refused".into(),
                         timed_out: false,
+                        refused: true,
                     }
                 }
             }
-            Action::PollFailed => Event::HealthFailed {
+            Action::PollFailed(refused) => Event::HealthFailed {
                 epoch,
                 error: "poll: refused".into(),
                 timed_out: false,
+                refused,
             },
             Action::Sleep { sel, ok } => {
                 let epoch = take(&mut self.sleeps, sel)?;
@@ -769,7 +772,7 @@ fn the_generator_reaches_every_phase() {
         proptest::collection::vec((advance(), action()), 1..80),
     );
     let mut seen = BTreeSet::new();
-    for _ in 0..600 {
+    for _ in 0..1200 {
         let (settings, preload, steps) = case.new_tree(&mut runner).unwrap().current();
         let mut w = World::new(settings, preload, Strict::default());
         w.run(steps).unwrap();

@@ -282,3 +282,85 @@ async fn an_engine_core_dying_under_requests_in_flight_answers_them_and_is_resta
     .await;
     assert!(chat(&endpoint(&s), "chat").await.contains("siesta"));
 }
+
+/// The engine's running gauge, read straight from it.
+async fn engine_running(url: &str) -> f64 {
+    let Ok(r) = http().get(format!("{url}/metrics")).send().await else {
+        return -1.0;
+    };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with("vllm:num_requests_running"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(-1.0)
+}
+
+/// Someone else SIGTERMs an engine siesta runs (an operator's `kill`):
+/// vLLM closes its listener at once and, with `--shutdown-timeout`,
+/// finishes what it runs. siesta does not kill it under that answer (three
+/// failed probes used to): the answer through the proxy ends whole, a
+/// request sent meanwhile is held, and the engine is started again once
+/// the old one has exited, which answers it.
+#[tokio::test]
+async fn an_engine_sigtermed_by_someone_else_finishes_its_answer_and_is_started_again() {
+    // 120 tokens at 20 a second: 6 s, past three probe periods.
+    let model = fake_model(
+        "chat",
+        "awake",
+        &["--tokens-per-second", "20", "--shutdown-timeout", "120"],
+        "backoff_initial = \"200ms\"\nstop_grace = \"60s\"",
+    );
+    let ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let s = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    let (pid, url) = (s.pid as i32, endpoint(&s));
+    let proxy = spawn_proxy(&[ctl.url()], &[]).await;
+    ready(&proxy).await;
+    let long = tokio::spawn({
+        let p = proxy.url();
+        async move {
+            let body = json!({"model": "chat", "max_tokens": 120, "ignore_eos": true,
+                              "messages": [{"role": "user", "content": "hi"}]});
+            try_chat_json(&p, &body, LONG).await
+        }
+    });
+    wait_until("the answer to run", DEADLINE, || async {
+        engine_running(&url).await == 1.0
+    })
+    .await;
+    nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let addr = url.trim_start_matches("http://").to_string();
+    wait_until("the engine to refuse connections", DEADLINE, || async {
+        tokio::net::TcpStream::connect(&addr).await.is_err()
+    })
+    .await;
+    let meanwhile = tokio::spawn({
+        let p = proxy.url();
+        async move { try_chat(&p, "chat", 4, LONG).await }
+    });
+    let v = long
+        .await
+        .unwrap()
+        .expect("the answer under way ends whole");
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    meanwhile
+        .await
+        .unwrap()
+        .expect("the request sent meanwhile is answered");
+    let s = wait_status(&mut c, "chat", "started again", LONG, |s| {
+        state(s) == pb::ModelState::Awake && s.pid as i32 != pid
+    })
+    .await;
+    assert_eq!(s.failures, 0, "{s:#?}");
+    let log = siesta_tests::swap::siesta_log(&mut c, "chat").await;
+    assert!(
+        log.iter()
+            .any(|l| l.contains("refuses connections with 1 answer(s) under way")),
+        "{log:#?}"
+    );
+}

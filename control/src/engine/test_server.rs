@@ -25,6 +25,18 @@ pub(crate) struct Engine {
     pub connections: Arc<AtomicUsize>,
     /// Request lines, in arrival order.
     pub requests: Arc<Mutex<Vec<String>>>,
+    /// The accept loop and every connection's task.
+    tasks: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+}
+
+impl Engine {
+    /// As vLLM at SIGTERM: the listener closes (connections are refused)
+    /// and so do the open connections.
+    pub fn close(&self) {
+        for t in self.tasks.lock().unwrap().drain(..) {
+            t.abort();
+        }
+    }
 }
 
 /// Reads one request head and its body; `None` at EOF.
@@ -77,14 +89,16 @@ pub(crate) async fn engine_at(
     let requests = Arc::new(Mutex::new(Vec::new()));
     let script: Arc<Script> = Arc::new(script);
     let (conns, reqs) = (connections.clone(), requests.clone());
-    tokio::spawn(async move {
+    let tasks: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+    let handles = tasks.clone();
+    let accept = tokio::spawn(async move {
         loop {
             let Ok((mut s, _)) = listener.accept().await else {
                 return;
             };
             let conn = conns.fetch_add(1, Ordering::SeqCst);
             let (script, reqs) = (script.clone(), reqs.clone());
-            tokio::spawn(async move {
+            let conn_task = tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut n = 0;
                 while let Some(line) = read_request(&mut s, &mut buf).await {
@@ -107,11 +121,14 @@ pub(crate) async fn engine_at(
                     n += 1;
                 }
             });
+            handles.lock().unwrap().push(conn_task.abort_handle());
         }
     });
+    tasks.lock().unwrap().push(accept.abort_handle());
     Engine {
         url,
         connections,
         requests,
+        tasks,
     }
 }

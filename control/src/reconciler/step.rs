@@ -433,7 +433,23 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             epoch: e,
             error,
             timed_out,
+            refused,
         } if e == epoch => {
+            // Refused with answers under way: the engine closed its listener
+            // and is shutting down (vLLM at a SIGTERM siesta did not send);
+            // with `--shutdown-timeout` it finishes them. Killing it would
+            // cut them: it is drained and started again, as an operator's
+            // restart is.
+            if refused && m.in_flight() > 0 && !m.settings.attach && m.phase == Phase::Awake {
+                fx.push(Effect::Log(format!(
+                    "the engine refuses connections with {} answer(s) under way: it is \
+                     shutting down; restarting it once they end: {error}",
+                    m.in_flight()
+                )));
+                m.restart_asked = Some(now);
+                drive::drain(m, now, fx);
+                return;
+            }
             if matches!(
                 m.phase,
                 Phase::Awake | Phase::Asleep { .. } | Phase::Yielding { .. }

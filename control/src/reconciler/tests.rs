@@ -905,6 +905,7 @@ fn stale_results_are_ignored() {
         epoch: old,
         error: "old".into(),
         timed_out: false,
+        refused: false,
     });
     assert_eq!(s.m.phase, Phase::Awake);
 }

@@ -437,6 +437,7 @@ impl Runner {
             return;
         }
         self.polling = true;
+        self.poll_started = tokio::time::Instant::now();
         let client = self.client.clone();
         let tx = self.tx.clone();
         let epoch = self.state.epoch;

@@ -540,3 +540,99 @@ async fn a_deadline_that_moves_alone_waits_for_the_next_change() {
     cancel.cancel();
     h.join().await;
 }
+
+/// The scripted engine as an attach model sees it healthy and awake.
+fn healthy(_: usize, _: usize, line: &str) -> crate::engine::test_server::Act {
+    use crate::engine::test_server::Act;
+    if line.contains("/is_sleeping") {
+        Act::Ok(r#"{"is_sleeping":false}"#)
+    } else {
+        Act::Ok("")
+    }
+}
+
+/// What a proxy's report of a refused connection sets off.
+fn refused(url: &str) -> Refused {
+    Refused {
+        proxy: "p".into(),
+        url: url.into(),
+        error: "connection refused".into(),
+    }
+}
+
+/// An engine that closed its listener (vLLM at SIGTERM) while taken as
+/// awake: on a proxy's report it is probed at once and every 200 ms, and
+/// fails after three strikes within a second, not three poll periods.
+#[tokio::test(start_paused = true)]
+async fn an_engine_a_proxy_reports_refusing_is_failed_within_a_second() {
+    let e = crate::engine::test_server::engine(healthy).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cancel = CancellationToken::new();
+    let h = spawn_model(
+        attach("ext", &e.url),
+        Placed::default(),
+        shared(dir.path()),
+        cancel.clone(),
+    )
+    .unwrap();
+    let mut rx = h.status.clone();
+    rx.wait_for(|s| s.state == State::Awake).await.unwrap();
+    e.close();
+    let reported = Instant::now();
+    h.endpoint_refused(refused(&e.url));
+    let s = rx
+        .wait_for(|s| s.state == State::Failed)
+        .await
+        .unwrap()
+        .clone();
+    let took = reported.elapsed();
+    assert!(took < Duration::from_secs(1), "failed after {took:?}");
+    assert!(
+        s.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("health check failed 3 times")),
+        "{s:?}"
+    );
+    let logs = h.logs.tail(None).0;
+    assert!(
+        logs.iter().any(|l| l
+            .line
+            .contains("proxy p reports the engine refused a connection")),
+        "{logs:?}"
+    );
+    cancel.cancel();
+    h.join().await;
+}
+
+/// Without a report the same engine fails only after three poll periods;
+/// a report about another URL (an engine already replaced) changes
+/// nothing; and one about an engine that still answers leaves it awake.
+#[tokio::test(start_paused = true)]
+async fn reports_about_another_engine_or_a_healthy_one_change_nothing() {
+    let e = crate::engine::test_server::engine(healthy).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cancel = CancellationToken::new();
+    let h = spawn_model(
+        attach("ext", &e.url),
+        Placed::default(),
+        shared(dir.path()),
+        cancel.clone(),
+    )
+    .unwrap();
+    let mut rx = h.status.clone();
+    rx.wait_for(|s| s.state == State::Awake).await.unwrap();
+    // A healthy engine reported: probed, still awake after the quick window.
+    h.endpoint_refused(refused(&e.url));
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let s = h.send(Event::Tick).await.unwrap();
+    assert_eq!(s.state, State::Awake, "{s:?}");
+    assert_eq!(s.failures, 0);
+    e.close();
+    let closed = Instant::now();
+    h.endpoint_refused(refused("http://127.0.0.1:9"));
+    rx.wait_for(|s| s.state == State::Failed).await.unwrap();
+    let took = closed.elapsed();
+    assert!(took >= Duration::from_secs(2), "failed after {took:?}");
+    cancel.cancel();
+    h.join().await;
+}

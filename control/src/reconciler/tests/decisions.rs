@@ -12,6 +12,7 @@ fn three_failed_probes_in_a_row_fail_the_engine_and_an_answer_resets_them() {
             epoch: s.m.epoch,
             error: "connection reset".into(),
             timed_out: false,
+            refused: false,
         });
     };
     fail(&mut s);
@@ -124,6 +125,7 @@ fn slow_probes_while_busy_are_load_for_a_while_and_refusals_still_count() {
             epoch: s.m.epoch,
             error: "GET /health: no answer within 2s".into(),
             timed_out,
+            refused: false,
         });
     };
     // The proxy reports its requests in flight every second.

@@ -97,6 +97,7 @@ fn a_retry_waits_for_the_killed_engine_to_exit() {
             epoch: s.m.epoch,
             error: "refused".into(),
             timed_out: false,
+            refused: false,
         });
     }
     assert!(s.has(|f| matches!(f, Effect::Kill)));
@@ -166,6 +167,7 @@ fn an_attached_failed_engine_is_never_taken_as_gone() {
             epoch: s.m.epoch,
             error: "refused".into(),
             timed_out: false,
+            refused: false,
         });
     }
     assert!(!s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)));
@@ -200,6 +202,7 @@ fn a_killed_engine_that_never_exits_is_named_in_last_error() {
             epoch: s.m.epoch,
             error: "connection refused".into(),
             timed_out: false,
+            refused: false,
         });
     }
     assert!(
@@ -367,4 +370,55 @@ fn a_failing_model_woken_by_requests_is_stopped_once_they_stop_coming() {
         s.m
     );
     stays_stopped_until_a_request(&mut s, &spawns);
+}
+
+/// Someone else's SIGTERM: vLLM closes its listener and finishes (with
+/// `--shutdown-timeout`) what it runs. A refused probe with answers under
+/// way drains and restarts it (no kill to cut them); with none under way
+/// it is an engine that does not listen: strikes, failed, killed.
+#[test]
+fn a_refused_probe_with_answers_under_way_drains_and_restarts_the_engine() {
+    let refused = |s: &mut Sim| {
+        s.ev(Event::HealthFailed {
+            epoch: s.m.epoch,
+            error: "GET /health: connection refused".into(),
+            timed_out: false,
+            refused: true,
+        });
+    };
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    s.boot();
+    let proc_gen = s.m.proc_gen;
+    s.report(2, 0);
+    refused(&mut s);
+    assert!(
+        matches!(s.m.phase, Phase::Draining { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    assert!(!s.has(|f| matches!(f, Effect::Kill | Effect::Terminate { .. })));
+    assert!(s.has(|f| matches!(f, Effect::Drain { .. })));
+    assert!(s.has(
+        |f| matches!(f, Effect::Log(l) if l.contains("refuses connections with 2 answer(s) under way"))
+    ));
+    assert!(s.m.restart_asked.is_some());
+    // It exits once its answers are done, on its own: started again.
+    s.ev(Event::ChildExited {
+        proc_gen,
+        status: "exit status: 0".into(),
+        cause: None,
+    });
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })), "{:?}", s.fx);
+    assert_eq!(s.m.failures, 0);
+
+    // Nothing under way: the strikes fail it as before.
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    s.boot();
+    for _ in 0..HEALTH_STRIKES {
+        refused(&mut s);
+    }
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+    assert!(s.has(|f| matches!(f, Effect::Kill)));
 }

@@ -148,6 +148,7 @@ fn nothing_probes_or_calls_a_suspended_engine() {
         epoch: old,
         error: "x".into(),
         timed_out: false,
+        refused: false,
     });
     assert_eq!(s.m.phase, Phase::Suspended { under: 0 });
     assert_eq!(s.m.health_strikes, 0);
