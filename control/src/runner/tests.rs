@@ -560,11 +560,13 @@ fn refused(url: &str) -> Refused {
     }
 }
 
-/// An engine that closed its listener (vLLM at SIGTERM) while taken as
-/// awake: on a proxy's report it is probed at once and every 200 ms, and
-/// fails after three strikes within a second, not three poll periods.
-#[tokio::test(start_paused = true)]
-async fn an_engine_a_proxy_reports_refusing_is_failed_within_a_second() {
+/// A healthy scripted engine, attached and awake.
+async fn awake_attached() -> (
+    crate::engine::test_server::Engine,
+    tempfile::TempDir,
+    CancellationToken,
+    ModelHandle,
+) {
     let e = crate::engine::test_server::engine(healthy).await;
     let dir = tempfile::tempdir().unwrap();
     let cancel = CancellationToken::new();
@@ -575,8 +577,21 @@ async fn an_engine_a_proxy_reports_refusing_is_failed_within_a_second() {
         cancel.clone(),
     )
     .unwrap();
+    h.status
+        .clone()
+        .wait_for(|s| s.state == State::Awake)
+        .await
+        .unwrap();
+    (e, dir, cancel, h)
+}
+
+/// An engine that closed its listener (vLLM at SIGTERM) while taken as
+/// awake: on a proxy's report it is probed at once and every 200 ms, and
+/// fails after three strikes within a second, not three poll periods.
+#[tokio::test(start_paused = true)]
+async fn an_engine_a_proxy_reports_refusing_is_failed_within_a_second() {
+    let (e, _dir, cancel, h) = awake_attached().await;
     let mut rx = h.status.clone();
-    rx.wait_for(|s| s.state == State::Awake).await.unwrap();
     e.close();
     let reported = Instant::now();
     h.endpoint_refused(refused(&e.url));
@@ -609,18 +624,8 @@ async fn an_engine_a_proxy_reports_refusing_is_failed_within_a_second() {
 /// nothing; and one about an engine that still answers leaves it awake.
 #[tokio::test(start_paused = true)]
 async fn reports_about_another_engine_or_a_healthy_one_change_nothing() {
-    let e = crate::engine::test_server::engine(healthy).await;
-    let dir = tempfile::tempdir().unwrap();
-    let cancel = CancellationToken::new();
-    let h = spawn_model(
-        attach("ext", &e.url),
-        Placed::default(),
-        shared(dir.path()),
-        cancel.clone(),
-    )
-    .unwrap();
+    let (e, _dir, cancel, h) = awake_attached().await;
     let mut rx = h.status.clone();
-    rx.wait_for(|s| s.state == State::Awake).await.unwrap();
     // A healthy engine reported: probed, still awake after the quick window.
     h.endpoint_refused(refused(&e.url));
     tokio::time::sleep(Duration::from_secs(6)).await;
