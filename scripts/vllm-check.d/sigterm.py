@@ -47,13 +47,18 @@ def conn(port, timeout):
     return http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
 
 
+def post(port, tokens, stream, timeout):
+    """Sends one chat completion; its response (headers read)."""
+    c = conn(port, timeout)
+    c.request("POST", "/v1/chat/completions", body(tokens, stream),
+              {"content-type": "application/json"})
+    return c.getresponse()
+
+
 def streamer(port, out, first):
     t = time.time()
     try:
-        c = conn(port, 120)
-        c.request("POST", "/v1/chat/completions", body(TOKENS, True),
-                  {"content-type": "application/json"})
-        r = c.getresponse()
+        r = post(port, TOKENS, True, 120)
         data = b""
         while True:
             ch = r.read1(65536)
@@ -85,10 +90,7 @@ def streamer(port, out, first):
 def plain(port, out):
     t = time.time()
     try:
-        c = conn(port, 120)
-        c.request("POST", "/v1/chat/completions", body(TOKENS, False),
-                  {"content-type": "application/json"})
-        r = c.getresponse()
+        r = post(port, TOKENS, False, 120)
         d = r.read().decode(errors="replace")
         try:
             ch = json.loads(d)["choices"][0]
@@ -104,10 +106,7 @@ def plain(port, out):
 def new_request(port):
     """One short completion: ('answer', status, finish, text) or ('error', msg)."""
     try:
-        c = conn(port, 10)
-        c.request("POST", "/v1/chat/completions", body(5, False),
-                  {"content-type": "application/json"})
-        r = c.getresponse()
+        r = post(port, 5, False, 10)
         d = r.read().decode(errors="replace")
         try:
             ch = json.loads(d)["choices"][0]

@@ -84,12 +84,12 @@ async fn a_sigterm_aborts_the_answers_under_way_and_they_end_well_formed() {
 
 #[tokio::test]
 async fn with_a_shutdown_timeout_answers_under_way_finish_and_new_connections_are_refused() {
-    // 40 tokens of 20 a second: 2 s.
+    // 100 tokens of 20 a second: 5 s, ample for the refusal to be seen first.
     let mut fv =
         spawn_fake_vllm(&["m", "--tokens-per-second", "20", "--shutdown-timeout", "60"]).await;
     let under_way = tokio::spawn({
         let url = fv.url.clone();
-        async move { finished(send(&url, chat(40, false)).await).await }
+        async move { finished(send(&url, chat(100, false)).await).await }
     });
     // A request whose body is still on its way when the SIGTERM comes.
     let addr = fv.url.trim_start_matches("http://").to_string();

@@ -360,7 +360,7 @@ async fn an_engine_sigtermed_by_someone_else_finishes_its_answer_and_is_started_
     let log = siesta_tests::swap::siesta_log(&mut c, "chat").await;
     assert!(
         log.iter()
-            .any(|l| l.contains("refuses connections with 1 answer(s) under way")),
+            .any(|l| l.contains("refuses connections with") && l.contains("answer(s) under way")),
         "{log:#?}"
     );
 }

@@ -119,7 +119,7 @@ impl App {
             return Err(engine_dead());
         }
         if self.engine.shutting_down() {
-            return Err(shut_down());
+            return Err(refused_in_shutdown());
         }
         Ok(())
     }
@@ -167,7 +167,7 @@ pub fn engine_dead() -> ApiError {
 /// What vLLM 0.24 answered a generation request that reached it after its
 /// SIGTERM (observed, `vllm-check sigterm`): the API server's thread pool,
 /// which renders the prompt, is already shut down.
-pub fn shut_down() -> ApiError {
+pub fn refused_in_shutdown() -> ApiError {
     ApiError {
         status: StatusCode::INTERNAL_SERVER_ERROR,
         kind: "InternalServerError",
