@@ -33,8 +33,7 @@ pub struct Args {
     /// Label for the table (e.g. "unpaced" or "paced 2000 tok/s").
     #[arg(long, default_value = "")]
     label: String,
-    /// Do not judge TTFB against the 100 µs target (a paced engine's first
-    /// token waits for its pacing tick, which swamps the difference).
+    /// Print TTFB without judging it against the +50 µs target.
     #[arg(long)]
     no_ttfb_target: bool,
 }

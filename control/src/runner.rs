@@ -394,7 +394,7 @@ impl Runner {
             self.perform(effect);
         }
         self.hold_start_lock_if_starting();
-        self.apply(Event::Tick);
+        self.apply(Event::Tick).await;
         // Each model polls at its own phase of the period (from its name):
         // a thousand models do not all probe their engines at once.
         let every = self.shared.poll_every;
@@ -416,11 +416,11 @@ impl Runner {
                         let _ = done.send(());
                         return;
                     }
-                    Some(msg) => self.on_msg(msg),
+                    Some(msg) => self.on_msg(msg).await,
                 },
                 _ = tokio::time::sleep_until(timer.unwrap_or_else(Instant::now)), if timer.is_some() => {
                     self.timer = None;
-                    self.apply(Event::Tick);
+                    self.apply(Event::Tick).await;
                 }
                 _ = tokio::time::sleep_until(hub_due.unwrap_or_else(Instant::now)), if hub_due.is_some() => {
                     self.publish_due();
@@ -434,7 +434,7 @@ impl Runner {
         }
     }
 
-    fn on_msg(&mut self, msg: Msg) {
+    async fn on_msg(&mut self, msg: Msg) {
         match msg {
             Msg::Activity(mut event, fenced_since_unix_ms) => {
                 // Requests a proxy held under a fence from before the model
@@ -457,24 +457,24 @@ impl Runner {
                     }
                     *held = 0;
                 }
-                self.apply(event);
+                self.apply(event).await;
             }
             Msg::Event(event, reply) => {
-                self.apply(event);
+                self.apply(event).await;
                 if let Some(reply) = reply {
                     let _ = reply.send(self.status_tx.borrow().clone());
                 }
             }
             Msg::Retire(reply) => {
                 let before = self.status_tx.borrow().clone();
-                self.apply(Event::Retire);
+                self.apply(Event::Retire).await;
                 let _ = reply.send(before);
             }
             Msg::Spawned(handle) => {
                 // `step` decides: KeepSpawned or KillStray takes it.
                 let (proc_gen, pid) = (handle.proc_gen, handle.pid);
                 self.landed = Some(handle);
-                self.apply(Event::Spawned { proc_gen, pid });
+                self.apply(Event::Spawned { proc_gen, pid }).await;
             }
             Msg::WaitingFor(w) => {
                 self.facts.waiting_for = w.unwrap_or_default();
@@ -497,7 +497,7 @@ impl Runner {
                     if desired != self.state.intent.desired {
                         self.state.intent.desired = desired;
                         self.state.intent.since = Instant::now();
-                        self.persist();
+                        self.persist().await;
                     }
                 }
                 if cfg.health_path != self.cfg.health_path {
@@ -510,7 +510,7 @@ impl Runner {
                 self.cfg = cfg;
                 // Re-arms the idle timer with the new tiers (the idle
                 // clock is the same) and publishes the new settings.
-                self.apply(Event::Tick);
+                self.apply(Event::Tick).await;
             }
             Msg::Poll { epoch, result } => {
                 self.polling = false;
@@ -522,7 +522,7 @@ impl Runner {
                     Ok(metrics) => {
                         if self.state.health_strikes > 0 || self.state.busy_timeouts_since.is_some()
                         {
-                            self.apply(Event::ProbeOk { epoch });
+                            self.apply(Event::ProbeOk { epoch }).await;
                         }
                         // Asleep in two polls in a row (a second apart), not
                         // in one: a wake seen half done, or a direct sleep
@@ -540,14 +540,14 @@ impl Runner {
                         if let Some(level) = asleep {
                             if before == Some(epoch) {
                                 tracing::warn!(model = %self.cfg.name, level, "engine found asleep while taken as awake");
-                                self.apply(Event::FoundAsleep { epoch, level });
+                                self.apply(Event::FoundAsleep { epoch, level }).await;
                             }
                             return;
                         }
                         if let Some(running) = metrics.map(|m| m.running)
                             && (running > 0 || running != self.state.engine_running)
                         {
-                            self.apply(Event::EngineMetrics { running });
+                            self.apply(Event::EngineMetrics { running }).await;
                         }
                     }
                     Err(crate::engine::ProbeError {
@@ -561,7 +561,8 @@ impl Runner {
                             error: message,
                             timed_out,
                             refused,
-                        });
+                        })
+                        .await;
                     }
                 }
             }
@@ -571,7 +572,7 @@ impl Runner {
     }
 
     /// One step of the state machine, its effects, and the new status.
-    fn apply(&mut self, event: Event) {
+    async fn apply(&mut self, event: Event) {
         let now = Instant::now();
         let epoch = self.state.epoch;
         let error_before = self.state.last_error.clone();
@@ -583,7 +584,7 @@ impl Runner {
         );
         // The intent is durable before anything is done about it.
         if effects.contains(&Effect::Persist) {
-            self.persist();
+            self.persist().await;
         }
         if matches!(self.state.phase, Phase::Suspending { .. }) && self.state.demand_since.is_some()
         {

@@ -1,6 +1,8 @@
 //! The state store: an embedded transactional database (redb) in the state
-//! directory, `siesta.redb`. Every write is a committed, durable transaction
-//! before the caller goes on to act on it.
+//! directory, `siesta.redb`. Writes are queued to one writer thread, which
+//! commits all queued since its last commit as one durable transaction
+//! (`writer.rs`); a caller that acts on a write waits until it is durable
+//! (the blocking setters, or [`Committed::wait`]); reads see queued writes.
 //!
 //! Tables (keys are model names unless said otherwise; values JSON):
 //! - `meta`: `schema_version` → [`SCHEMA_VERSION`].
@@ -19,11 +21,14 @@ mod open;
 mod records;
 #[cfg(test)]
 mod tests;
+mod writer;
 
 use open::{Opened, io, try_open, unix_secs};
 pub use records::{CalibrationRecord, EngineRecord, IntentRecord};
+pub use writer::Committed;
+use writer::{Op, Table, Writes};
 
-use redb::{Database, ReadableTable, TableDefinition, TableHandle};
+use redb::{Database, ReadableTable, TableDefinition};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
@@ -60,7 +65,10 @@ pub enum StoreError {
 /// The store.
 pub struct Store {
     path: PathBuf,
-    db: Database,
+    db: Arc<Database>,
+    writes: Arc<Writes>,
+    /// The writer thread, joined (what is queued committed) on drop.
+    writer: Option<std::thread::JoinHandle<()>>,
     #[cfg_attr(not(test), allow(dead_code))]
     moved_aside: Option<PathBuf>,
 }
@@ -101,12 +109,28 @@ impl Store {
                 }
             }
         };
+        let db = Arc::new(db);
+        let writes = Arc::new(Writes::default());
+        let writer = std::thread::Builder::new()
+            .name("siesta-store".into())
+            .spawn({
+                let (db, writes, path) = (db.clone(), writes.clone(), path.clone());
+                move || writes.run(&db, &path)
+            })
+            .map_err(|e| io(&path, e))?;
         let store = Store {
             path,
             db,
+            writes,
+            writer: Some(writer),
             moved_aside,
         };
         Ok(Arc::new(store))
+    }
+
+    /// Waits until every write queued before is durable.
+    pub async fn flush(&self) -> bool {
+        self.writes.submit(Vec::new()).wait().await
     }
 
     /// Where a corrupt or incompatible store was moved at open, if it was.
@@ -115,11 +139,10 @@ impl Store {
         self.moved_aside.as_deref()
     }
 
-    fn read<T: DeserializeOwned>(
-        &self,
-        table: TableDefinition<&str, &[u8]>,
-        key: &str,
-    ) -> Option<T> {
+    fn read<T: DeserializeOwned>(&self, table: Table, key: &str) -> Option<T> {
+        if let Some(queued) = self.writes.latest(table, key) {
+            return queued.and_then(|v| serde_json::from_slice(&v).ok());
+        }
         let result: Result<Option<T>, redb::Error> = (|| {
             let tx = self.db.begin_read()?;
             let t = tx.open_table(table)?;
@@ -134,10 +157,10 @@ impl Store {
         })
     }
 
-    fn read_all<T: DeserializeOwned>(
-        &self,
-        table: TableDefinition<&str, &[u8]>,
-    ) -> Vec<(String, T)> {
+    fn read_all<T: DeserializeOwned>(&self, table: Table) -> Vec<(String, T)> {
+        // What is queued lands first (rare: these are read at start-up and
+        // by commands, not by the model tasks).
+        self.writes.submit(Vec::new()).wait_blocking();
         let result: Result<Vec<(String, T)>, redb::Error> = (|| {
             let tx = self.db.begin_read()?;
             let t = tx.open_table(table)?;
@@ -159,51 +182,28 @@ impl Store {
         })
     }
 
-    /// Commits `f` as one durable transaction (blocking: called from tasks
-    /// on the multi-threaded runtime it moves off the async workers' budget).
-    fn write(
-        &self,
-        what: &str,
-        f: impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::Error>,
-    ) -> bool {
-        let run = || -> Result<(), redb::Error> {
-            let tx = self.db.begin_write()?;
-            f(&tx)?;
-            tx.commit()?;
-            Ok(())
-        };
-        let result = match tokio::runtime::Handle::try_current() {
-            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(run)
-            }
-            _ => run(),
-        };
-        match result {
-            Ok(()) => true,
+    /// Queues `key`'s new value in `table`.
+    fn put<T: Serialize>(&self, table: Table, key: &str, value: &T) -> Committed {
+        match serde_json::to_vec(value) {
+            Ok(value) => self.writes.submit(vec![Op::Put {
+                table,
+                key: key.to_string(),
+                value,
+            }]),
             Err(e) => {
-                tracing::error!(path = %self.path.display(), what, error = %e, "state store write failed");
-                false
+                tracing::error!(table = %table, key, error = %e, "state store record not encodable");
+                self.writes.submit(Vec::new())
             }
         }
     }
 
-    fn put<T: Serialize>(&self, table: TableDefinition<&str, &[u8]>, key: &str, value: &T) -> bool {
-        let Ok(bytes) = serde_json::to_vec(value) else {
-            return false;
-        };
-        self.write(table.name(), |tx| {
-            tx.open_table(table)?.insert(key, bytes.as_slice())?;
-            Ok(())
-        })
-    }
-
-    fn delete(&self, tables: &[TableDefinition<&str, &[u8]>], key: &str) -> bool {
-        self.write("delete", |tx| {
-            for t in tables {
-                tx.open_table(*t)?.remove(key)?;
-            }
-            Ok(())
-        })
+    fn delete(&self, tables: &[Table], key: &str) -> bool {
+        self.writes
+            .submit(vec![Op::Delete {
+                tables: tables.to_vec(),
+                key: key.to_string(),
+            }])
+            .wait_blocking()
     }
 
     /// A model's recorded intent.
@@ -214,7 +214,16 @@ impl Store {
     /// Records a model's intent (durable on return; unchanged ones are not
     /// rewritten); false when the write failed.
     pub fn set(&self, name: &str, record: IntentRecord) -> bool {
-        self.get(name).as_ref() == Some(&record) || self.put(INTENTS, name, &record)
+        self.set_soon(name, record).wait_blocking()
+    }
+
+    /// Queues a model's intent (an unchanged one is not rewritten): a model
+    /// task awaits it before it acts on it, or drops it to not wait.
+    pub fn set_soon(&self, name: &str, record: IntentRecord) -> Committed {
+        if self.get(name).as_ref() == Some(&record) {
+            return Committed::already();
+        }
+        self.put(INTENTS, name, &record)
     }
 
     /// Forgets everything about a model (removed from the configuration).
@@ -260,7 +269,7 @@ impl Store {
 
     /// Records a model's engine; false when the write failed.
     pub fn set_engine(&self, name: &str, record: &EngineRecord) -> bool {
-        self.put(ENGINES, name, record)
+        self.put(ENGINES, name, record).wait_blocking()
     }
 
     /// Removes a model's engine record if it is the engine tagged `tag`.
@@ -282,7 +291,18 @@ impl Store {
         self.read(CALIBRATION, name)
     }
 
+    /// Queues a model's calibration (not waited for: nothing is done on
+    /// the strength of it being durable).
     pub fn set_calibration(&self, name: &str, record: &CalibrationRecord) {
-        self.put(CALIBRATION, name, record);
+        drop(self.put(CALIBRATION, name, record));
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        self.writes.close();
+        if let Some(writer) = self.writer.take() {
+            let _ = writer.join();
+        }
     }
 }

@@ -327,6 +327,39 @@ async fn chat_stream_has_vllm_chunks_usage_and_done() {
     assert_eq!(text, complete(&fv, 1000).await);
 }
 
+/// `--tokens-per-second` paces each token to the kernel's clock, finer
+/// than a millisecond: 400 tokens at 4,000 a second take 100 ms. With
+/// tokio's sleep (1 ms grain) every 250 µs step lasted until the next
+/// millisecond boundary and they took 400 ms or more, and the first byte
+/// moved with where in the millisecond a request arrived (benchmarks
+/// comparing two paths measured that grid).
+#[tokio::test]
+async fn paced_tokens_keep_a_sub_millisecond_step() {
+    let fv = spawn_fake_vllm(&["m", "--tokens-per-second", "4000"]).await;
+    let body = json!({"model": "m", "prompt": "x", "max_tokens": 400,
+                      "ignore_eos": true, "stream": true});
+    // A first request warms the connection and the server.
+    post_json(&fv.at("/v1/completions"), &body)
+        .await
+        .text()
+        .await
+        .unwrap();
+    let start = std::time::Instant::now();
+    let text = post_json(&fv.at("/v1/completions"), &body)
+        .await
+        .text()
+        .await
+        .unwrap();
+    let took = start.elapsed();
+    assert_eq!(sse_events(&text).len(), 401, "400 tokens and [DONE]");
+    assert!(
+        took >= Duration::from_millis(99),
+        "faster than the pace: {took:?}"
+    );
+    // 200 ms of room for a loaded box; the 1 ms grain takes 400 at least.
+    assert!(took < Duration::from_millis(300), "{took:?}");
+}
+
 #[tokio::test]
 async fn openai_shapes_models_errors_embeddings() {
     let fv = spawn_fake_vllm(&[

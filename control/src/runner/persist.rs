@@ -15,6 +15,8 @@ use tokio::time::Instant;
 /// While requests are in flight, the last activity is recorded at most this
 /// often (every proxy report moves it).
 const HISTORY_EVERY_MS: i64 = 1000;
+/// What a model's log says when its record could not be written.
+const STORE_FAILED: &str = "state store write failed: this intent would not survive a restart";
 
 /// Supervises the adopted engine `a` of model `name` and puts `state` on
 /// it; returns the handle and the effects to carry out first.
@@ -108,8 +110,19 @@ impl Runner {
                                 >= HISTORY_EVERY_MS))
             }
         };
-        if due {
-            self.persist();
+        if due && !self.state.retiring {
+            // Not waited for: nothing is done on the strength of it. A
+            // failure is told in the model's log when the commit says so.
+            let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
+            let (committed, logs) = (
+                self.shared.store.set_soon(&self.cfg.name, rec),
+                self.logs.clone(),
+            );
+            tokio::spawn(async move {
+                if !committed.wait().await {
+                    logs.push("siesta", STORE_FAILED);
+                }
+            });
         }
     }
 
@@ -118,17 +131,15 @@ impl Runner {
     /// model wanted before it, so a restart of siesta during the drain goes
     /// on from that (`Models::remove` writes the record the new engine
     /// takes over, or removes it).
-    pub(super) fn persist(&self) {
+    /// Durable on return (awaited: the task waits, no thread does).
+    pub(super) async fn persist(&self) {
         if self.state.retiring {
             return;
         }
         let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
-        if !self.shared.store.set(&self.cfg.name, rec) {
+        if !self.shared.store.set_soon(&self.cfg.name, rec).wait().await {
             // Logged by the store too; the operator sees it in the model's log.
-            self.logs.push(
-                "siesta",
-                "state store write failed: this intent would not survive a restart",
-            );
+            self.logs.push("siesta", STORE_FAILED);
         }
     }
 

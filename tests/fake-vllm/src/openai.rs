@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use async_io::Timer;
 use bytes::Bytes;
 use http::{Response, StatusCode, header};
 use http_body_util::{BodyExt, StreamBody};
@@ -294,7 +295,17 @@ async fn run_tokens(
         (natural, "stop")
     };
     let tps = engine.args.sim.tokens_per_second;
-    let pace = (tps > 0.0).then(|| Duration::from_secs_f64(1.0 / tps));
+    // One token per decode step, on a steady clock. Not tokio's sleep: its
+    // timer has a 1 ms grain, so a 500 µs step lasted until the next
+    // millisecond boundary (1–2 ms at 2,000 tokens/s) and the first token
+    // came 0.5–1.5 ms after the request depending on where in the
+    // millisecond it arrived: two clients asking in turn (straight to the
+    // engine, then through a proxy) met different phases of that grid, and
+    // the difference in their first bytes measured the grid, not the path.
+    // async-io's timer fires to the kernel's high-resolution clock (a
+    // timerfd behind its reactor); on a fixed schedule, so steps missed
+    // while the sender was slow are taken at once, as an engine's go on.
+    let mut pace = (tps > 0.0).then(|| Timer::interval(Duration::from_secs_f64(1.0 / tps)));
     let mut produced = 0;
     let mut dead = false;
     for i in 0..n {
@@ -306,8 +317,8 @@ async fn run_tokens(
             finish = "abort";
             break;
         }
-        if let Some(p) = pace {
-            tokio::time::sleep(p).await;
+        if let Some(step) = &mut pace {
+            step.next().await;
         }
         let tok = if garbage {
             GARBAGE

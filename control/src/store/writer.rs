@@ -1,0 +1,233 @@
+//! The store's one writer: a thread (`siesta-store`) that commits every
+//! write queued since its last commit as one durable transaction (a group
+//! commit), then tells each writer that its write is durable.
+//!
+//! Why: redb takes one write transaction at a time, and each durable
+//! commit waits for the disk (an fsync, a millisecond or more). Before,
+//! each model task wrote its record itself, in `block_in_place`: at the
+//! start of a daemon with 1,000 models, 1,000 tasks each waited in turn
+//! for the lock and a commit of their own, and every one of them waiting
+//! handed its runtime worker's place to a new thread (514 threads in the
+//! first second, their stacks and allocator arenas 30 MB of the daemon's
+//! memory, seconds of commits one after another). Now a write is queued
+//! in microseconds; those who must not go on before it is durable wait
+//! for it (asynchronously from a task, [`Committed::wait`]), and the rest
+//! do not wait at all.
+//!
+//! Reads see queued writes (`latest`): a record written and then read is
+//! the one written, committed or not.
+
+use std::sync::{Arc, Condvar, Mutex};
+
+use futures::channel::oneshot;
+use redb::{Database, TableDefinition, TableHandle};
+
+pub(super) type Table = TableDefinition<'static, &'static str, &'static [u8]>;
+
+/// One change to one key.
+#[derive(Clone)]
+pub(super) enum Op {
+    Put {
+        table: Table,
+        key: String,
+        value: Vec<u8>,
+    },
+    Delete {
+        tables: Vec<Table>,
+        key: String,
+    },
+}
+
+impl Op {
+    /// What this change leaves at `table`/`key`: `Some(None)` deleted,
+    /// `Some(Some(bytes))` written, `None` untouched.
+    fn leaves(&self, table: Table, key: &str) -> Option<Option<&[u8]>> {
+        match self {
+            Op::Put {
+                table: t,
+                key: k,
+                value,
+            } if t.name() == table.name() && k == key => Some(Some(value)),
+            Op::Delete { tables, key: k }
+                if k == key && tables.iter().any(|t| t.name() == table.name()) =>
+            {
+                Some(None)
+            }
+            _ => None,
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Op::Put { table, key, .. } => format!("{}/{key}", table.name()),
+            Op::Delete { tables, key } => {
+                let names: Vec<&str> = tables.iter().map(|t| t.name()).collect();
+                format!("delete {}/{key}", names.join("+"))
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Queue {
+    /// Queued since the writer last took them, in order.
+    ops: Vec<Op>,
+    /// Being committed now (still what reads see, until committed).
+    committing: Arc<Vec<Op>>,
+    /// Told when the queued writes are durable (or failed).
+    waiters: Vec<oneshot::Sender<bool>>,
+    closed: bool,
+}
+
+/// The queue, shared by the store's handles and its writer thread.
+#[derive(Default)]
+pub(super) struct Writes {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    /// Transactions committed (or tried).
+    commits: std::sync::atomic::AtomicU64,
+}
+
+/// A queued write: durable once [`Committed::wait`] says true.
+#[derive(Debug)]
+#[must_use = "a write not waited for may not be durable yet; drop it to not wait"]
+pub struct Committed(Option<oneshot::Receiver<bool>>);
+
+impl Committed {
+    /// Nothing was queued (the record was already there): durable.
+    pub(super) fn already() -> Committed {
+        Committed(None)
+    }
+
+    /// True once durable; false when the commit failed (logged). On a
+    /// current-thread runtime the thread blocks for it instead (a
+    /// millisecond, as every write did before): the wait is on another
+    /// thread, which such a runtime takes for idleness, and under paused
+    /// time (the model tasks' tests) its clock would jump to the next timer
+    /// while the write is under way.
+    pub async fn wait(self) -> bool {
+        let Some(rx) = self.0 else {
+            return true;
+        };
+        let current_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
+        if current_thread {
+            futures::executor::block_on(rx).unwrap_or(false)
+        } else {
+            rx.await.unwrap_or(false)
+        }
+    }
+
+    /// The same, blocking the thread (outside a task, or rare writes: on a
+    /// multi-threaded runtime the worker's place is handed on meanwhile).
+    pub fn wait_blocking(self) -> bool {
+        let Some(rx) = self.0 else {
+            return true;
+        };
+        let wait = || futures::executor::block_on(rx).unwrap_or(false);
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(wait)
+            }
+            _ => wait(),
+        }
+    }
+}
+
+impl Writes {
+    /// Queues `ops` (in order, after every write queued before).
+    pub(super) fn submit(&self, ops: Vec<Op>) -> Committed {
+        let (tx, rx) = oneshot::channel();
+        let mut q = self.queue.lock().unwrap();
+        if q.closed {
+            return Committed(Some(rx));
+        }
+        q.ops.extend(ops);
+        q.waiters.push(tx);
+        drop(q);
+        self.wake.notify_one();
+        Committed(Some(rx))
+    }
+
+    /// What the latest queued or committing write left at `table`/`key`:
+    /// `None` when none touches it (the database has the latest).
+    pub(super) fn latest(&self, table: Table, key: &str) -> Option<Option<Vec<u8>>> {
+        let q = self.queue.lock().unwrap();
+        q.ops
+            .iter()
+            .rev()
+            .chain(q.committing.iter().rev())
+            .find_map(|op| op.leaves(table, key))
+            .map(|v| v.map(<[u8]>::to_vec))
+    }
+
+    #[cfg(test)]
+    pub(super) fn commits(&self) -> u64 {
+        self.commits.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Ends the writer once what is queued is committed.
+    pub(super) fn close(&self) {
+        self.queue.lock().unwrap().closed = true;
+        self.wake.notify_one();
+    }
+
+    /// The writer thread's loop: every round commits all that was queued
+    /// since the last one in one transaction.
+    pub(super) fn run(&self, db: &Database, path: &std::path::Path) {
+        loop {
+            let (ops, waiters) = {
+                let mut q = self.queue.lock().unwrap();
+                while q.waiters.is_empty() && !q.closed {
+                    q = self.wake.wait(q).unwrap();
+                }
+                if q.waiters.is_empty() {
+                    return;
+                }
+                let ops = Arc::new(std::mem::take(&mut q.ops));
+                q.committing = ops.clone();
+                (ops, std::mem::take(&mut q.waiters))
+            };
+            let ok = ops.is_empty() || {
+                self.commits
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                commit(db, path, &ops)
+            };
+            self.queue.lock().unwrap().committing = Arc::default();
+            for w in waiters {
+                let _ = w.send(ok);
+            }
+        }
+    }
+}
+
+/// One durable transaction applying `ops` in order.
+fn commit(db: &Database, path: &std::path::Path, ops: &[Op]) -> bool {
+    let run = || -> Result<(), redb::Error> {
+        let tx = db.begin_write()?;
+        for op in ops {
+            match op {
+                Op::Put { table, key, value } => {
+                    tx.open_table(*table)?
+                        .insert(key.as_str(), value.as_slice())?;
+                }
+                Op::Delete { tables, key } => {
+                    for t in tables {
+                        tx.open_table(*t)?.remove(key.as_str())?;
+                    }
+                }
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    };
+    match run() {
+        Ok(()) => true,
+        Err(e) => {
+            let what: Vec<String> = ops.iter().take(8).map(Op::describe).collect();
+            tracing::error!(path = %path.display(), writes = ops.len(), first = %what.join(", "),
+                error = %e, "state store write failed");
+            false
+        }
+    }
+}
