@@ -192,7 +192,7 @@ impl Store {
             }]),
             Err(e) => {
                 tracing::error!(table = %table, key, error = %e, "state store record not encodable");
-                self.writes.submit(Vec::new())
+                Committed::failed()
             }
         }
     }
@@ -217,10 +217,11 @@ impl Store {
         self.set_soon(name, record).wait_blocking()
     }
 
-    /// Queues a model's intent (an unchanged one is not rewritten): a model
-    /// task awaits it before it acts on it, or drops it to not wait.
+    /// Queues a model's intent (one already committed is not rewritten;
+    /// one only queued is, as its commit may still fail): a model task
+    /// awaits it before it acts on it, or drops it to not wait.
     pub fn set_soon(&self, name: &str, record: IntentRecord) -> Committed {
-        if self.get(name).as_ref() == Some(&record) {
+        if self.writes.latest(INTENTS, name).is_none() && self.get(name).as_ref() == Some(&record) {
             return Committed::already();
         }
         self.put(INTENTS, name, &record)

@@ -15,7 +15,9 @@
 //! do not wait at all.
 //!
 //! Reads see queued writes (`latest`): a record written and then read is
-//! the one written, committed or not.
+//! the one written, committed or not. The writes of one round succeed or
+//! fail together (redb's errors are the disk's or the file's, not one
+//! record's); every waiter of a failed round is told false.
 
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -86,6 +88,9 @@ pub(super) struct Writes {
     wake: Condvar,
     /// Transactions committed (or tried).
     commits: std::sync::atomic::AtomicU64,
+    /// Held by a test: the writer takes nothing from the queue meanwhile.
+    #[cfg(test)]
+    paused: Mutex<()>,
 }
 
 /// A queued write: durable once [`Committed::wait`] says true.
@@ -97,6 +102,17 @@ impl Committed {
     /// Nothing was queued (the record was already there): durable.
     pub(super) fn already() -> Committed {
         Committed(None)
+    }
+
+    /// A write that could not be queued (its record not encodable).
+    pub(super) fn failed() -> Committed {
+        let (_, rx) = oneshot::channel();
+        Committed(Some(rx))
+    }
+
+    #[cfg(test)]
+    pub(super) fn is_already(&self) -> bool {
+        self.0.is_none()
     }
 
     /// True once durable; false when the commit failed (logged). On a
@@ -161,6 +177,12 @@ impl Writes {
             .map(|v| v.map(<[u8]>::to_vec))
     }
 
+    /// Keeps the writer from taking anything queued until dropped.
+    #[cfg(test)]
+    pub(super) fn pause(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.paused.lock().unwrap()
+    }
+
     #[cfg(test)]
     pub(super) fn commits(&self) -> u64 {
         self.commits.load(std::sync::atomic::Ordering::Relaxed)
@@ -175,11 +197,21 @@ impl Writes {
     /// The writer thread's loop: every round commits all that was queued
     /// since the last one in one transaction.
     pub(super) fn run(&self, db: &Database, path: &std::path::Path) {
+        // However the writer ends (a panic in redb included), the queue
+        // closes and whoever waits, or writes later, is told false: no
+        // model task waits for ever on a writer that is gone.
+        let _closes = CloseOnExit(self);
         loop {
             let (ops, waiters) = {
                 let mut q = self.queue.lock().unwrap();
                 while q.waiters.is_empty() && !q.closed {
                     q = self.wake.wait(q).unwrap();
+                }
+                #[cfg(test)]
+                {
+                    drop(q);
+                    drop(self.pause());
+                    q = self.queue.lock().unwrap();
                 }
                 if q.waiters.is_empty() {
                     return;
@@ -198,6 +230,22 @@ impl Writes {
                 let _ = w.send(ok);
             }
         }
+    }
+}
+
+struct CloseOnExit<'a>(&'a Writes);
+
+impl Drop for CloseOnExit<'_> {
+    fn drop(&mut self) {
+        let mut q = self
+            .0
+            .queue
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        q.closed = true;
+        q.ops.clear();
+        q.committing = Arc::default();
+        q.waiters.clear();
     }
 }
 
