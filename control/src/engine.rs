@@ -123,6 +123,15 @@ impl From<Failure> for ProbeError {
 }
 
 impl Failure {
+    /// A connection that failed: refused, or closed, reset or cut short.
+    fn connection(message: String, refused: bool) -> Failure {
+        if refused {
+            Failure::Refused(message)
+        } else {
+            Failure::Transport(message)
+        }
+    }
+
     fn into_message(self) -> String {
         match self {
             Failure::Timeout(m)
@@ -223,23 +232,22 @@ impl EngineClient {
             .body(Full::new(Bytes::from(body.unwrap_or("").to_string())))
             .map_err(|e| Failure::Answer(format!("{what}: {e}")))?;
         let fut = async {
-            let resp = http
-                .request(req)
-                .await
-                .map_err(|e| (error_chain(&e), is_refused(&e)))?;
+            let resp = http.request(req).await.map_err(|e| {
+                Failure::connection(format!("{what}: {}", error_chain(&e)), is_refused(&e))
+            })?;
             let status = resp.status();
             let bytes = resp
                 .into_body()
                 .collect()
                 .await
-                .map_err(|e| (format!("reading the answer: {}", error_chain(&e)), false))?
+                .map_err(|e| {
+                    Failure::Transport(format!("{what}: reading the answer: {}", error_chain(&e)))
+                })?
                 .to_bytes();
-            Ok::<_, (String, bool)>((status, bytes))
+            Ok((status, bytes))
         };
         match tokio::time::timeout_at(deadline, fut).await {
-            Ok(Ok(r)) => Ok(r),
-            Ok(Err((e, true))) => Err(Failure::Refused(format!("{what}: {e}"))),
-            Ok(Err((e, false))) => Err(Failure::Transport(format!("{what}: {e}"))),
+            Ok(r) => r,
             Err(_) => Err(Failure::Timeout(format!("{what}: no answer in time"))),
         }
     }
@@ -265,12 +273,13 @@ impl EngineClient {
         };
         tracing::debug!(engine = %self.base, error = %first, "engine call failed; trying once more on a fresh connection");
         match self.send(&self.fresh, &method, path, body, deadline).await {
-            Err(Failure::Transport(e)) => Err(Failure::Transport(format!(
-                "{e} (tried twice; first attempt: {first})"
-            ))),
-            Err(Failure::Refused(e)) => Err(Failure::Refused(format!(
-                "{e} (tried twice; first attempt: {first})"
-            ))),
+            Err(f @ (Failure::Transport(_) | Failure::Refused(_))) => {
+                let refused = matches!(f, Failure::Refused(_));
+                Err(Failure::connection(
+                    format!("{} (tried twice; first attempt: {first})", f.into_message()),
+                    refused,
+                ))
+            }
             Err(Failure::Timeout(_)) => Err(Failure::Timeout(format!(
                 "{method} {path}: no answer within {timeout:?} (after a first attempt failed: {first})"
             ))),

@@ -360,6 +360,49 @@ async fn paced_tokens_keep_a_sub_millisecond_step() {
     assert!(took < Duration::from_millis(300), "{took:?}");
 }
 
+/// A paced answer whose server stalls (here SIGSTOP for 1.5 s; in vLLM a
+/// scheduler paused by a sleep) goes on at its pace afterwards: the steps
+/// missed meanwhile are not sent in a burst, as vLLM's are not made up.
+/// On a fixed schedule alone the 30 missed tokens came at once on SIGCONT
+/// and the rest of the answer took 0.2 s.
+#[tokio::test]
+async fn a_stalled_paced_answer_goes_on_at_its_pace() {
+    let fv = spawn_fake_vllm(&["m", "--tokens-per-second", "20"]).await;
+    let body = json!({"model": "m", "prompt": "x", "max_tokens": 40,
+                      "ignore_eos": true, "stream": true});
+    let mut stream = post_json(&fv.at("/v1/completions"), &body).await;
+    let mut events = 0;
+    while events < 5 {
+        let chunk = stream
+            .chunk()
+            .await
+            .unwrap()
+            .expect("events before the stall");
+        events += sse_events_in(&chunk);
+    }
+    fv.child.signal(Signal::SIGSTOP);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    fv.child.signal(Signal::SIGCONT);
+    let resumed = std::time::Instant::now();
+    while let Some(chunk) = stream.chunk().await.unwrap() {
+        events += sse_events_in(&chunk);
+    }
+    let rest = resumed.elapsed();
+    assert_eq!(events, 41, "40 tokens and [DONE]");
+    // About 34 tokens were left at 50 ms each: 1.7 s.
+    assert!(
+        rest >= Duration::from_millis(1000),
+        "the rest came in {rest:?}"
+    );
+}
+
+fn sse_events_in(chunk: &[u8]) -> usize {
+    chunk
+        .split(|&b| b == b'\n')
+        .filter(|l| l.starts_with(b"data:"))
+        .count()
+}
+
 #[tokio::test]
 async fn openai_shapes_models_errors_embeddings() {
     let fv = spawn_fake_vllm(&[

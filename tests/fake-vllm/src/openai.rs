@@ -264,6 +264,9 @@ impl Drop for Running<'_> {
     }
 }
 
+/// Lateness of a paced step past which it counts as a stall, not made up.
+const STALL: Duration = Duration::from_millis(50);
+
 /// Waits for admission, then produces tokens through `emit` (false: the client is gone).
 /// Returns the number of tokens and the finish reason; None if the engine core died
 /// meanwhile (vLLM's output handler fails every request in flight with `EngineDeadError`:
@@ -303,9 +306,10 @@ async fn run_tokens(
     // engine, then through a proxy) met different phases of that grid, and
     // the difference in their first bytes measured the grid, not the path.
     // async-io's timer fires to the kernel's high-resolution clock (a
-    // timerfd behind its reactor); on a fixed schedule, so steps missed
-    // while the sender was slow are taken at once, as an engine's go on.
-    let mut pace = (tps > 0.0).then(|| Timer::interval(Duration::from_secs_f64(1.0 / tps)));
+    // timerfd behind its reactor).
+    let period = (tps > 0.0).then(|| Duration::from_secs_f64(1.0 / tps));
+    let mut step = Timer::never();
+    let mut next = std::time::Instant::now();
     let mut produced = 0;
     let mut dead = false;
     for i in 0..n {
@@ -317,8 +321,18 @@ async fn run_tokens(
             finish = "abort";
             break;
         }
-        if let Some(step) = &mut pace {
-            step.next().await;
+        if let Some(p) = period {
+            // On a fixed schedule: a step a little late does not delay the
+            // ones after it. A stall (a paused scheduler holding the
+            // request, a stopped process) is not made up in a burst of
+            // tokens afterwards: vLLM's steps after one are paced again.
+            next += p;
+            let now = std::time::Instant::now();
+            if next + p.max(STALL) < now {
+                next = now + p;
+            }
+            step.set_at(next);
+            (&mut step).await;
         }
         let tok = if garbage {
             GARBAGE
