@@ -327,6 +327,7 @@ pub fn spawn_model_adopting(
         frozen: Arc::default(),
         suspend_cancel: CancellationToken::new(),
         landed: None,
+        unshown: Vec::new(),
     };
     let task = tokio::spawn(runner.run(rx, cancel));
     Ok(ModelHandle {
@@ -386,6 +387,10 @@ struct Runner {
     suspend_cancel: CancellationToken,
     /// A spawned engine waiting for `step` to keep it or kill it.
     landed: Option<ProcHandle>,
+    /// Records queued by this step's effects that a client must not see
+    /// before they are durable (history, sleep level): awaited before the
+    /// status goes out, so what was shown survives a `kill -9`.
+    unshown: Vec<(crate::store::Committed, &'static str)>,
 }
 
 impl Runner {
@@ -608,6 +613,12 @@ impl Runner {
         }
         for effect in effects {
             self.perform(effect);
+        }
+        // The task waits for the group commit; no thread does.
+        for (committed, failed) in std::mem::take(&mut self.unshown) {
+            if !committed.wait().await {
+                self.logs.push("siesta", failed);
+            }
         }
         self.publish(now);
     }

@@ -133,6 +133,12 @@ impl Store {
         self.writes.submit(Vec::new()).wait().await
     }
 
+    /// Keeps the writer from committing anything until dropped.
+    #[cfg(test)]
+    pub fn pause_writes(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.writes.pause()
+    }
+
     /// Where a corrupt or incompatible store was moved at open, if it was.
     #[cfg(test)]
     pub fn moved_aside(&self) -> Option<&Path> {
@@ -268,9 +274,16 @@ impl Store {
             .collect()
     }
 
-    /// Records a model's engine; false when the write failed.
+    /// Records a model's engine (durable on return); false when the write
+    /// failed.
     pub fn set_engine(&self, name: &str, record: &EngineRecord) -> bool {
-        self.put(ENGINES, name, record).wait_blocking()
+        self.set_engine_soon(name, record).wait_blocking()
+    }
+
+    /// Queues a model's engine record: a task awaits it (no thread waits),
+    /// or drops it to not wait.
+    pub fn set_engine_soon(&self, name: &str, record: &EngineRecord) -> Committed {
+        self.put(ENGINES, name, record)
     }
 
     /// Removes a model's engine record if it is the engine tagged `tag`.

@@ -88,8 +88,8 @@ impl Runner {
                     h.signal(NixSignal::SIGKILL);
                 }
             }
-            Effect::PersistHistory => self.persist_history(),
             Effect::PersistCalibration => self.persist_calibration(),
+            Effect::PersistHistory => self.persist_history(),
             Effect::RecordSleepLevel(level) => self.record_sleep_level(level),
             Effect::MeasureResidual => {
                 if let Some(pid) = self.state.pid {
@@ -324,7 +324,7 @@ impl Runner {
             }
             // Recorded (durably) before the spawn: a siesta killed right
             // after it finds the engine by its tag.
-            if !shared.store.set_engine(&name, &record) {
+            if !shared.store.set_engine_soon(&name, &record).wait().await {
                 let error = "cannot record the engine in the state store".to_string();
                 let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
                 return;
@@ -360,7 +360,9 @@ impl Runner {
                     record.pgid = handle.pid;
                     record.start_time = supervisor::procfs::start_time(handle.pid).unwrap_or(0);
                     if !handle.has_exited() {
-                        shared.store.set_engine(&name, &record);
+                        // Its pid too: a control killed from here on adopts
+                        // the process, not only its tag.
+                        let _ = shared.store.set_engine_soon(&name, &record).wait().await;
                     }
                     // The model task may have ended (shutdown) while this
                     // spawn landed: nobody would own the engine, so kill it.

@@ -17,6 +17,9 @@ use tokio::time::Instant;
 const HISTORY_EVERY_MS: i64 = 1000;
 /// What a model's log says when its record could not be written.
 const STORE_FAILED: &str = "state store write failed: this intent would not survive a restart";
+/// The same, of the engine record's sleep level.
+const SLEEP_LEVEL_FAILED: &str =
+    "state store write failed: a restarted control would not know the engine's sleep level";
 
 /// Supervises the adopted engine `a` of model `name` and puts `state` on
 /// it; returns the handle and the effects to carry out first.
@@ -63,8 +66,11 @@ pub(super) fn take_over(
 }
 
 impl Runner {
-    /// Keeps the engine record's sleep level current (a hint for recovery).
-    pub(super) fn record_sleep_level(&self, level: u8) {
+    /// Keeps the engine record's sleep level current (a hint for recovery:
+    /// a control restarted while an engine that cannot say its level
+    /// releases its memory resumes it). Durable before the new state is
+    /// shown.
+    pub(super) fn record_sleep_level(&mut self, level: u8) {
         if self.cfg.is_attach() {
             return;
         }
@@ -75,7 +81,8 @@ impl Runner {
             rec.sleep_level = level;
             rec.suspended = false;
             rec.suspended_pids.clear();
-            self.shared.store.set_engine(&self.cfg.name, &rec);
+            let committed = self.shared.store.set_engine_soon(&self.cfg.name, &rec);
+            self.unshown.push((committed, SLEEP_LEVEL_FAILED));
         }
     }
 
@@ -96,8 +103,9 @@ impl Runner {
     /// Records a changed restart count, last activity or idle floor, so an
     /// adopting daemon goes on with them. A busy model's activity is
     /// written at most about once a second; the end of a burst (nothing in
-    /// flight) at once.
-    pub(super) fn persist_history(&self) {
+    /// flight) at once. Durable before the new status is shown: what a
+    /// client saw survives a `kill -9`.
+    pub(super) fn persist_history(&mut self) {
         let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
         let due = match self.shared.store.get(&self.cfg.name) {
             None => true,
@@ -111,18 +119,8 @@ impl Runner {
             }
         };
         if due && !self.state.retiring {
-            // Not waited for: nothing is done on the strength of it. A
-            // failure is told in the model's log when the commit says so.
-            let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
-            let (committed, logs) = (
-                self.shared.store.set_soon(&self.cfg.name, rec),
-                self.logs.clone(),
-            );
-            tokio::spawn(async move {
-                if !committed.wait().await {
-                    logs.push("siesta", STORE_FAILED);
-                }
-            });
+            let committed = self.shared.store.set_soon(&self.cfg.name, rec);
+            self.unshown.push((committed, STORE_FAILED));
         }
     }
 

@@ -136,7 +136,7 @@ impl Runner {
                 && rec.proc_gen == proc_gen
             {
                 rec.suspended_pids.clone_from(&pids);
-                store.set_engine(&name, &rec);
+                let _ = store.set_engine_soon(&name, &rec).wait().await;
             }
             tracing::info!(model = %name, ?pids, gpu_bytes = bytes, "suspending: CUDA checkpoint");
             match run_holding(guards, tool, Op::Suspend, pids, SUSPEND_TIMEOUT).await {

@@ -541,6 +541,71 @@ async fn a_deadline_that_moves_alone_waits_for_the_next_change() {
     h.join().await;
 }
 
+/// A proxy's report of a finished request is shown (`GetModel`, Watch)
+/// only once its record is committed: a control killed right after a
+/// client saw it comes back with the same last activity (CI once lost it
+/// when the record was written after the status went out).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[expect(
+    clippy::await_holding_lock,
+    reason = "the store's writer thread, not a task, waits on it: holding it is the test"
+)]
+async fn a_reported_activity_is_shown_only_once_it_is_durable() {
+    let e = crate::engine::test_server::engine(healthy).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cancel = CancellationToken::new();
+    let shared = shared(dir.path());
+    let h = spawn_model(
+        attach("ext", &e.url),
+        Placed::default(),
+        shared.clone(),
+        cancel.clone(),
+    )
+    .unwrap();
+    let mut rx = h.status.clone();
+    let before = rx
+        .wait_for(|s| s.state == State::Awake)
+        .await
+        .unwrap()
+        .last_activity_unix_ms;
+    shared.store.flush().await;
+    // A finish in a later millisecond than any activity before.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let finished = Instant::now();
+    let shown = |s: &crate::status::ModelStatus| s.last_activity_unix_ms != before;
+    let held = shared.store.pause_writes();
+    h.notify_activity(
+        Event::Activity {
+            proxy: "p".into(),
+            in_flight: 0,
+            held: 0,
+            active: true,
+            last_finished: Some(finished),
+        },
+        0,
+    );
+    // Not shown while its record cannot be committed (half a second is
+    // ample: a status sent at once comes within milliseconds).
+    let early = tokio::time::timeout(Duration::from_millis(500), rx.wait_for(shown))
+        .await
+        .is_ok();
+    assert!(
+        !early,
+        "shown before its record was committed: {:?}",
+        rx.borrow()
+    );
+    drop(held);
+    let s = tokio::time::timeout(Duration::from_secs(30), rx.wait_for(shown))
+        .await
+        .expect("shown once committed")
+        .unwrap()
+        .clone();
+    let stored = shared.store.get("ext").unwrap().last_activity_unix_ms;
+    assert_eq!(Some(stored), s.last_activity_unix_ms);
+    cancel.cancel();
+    h.join().await;
+}
+
 /// The scripted engine as an attach model sees it healthy and awake.
 fn healthy(_: usize, _: usize, line: &str) -> crate::engine::test_server::Act {
     use crate::engine::test_server::Act;
