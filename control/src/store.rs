@@ -17,18 +17,20 @@
 // redb's own error type is large; it only travels inside this module.
 #![allow(clippy::result_large_err)]
 
+#[cfg(test)]
+pub(crate) mod faults;
 mod open;
 mod records;
 #[cfg(test)]
 mod tests;
 mod writer;
 
-use open::{Opened, io, try_open, unix_secs};
+use open::{Db, Opened, io, try_open, unix_secs};
 pub use records::{CalibrationRecord, EngineRecord, IntentRecord};
 pub use writer::Committed;
 use writer::{Op, Table, Writes};
 
-use redb::{Database, ReadableTable, TableDefinition};
+use redb::{ReadableTable, TableDefinition};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
@@ -65,7 +67,7 @@ pub enum StoreError {
 /// The store.
 pub struct Store {
     path: PathBuf,
-    db: Arc<Database>,
+    db: Arc<Db>,
     writes: Arc<Writes>,
     /// The writer thread, joined (what is queued committed) on drop.
     writer: Option<std::thread::JoinHandle<()>>,
@@ -109,13 +111,13 @@ impl Store {
                 }
             }
         };
-        let db = Arc::new(db);
+        let db = Arc::new(Db::new(path.clone(), db));
         let writes = Arc::new(Writes::default());
         let writer = std::thread::Builder::new()
             .name("siesta-store".into())
             .spawn({
-                let (db, writes, path) = (db.clone(), writes.clone(), path.clone());
-                move || writes.run(&db, &path)
+                let (db, writes) = (db.clone(), writes.clone());
+                move || writes.run(&db)
             })
             .map_err(|e| io(&path, e))?;
         let store = Store {

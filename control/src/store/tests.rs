@@ -241,7 +241,7 @@ fn an_incompatible_schema_is_moved_aside() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(FILE_NAME);
     {
-        let db = Database::create(&path).unwrap();
+        let db = redb::Database::create(&path).unwrap();
         let tx = db.begin_write().unwrap();
         tx.open_table(META)
             .unwrap()
@@ -393,4 +393,35 @@ fn engine_records_without_gpus_load_and_are_not_kept() {
         BTreeMap::from([("new".to_string(), vec![1, 2])])
     );
     assert_eq!(store.engine("new").unwrap().gpus, [1, 2]);
+}
+
+/// A disk full for a while (ENOSPC): the writes of that time fail and say
+/// so, and once there is room again the store writes as before. redb
+/// refuses every write after an I/O error until the file is reopened
+/// ("Previous I/O error occurred"): without the reopen, no engine could
+/// be recorded, so none started, until siesta-control was restarted.
+#[test]
+fn a_store_that_could_not_write_for_a_while_writes_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(dir.path()).unwrap();
+    assert!(s.set_engine("a", &engine(1, 1)));
+    let file = dir.path().join(FILE_NAME);
+    faults::disk_full(&file, true);
+    assert!(!s.set_engine("b", &engine(2, 1)), "written on a full disk");
+    assert!(!s.set("c", intent(3)), "written on a full disk");
+    faults::disk_full(&file, false);
+    assert!(
+        s.set_engine("d", &engine(4, 1)),
+        "not written once there is room"
+    );
+    assert!(s.set("c", intent(3)));
+    assert_eq!(s.engine("a"), Some(engine(1, 1)));
+    assert_eq!(s.engine("d"), Some(engine(4, 1)));
+    drop(s);
+    let s = Store::open(dir.path()).unwrap();
+    assert!(s.moved_aside().is_none());
+    assert_eq!(s.engine("a"), Some(engine(1, 1)));
+    assert_eq!(s.engine("b"), None);
+    assert_eq!(s.engine("d"), Some(engine(4, 1)));
+    assert_eq!(s.get("c"), Some(intent(3)));
 }

@@ -21,8 +21,9 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 
+use super::Db;
 use futures::channel::oneshot;
-use redb::{Database, TableDefinition, TableHandle};
+use redb::{TableDefinition, TableHandle};
 
 pub(super) type Table = TableDefinition<'static, &'static str, &'static [u8]>;
 
@@ -196,7 +197,7 @@ impl Writes {
 
     /// The writer thread's loop: every round commits all that was queued
     /// since the last one in one transaction.
-    pub(super) fn run(&self, db: &Database, path: &std::path::Path) {
+    pub(super) fn run(&self, db: &Db) {
         // However the writer ends (a panic in redb included), the queue
         // closes and whoever waits, or writes later, is told false: no
         // model task waits for ever on a writer that is gone.
@@ -223,7 +224,7 @@ impl Writes {
             let ok = ops.is_empty() || {
                 self.commits
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                commit(db, path, &ops)
+                commit_or_reopen(db, &ops)
             };
             self.queue.lock().unwrap().committing = Arc::default();
             for w in waiters {
@@ -249,8 +250,19 @@ impl Drop for CloseOnExit<'_> {
     }
 }
 
+/// Commits `ops`; after a failure reopens the file and tries once more (a
+/// disk full for a moment loses nothing; one still full fails this round,
+/// and the next round tries again on a reopened file).
+fn commit_or_reopen(db: &Db, ops: &[Op]) -> bool {
+    if db.is_open() && commit(db, ops) {
+        return true;
+    }
+    db.reopen() && commit(db, ops)
+}
+
 /// One durable transaction applying `ops` in order.
-fn commit(db: &Database, path: &std::path::Path, ops: &[Op]) -> bool {
+fn commit(db: &Db, ops: &[Op]) -> bool {
+    let path = db.path();
     let run = || -> Result<(), redb::Error> {
         let tx = db.begin_write()?;
         for op in ops {

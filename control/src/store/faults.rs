@@ -1,0 +1,85 @@
+//! Test-only: a store file whose writes fail on demand, as on a disk that
+//! is full (ENOSPC) for a while. The real file backend underneath; only
+//! writes, growth and syncs are refused while armed.
+
+use redb::StorageBackend;
+use redb::backends::FileBackend;
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Per store file (tests run in parallel, each in its own directory).
+static ARMED: Mutex<BTreeMap<PathBuf, Arc<AtomicBool>>> = Mutex::new(BTreeMap::new());
+
+fn switch(path: &Path) -> Arc<AtomicBool> {
+    ARMED
+        .lock()
+        .unwrap()
+        .entry(path.to_path_buf())
+        .or_default()
+        .clone()
+}
+
+/// From now on, until disarmed, every write to the store file at `path`
+/// fails with "no space left on device".
+pub(crate) fn disk_full(path: &Path, full: bool) {
+    switch(path).store(full, Ordering::SeqCst);
+}
+
+/// `Database::create`, through a backend that can be made to fail.
+pub(super) fn create(path: &Path) -> Result<redb::Database, redb::DatabaseError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?;
+    redb::Builder::new().create_with_backend(Faulty {
+        inner: FileBackend::new(file)?,
+        full: switch(path),
+    })
+}
+
+#[derive(Debug)]
+struct Faulty {
+    inner: FileBackend,
+    full: Arc<AtomicBool>,
+}
+
+impl Faulty {
+    fn check(&self) -> io::Result<()> {
+        if self.full.load(Ordering::SeqCst) {
+            // ENOSPC
+            Err(io::Error::from_raw_os_error(28))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl StorageBackend for Faulty {
+    fn len(&self) -> io::Result<u64> {
+        self.inner.len()
+    }
+
+    fn read(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+        self.inner.read(offset, len)
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.check()?;
+        self.inner.set_len(len)
+    }
+
+    fn sync_data(&self, eventual: bool) -> io::Result<()> {
+        self.check()?;
+        self.inner.sync_data(eventual)
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.check()?;
+        self.inner.write(offset, data)
+    }
+}
