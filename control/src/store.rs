@@ -205,13 +205,11 @@ impl Store {
         }
     }
 
-    fn delete(&self, tables: &[Table], key: &str) -> bool {
-        self.writes
-            .submit(vec![Op::Delete {
-                tables: tables.to_vec(),
-                key: key.to_string(),
-            }])
-            .wait_blocking()
+    fn delete(&self, tables: &[Table], key: &str) -> Committed {
+        self.writes.submit(vec![Op::Delete {
+            tables: tables.to_vec(),
+            key: key.to_string(),
+        }])
     }
 
     /// A model's recorded intent.
@@ -237,7 +235,8 @@ impl Store {
 
     /// Forgets everything about a model (removed from the configuration).
     pub fn remove(&self, name: &str) {
-        self.delete(&[INTENTS, ENGINES, CALIBRATION], name);
+        self.delete(&[INTENTS, ENGINES, CALIBRATION], name)
+            .wait_blocking();
     }
 
     /// Names of the models with a recorded intent.
@@ -251,7 +250,7 @@ impl Store {
     /// Forgets a model's intent and calibration (its engine record stays
     /// until its engine is gone).
     pub fn forget(&self, name: &str) {
-        self.delete(&[INTENTS, CALIBRATION], name);
+        self.delete(&[INTENTS, CALIBRATION], name).wait_blocking();
     }
 
     /// A model's engine record.
@@ -292,12 +291,13 @@ impl Store {
     /// Not by process generation: generations count from 1 again in every
     /// daemon, so a late exit (or stop) of an engine from before would
     /// take the record of the new engine of the same generation, which
-    /// the next restart would then kill as unrecorded.
+    /// the next restart would then kill as unrecorded. Not waited for (it
+    /// runs as each engine exits, a thousand at a shutdown): a record not
+    /// yet removed at a crash names an engine that is gone, which the next
+    /// start finds gone and removes.
     pub fn remove_engine(&self, name: &str, tag: &str) {
         match self.engine(name) {
-            Some(r) if r.tag == tag => {
-                self.delete(&[ENGINES], name);
-            }
+            Some(r) if r.tag == tag => drop(self.delete(&[ENGINES], name)),
             _ => {}
         }
     }
