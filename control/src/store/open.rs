@@ -32,19 +32,22 @@ impl Db {
     }
 
     pub(super) fn begin_read(&self) -> Result<ReadTransaction, redb::Error> {
-        let open = self
-            .open
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        Ok(open.as_ref().ok_or_else(closed)?.begin_read()?)
+        self.with_open(|db| Ok(db.begin_read()?))
     }
 
     pub(super) fn begin_write(&self) -> Result<WriteTransaction, redb::Error> {
+        self.with_open(|db| Ok(db.begin_write()?))
+    }
+
+    fn with_open<T>(
+        &self,
+        f: impl FnOnce(&Database) -> Result<T, redb::Error>,
+    ) -> Result<T, redb::Error> {
         let open = self
             .open
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        Ok(open.as_ref().ok_or_else(closed)?.begin_write()?)
+        f(open.as_ref().ok_or_else(closed)?)
     }
 
     /// Closes the file and opens it again (redb repairs what a failed
