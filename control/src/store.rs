@@ -148,16 +148,19 @@ impl Store {
     }
 
     fn read<T: DeserializeOwned>(&self, table: Table, key: &str) -> Option<T> {
-        if let Some(queued) = self.writes.latest(table, key) {
-            return queued.and_then(|v| serde_json::from_slice(&v).ok());
-        }
-        let result: Result<Option<T>, redb::Error> = (|| {
+        let bytes = match self.writes.latest(table, key) {
+            Some(queued) => queued,
+            None => self.read_committed(table, key),
+        };
+        bytes.and_then(|v| serde_json::from_slice(&v).ok())
+    }
+
+    /// What the file holds at `table`/`key` (not what is queued).
+    fn read_committed(&self, table: Table, key: &str) -> Option<Vec<u8>> {
+        let result: Result<Option<Vec<u8>>, redb::Error> = (|| {
             let tx = self.db.begin_read()?;
             let t = tx.open_table(table)?;
-            let Some(v) = t.get(key)? else {
-                return Ok(None);
-            };
-            Ok(serde_json::from_slice(v.value()).ok())
+            Ok(t.get(key)?.map(|v| v.value().to_vec()))
         })();
         result.unwrap_or_else(|e| {
             tracing::error!(path = %self.path.display(), table = %table, key, error = %e, "state store read failed");
@@ -276,7 +279,8 @@ impl Store {
     }
 
     /// Records a model's engine (durable on return); false when the write
-    /// failed.
+    /// failed. (The daemon's tasks await [`Store::set_engine_soon`].)
+    #[cfg(test)]
     pub fn set_engine(&self, name: &str, record: &EngineRecord) -> bool {
         self.set_engine_soon(name, record).wait_blocking()
     }
@@ -295,11 +299,23 @@ impl Store {
     /// runs as each engine exits, a thousand at a shutdown): a record not
     /// yet removed at a crash names an engine that is gone, which the next
     /// start finds gone and removes.
+    /// The record is looked at and the removal queued at once (under the
+    /// queue's lock): a new engine's record queued meanwhile is not taken.
     pub fn remove_engine(&self, name: &str, tag: &str) {
-        match self.engine(name) {
-            Some(r) if r.tag == tag => drop(self.delete(&[ENGINES], name)),
-            _ => {}
-        }
+        let ours = |bytes: Option<&[u8]>| {
+            bytes
+                .and_then(|b| serde_json::from_slice::<EngineRecord>(b).ok())
+                .is_some_and(|r| r.tag == tag)
+        };
+        let delete = Op::Delete {
+            tables: vec![ENGINES],
+            key: name.to_string(),
+        };
+        let committed = || self.read_committed(ENGINES, name);
+        drop(
+            self.writes
+                .submit_if((ENGINES, name), ours, committed, delete),
+        );
     }
 
     /// A model's calibration.

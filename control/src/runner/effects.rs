@@ -219,15 +219,7 @@ impl Runner {
             Effect::Drain { epoch } => self.drain(epoch),
             Effect::Suspend { epoch } => self.suspend(epoch),
             Effect::Resume { epoch } => self.resume(epoch),
-            Effect::RecordSuspended { under } => {
-                if !self.record_suspended(under) {
-                    self.logs.push(
-                        "siesta",
-                        "cannot record the suspend in the state store: a restarted control \
-                         would not know the engine is suspended",
-                    );
-                }
-            }
+            Effect::RecordSuspended { under } => self.record_suspended(under),
             Effect::Timer(t) => self.timer = t,
             Effect::Log(line) => {
                 tracing::info!(model = %self.cfg.name, "{line}");
@@ -327,6 +319,11 @@ impl Runner {
             if !shared.store.set_engine_soon(&name, &record).wait().await {
                 let error = "cannot record the engine in the state store".to_string();
                 let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
+                return;
+            }
+            // Called off while the record was written: no needless start.
+            if cancel.is_cancelled() {
+                shared.store.remove_engine(&name, &record.tag);
                 return;
             }
             let exit_tx = tx.clone();

@@ -17,6 +17,9 @@ use tokio::time::Instant;
 const HISTORY_EVERY_MS: i64 = 1000;
 /// What a model's log says when its record could not be written.
 const STORE_FAILED: &str = "state store write failed: this intent would not survive a restart";
+/// The same, of a suspend.
+pub(super) const SUSPEND_NOT_RECORDED: &str = "cannot record the suspend in the state store: a \
+     restarted control would not know the engine is suspended";
 /// The same, of the engine record's sleep level.
 const SLEEP_LEVEL_FAILED: &str =
     "state store write failed: a restarted control would not know the engine's sleep level";
@@ -86,25 +89,28 @@ impl Runner {
         }
     }
 
-    /// Records (durably, before the helper runs) that the engine is being
-    /// suspended: a control restarted from here on adopts it as suspended.
-    /// False when it could not be recorded (then no suspend is started).
-    pub(super) fn record_suspended(&self, under: u8) -> bool {
-        match self.shared.store.engine(&self.cfg.name) {
-            Some(mut rec) if rec.proc_gen == self.state.proc_gen => {
-                rec.sleep_level = under;
-                rec.suspended = true;
-                self.shared.store.set_engine(&self.cfg.name, &rec)
-            }
-            _ => false,
+    /// Records that the engine is being suspended, durably before the
+    /// state is shown: a control restarted from here on adopts it as
+    /// suspended. (The suspend task records it again with the pids, and
+    /// waits for that before the helper runs; it gives up if it cannot.)
+    pub(super) fn record_suspended(&mut self, under: u8) {
+        if let Some(mut rec) = self.shared.store.engine(&self.cfg.name)
+            && rec.proc_gen == self.state.proc_gen
+        {
+            rec.sleep_level = under;
+            rec.suspended = true;
+            let committed = self.shared.store.set_engine_soon(&self.cfg.name, &rec);
+            self.unshown.push((committed, SUSPEND_NOT_RECORDED));
         }
     }
 
     /// Records a changed restart count, last activity or idle floor, so an
     /// adopting daemon goes on with them. A busy model's activity is
     /// written at most about once a second; the end of a burst (nothing in
-    /// flight) at once. Durable before the new status is shown: what a
-    /// client saw survives a `kill -9`.
+    /// flight) at once. What is written is durable before the status that
+    /// shows it goes out: a restart count, an idle floor and the end of a
+    /// burst that a client saw survive a `kill -9` (the activity of a busy
+    /// model shown may be up to a second newer than the one recorded).
     pub(super) fn persist_history(&mut self) {
         let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
         let due = match self.shared.store.get(&self.cfg.name) {

@@ -131,12 +131,20 @@ impl Runner {
                 send(Event::SuspendFailed { epoch, error });
                 return;
             }
-            // Which pids, durably, before the helper touches them.
-            if let Some(mut rec) = store.engine(&name)
-                && rec.proc_gen == proc_gen
-            {
-                rec.suspended_pids.clone_from(&pids);
-                let _ = store.set_engine_soon(&name, &rec).wait().await;
+            // Suspended, and which pids, durably, before the helper touches
+            // them: else a control restarted meanwhile would not know.
+            let recorded = match store.engine(&name) {
+                Some(mut rec) if rec.proc_gen == proc_gen => {
+                    rec.suspended = true;
+                    rec.suspended_pids.clone_from(&pids);
+                    store.set_engine_soon(&name, &rec).wait().await
+                }
+                _ => false,
+            };
+            if !recorded {
+                let error = super::persist::SUSPEND_NOT_RECORDED.to_string();
+                send(Event::SuspendFailed { epoch, error });
+                return;
             }
             tracing::info!(model = %name, ?pids, gpu_bytes = bytes, "suspending: CUDA checkpoint");
             match run_holding(guards, tool, Op::Suspend, pids, SUSPEND_TIMEOUT).await {

@@ -344,6 +344,10 @@ async fn writes_from_many_tasks_at_once_commit_together() {
 #[test]
 fn queued_writes_are_read_back_and_committed_when_the_store_closes() {
     let dir = tempfile::tempdir().unwrap();
+    let newer = EngineRecord {
+        tag: "t2".into(),
+        ..engine(5, 2)
+    };
     {
         let s = Store::open(dir.path()).unwrap();
         assert!(s.set("a", intent(1)));
@@ -362,6 +366,12 @@ fn queued_writes_are_read_back_and_committed_when_the_store_closes() {
         drop(s.set_soon("b", intent(7)));
         s.set_calibration("b", &CalibrationRecord::default());
         assert!(s.calibration("b").is_some());
+        // An engine's exit removes its own record, not a newer one queued
+        // for the model (tag "t2"), nor the committed one (tag "t") once
+        // the newer is queued.
+        drop(s.set_engine_soon("b", &newer));
+        s.remove_engine("b", "t");
+        assert_eq!(s.engine("b"), Some(newer.clone()));
         assert_eq!(s.writes.commits(), 2, "nothing committed while held");
         s.writes.close();
         drop(held);
@@ -370,7 +380,7 @@ fn queued_writes_are_read_back_and_committed_when_the_store_closes() {
     assert_eq!(s.get("a"), Some(intent(1)));
     assert_eq!(s.get("b"), Some(intent(7)));
     assert!(s.calibration("b").is_some());
-    assert_eq!(s.engine("b"), Some(engine(4, 1)));
+    assert_eq!(s.engine("b"), Some(newer));
 }
 
 /// Engine records from before the GPUs were recorded still load (no GPUs:
@@ -410,6 +420,13 @@ fn a_store_that_could_not_write_for_a_while_writes_again() {
     assert!(!s.set_engine("b", &engine(2, 1)), "written on a full disk");
     assert!(!s.set("c", intent(3)), "written on a full disk");
     faults::disk_full(&file, false);
+    // Readable again without a write (the writer tries the file again
+    // while it is closed).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while s.engine("a").is_none() {
+        assert!(std::time::Instant::now() < deadline, "not readable again");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     assert!(
         s.set_engine("d", &engine(4, 1)),
         "not written once there is room"

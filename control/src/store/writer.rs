@@ -27,6 +27,10 @@ use redb::{TableDefinition, TableHandle};
 
 pub(super) type Table = TableDefinition<'static, &'static str, &'static [u8]>;
 
+/// How often a store closed by a failed reopen is tried again while
+/// nothing is written.
+const REOPEN_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// One change to one key.
 #[derive(Clone)]
 pub(super) enum Op {
@@ -154,8 +158,32 @@ impl Committed {
 impl Writes {
     /// Queues `ops` (in order, after every write queued before).
     pub(super) fn submit(&self, ops: Vec<Op>) -> Committed {
+        let q = self.queue.lock().unwrap();
+        self.push(q, ops)
+    }
+
+    /// Queues `op` only if `keep` holds of what `at` (table, key) holds
+    /// now: the latest queued or committing write's, or else `committed()`
+    /// (the file's). All under the queue's lock, so no write comes between
+    /// the look and the queueing (the writer commits only what is queued
+    /// or committing). `None` when not queued.
+    pub(super) fn submit_if(
+        &self,
+        at: (Table, &str),
+        keep: impl FnOnce(Option<&[u8]>) -> bool,
+        committed: impl FnOnce() -> Option<Vec<u8>>,
+        op: Op,
+    ) -> Option<Committed> {
+        let q = self.queue.lock().unwrap();
+        let now = match latest_in(&q, at.0, at.1) {
+            Some(queued) => queued.map(<[u8]>::to_vec),
+            None => committed(),
+        };
+        keep(now.as_deref()).then(|| self.push(q, vec![op]))
+    }
+
+    fn push(&self, mut q: std::sync::MutexGuard<'_, Queue>, ops: Vec<Op>) -> Committed {
         let (tx, rx) = oneshot::channel();
-        let mut q = self.queue.lock().unwrap();
         if q.closed {
             return Committed(Some(rx));
         }
@@ -170,12 +198,7 @@ impl Writes {
     /// `None` when none touches it (the database has the latest).
     pub(super) fn latest(&self, table: Table, key: &str) -> Option<Option<Vec<u8>>> {
         let q = self.queue.lock().unwrap();
-        q.ops
-            .iter()
-            .rev()
-            .chain(q.committing.iter().rev())
-            .find_map(|op| op.leaves(table, key))
-            .map(|v| v.map(<[u8]>::to_vec))
+        latest_in(&q, table, key).map(|v| v.map(<[u8]>::to_vec))
     }
 
     /// Keeps the writer from taking anything queued until dropped.
@@ -206,7 +229,18 @@ impl Writes {
             let (ops, waiters) = {
                 let mut q = self.queue.lock().unwrap();
                 while q.waiters.is_empty() && !q.closed {
-                    q = self.wake.wait(q).unwrap();
+                    if db.is_open() {
+                        q = self.wake.wait(q).unwrap();
+                        continue;
+                    }
+                    // Closed by a reopen that failed (the disk still full):
+                    // reads fail meanwhile, so it is tried again unasked.
+                    q = self.wake.wait_timeout(q, REOPEN_EVERY).unwrap().0;
+                    if q.waiters.is_empty() && !q.closed {
+                        drop(q);
+                        db.reopen();
+                        q = self.queue.lock().unwrap();
+                    }
                 }
                 #[cfg(test)]
                 {
@@ -221,7 +255,13 @@ impl Writes {
                 q.committing = ops.clone();
                 (ops, std::mem::take(&mut q.waiters))
             };
-            let ok = ops.is_empty() || {
+            let ok = if ops.is_empty() {
+                // A flush: nothing to write, but reads want the file open.
+                if !db.is_open() {
+                    db.reopen();
+                }
+                true
+            } else {
                 self.commits
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 commit_or_reopen(db, &ops)
@@ -232,6 +272,14 @@ impl Writes {
             }
         }
     }
+}
+
+fn latest_in<'q>(q: &'q Queue, table: Table, key: &str) -> Option<Option<&'q [u8]>> {
+    q.ops
+        .iter()
+        .rev()
+        .chain(q.committing.iter().rev())
+        .find_map(|op| op.leaves(table, key))
 }
 
 struct CloseOnExit<'a>(&'a Writes);
