@@ -7,13 +7,14 @@ use redb::backends::FileBackend;
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Per store file (tests run in parallel, each in its own directory).
-static ARMED: Mutex<BTreeMap<PathBuf, Arc<AtomicBool>>> = Mutex::new(BTreeMap::new());
+/// Writes still to fail: 0 none, below 0 every one.
+static ARMED: Mutex<BTreeMap<PathBuf, Arc<AtomicI64>>> = Mutex::new(BTreeMap::new());
 
-fn switch(path: &Path) -> Arc<AtomicBool> {
+fn switch(path: &Path) -> Arc<AtomicI64> {
     ARMED
         .lock()
         .unwrap()
@@ -25,7 +26,13 @@ fn switch(path: &Path) -> Arc<AtomicBool> {
 /// From now on, until disarmed, every write to the store file at `path`
 /// fails with "no space left on device".
 pub(crate) fn disk_full(path: &Path, full: bool) {
-    switch(path).store(full, Ordering::SeqCst);
+    switch(path).store(if full { -1 } else { 0 }, Ordering::SeqCst);
+}
+
+/// The next write to the store file at `path` fails, and only that one (a
+/// disk full for a moment).
+pub(crate) fn fail_next_write(path: &Path) {
+    switch(path).store(1, Ordering::SeqCst);
 }
 
 /// `Database::create`, through a backend that can be made to fail.
@@ -45,12 +52,18 @@ pub(super) fn create(path: &Path) -> Result<redb::Database, redb::DatabaseError>
 #[derive(Debug)]
 struct Faulty {
     inner: FileBackend,
-    full: Arc<AtomicBool>,
+    full: Arc<AtomicI64>,
 }
 
 impl Faulty {
     fn check(&self) -> io::Result<()> {
-        if self.full.load(Ordering::SeqCst) {
+        let left = self
+            .full
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n > 0).then(|| n - 1)
+            })
+            .unwrap_or_else(|n| n);
+        if left != 0 {
             // ENOSPC
             Err(io::Error::from_raw_os_error(28))
         } else {
