@@ -47,13 +47,18 @@ async fn a_and_b_busy(c: &mut Client, proxy: &ProxyProc) -> (Busy, Busy) {
 }
 
 /// How many times `models` yielded their GPUs to `to`, by their logs; none
-/// gave a yield up (its requests in flight outlasting the grace).
+/// gave a yield up (its requests in flight outlasting the grace). A yield
+/// called off because `to` found room without it (a plan made just before
+/// another model's sleep was seen; the yielder serves on at once) took no
+/// room and is not counted (CI once saw one, 0.3 ms long).
 async fn yields_to(c: &mut Client, models: &[&str], to: &str) -> usize {
     let mut yields = 0;
     for m in models {
         let log = siesta_log(c, m).await;
         let mark = format!("yielding its GPUs to \"{to}\", which waited for them");
+        let off = format!("\"{to}\" found room without it: yield called off");
         yields += log.iter().filter(|l| l.contains(&mark)).count();
+        yields -= log.iter().filter(|l| l.contains(&off)).count();
         assert!(
             !log.iter().any(|l| l.contains("yield given up")),
             "{m}: {log:#?}"
