@@ -264,8 +264,8 @@ impl Server {
         tasks.cancel();
         hub.close();
         models.join().await;
-        // The models' last records (activity, calibration) are not waited
-        // for when written: durable before the process ends.
+        // The models' last calibration records are not waited for when
+        // written: durable before the process ends.
         store.flush().await;
         drop(watch_rt);
         tracing::info!("stopped");

@@ -3,6 +3,8 @@
 //! commits all queued since its last commit as one durable transaction
 //! (`writer.rs`); a caller that acts on a write waits until it is durable
 //! (the blocking setters, or [`Committed::wait`]); reads see queued writes.
+//! After a failed write (a full disk) the writer reopens the file, which
+//! redb requires before it writes again (`open.rs`, [`open::Db`]).
 //!
 //! Tables (keys are model names unless said otherwise; values JSON):
 //! - `meta`: `schema_version` → [`SCHEMA_VERSION`].

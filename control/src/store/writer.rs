@@ -91,7 +91,8 @@ struct Queue {
 pub(super) struct Writes {
     queue: Mutex<Queue>,
     wake: Condvar,
-    /// Transactions committed (or tried).
+    /// Transactions committed (or tried), for the tests.
+    #[cfg(test)]
     commits: std::sync::atomic::AtomicU64,
     /// Held by a test: the writer takes nothing from the queue meanwhile.
     #[cfg(test)]
@@ -262,6 +263,7 @@ impl Writes {
                 }
                 true
             } else {
+                #[cfg(test)]
                 self.commits
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 commit_or_reopen(db, &ops)
