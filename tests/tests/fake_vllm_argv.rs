@@ -140,3 +140,35 @@ async fn embeddings_exist_only_for_pooling_models() {
         .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// The threads of `pid` whose name is tokio's default worker name (`tokio-rt-worker`).
+fn tokio_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+                .filter(|c| c.trim_end() == "tokio-rt-worker")
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn api_server_count_adds_serving_threads_and_headless_is_refused() {
+    // One API server serves on two threads; three serve on six (their workers all start
+    // with the runtime; a blocking thread would only add to the count).
+    let one = spawn_fake_vllm(&["m"]).await;
+    let three = spawn_fake_vllm(&["m3", "--api-server-count", "3"]).await;
+    let (n1, n3) = (
+        tokio_threads(one.child.pid()),
+        tokio_threads(three.child.pid()),
+    );
+    assert!((2..6).contains(&n1), "one API server: {n1} threads");
+    assert!(n3 >= 6, "three API servers: {n3} threads");
+    assert_eq!(three.get("/health").await.status(), 200);
+
+    // vLLM's `--api-server-count 0` runs a headless engine with no HTTP server: not modelled.
+    let (code, out) = exits(&["m", "--api-server-count", "0"]).await;
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("--api-server-count"), "{out}");
+    assert!(!out.contains("Uvicorn running"), "{out}");
+}

@@ -15,7 +15,6 @@ pub const IGNORED_VALUE_FLAGS: &[&str] = &[
     "allowed-methods",
     "allowed-origins",
     "api-key",
-    "api-server-count",
     "block-size",
     "chat-template",
     "chat-template-content-format",

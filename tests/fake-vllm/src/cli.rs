@@ -77,6 +77,12 @@ pub struct ServeArgs {
     /// Tensor-parallel size (`-tp` too): number of results of /collective_rpc.
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: u32,
+    /// API server processes, as vLLM's `--api-server-count` (several share the port and
+    /// one engine core): modelled as one API server's serving threads (two) each, in this
+    /// one process, so a benchmark can give the engine the front end a busy vLLM would run.
+    /// 0, vLLM's headless engine (no HTTP server), is not modelled and is refused.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub api_server_count: u16,
     /// Context length reported by /v1/models.
     #[arg(long, default_value_t = 8192)]
     pub max_model_len: u64,

@@ -48,8 +48,9 @@ where
         cli::Command::Worker(a) => engine_core::run_worker(&a),
         cli::Command::Serve(a) => {
             init_tracing();
+            // Two serving threads per API server (`--api-server-count`).
             let rt = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
+                .worker_threads(2 * usize::from(a.api_server_count))
                 .enable_all()
                 .build()
             {

@@ -104,7 +104,8 @@ impl App {
         }
         self.engine
             .last_request_arrived_ns
-            .store(crate::engine::unix_ns(), Ordering::SeqCst);
+            // Serving threads race (`--api-server-count`): keep the latest.
+            .fetch_max(crate::engine::unix_ns(), Ordering::SeqCst);
         let n = self.engine.arrived.fetch_add(1, Ordering::SeqCst) + 1;
         if self
             .engine
