@@ -27,6 +27,7 @@ mod watch_client;
 pub use config::{DEFAULT_CONTROL, DEFAULT_MAX_BODY_BYTES, ProxyConfig};
 pub use forward::DEFAULT_UPSTREAM_IDLE_TIMEOUT;
 pub use server::Proxy;
+pub use threads::default_count as default_serving_threads;
 
 /// Errors that stop the proxy from starting or running.
 #[derive(Debug, thiserror::Error)]

@@ -31,7 +31,8 @@ struct Args {
     /// connections over them (each replica is an independent proxy).
     #[arg(long, env = "SIESTA_PROXY_REUSE_PORT")]
     reuse_port: bool,
-    /// Serving threads (default: one per CPU the process may use). Each runs
+    /// Serving threads (default: one per CPU the process may use up to two,
+    /// then half of them: the proxy shares its host with engines). Each runs
     /// its own single-threaded runtime and accepts from the one listener; a
     /// connection, its requests and their upstream connections stay on the
     /// thread that accepted it (nginx's worker model: no hand-offs between
@@ -118,7 +119,9 @@ fn write_addr_file(path: &PathBuf, proxy: &Proxy) -> anyhow::Result<()> {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let threads = args.threads.map(usize::from).unwrap_or_else(|| {
-        std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        siesta_proxy::default_serving_threads(
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get),
+        )
     });
     let rt = if args.work_stealing {
         tokio::runtime::Builder::new_multi_thread()
