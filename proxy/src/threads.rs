@@ -35,8 +35,9 @@ pub fn current() -> usize {
 /// two, then half of them (at least two). The proxy shares its host with the
 /// engines and their clients: on 16 cores, 16 threads each carrying a few
 /// connections slept and woke more per request (28.8 and 31.4 µs of CPU per
-/// forwarded request at c=64) than 8 (22.9 and 25.8 µs), and forwarded 4–11 %
-/// fewer requests (BENCHMARKS.md, run Y).
+/// forwarded request at c=64) than 8 (22.9 and 25.8 µs), and forwarded
+/// 0.87× and 0.86× of nginx's requests against 0.98× and 0.90× (BENCHMARKS.md,
+/// run Y).
 pub fn default_count(cpus: usize) -> usize {
     if cpus <= 2 {
         cpus.max(1)

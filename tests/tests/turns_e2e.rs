@@ -57,8 +57,13 @@ async fn yields_to(c: &mut Client, models: &[&str], to: &str) -> usize {
         let log = siesta_log(c, m).await;
         let mark = format!("yielding its GPUs to \"{to}\", which waited for them");
         let off = format!("\"{to}\" found room without it: yield called off");
-        yields += log.iter().filter(|l| l.contains(&mark)).count();
-        yields -= log.iter().filter(|l| l.contains(&off)).count();
+        let made = log.iter().filter(|l| l.contains(&mark)).count();
+        let called_off = log.iter().filter(|l| l.contains(&off)).count();
+        assert!(
+            called_off <= made,
+            "{m}: a yield called off that was never made: {log:#?}"
+        );
+        yields += made - called_off;
         assert!(
             !log.iter().any(|l| l.contains("yield given up")),
             "{m}: {log:#?}"
