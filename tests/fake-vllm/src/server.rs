@@ -404,6 +404,12 @@ async fn serve_until_shut_down(
         conns.clone(),
     ));
     shutdown.cancelled().await;
+    // New requests are refused before the listener closes: a request whose
+    // body completes once connections are refused must not start (CI saw
+    // one slip between the two).
+    if !died.is_cancelled() {
+        app.engine.begin_shutdown(false);
+    }
     stop.cancel();
     let _ = acceptor.await;
     if !died.is_cancelled() {
