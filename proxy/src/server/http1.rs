@@ -76,7 +76,7 @@ pub enum End {
 /// Serves `stream`'s plain requests until it closes or sends another kind.
 pub async fn serve(
     shared: &Shared,
-    stream: &TcpStream,
+    stream: &mut TcpStream,
     limits: &Limits,
     stopping: &CancellationToken,
 ) -> End {
@@ -146,7 +146,7 @@ pub async fn serve(
 /// read) has [`FIRST_REQUEST_GRACE`] to send it whole.
 async fn next_request(
     shared: &Shared,
-    stream: &TcpStream,
+    stream: &mut TcpStream,
     buf: &mut BytesMut,
     limits: &Limits,
     stopping: &CancellationToken,

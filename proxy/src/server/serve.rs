@@ -163,13 +163,14 @@ impl Serve {
     /// awake), then hyper, from the first request of another kind on.
     async fn client_connection(
         self: Arc<Self>,
-        stream: tokio::net::TcpStream,
+        mut stream: tokio::net::TcpStream,
         watcher: hyper_util::server::graceful::Watcher,
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-        let prefix = match http1::serve(&self.shared, &stream, &self.limits, &self.shutdown).await {
-            http1::End::Closed => return Ok(()),
-            http1::End::Hyper(prefix) => prefix,
-        };
+        let prefix =
+            match http1::serve(&self.shared, &mut stream, &self.limits, &self.shutdown).await {
+                http1::End::Closed => return Ok(()),
+                http1::End::Hyper(prefix) => prefix,
+            };
         self.shared.metrics.to_hyper.inc();
         let shared = self.shared.clone();
         let svc = service_fn(move |req| {

@@ -12,6 +12,7 @@ use std::ops::Range;
 
 use bytes::{Bytes, BytesMut};
 use http::{Method, Version};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 use crate::forward::{ClientHeaders, ClientRequest, named_in, stops_here};
@@ -232,7 +233,7 @@ pub fn head_is_whole(buf: &[u8]) -> bool {
 
 /// Reads the next request into `buf` and takes it out when it is plain and
 /// whole. Safe to cancel and call again: what was read stays in `buf`.
-pub async fn read(rules: &Rules<'_>, stream: &TcpStream, buf: &mut BytesMut) -> Read {
+pub async fn read(rules: &Rules<'_>, stream: &mut TcpStream, buf: &mut BytesMut) -> Read {
     // A long head arriving in small pieces is parsed again only when its
     // end may have come (an empty line in the new bytes) or at the limit,
     // and a body only once it is whole: each piece costs a scan of itself,
@@ -269,7 +270,16 @@ pub async fn read(rules: &Rules<'_>, stream: &TcpStream, buf: &mut BytesMut) -> 
 
 /// Reads what is there (at least one byte) into `buf`, which is to hold
 /// `want` bytes in all; `Ok(false)` at EOF.
-async fn read_more(stream: &TcpStream, buf: &mut BytesMut, want: usize) -> io::Result<bool> {
+///
+/// Through tokio's `AsyncRead`, not `try_read_buf`: a read that fills less
+/// than the room it was given drained the socket, and tokio then forgets
+/// the socket's readiness (race-free: only if no new event came since). So
+/// the watch for the client hanging up while the engine answers, and the
+/// wait for the next request, go straight to `epoll_wait`. With
+/// `try_read_buf` the readiness stayed, and every request cost one more
+/// read that found nothing (a `MSG_PEEK` right after the request went to
+/// the engine; BENCHMARKS.md, run Z).
+async fn read_more(stream: &mut TcpStream, buf: &mut BytesMut, want: usize) -> io::Result<bool> {
     if buf.capacity() == buf.len() {
         let more = buf
             .len()
@@ -277,14 +287,7 @@ async fn read_more(stream: &TcpStream, buf: &mut BytesMut, want: usize) -> io::R
             .min(want.saturating_sub(buf.len()).max(1));
         buf.reserve(more);
     }
-    loop {
-        match stream.try_read_buf(buf) {
-            Ok(0) => return Ok(false),
-            Ok(_) => return Ok(true),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => stream.readable().await?,
-            Err(e) => return Err(e),
-        }
-    }
+    Ok(stream.read_buf(buf).await? > 0)
 }
 
 #[cfg(test)]
