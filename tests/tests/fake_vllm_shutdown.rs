@@ -156,3 +156,44 @@ async fn past_the_shutdown_timeout_answers_still_running_fail_as_with_a_dead_eng
     assert_eq!(v["error"]["code"], 500, "{v}");
     fv.child.wait_exit(DEADLINE).await;
 }
+
+/// A server whose stdout and stderr were pipes nobody reads any more (the reader went
+/// away) still stops on SIGTERM, as vLLM does: its logging drops what it cannot write.
+/// fake-vllm's SIGTERM log line used to fail, tracing-subscriber reported that on the
+/// closed stderr, the report panicked the task that was to shut the server down, and the
+/// process never exited.
+#[tokio::test]
+async fn sigterm_stops_a_server_whose_output_pipes_are_closed() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    let mut cmd = Command::new(siesta_tests::bin_path("fake-vllm"));
+    cmd.args(["serve", "m", "--host", "127.0.0.1", "--port", "0"])
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn fake-vllm");
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let out = child.stdout.take().unwrap();
+    let err = child.stderr.take().unwrap();
+    // Read until it serves, then close both read ends.
+    let ready = tokio::task::spawn_blocking(move || {
+        let mut lines = std::io::BufReader::new(out).lines();
+        lines.any(|l| l.is_ok_and(|l| l.contains("Uvicorn running on")))
+    });
+    let ready = tokio::time::timeout(DEADLINE, ready).await;
+    assert!(matches!(ready, Ok(Ok(true))), "fake-vllm did not start");
+    drop(err);
+    nix::sys::signal::kill(pid, Signal::SIGTERM).unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > DEADLINE {
+            // Its whole group: the engine core too.
+            let _ = nix::sys::signal::killpg(pid, Signal::SIGKILL);
+            let _ = child.kill();
+            panic!("fake-vllm still running {DEADLINE:?} after SIGTERM with its output closed");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

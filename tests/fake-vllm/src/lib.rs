@@ -20,6 +20,7 @@ pub mod sim_gpu;
 pub mod version;
 
 use std::ffi::OsString;
+use std::io::Write;
 use std::process::ExitCode;
 
 use tokio_util::sync::CancellationToken;
@@ -116,16 +117,20 @@ async fn run(args: cli::ServeArgs, argv: &[OsString]) -> ExitCode {
     // the process 10 s after the drain's own bound.
     let bound = std::time::Duration::from_secs(args.shutdown_timeout.saturating_add(10));
     tokio::spawn(async move {
-        tracing::info!("received {}", signal.await);
+        let signal = signal.await;
+        // The shutdown begins before anything is logged: a log line that
+        // cannot be written must not keep the process up.
         token.cancel();
         std::thread::spawn(move || {
             std::thread::sleep(bound);
-            eprintln!(
+            let _ = writeln!(
+                std::io::stderr(),
                 "fake-vllm: shutdown took over {}s, exiting",
                 bound.as_secs()
             );
             std::process::exit(1);
         });
+        tracing::info!("received {signal}");
     });
     match server::serve(args, argv, shutdown).await {
         Ok(()) => ExitCode::SUCCESS,
@@ -144,8 +149,26 @@ fn init_tracing() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stdout)
+        .with_writer(|| LogOut)
         .with_ansi(false)
         .with_target(false)
         .try_init();
+}
+
+/// stdout for log lines, whose failed writes are dropped, as Python's `logging` drops them
+/// (a closed pipe never stops vLLM). tracing-subscriber reports a failed write on stderr
+/// with `eprintln!`, which panics when stderr is closed too: a SIGTERM's log line then
+/// took down the task that was to shut the server down, and it never exited.
+struct LogOut;
+
+impl Write for LogOut {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stdout().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stdout().flush();
+        Ok(())
+    }
 }
