@@ -1,5 +1,5 @@
 //! Scenario 1, forwarding overhead: wrk against each target (direct,
-//! siesta-proxy, nginx, LiteLLM) at concurrency 1 and 64, interleaved within
+//! siesta-proxy, nginx, a byte relay, LiteLLM) at concurrency 1 and 64, interleaved within
 //! each repeat so that machine noise spreads over all of them; ratios are
 //! taken within one repeat.
 
@@ -13,7 +13,8 @@ use crate::stats::{Row, Target, print_table};
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
     /// Targets as NAME=URL, e.g. direct=http://127.0.0.1:8000 (names
-    /// `direct`, `siesta`, `nginx`, `litellm` get the comparisons).
+    /// `direct`, `siesta`, `nginx`, `litellm` get the comparisons;
+    /// `relay`, a byte relay, gives the floor of the added latency).
     #[arg(long = "target", required = true)]
     targets: Vec<String>,
     #[arg(long, default_value = "bench")]
@@ -213,6 +214,15 @@ fn rows_for(targets: &[(String, String)], res: &[Vec<WrkResult>], c: u32, reps: 
             rows.push(diff(si, di, |r| r.p99_us, "siesta − direct p99", t99));
             if let Some(ni) = idx("nginx") {
                 rows.push(diff(ni, di, |r| r.p50_us, "nginx − direct p50", None));
+            }
+            if let Some(ri) = idx("relay") {
+                rows.push(diff(
+                    ri,
+                    di,
+                    |r| r.p50_us,
+                    "byte relay − direct p50 (the floor)",
+                    None,
+                ));
             }
         }
     }

@@ -9,6 +9,7 @@ mod fwd;
 mod hold;
 mod hold_client;
 mod http;
+mod relay;
 mod release;
 mod scale;
 mod stats;
@@ -41,6 +42,9 @@ enum Cmd {
     Watch(watch::Args),
     /// 6. Control plane scale: ListModels and Watch snapshot with many models.
     Scale(scale::Args),
+    /// Helper of scenario 1: a byte relay (blocking, a thread per
+    /// direction), the floor for any proxy's added latency.
+    Relay(relay::Args),
     /// Helper: wait until a URL answers 200.
     WaitHttp(util::WaitArgs),
     /// Helper: print a free TCP port on 127.0.0.1.
@@ -57,6 +61,7 @@ async fn main() -> anyhow::Result<()> {
         Cmd::HoldClient(a) => hold_client::run(a).await,
         Cmd::Watch(a) => watch::run(a).await,
         Cmd::Scale(a) => scale::run(a).await,
+        Cmd::Relay(a) => relay::run(a),
         Cmd::WaitHttp(a) => util::wait_http(a).await,
         Cmd::FreePort => util::free_port(),
     }
