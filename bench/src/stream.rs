@@ -1,6 +1,6 @@
 //! Scenario 2, streaming: a streamed chat completion of N tokens, direct vs
-//! through siesta-proxy (and, with `--nginx`, through nginx for reference),
-//! one keep-alive connection each, requests alternating between them so
+//! through siesta-proxy (and, with `--nginx` and `--relay`, through nginx
+//! and a byte relay for reference), one keep-alive connection each, requests alternating between them so
 //! noise hits all alike. Reports time to the first body byte, total time,
 //! body frames and SSE events per response.
 
@@ -21,6 +21,10 @@ pub struct Args {
     /// alongside, for reference (no target).
     #[arg(long)]
     nginx: Option<String>,
+    /// A byte relay in front of the same engine (`siesta-bench relay`): its
+    /// TTFB over direct is the floor of what any proxy adds here.
+    #[arg(long)]
+    relay: Option<String>,
     #[arg(long, default_value = "bench")]
     model: String,
     #[arg(long, default_value_t = 256)]
@@ -54,12 +58,19 @@ pub async fn run(a: Args) -> Result<()> {
         Some(url) => Some(Conn::connect(socket_addr(url)?).await?),
         None => None,
     };
+    let mut relay = match &a.relay {
+        Some(url) => Some(Conn::connect(socket_addr(url)?).await?),
+        None => None,
+    };
     // Warm every path (pools, caches).
     for _ in 0..5 {
         one(&mut direct, &body).await.context("direct")?;
         one(&mut proxy, &body).await.context("proxy")?;
         if let Some(n) = nginx.as_mut() {
             one(n, &body).await.context("nginx")?;
+        }
+        if let Some(r) = relay.as_mut() {
+            one(r, &body).await.context("relay")?;
         }
     }
     let s = if a.label.is_empty() {
@@ -81,21 +92,33 @@ pub async fn run(a: Args) -> Result<()> {
         Row::new(&s, "siesta SSE events / response", ""),
         Row::new(&s, "responses with fewer SSE events via siesta", "").target(Target::AtMost(0.0)),
     ];
+    // Past the fixed rows, in this order: nginx's, the relay's.
     if nginx.is_some() {
         rows.push(Row::new(&s, "nginx − direct TTFB p50 (reference)", "µs"));
     }
+    if relay.is_some() {
+        rows.push(Row::new(
+            &s,
+            "byte relay − direct TTFB p50 (the floor)",
+            "µs",
+        ));
+    }
     for rep in 0..a.repeats {
-        let (mut d, mut p, mut n) = (Sample::default(), Sample::default(), Sample::default());
+        let (mut d, mut p) = (Sample::default(), Sample::default());
+        let (mut n, mut r) = (Sample::default(), Sample::default());
         for _ in 0..a.requests {
             record(&mut d, one(&mut direct, &body).await.context("direct")?);
             record(&mut p, one(&mut proxy, &body).await.context("proxy")?);
             if let Some(c) = nginx.as_mut() {
                 record(&mut n, one(c, &body).await.context("nginx")?);
             }
+            if let Some(c) = relay.as_mut() {
+                record(&mut r, one(c, &body).await.context("relay")?);
+            }
         }
         let want = median(&d.events);
         let short = p.events.iter().filter(|&&e| e < want).count() as f64;
-        let vals = [
+        let mut vals = vec![
             median(&d.ttfb_us),
             median(&p.ttfb_us),
             median(&p.ttfb_us) - median(&d.ttfb_us),
@@ -108,10 +131,15 @@ pub async fn run(a: Args) -> Result<()> {
             mean(&d.events),
             mean(&p.events),
             short,
-            median(&n.ttfb_us) - median(&d.ttfb_us),
         ];
-        for (row, v) in rows.iter_mut().zip(vals) {
-            row.push(v);
+        if nginx.is_some() {
+            vals.push(median(&n.ttfb_us) - median(&d.ttfb_us));
+        }
+        if relay.is_some() {
+            vals.push(median(&r.ttfb_us) - median(&d.ttfb_us));
+        }
+        for (row, v) in rows.iter_mut().zip(vals.iter()) {
+            row.push(*v);
         }
         eprintln!(
             "stream {} rep={rep}: ttfb direct {:.0}µs siesta {:.0}µs; frames {:.1}/{:.1}; events {:.1}/{:.1}",
