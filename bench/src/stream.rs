@@ -1,7 +1,7 @@
 //! Scenario 2, streaming: a streamed chat completion of N tokens, direct vs
 //! through siesta-proxy (and, with `--nginx` and `--relay`, through nginx
-//! and a byte relay for reference), one keep-alive connection each, requests alternating between them so
-//! noise hits all alike. Reports time to the first body byte, total time,
+//! and a byte relay for reference), one keep-alive connection each,
+//! requests alternating between them so noise hits all alike. Reports time to the first body byte, total time,
 //! body frames and SSE events per response.
 
 use anyhow::{Context, Result, bail};
