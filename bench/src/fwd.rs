@@ -1,7 +1,7 @@
 //! Scenario 1, forwarding overhead: wrk against each target (direct,
-//! siesta-proxy, nginx, a byte relay, LiteLLM) at concurrency 1 and 64, interleaved within
-//! each repeat so that machine noise spreads over all of them; ratios are
-//! taken within one repeat.
+//! siesta-proxy, nginx, a byte relay, LiteLLM) at concurrency 1 and 64,
+//! interleaved within each repeat so that machine noise spreads over all of
+//! them; ratios are taken within one repeat.
 
 use std::process::Command;
 

@@ -42,7 +42,7 @@ enum Cmd {
     Watch(watch::Args),
     /// 6. Control plane scale: ListModels and Watch snapshot with many models.
     Scale(scale::Args),
-    /// Helper of scenario 1: a byte relay (blocking, a thread per
+    /// Helper of scenarios 1 and 2: a byte relay (blocking, a thread per
     /// direction), the floor for any proxy's added latency.
     Relay(relay::Args),
     /// Helper: wait until a URL answers 200.

@@ -2,9 +2,10 @@
 //! connection gets a connection to the target and two threads, one per
 //! direction, each a blocking `read` and `write_all` in a loop: no parsing,
 //! no event loop, a woken thread returns from `read` with the bytes (one
-//! system call where an event loop makes two). Scenario 1 measures it beside
-//! the proxies, so that "added latency over direct" has its floor measured
-//! on the same machine in the same run.
+//! system call where an event loop makes two). Scenarios 1 and 2 measure it
+//! beside the proxies, so that "added latency over direct" and "time to
+//! first byte over direct" have their floor measured on the same machine in
+//! the same run.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
