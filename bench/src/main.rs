@@ -51,9 +51,21 @@ enum Cmd {
     FreePort,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    match Cli::parse().cmd {
+fn main() -> anyhow::Result<()> {
+    let cmd = Cli::parse().cmd;
+    let runtime = match &cmd {
+        Cmd::Stream(a) if a.client == stream::ClientRuntime::CurrentThread => {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?
+        }
+        _ => tokio::runtime::Runtime::new()?,
+    };
+    runtime.block_on(run(cmd))
+}
+
+async fn run(cmd: Cmd) -> anyhow::Result<()> {
+    match cmd {
         Cmd::Fwd(a) => fwd::run(a).await,
         Cmd::Stream(a) => stream::run(a).await,
         Cmd::Release(a) => release::run(a).await,

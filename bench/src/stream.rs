@@ -1,8 +1,18 @@
 //! Scenario 2, streaming: a streamed chat completion of N tokens, direct vs
 //! through siesta-proxy (and, with `--nginx` and `--relay`, through nginx
 //! and a byte relay for reference), one keep-alive connection each,
-//! requests alternating between them so noise hits all alike. Reports time to the first body byte, total time,
-//! body frames and SSE events per response.
+//! requests alternating between them so noise hits all alike. Reports time
+//! to the first body byte, total time, body frames and SSE events per
+//! response.
+//!
+//! Two controls say what the alternation itself does to the figures:
+//! `--warm-pair` sends every siesta request twice in a row, on two
+//! connections, and reports the second's TTFB less the first's: the first
+//! finds the proxy's code and data cold (it last ran three requests ago),
+//! the second warm. `--client current-thread` runs the client on one
+//! thread (as wrk does) instead of tokio's multi-threaded runtime, where
+//! hyper's connection task and the timing request hand each body frame
+//! from thread to thread.
 
 use anyhow::{Context, Result, bail};
 
@@ -40,6 +50,24 @@ pub struct Args {
     /// Print TTFB without judging it against the +50 µs target.
     #[arg(long)]
     no_ttfb_target: bool,
+    /// Send every siesta request a second time at once, on a second
+    /// connection, and report the TTFB of the second (the proxy warm) less
+    /// the first's (cold).
+    #[arg(long)]
+    warm_pair: bool,
+    /// The client's tokio runtime (chosen in `main`).
+    #[arg(long, value_enum, default_value_t = ClientRuntime::MultiThread)]
+    pub client: ClientRuntime,
+}
+
+/// The runtime the streaming client runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ClientRuntime {
+    /// tokio's default: the timing request on the main thread, hyper's
+    /// connection task on a worker (a hand-over between threads per frame).
+    MultiThread,
+    /// One thread for everything, as wrk's client.
+    CurrentThread,
 }
 
 #[derive(Debug, Default)]
@@ -62,6 +90,11 @@ pub async fn run(a: Args) -> Result<()> {
         Some(url) => Some(Conn::connect(socket_addr(url)?).await?),
         None => None,
     };
+    let mut again = if a.warm_pair {
+        Some(Conn::connect(socket_addr(&a.proxy)?).await?)
+    } else {
+        None
+    };
     // Warm every path (pools, caches).
     for _ in 0..5 {
         one(&mut direct, &body).await.context("direct")?;
@@ -71,6 +104,9 @@ pub async fn run(a: Args) -> Result<()> {
         }
         if let Some(r) = relay.as_mut() {
             one(r, &body).await.context("relay")?;
+        }
+        if let Some(w) = again.as_mut() {
+            one(w, &body).await.context("proxy again")?;
         }
     }
     let s = if a.label.is_empty() {
@@ -92,7 +128,7 @@ pub async fn run(a: Args) -> Result<()> {
         Row::new(&s, "siesta SSE events / response", ""),
         Row::new(&s, "responses with fewer SSE events via siesta", "").target(Target::AtMost(0.0)),
     ];
-    // Past the fixed rows, in this order: nginx's, the relay's.
+    // Past the fixed rows, in this order: nginx's, the relay's, the warm pair's.
     if nginx.is_some() {
         rows.push(Row::new(&s, "nginx − direct TTFB p50 (reference)", "µs"));
     }
@@ -103,12 +139,23 @@ pub async fn run(a: Args) -> Result<()> {
             "µs",
         ));
     }
+    if again.is_some() {
+        rows.push(Row::new(
+            &s,
+            "siesta warm − siesta cold TTFB p50 (the same request again at once)",
+            "µs",
+        ));
+    }
     for rep in 0..a.repeats {
         let (mut d, mut p) = (Sample::default(), Sample::default());
         let (mut n, mut r) = (Sample::default(), Sample::default());
+        let mut w = Sample::default();
         for _ in 0..a.requests {
             record(&mut d, one(&mut direct, &body).await.context("direct")?);
             record(&mut p, one(&mut proxy, &body).await.context("proxy")?);
+            if let Some(c) = again.as_mut() {
+                record(&mut w, one(c, &body).await.context("proxy again")?);
+            }
             if let Some(c) = nginx.as_mut() {
                 record(&mut n, one(c, &body).await.context("nginx")?);
             }
@@ -137,6 +184,9 @@ pub async fn run(a: Args) -> Result<()> {
         }
         if relay.is_some() {
             vals.push(median(&r.ttfb_us) - median(&d.ttfb_us));
+        }
+        if again.is_some() {
+            vals.push(median(&w.ttfb_us) - median(&p.ttfb_us));
         }
         for (row, v) in rows.iter_mut().zip(vals.iter()) {
             row.push(*v);
