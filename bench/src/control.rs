@@ -37,11 +37,12 @@ pub async fn state(c: &mut Client, name: &str) -> Result<ModelState> {
         .unwrap_or(ModelState::Unspecified))
 }
 
-/// Between two polls of [`wait_state`]. Not tokio's sleep: its timer has a
-/// 1 ms grain, and the 2 ms pause it had until run AA lasted 2–3 ms, so a
+/// Between two polls of [`wait_state`], on async-io's timer (the kernel's
+/// high-resolution clock, as fake-vllm's pacing). Not tokio's sleep: its
+/// timer has a 1 ms grain, and the 2 ms pause it had until run AA lasted 2–3 ms, so a
 /// transition was seen up to that late. Scenario 5's sleep transition read
 /// 3.9–4.1 ms without subscribers and 4.5–4.6 with them; polled every
-/// 250 µs it reads 1.9–2.2 and 2.8–3.6. The lag, added to both, had pulled
+/// 250 µs it reads 1.9–2.2 and 2.6–3.6. The lag, added to both, had pulled
 /// their ratio (the ≤ 1.25× target) toward 1 (BENCHMARKS.md, run AA).
 const POLL: Duration = Duration::from_micros(250);
 
@@ -61,8 +62,7 @@ pub async fn wait_state(
         if start.elapsed() > limit {
             bail!("{name}: still {s:?} after {limit:?}, want {want:?}");
         }
-        // A blocking-pool thread's sleep, to the kernel's clock.
-        tokio::task::spawn_blocking(|| std::thread::sleep(POLL)).await?;
+        async_io::Timer::after(POLL).await;
     }
 }
 

@@ -53,6 +53,10 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     let cmd = Cli::parse().cmd;
+    if let Cmd::Relay(a) = cmd {
+        // Blocking threads, no runtime.
+        return relay::run(a);
+    }
     let runtime = match &cmd {
         Cmd::Stream(a) if a.client == stream::ClientRuntime::CurrentThread => {
             tokio::runtime::Builder::new_current_thread()
@@ -73,7 +77,7 @@ async fn run(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::HoldClient(a) => hold_client::run(a).await,
         Cmd::Watch(a) => watch::run(a).await,
         Cmd::Scale(a) => scale::run(a).await,
-        Cmd::Relay(a) => relay::run(a),
+        Cmd::Relay(_) => unreachable!("run without a runtime, in main"),
         Cmd::WaitHttp(a) => util::wait_http(a).await,
         Cmd::FreePort => util::free_port(),
     }

@@ -164,36 +164,37 @@ async fn past_the_shutdown_timeout_answers_still_running_fail_as_with_a_dead_eng
 /// process never exited.
 #[tokio::test]
 async fn sigterm_stops_a_server_whose_output_pipes_are_closed() {
-    use std::io::BufRead;
-    use std::os::unix::process::CommandExt;
-    use std::process::{Command, Stdio};
-    let mut cmd = Command::new(siesta_tests::bin_path("fake-vllm"));
-    cmd.args(["serve", "m", "--host", "127.0.0.1", "--port", "0"])
+    use std::process::Stdio;
+    use tokio::io::AsyncBufReadExt;
+    let mut child = tokio::process::Command::new(siesta_tests::bin_path("fake-vllm"))
+        .args(["serve", "m", "--host", "127.0.0.1", "--port", "0"])
         .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("spawn fake-vllm");
-    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-    let out = child.stdout.take().unwrap();
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn fake-vllm");
+    let pid = nix::unistd::Pid::from_raw(child.id().expect("running") as i32);
     let err = child.stderr.take().unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
     // Read until it serves, then close both read ends.
-    let ready = tokio::task::spawn_blocking(move || {
-        let mut lines = std::io::BufReader::new(out).lines();
-        lines.any(|l| l.is_ok_and(|l| l.contains("Uvicorn running on")))
-    });
-    let ready = tokio::time::timeout(DEADLINE, ready).await;
-    assert!(matches!(ready, Ok(Ok(true))), "fake-vllm did not start");
+    let ready = tokio::time::timeout(DEADLINE, async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.contains("Uvicorn running on") {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert!(matches!(ready, Ok(true)), "fake-vllm did not start");
+    drop(lines);
     drop(err);
     nix::sys::signal::kill(pid, Signal::SIGTERM).unwrap();
-    let start = std::time::Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > DEADLINE {
-            // Its whole group: the engine core too.
-            let _ = nix::sys::signal::killpg(pid, Signal::SIGKILL);
-            let _ = child.kill();
-            panic!("fake-vllm still running {DEADLINE:?} after SIGTERM with its output closed");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    if tokio::time::timeout(DEADLINE, child.wait()).await.is_err() {
+        // Its whole group: the engine core too.
+        let _ = nix::sys::signal::killpg(pid, Signal::SIGKILL);
+        panic!("fake-vllm still running {DEADLINE:?} after SIGTERM with its output closed");
     }
 }
