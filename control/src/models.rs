@@ -206,7 +206,7 @@ impl Models {
             self.shared.hub.remove_model(name);
         }
         let store = &self.shared.store;
-        store.remove(name);
+        store.remove(name).wait().await;
         if let (Leaving::Changed { same_launch }, Some(before)) = (leaving, before) {
             let end = after.as_ref().unwrap_or(&before);
             let mut rec = crate::store::IntentRecord::from_status(&before);
@@ -214,7 +214,7 @@ impl Models {
             rec.last_activity_unix_ms = rec
                 .last_activity_unix_ms
                 .max(end.last_activity_unix_ms.unwrap_or(0));
-            store.set(name, rec);
+            store.set_soon(name, rec).wait().await;
             if same_launch {
                 store.set_calibration(name, &(&end.calibration).into());
             }

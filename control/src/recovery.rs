@@ -400,7 +400,7 @@ pub async fn recover(
     for name in store.intent_names() {
         if !config.models.iter().any(|m| m.name == name) {
             tracing::info!(model = %name, "forgetting the intent of a model no longer configured");
-            store.forget(&name);
+            store.forget(&name).wait().await;
         }
     }
     adopted

@@ -223,7 +223,9 @@ impl Store {
     }
 
     /// Records a model's intent (durable on return; unchanged ones are not
-    /// rewritten); false when the write failed.
+    /// rewritten); false when the write failed. The daemon itself waits
+    /// asynchronously ([`Store::set_soon`]).
+    #[cfg(test)]
     pub fn set(&self, name: &str, record: IntentRecord) -> bool {
         self.set_soon(name, record).wait_blocking()
     }
@@ -238,10 +240,10 @@ impl Store {
         self.put(INTENTS, name, &record)
     }
 
-    /// Forgets everything about a model (removed from the configuration).
-    pub fn remove(&self, name: &str) {
+    /// Forgets everything about a model (removed from the configuration):
+    /// queued, durable once [`Committed::wait`] says so.
+    pub fn remove(&self, name: &str) -> Committed {
         self.delete(&[INTENTS, ENGINES, CALIBRATION], name)
-            .wait_blocking();
     }
 
     /// Names of the models with a recorded intent.
@@ -253,9 +255,9 @@ impl Store {
     }
 
     /// Forgets a model's intent and calibration (its engine record stays
-    /// until its engine is gone).
-    pub fn forget(&self, name: &str) {
-        self.delete(&[INTENTS, CALIBRATION], name).wait_blocking();
+    /// until its engine is gone): queued, durable once waited for.
+    pub fn forget(&self, name: &str) -> Committed {
+        self.delete(&[INTENTS, CALIBRATION], name)
     }
 
     /// A model's engine record.

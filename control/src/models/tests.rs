@@ -485,3 +485,47 @@ async fn a_waited_wake_out_of_time_says_what_the_model_waits_for() {
     );
     cancel.cancel();
 }
+
+/// A reload that removes a model queues the deletion of its records and
+/// waits for it without blocking the task that reloads: a future joined
+/// with the reload runs while the write is held back. (It once waited in
+/// `block_in_place`, which stops every future of the task.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_removes_a_model_waits_for_the_store_without_blocking_its_task() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = shared(dir.path());
+    let text = format!("{BOOT}{}", sleeper("x", "none", "", "1s"));
+    let (models, cancel) = boot(&text, shared.clone());
+    models.command("x", Command::Stop).await.unwrap();
+    assert!(shared.store.get("x").is_some(), "x's intent recorded");
+    // The store's writer is held back until the probe below says so, or a
+    // deadline passes.
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let (paused, is_paused) = std::sync::mpsc::channel::<()>();
+    let store = shared.store.clone();
+    let holder = std::thread::spawn(move || {
+        let _held = store.pause_writes();
+        paused.send(()).unwrap();
+        released.recv_timeout(Duration::from_secs(20)).is_ok()
+    });
+    is_paused.recv().unwrap();
+    let store = shared.store.clone();
+    let probe = async move {
+        // Reads see queued writes: x's records are gone once the removal
+        // is queued, while the reload waits for it to be durable.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while store.get("x").is_some() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let _ = release.send(());
+    };
+    let empty = Config::parse(BOOT, "c.toml").unwrap();
+    let (summary, ()) = tokio::join!(models.reload(&empty), probe);
+    assert_eq!(summary.unwrap().removed, ["x"]);
+    assert!(
+        holder.join().unwrap(),
+        "the future joined with the reload did not run while the removal waited for the store"
+    );
+    assert!(shared.store.get("x").is_none());
+    cancel.cancel();
+}

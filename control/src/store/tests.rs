@@ -77,13 +77,13 @@ fn engine_records_and_calibration_round_trip() {
     assert_eq!(s.calibration("a").unwrap().start.samples, 2);
     assert!(s.set("a", intent(1)));
     assert_eq!(s.intent_names(), ["a"]);
-    s.forget("a");
+    assert!(s.forget("a").wait_blocking());
     assert!(s.get("a").is_none() && s.calibration("a").is_none());
     assert!(
         s.engine("a").is_some(),
         "engine record kept until it is gone"
     );
-    s.remove("a");
+    assert!(s.remove("a").wait_blocking());
     assert!(s.engine("a").is_none());
 }
 
