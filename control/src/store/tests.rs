@@ -452,3 +452,53 @@ fn a_store_that_could_not_write_for_a_while_writes_again() {
     assert_eq!(s.engine("e"), Some(engine(5, 1)));
     assert_eq!(s.get("c"), Some(intent(3)));
 }
+
+/// A conditional write (an engine's exit removing its own record) reads
+/// the file outside the queue's lock, and sees a round that commits the
+/// same key between that read and the queueing: the record of a newer
+/// engine committed meanwhile is not removed. (The read was under the
+/// lock before: a write from inside it could not even be queued.)
+#[test]
+fn a_conditional_write_sees_a_commit_that_lands_while_it_reads_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(dir.path()).unwrap();
+    assert!(s.set_engine("b", &engine(4, 1)));
+    let newer = EngineRecord {
+        tag: "t2".into(),
+        ..engine(5, 2)
+    };
+    let (done, result) = std::sync::mpsc::channel();
+    let (s2, newer2) = (s.clone(), newer.clone());
+    std::thread::spawn(move || {
+        let reads = std::cell::Cell::new(0);
+        let committed = || {
+            let before = s2.read_committed(ENGINES, "b");
+            if reads.replace(reads.get() + 1) == 0 {
+                // A newer engine's record, committed after this read.
+                assert!(s2.set_engine("b", &newer2));
+            }
+            before
+        };
+        let ours = |b: Option<&[u8]>| {
+            b.and_then(|b| serde_json::from_slice::<EngineRecord>(b).ok())
+                .is_some_and(|r| r.tag == "t")
+        };
+        let delete = super::writer::Op::Delete {
+            tables: vec![ENGINES],
+            key: "b".into(),
+        };
+        let queued = s2.writes.submit_if((ENGINES, "b"), ours, committed, delete);
+        let _ = done.send((queued.is_some(), reads.get()));
+    });
+    let Ok((queued, reads)) = result.recv_timeout(std::time::Duration::from_secs(30)) else {
+        // The store's lock is held for good: dropping it would wait too.
+        std::mem::forget(s);
+        panic!("the conditional write did not return: it read the file under the queue's lock");
+    };
+    assert!(!queued, "the newer engine's record would have been removed");
+    assert_eq!(
+        reads, 2,
+        "the file read again after the round that ended meanwhile"
+    );
+    assert_eq!(s.engine("b"), Some(newer));
+}

@@ -83,6 +83,9 @@ struct Queue {
     committing: Arc<Vec<Op>>,
     /// Told when the queued writes are durable (or failed).
     waiters: Vec<oneshot::Sender<bool>>,
+    /// Rounds ended (committed or failed): what the file holds may have
+    /// changed when this has.
+    rounds: u64,
     closed: bool,
 }
 
@@ -165,22 +168,35 @@ impl Writes {
 
     /// Queues `op` only if `keep` holds of what `at` (table, key) holds
     /// now: the latest queued or committing write's, or else `committed()`
-    /// (the file's). All under the queue's lock, so no write comes between
-    /// the look and the queueing (the writer commits only what is queued
-    /// or committing). `None` when not queued.
+    /// (the file's). The look and the queueing happen under one hold of
+    /// the queue's lock, so no write comes between them. The file is read
+    /// outside it (a read waits while the writer reopens the file, and
+    /// every writer would wait with it); that read stands if, under the
+    /// lock again, nothing of `at` is queued or committing and no round
+    /// has ended since: the file is then as read. Otherwise it is read
+    /// again. `None` when not queued.
     pub(super) fn submit_if(
         &self,
         at: (Table, &str),
         keep: impl FnOnce(Option<&[u8]>) -> bool,
-        committed: impl FnOnce() -> Option<Vec<u8>>,
+        committed: impl Fn() -> Option<Vec<u8>>,
         op: Op,
     ) -> Option<Committed> {
-        let q = self.queue.lock().unwrap();
-        let now = match latest_in(&q, at.0, at.1) {
-            Some(queued) => queued.map(<[u8]>::to_vec),
-            None => committed(),
-        };
-        keep(now.as_deref()).then(|| self.push(q, vec![op]))
+        let mut read: Option<(u64, Option<Vec<u8>>)> = None;
+        loop {
+            let q = self.queue.lock().unwrap();
+            let now = match (latest_in(&q, at.0, at.1), read.take()) {
+                (Some(queued), _) => queued.map(<[u8]>::to_vec),
+                (None, Some((rounds, file))) if rounds == q.rounds => file,
+                (None, _) => {
+                    let rounds = q.rounds;
+                    drop(q);
+                    read = Some((rounds, committed()));
+                    continue;
+                }
+            };
+            return keep(now.as_deref()).then(|| self.push(q, vec![op]));
+        }
     }
 
     fn push(&self, mut q: std::sync::MutexGuard<'_, Queue>, ops: Vec<Op>) -> Committed {
@@ -268,7 +284,11 @@ impl Writes {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 commit_or_reopen(db, &ops)
             };
-            self.queue.lock().unwrap().committing = Arc::default();
+            {
+                let mut q = self.queue.lock().unwrap();
+                q.committing = Arc::default();
+                q.rounds += 1;
+            }
             for w in waiters {
                 let _ = w.send(ok);
             }
@@ -296,6 +316,7 @@ impl Drop for CloseOnExit<'_> {
         q.closed = true;
         q.ops.clear();
         q.committing = Arc::default();
+        q.rounds += 1;
         q.waiters.clear();
     }
 }
