@@ -303,8 +303,10 @@ impl Store {
     /// runs as each engine exits, a thousand at a shutdown): a record not
     /// yet removed at a crash names an engine that is gone, which the next
     /// start finds gone and removes.
-    /// The record is looked at and the removal queued at once (under the
-    /// queue's lock): a new engine's record queued meanwhile is not taken.
+    /// The record is looked at and the removal queued under one hold of the
+    /// queue's lock (the file read outside it, and read again if a commit
+    /// ended meanwhile): a new engine's record queued or committed
+    /// meanwhile is not taken.
     pub fn remove_engine(&self, name: &str, tag: &str) {
         let ours = |bytes: Option<&[u8]>| {
             bytes
