@@ -2,8 +2,12 @@
 //! model's new engine goes on from its old one's intent, pin and history;
 //! the stop bound `siesta up` waits for follows the stop grace.
 
+use super::commands::{account, still_waking, waited_wake_says};
 use super::*;
+use crate::reconciler::{Command, Desired, Reason};
 use crate::runner::tests::shared;
+use crate::status::State;
+use std::time::Duration;
 
 const BOOT: &str = "[control]\ntoken = \"old\"\n[defaults]\nmax_queue = 8\n";
 
@@ -461,13 +465,13 @@ async fn a_waited_wake_out_of_time_says_what_the_model_waits_for() {
             .into(),
     );
     assert_eq!(
-        super::still_waking(&s, Duration::from_secs(15)),
+        still_waking(&s, Duration::from_secs(15)),
         "still starting after 15s, waiting for room on GPU 0: ... held by 98.5 GiB by \
          processes siesta does not run: pid 833 (98.5 GiB); the wake goes on"
     );
     s.waiting_for = None;
     assert_eq!(
-        super::still_waking(&s, Duration::from_secs(15)),
+        still_waking(&s, Duration::from_secs(15)),
         "still starting after 15s; the wake goes on"
     );
     // Failed (or awake) right at the deadline: told as it is, never "still
@@ -475,14 +479,11 @@ async fn a_waited_wake_out_of_time_says_what_the_model_waits_for() {
     s.state = State::Failed;
     s.last_error = Some("engine exited unexpectedly".into());
     assert_eq!(
-        super::waited_wake_says(&s, Duration::from_secs(15)),
+        waited_wake_says(&s, Duration::from_secs(15)),
         "failed: engine exited unexpectedly"
     );
     s.state = State::Awake;
-    assert_eq!(
-        super::waited_wake_says(&s, Duration::from_secs(15)),
-        "awake"
-    );
+    assert_eq!(waited_wake_says(&s, Duration::from_secs(15)), "awake");
     cancel.cancel();
 }
 
