@@ -3,9 +3,11 @@
 
 mod effects;
 mod persist;
+mod probe;
 mod publish;
 mod suspect;
 mod suspend;
+mod turns;
 
 pub use suspect::Refused;
 

@@ -1,10 +1,11 @@
 //! Carrying out the reconciler's effects: each I/O runs in its own task and
 //! reports back as an event tagged with the epoch (or process generation).
 
+use super::probe::{PROBE_TIMEOUT, sleep_level};
+use super::turns::{hold_off_sleeps, hold_off_starts, hold_off_wakes, to_the_end};
 use super::{Msg, Runner};
 use crate::config::Launch;
-use crate::engine::EngineError;
-use crate::reconciler::{Effect, Event, Phase};
+use crate::reconciler::{Effect, Event};
 use crate::store::EngineRecord;
 use crate::supervisor::{self, free_port, spawn_spec};
 use nix::sys::signal::Signal as NixSignal;
@@ -12,48 +13,10 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-/// Per-probe timeout: engines accept the connection but answer nothing
-/// until start-up is done.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 const PROBE_EVERY: Duration = Duration::from_millis(200);
 /// Extra time HTTP calls get beyond the transition deadline (the deadline
 /// itself is enforced by the state machine).
 const CALL_SLACK: Duration = Duration::from_secs(5);
-
-/// Whether an attach engine sleeps, and at which level. `/is_sleeping`
-/// decides (vLLM 0.24's metric alone reads awake after
-/// `wake_up?tags=weights`); it waits behind a running wake, so "no answer"
-/// is waited on up to the wake timeout and never taken for awake.
-pub(super) async fn sleep_level(
-    client: &crate::engine::EngineClient,
-    name: &str,
-    known: u8,
-    wake_timeout: Duration,
-) -> Option<u8> {
-    let mut answer = client.is_sleeping_within(PROBE_TIMEOUT).await;
-    if let Ok(None) = answer {
-        answer = client.is_sleeping_within(wake_timeout).await;
-    }
-    match answer {
-        Ok(Some(false)) => None,
-        Ok(Some(true)) => {
-            let m = client.metrics(PROBE_TIMEOUT).await.ok();
-            if m.is_some_and(|m| !m.has_vllm_metrics) {
-                tracing::warn!(model = %name, "engine serves no vllm: metrics (--disable-log-stats?): its sleep level and activity are unknown");
-            }
-            let level = m.and_then(|m| m.sleep_level).filter(|l| *l > 0);
-            Some(level.unwrap_or(known).min(2))
-        }
-        Ok(None) => {
-            tracing::warn!(model = %name, level = known, "/is_sleeping never answered; taking the engine as asleep");
-            Some(known)
-        }
-        Err(error) => {
-            tracing::warn!(model = %name, level = known, %error, "/is_sleeping failed; taking the engine as asleep");
-            Some(known)
-        }
-    }
-}
 
 impl Runner {
     pub(super) fn event_sender(&self) -> impl Fn(Event) + Send + 'static {
@@ -421,67 +384,6 @@ impl Runner {
             .await;
         });
     }
-
-    /// Periodic probe of an awake or asleep engine: `/health`, and while
-    /// awake `/metrics` for its running requests.
-    pub(super) fn poll(&mut self) {
-        let awake = match self.state.phase {
-            // Yielding: still serving what is in flight (the engine's own
-            // gauge says when that is done too).
-            Phase::Awake | Phase::Yielding { .. } => true,
-            Phase::Asleep { .. } => false,
-            _ => return,
-        };
-        if self.polling {
-            return;
-        }
-        self.polling = true;
-        self.poll_started = tokio::time::Instant::now();
-        let client = self.client.clone();
-        let tx = self.tx.clone();
-        let epoch = self.state.epoch;
-        let timeout = PROBE_TIMEOUT * 2;
-        let has_metric = self.cfg.engine.capabilities().activity_metric.is_some();
-        let sleep_query = self.cfg.engine.capabilities().sleep_query;
-        let (gate, frozen) = (self.probe_gate.clone(), self.frozen.clone());
-        tokio::spawn(async move {
-            // Nothing may reach a suspended engine (a request reaching a
-            // checkpointed engine core killed it on an H200).
-            let _gate = gate.lock().await;
-            if frozen.load(std::sync::atomic::Ordering::SeqCst) {
-                let _ = tx.send(Msg::Poll {
-                    epoch,
-                    result: Ok(None),
-                });
-                return;
-            }
-            let result = async {
-                // Never SGLang's /health here (it generates a token): a
-                // release may begin while this probe is on its way, and a
-                // generation reaching released memory kills the engine.
-                client.probe(timeout).await?;
-                if awake && has_metric {
-                    let mut m = client.metrics_probe(timeout).await?;
-                    // The metric alone never says awake (vLLM 0.24 records
-                    // awake after `wake_up?tags=weights`; a draining sleep
-                    // records only at its end): `/is_sleeping` says whether
-                    // the scheduler takes requests.
-                    if sleep_query && m.sleep_level.is_none_or(|l| l == 0) {
-                        m.is_sleeping = client
-                            .is_sleeping_within(PROBE_TIMEOUT)
-                            .await
-                            .ok()
-                            .flatten();
-                    }
-                    Ok(Some(m))
-                } else {
-                    Ok(None)
-                }
-            }
-            .await;
-            let _ = tx.send(Msg::Poll { epoch, result });
-        });
-    }
 }
 
 /// Tells the model's task that admission let it in, and waits until the
@@ -499,131 +401,5 @@ pub(super) async fn hand_over_admission(tx: &mpsc::UnboundedSender<Msg>, epoch: 
         .is_ok()
     {
         let _ = taken.await;
-    }
-}
-
-/// Runs `call`, an engine call (or a wait for an engine's exit) made holding
-/// `turns` (the GPU locks it needs), to its end even when the op awaiting
-/// it is aborted by a newer epoch: the engine goes on freeing or allocating
-/// whoever waits for its answer (vLLM does not call off a sleep or wake
-/// whose client went away), so the turns are held until it has answered.
-/// The call's own timeout bounds that (a stop's wait for the exit: its
-/// grace and 5 minutes). Before, a stop during a sleep let a
-/// neighbour's start begin while the sleep still freed memory, and vLLM
-/// failed that start ("Error in memory profiling").
-pub(super) async fn to_the_end<G, T>(
-    turns: G,
-    call: impl std::future::Future<Output = Result<T, EngineError>> + Send + 'static,
-) -> Result<T, EngineError>
-where
-    G: Send + 'static,
-    T: Send + 'static,
-{
-    tokio::spawn(async move {
-        let answer = call.await;
-        drop(turns);
-        answer
-    })
-    .await
-    .unwrap_or_else(|e| Err(format!("the engine call ended without an answer: {e}")))
-}
-
-/// Holds off starts on `gpus` while `model` frees memory there (`what`:
-/// its sleep, stop or suspend): vLLM fails a start whose GPU frees memory
-/// while it profiles (see `GpuLocks`).
-pub(super) async fn hold_off_starts(
-    shared: &super::Shared,
-    model: &str,
-    what: &str,
-    gpus: &[u32],
-    tx: &mpsc::UnboundedSender<Msg>,
-) -> crate::supervisor::FreeGuards {
-    let turn = Turn {
-        what,
-        of: "an engine starting",
-        because: "vLLM fails a start whose GPU frees memory while it profiles",
-    };
-    let locks = &shared.locks;
-    turn.wait(model, gpus, locks.try_free(gpus), locks.free(gpus), tx)
-        .await
-}
-
-/// Holds off wakes on `gpus` while `model` sleeps there: vLLM fails a sleep
-/// whose GPU's memory use grows meanwhile ("Memory usage increased after
-/// sleeping"; see `GpuLocks`).
-pub(super) async fn hold_off_wakes(
-    shared: &super::Shared,
-    model: &str,
-    gpus: &[u32],
-    tx: &mpsc::UnboundedSender<Msg>,
-) -> crate::supervisor::SleepGuards {
-    let turn = Turn {
-        what: "sleep",
-        of: "a neighbour waking",
-        because: SLEEP_FAILS,
-    };
-    let locks = &shared.locks;
-    turn.wait(model, gpus, locks.try_sleep(gpus), locks.sleep(gpus), tx)
-        .await
-}
-
-/// Holds off sleeps on `gpus` while `model`'s wake (or CUDA restore)
-/// allocates there.
-pub(super) async fn hold_off_sleeps(
-    shared: &super::Shared,
-    model: &str,
-    gpus: &[u32],
-    tx: &mpsc::UnboundedSender<Msg>,
-) -> crate::supervisor::WakeGuards {
-    let turn = Turn {
-        what: "wake",
-        of: "a neighbour going to sleep",
-        because: SLEEP_FAILS,
-    };
-    let locks = &shared.locks;
-    turn.wait(model, gpus, locks.try_wake(gpus), locks.wake(gpus), tx)
-        .await
-}
-
-const SLEEP_FAILS: &str = "vLLM fails a sleep whose GPU's memory use grows meanwhile";
-
-/// `what` a model does on its GPUs waits for `of` there, `because`.
-struct Turn<'a> {
-    what: &'a str,
-    of: &'a str,
-    because: &'a str,
-}
-
-impl Turn<'_> {
-    /// The guards `now` holds, else those `take` waits for (the model's
-    /// status says what for meanwhile), at most
-    /// [`crate::reconciler::ROOM_WAIT`]: after that it goes on without
-    /// (what it waits for is stuck, and the model's own deadline would
-    /// run out).
-    async fn wait<G>(
-        &self,
-        model: &str,
-        gpus: &[u32],
-        now: Option<Vec<G>>,
-        take: impl std::future::Future<Output = Vec<G>>,
-        tx: &mpsc::UnboundedSender<Msg>,
-    ) -> Vec<G> {
-        if let Some(g) = now {
-            return g;
-        }
-        let Turn { what, of, because } = self;
-        let on: Vec<String> = gpus.iter().map(u32::to_string).collect();
-        let waiting = format!(
-            "{of} on GPU {} ({because}): the {what} waits for it",
-            on.join(", ")
-        );
-        tracing::info!(model = %model, gpus = ?gpus, "{what} waits for {of} on its GPUs");
-        let _ = tx.send(Msg::WaitingFor(Some(waiting)));
-        let held = tokio::time::timeout(crate::reconciler::ROOM_WAIT, take).await;
-        let _ = tx.send(Msg::WaitingFor(None));
-        held.unwrap_or_else(|_| {
-            tracing::warn!(model = %model, "{of} on its GPUs for {:?}: the {what} goes on anyway", crate::reconciler::ROOM_WAIT);
-            Vec::new()
-        })
     }
 }

@@ -94,7 +94,7 @@ impl Runner {
             // checkpoint frees would fail that start (see `GpuLocks`). A
             // request held meanwhile calls the suspend off.
             let guards = tokio::select! {
-                g = super::effects::hold_off_starts(&shared, &name, "suspend", &gpus, &tx) => g,
+                g = super::turns::hold_off_starts(&shared, &name, "suspend", &gpus, &tx) => g,
                 () = cancel.cancelled() => {
                     send(Event::SuspendCalledOff { epoch });
                     return;
@@ -185,7 +185,7 @@ impl Runner {
                 .unwrap_or_else(|| checkpoint::group_pids(pgid));
             // A restore allocates as a wake does: not while a neighbour
             // sleeps on its GPUs (vLLM would fail that sleep).
-            let guards = super::effects::hold_off_sleeps(&shared, &name, &gpus, &tx).await;
+            let guards = super::turns::hold_off_sleeps(&shared, &name, &gpus, &tx).await;
             send(Event::WakeBegan { epoch, step: 0 });
             tracing::info!(model = %name, ?pids, "resuming: CUDA restore");
             let tool = shared.cuda_checkpoint.clone();
@@ -211,7 +211,7 @@ async fn run_holding<G: Send + 'static>(
     pids: Vec<u32>,
     deadline: Duration,
 ) -> Result<Vec<checkpoint::PidReport>, String> {
-    super::effects::to_the_end(turns, async move {
+    super::turns::to_the_end(turns, async move {
         checkpoint::run(&tool, op, &pids, deadline)
             .await
             .map_err(|e| e.to_string())

@@ -239,12 +239,12 @@ async fn an_attach_engine_that_does_not_say_its_level_is_not_taken_for_level_one
     let t = Duration::from_secs(5);
     // Nothing recorded: the safe level 2.
     assert_eq!(
-        super::effects::sleep_level(&client, "ext", 2, t).await,
+        super::probe::sleep_level(&client, "ext", 2, t).await,
         Some(2)
     );
     // The level siesta put it to, from the intent in the store.
     assert_eq!(
-        super::effects::sleep_level(&client, "ext", 1, t).await,
+        super::probe::sleep_level(&client, "ext", 1, t).await,
         Some(1)
     );
     // /is_sleeping decides: the metric alone never says awake.
@@ -258,15 +258,12 @@ async fn an_attach_engine_that_does_not_say_its_level_is_not_taken_for_level_one
     .await;
     let client = EngineClient::new(&awake_metric.url);
     assert_eq!(
-        super::effects::sleep_level(&client, "ext", 2, t).await,
+        super::probe::sleep_level(&client, "ext", 2, t).await,
         Some(2)
     );
     let awake = engine(|_, _, _| Act::Ok(r#"{"is_sleeping":false}"#)).await;
     let client = EngineClient::new(&awake.url);
-    assert_eq!(
-        super::effects::sleep_level(&client, "ext", 2, t).await,
-        None
-    );
+    assert_eq!(super::probe::sleep_level(&client, "ext", 2, t).await, None);
 }
 
 /// Requests a proxy reports held under a fence from before the model was
