@@ -305,8 +305,8 @@ impl Store {
     /// start finds gone and removes.
     /// The record is looked at and the removal queued under one hold of the
     /// queue's lock (the file read outside it, and read again if a commit
-    /// ended meanwhile): a new engine's record queued or committed
-    /// meanwhile is not taken.
+    /// ended meanwhile; the fourth time under the lock): a new engine's
+    /// record queued or committed meanwhile is not taken.
     pub fn remove_engine(&self, name: &str, tag: &str) {
         let ours = |bytes: Option<&[u8]>| {
             bytes

@@ -502,3 +502,66 @@ fn a_conditional_write_sees_a_commit_that_lands_while_it_reads_the_file() {
     );
     assert_eq!(s.engine("b"), Some(newer));
 }
+
+/// A conditional write whose every read of the file outside the queue's
+/// lock sees a round end (other keys committed meanwhile, as when many
+/// engines exit at once) still ends: after `READS_OUTSIDE` reads it reads
+/// the file under the lock. The read after them commits from another
+/// thread and waits for it: under the lock that commit waits, so none
+/// lands before the write returns. Without the bound every read would
+/// commit again and the write would never return.
+#[test]
+fn a_conditional_write_ends_though_a_round_ends_during_every_read() {
+    use super::writer::READS_OUTSIDE;
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(dir.path()).unwrap();
+    assert!(s.set_engine("b", &engine(4, 1)));
+    let (done, result) = std::sync::mpsc::channel();
+    let s2 = s.clone();
+    std::thread::spawn(move || {
+        let reads = std::cell::Cell::new(0u32);
+        let landed_under_lock = std::cell::Cell::new(0u32);
+        let committed = || {
+            let before = s2.read_committed(ENGINES, "b");
+            let n = reads.get();
+            reads.set(n + 1);
+            let other = format!("other-{n}");
+            if n < READS_OUTSIDE {
+                assert!(s2.set_engine(&other, &engine(9, 1)));
+            } else {
+                let (landed, is_landed) = std::sync::mpsc::channel();
+                let s3 = s2.clone();
+                std::thread::spawn(move || {
+                    let _ = landed.send(s3.set_engine(&other, &engine(9, 1)));
+                });
+                if is_landed.recv_timeout(Duration::from_millis(300)).is_ok() {
+                    landed_under_lock.set(landed_under_lock.get() + 1);
+                }
+            }
+            before
+        };
+        let ours = |b: Option<&[u8]>| {
+            b.and_then(|b| serde_json::from_slice::<EngineRecord>(b).ok())
+                .is_some_and(|r| r.tag == "t")
+        };
+        let delete = super::writer::Op::Delete {
+            tables: vec![ENGINES],
+            key: "b".into(),
+        };
+        let queued = s2.writes.submit_if((ENGINES, "b"), ours, committed, delete);
+        let waited = queued.map(Committed::wait_blocking);
+        let _ = done.send((waited, reads.get(), landed_under_lock.get()));
+    });
+    let Ok((waited, reads, landed)) = result.recv_timeout(Duration::from_secs(30)) else {
+        std::mem::forget(s);
+        panic!("the conditional write did not return: a round ended during every read");
+    };
+    assert_eq!(waited, Some(true), "the engine's own record is removed");
+    assert_eq!(reads, READS_OUTSIDE + 1);
+    assert_eq!(
+        landed, 0,
+        "the last read was not under the queue's lock: a commit landed during it"
+    );
+    assert_eq!(s.engine("b"), None);
+}

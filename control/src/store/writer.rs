@@ -159,6 +159,10 @@ impl Committed {
     }
 }
 
+/// How many times [`Writes::submit_if`] reads the file outside the queue's
+/// lock before it reads it under the lock.
+pub(super) const READS_OUTSIDE: u32 = 3;
+
 impl Writes {
     /// Queues `ops` (in order, after every write queued before).
     pub(super) fn submit(&self, ops: Vec<Op>) -> Committed {
@@ -174,7 +178,9 @@ impl Writes {
     /// every writer would wait with it); that read stands if, under the
     /// lock again, nothing of `at` is queued or committing and no round
     /// has ended since: the file is then as read. Otherwise it is read
-    /// again. `None` when not queued.
+    /// again, at most [`READS_OUTSIDE`] times; after that (rounds ending
+    /// during every read, as when many engines exit at once) under the
+    /// lock, so that it ends. `None` when not queued.
     pub(super) fn submit_if(
         &self,
         at: (Table, &str),
@@ -183,12 +189,15 @@ impl Writes {
         op: Op,
     ) -> Option<Committed> {
         let mut read: Option<(u64, Option<Vec<u8>>)> = None;
+        let mut reads = 0;
         loop {
             let q = self.queue.lock().unwrap();
             let now = match (latest_in(&q, at.0, at.1), read.take()) {
                 (Some(queued), _) => queued.map(<[u8]>::to_vec),
                 (None, Some((rounds, file))) if rounds == q.rounds => file,
+                (None, _) if reads == READS_OUTSIDE => committed(),
                 (None, _) => {
+                    reads += 1;
                     let rounds = q.rounds;
                     drop(q);
                     read = Some((rounds, committed()));
