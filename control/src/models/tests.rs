@@ -419,6 +419,30 @@ async fn commands_during_a_reloads_drain_are_refused_and_the_intent_is_kept() {
     cancel.cancel();
 }
 
+/// An unpin is durable though it leaves the intent as it was: pinned, then
+/// woken by an operator (the intent's reason is no longer the pin), then
+/// unpinned, the record says unpinned, or a restart of siesta would pin the
+/// model again for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpin_that_leaves_the_intent_as_it_was_is_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = shared(dir.path());
+    let (models, cancel) = boot(&sleeper("chat", "none", "", "1s"), shared.clone());
+    let pinned = || {
+        let rec = shared.store.get("chat").expect("an intent record");
+        (rec.reason, rec.pinned_until_unix_ms)
+    };
+    models.pin("chat", 0).await.unwrap();
+    assert_eq!(pinned(), ("pin".to_string(), i64::MAX));
+    models.command("chat", Command::Wake).await.unwrap();
+    assert_eq!(pinned(), ("operator".to_string(), i64::MAX));
+    let (s, _) = models.unpin("chat").await.unwrap();
+    assert_eq!(s.pin, crate::status::PinView::None, "{s:#?}");
+    assert_eq!(pinned(), ("operator".to_string(), 0));
+    models.resolve("chat").unwrap().shutdown(true).await;
+    cancel.cancel();
+}
+
 /// What a command's reply says: a deeper sleep of a model asleep at level
 /// 1 says it wakes it first (it read "waking", as if the sleep had been
 /// taken for a wake); the same or a shallower level is already done.

@@ -12,7 +12,7 @@ mod transitions;
 /// Applies `event` at `now`; returns the new state and what to do.
 pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<Effect>) {
     let mut fx = Vec::new();
-    let (intent_before, restart_before) = (m.intent, m.restart_asked);
+    let (intent_before, restart_before, pin_before) = (m.intent, m.restart_asked, m.pin);
     let (epoch_before, calibration_before) = (m.epoch, m.calibration);
     let history_before = (m.restarts, m.last_activity, m.idle_floor);
     expire_pin(&mut m, now);
@@ -25,7 +25,9 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
         // Served: the proxies release what they held.
         m.demand_since = None;
     }
-    if m.intent != intent_before || m.restart_asked != restart_before {
+    // An unpin may leave the intent as it was (woken by an operator while
+    // pinned): the pin is recorded beside it, or a restart pins it again.
+    if m.intent != intent_before || m.restart_asked != restart_before || m.pin != pin_before {
         fx.push(Effect::Persist);
     } else if (m.restarts, m.last_activity, m.idle_floor) != history_before {
         fx.push(Effect::PersistHistory);
