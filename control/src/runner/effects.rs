@@ -2,7 +2,7 @@
 //! reports back as an event tagged with the epoch (or process generation).
 
 use super::probe::{PROBE_TIMEOUT, sleep_level};
-use super::turns::{hold_off_sleeps, hold_off_starts, hold_off_wakes, to_the_end};
+use super::turns::{hold_off_sleeps, hold_off_starts, sleep_turns, to_the_end};
 use super::{Msg, Runner};
 use crate::config::Launch;
 use crate::reconciler::{Effect, Event};
@@ -119,17 +119,13 @@ impl Runner {
                     (self.shared.clone(), self.cfg.name.clone(), self.tx.clone());
                 let gpus = self.placed.gpus.clone();
                 self.op(async move {
-                    // Not while an engine starts on its GPUs: freed memory
-                    // would fail its start (see `GpuLocks`).
-                    let guards = hold_off_starts(&shared, &name, "sleep", &gpus, &tx).await;
-                    // Nor while a neighbour wakes there: its allocation
-                    // would fail this sleep.
-                    let quiet = hold_off_wakes(&shared, &name, &gpus, &tx).await;
+                    // Not while an engine starts on its GPUs (freed memory
+                    // would fail its start), nor while a neighbour wakes
+                    // there (its allocation would fail this sleep).
+                    let turns = sleep_turns(&shared, &name, &gpus, &tx).await;
                     send(Event::FreeBegan { epoch });
-                    let slept = to_the_end((guards, quiet), async move {
-                        client.sleep(level, timeout).await
-                    })
-                    .await;
+                    let slept =
+                        to_the_end(turns, async move { client.sleep(level, timeout).await }).await;
                     send(match slept {
                         Ok(()) => Event::SleepDone { epoch },
                         Err(error) => Event::SleepFailed { epoch, error },

@@ -7,7 +7,10 @@
 
 use super::Msg;
 use crate::engine::EngineError;
+use crate::reconciler::ROOM_WAIT;
+use crate::supervisor::{FreeGuards, SleepGuards, WakeGuards};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 /// Runs `call`, an engine call (or a wait for an engine's exit) made holding
 /// `turns` (the GPU locks it needs), to its end even when the op awaiting
@@ -44,34 +47,68 @@ pub(super) async fn hold_off_starts(
     what: &str,
     gpus: &[u32],
     tx: &mpsc::UnboundedSender<Msg>,
-) -> crate::supervisor::FreeGuards {
+) -> FreeGuards {
     let turn = Turn {
         what,
         of: "an engine starting",
         because: "vLLM fails a start whose GPU frees memory while it profiles",
     };
     let locks = &shared.locks;
-    turn.wait(model, gpus, locks.try_free(gpus), locks.free(gpus), tx)
-        .await
+    let until = Instant::now() + ROOM_WAIT;
+    turn.wait(
+        model,
+        gpus,
+        locks.try_free(gpus),
+        locks.free(gpus),
+        tx,
+        until,
+    )
+    .await
 }
 
-/// Holds off wakes on `gpus` while `model` sleeps there: vLLM fails a sleep
-/// whose GPU's memory use grows meanwhile ("Memory usage increased after
-/// sleeping"; see `GpuLocks`).
-pub(super) async fn hold_off_wakes(
+/// A sleep's turns on `gpus`: no start there (the memory it frees would
+/// fail that start), then no wake (vLLM fails a sleep whose GPU's memory
+/// use grows meanwhile: "Memory usage increased after sleeping"; see
+/// `GpuLocks`). Both waits together end within [`ROOM_WAIT`], what the
+/// sleep's deadline allows before its engine is asked: each had it whole,
+/// so a neighbour's start of 4 minutes and then another's wake of 4 made
+/// a sleep wait 8, its deadline ran out and a healthy engine was killed.
+pub(super) async fn sleep_turns(
     shared: &super::Shared,
     model: &str,
     gpus: &[u32],
     tx: &mpsc::UnboundedSender<Msg>,
-) -> crate::supervisor::SleepGuards {
+) -> (FreeGuards, SleepGuards) {
+    let until = Instant::now() + ROOM_WAIT;
+    let free = hold_off_starts(shared, model, "sleep", gpus, tx).await;
+    let quiet = hold_off_wakes(shared, model, gpus, tx, until).await;
+    (free, quiet)
+}
+
+/// Holds off wakes on `gpus` while `model` sleeps there, waiting until
+/// `until` at most.
+async fn hold_off_wakes(
+    shared: &super::Shared,
+    model: &str,
+    gpus: &[u32],
+    tx: &mpsc::UnboundedSender<Msg>,
+    until: Instant,
+) -> SleepGuards {
     let turn = Turn {
         what: "sleep",
         of: "a neighbour waking",
         because: SLEEP_FAILS,
     };
     let locks = &shared.locks;
-    turn.wait(model, gpus, locks.try_sleep(gpus), locks.sleep(gpus), tx)
-        .await
+    turn.wait(
+        model,
+        gpus,
+        locks.try_sleep(gpus),
+        locks.sleep(gpus),
+        tx,
+        until,
+    )
+    .await
 }
 
 /// Holds off sleeps on `gpus` while `model`'s wake (or CUDA restore)
@@ -81,15 +118,23 @@ pub(super) async fn hold_off_sleeps(
     model: &str,
     gpus: &[u32],
     tx: &mpsc::UnboundedSender<Msg>,
-) -> crate::supervisor::WakeGuards {
+) -> WakeGuards {
     let turn = Turn {
         what: "wake",
         of: "a neighbour going to sleep",
         because: SLEEP_FAILS,
     };
     let locks = &shared.locks;
-    turn.wait(model, gpus, locks.try_wake(gpus), locks.wake(gpus), tx)
-        .await
+    let until = Instant::now() + ROOM_WAIT;
+    turn.wait(
+        model,
+        gpus,
+        locks.try_wake(gpus),
+        locks.wake(gpus),
+        tx,
+        until,
+    )
+    .await
 }
 
 const SLEEP_FAILS: &str = "vLLM fails a sleep whose GPU's memory use grows meanwhile";
@@ -103,8 +148,8 @@ struct Turn<'a> {
 
 impl Turn<'_> {
     /// The guards `now` holds, else those `take` waits for (the model's
-    /// status says what for meanwhile), at most
-    /// [`crate::reconciler::ROOM_WAIT`]: after that it goes on without
+    /// status says what for meanwhile) until `until` at most
+    /// ([`ROOM_WAIT`] from the op's start): after that it goes on without
     /// (what it waits for is stuck, and the model's own deadline would
     /// run out).
     async fn wait<G>(
@@ -114,6 +159,7 @@ impl Turn<'_> {
         now: Option<Vec<G>>,
         take: impl std::future::Future<Output = Vec<G>>,
         tx: &mpsc::UnboundedSender<Msg>,
+        until: Instant,
     ) -> Vec<G> {
         if let Some(g) = now {
             return g;
@@ -126,11 +172,61 @@ impl Turn<'_> {
         );
         tracing::info!(model = %model, gpus = ?gpus, "{what} waits for {of} on its GPUs");
         let _ = tx.send(Msg::WaitingFor(Some(waiting)));
-        let held = tokio::time::timeout(crate::reconciler::ROOM_WAIT, take).await;
+        let began = Instant::now();
+        let held = tokio::time::timeout_at(until, take).await;
         let _ = tx.send(Msg::WaitingFor(None));
         held.unwrap_or_else(|_| {
-            tracing::warn!(model = %model, "{of} on its GPUs for {:?}: the {what} goes on anyway", crate::reconciler::ROOM_WAIT);
+            tracing::warn!(model = %model, waited = ?began.elapsed(), "{of} on its GPUs past the {what}'s wait for room: it goes on anyway");
             Vec::new()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A sleep that waits for a neighbour's start (4 minutes), then for
+    /// another's wake (4 more), asks its engine within [`ROOM_WAIT`] of its
+    /// start, as its deadline allows: without the wake's turn once the
+    /// time is out, never after 8 minutes.
+    #[tokio::test(start_paused = true)]
+    async fn a_sleeps_waits_for_a_start_then_a_wake_end_within_the_room_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let shared = crate::runner::tests::shared(dir.path());
+        let start = shared.locks.acquire(&[0]).await;
+        let wake = shared.locks.wake(&[0]).await;
+        fn held_for<G: Send + 'static>(guards: G, secs: u64) {
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(secs)).await;
+                drop(guards);
+            });
+        }
+        held_for(start, 240);
+        held_for(wake, 480);
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let began = Instant::now();
+        let (free, quiet) = sleep_turns(&shared, "a", &[0], &tx).await;
+        let waited = began.elapsed();
+        assert!(
+            waited >= Duration::from_secs(240) && waited <= ROOM_WAIT,
+            "{waited:?}"
+        );
+        assert_eq!(free.len(), 1, "the start's end was waited for");
+        assert!(
+            quiet.is_empty(),
+            "the wake's was not, once the time was out"
+        );
+        let said: Vec<String> = std::iter::from_fn(|| rx.try_recv().ok())
+            .filter_map(|m| match m {
+                Msg::WaitingFor(Some(w)) => Some(w),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            said[0].contains("an engine starting") && said[1].contains("a neighbour waking"),
+            "{said:?}"
+        );
     }
 }
