@@ -158,12 +158,18 @@ fn adoption(
         .get(&cfg.name)
         .cloned()
         .unwrap_or_else(|| default_placement(cfg));
+    // A port the configuration fixes is the one it must run on (a changed
+    // one is a changed command line); one siesta picked is the engine's.
+    let port = match &cfg.launch {
+        Launch::Process { port: Some(p), .. } => *p,
+        _ => rec.port,
+    };
     let runs_with = |p2p_disabled: bool| {
         let p = Placed {
             p2p_disabled,
             ..placed.clone()
         };
-        command_hash(&spawn_spec(cfg, rec.port, &p)) == rec.command_hash
+        command_hash(&spawn_spec(cfg, port, &p)) == rec.command_hash
     };
     let now = placed.p2p_disabled;
     if runs_with(now) {
@@ -599,6 +605,39 @@ mod tests {
             command_hash(&spawn_spec(cfg, 1, &with(false))),
             command_hash(&spawn_spec(cfg, 1, &with(true))),
             "the verdict changes the command"
+        );
+    }
+
+    /// A fixed `port` changed in the file while siesta was down: the engine
+    /// on the old port is not adopted (it was, and every later start of
+    /// the model reused the old port for good); one on a port siesta
+    /// picked is adopted on it.
+    #[test]
+    fn an_engine_on_a_fixed_port_changed_since_is_not_adopted() {
+        let fixed = |port: &str| {
+            let text = format!("[[model]]\nname = \"m\"\nmodel = \"m\"\ngpus = 0\n{port}");
+            Config::parse(&text, "c.toml").unwrap().models.remove(0)
+        };
+        let spawned_on = |cfg: &ModelConfig, port: u16| {
+            let mut rec = record(1, 1, "t");
+            rec.port = port;
+            rec.command_hash = command_hash(&spawn_spec(cfg, port, &default_placement(cfg)));
+            rec
+        };
+        let none = BTreeMap::new();
+        let old = spawned_on(&fixed("port = 8001\n"), 8001);
+        assert_eq!(
+            adoption(&old, Some(&fixed("port = 8001\n")), &none, None),
+            Ok(false)
+        );
+        assert_eq!(
+            unwanted(&old, Some(&fixed("port = 8002\n")), &none, None),
+            Some("its command line changed in the configuration")
+        );
+        let picked = fixed("");
+        assert_eq!(
+            adoption(&spawned_on(&picked, 41234), Some(&picked), &none, None),
+            Ok(false)
         );
     }
 
