@@ -150,6 +150,14 @@ pub const GONE_GRACE: Duration = Duration::from_secs(30);
 /// another address has synced.
 const GONE_CHECK: Duration = Duration::from_millis(250);
 
+/// While an address that left DNS is kept, how often to look the name up
+/// (at most; `resolve_interval` if shorter): its control plane back at a
+/// new address must be found, and synced, within [`GONE_GRACE`]. At the
+/// usual `resolve_interval` (30 s, the grace itself) the new address was
+/// found only as the grace ran out, and the models went (404) until it
+/// synced.
+const GONE_LOOKUP: Duration = Duration::from_secs(1);
+
 /// The watches of one `--control` host name: one per address it resolves to,
 /// and the addresses gone whose models are still routed.
 #[derive(Debug, Default)]
@@ -233,6 +241,24 @@ impl Addresses {
 
 /// Watches one `--control` value until `shutdown`.
 pub async fn run_control(ctx: WatchCtx, url: ControlUrl, shutdown: CancellationToken) {
+    let lookup = |host: String, port: u16| async move {
+        tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .map(Iterator::collect)
+    };
+    run_resolving(ctx, url, shutdown, lookup).await;
+}
+
+/// [`run_control`], its host name looked up by `lookup`.
+async fn run_resolving<F, Fut>(
+    ctx: WatchCtx,
+    url: ControlUrl,
+    shutdown: CancellationToken,
+    mut lookup: F,
+) where
+    F: FnMut(String, u16) -> Fut,
+    Fut: std::future::Future<Output = std::io::Result<std::collections::BTreeSet<SocketAddr>>>,
+{
     if let Ok(ip) = url.host.parse::<IpAddr>() {
         let addr = SocketAddr::new(ip, url.port);
         watch_source(ctx, url.url.clone(), url.source_for(addr), shutdown).await;
@@ -243,10 +269,10 @@ pub async fn run_control(ctx: WatchCtx, url: ControlUrl, shutdown: CancellationT
     let mut next_lookup = tokio::time::Instant::now();
     loop {
         if tokio::time::Instant::now() >= next_lookup {
-            let wait = match tokio::net::lookup_host((url.host.as_str(), url.port)).await {
+            let wait = match lookup(url.host.clone(), url.port).await {
                 Ok(addrs) => {
                     failures = 0;
-                    addresses.resolved(&ctx, &url, addrs.collect(), &shutdown);
+                    addresses.resolved(&ctx, &url, addrs, &shutdown);
                     ctx.resolve_interval
                 }
                 Err(e) => {
@@ -258,10 +284,12 @@ pub async fn run_control(ctx: WatchCtx, url: ControlUrl, shutdown: CancellationT
             next_lookup = tokio::time::Instant::now() + wait;
         }
         addresses.settle(&ctx.table);
+        let now = tokio::time::Instant::now();
         let until = if addresses.gone.is_empty() {
             next_lookup
         } else {
-            next_lookup.min(tokio::time::Instant::now() + GONE_CHECK)
+            next_lookup = next_lookup.min(now + GONE_LOOKUP);
+            next_lookup.min(now + GONE_CHECK)
         };
         tokio::select! {
             _ = tokio::time::sleep_until(until) => {}
@@ -461,6 +489,67 @@ mod tests {
         assert_eq!(*view.by_name["m"].sources, [url.source_for(new)]);
         assert!(view.by_name.contains_key("n"));
         shutdown.cancel();
+    }
+
+    /// A control plane pod restarted at a new address, the proxy looking
+    /// the name up every 30 s (the default), as long as the grace: once the
+    /// old address has left DNS, the name is looked up every second, so
+    /// the new address is watched (and can sync) well within the grace;
+    /// before, it was found only as the grace ran out, and its models got
+    /// 404 until it synced. Once nothing is kept, every 30 s again.
+    #[tokio::test(start_paused = true)]
+    async fn a_name_is_looked_up_often_while_an_address_that_left_it_is_kept() {
+        let (mut ctx, _, _, _) = setup();
+        ctx.table = Arc::new(RouteTable::new(Arc::new(Activity::default())));
+        // Port 9: nothing listens, the watches retry in the background.
+        let url = ControlUrl::parse("http://control.example:9").unwrap();
+        let (old, new): (SocketAddr, SocketAddr) = (
+            "127.0.0.1:9".parse().unwrap(),
+            "127.0.0.2:9".parse().unwrap(),
+        );
+        let began = tokio::time::Instant::now();
+        let lookups = Arc::new(Mutex::new(Vec::new()));
+        let lookup = {
+            let lookups = lookups.clone();
+            move |_: String, _: u16| {
+                let mut at = lookups.lock().unwrap();
+                at.push(began.elapsed());
+                // The pod's old address, then none (restarting), then its new one.
+                let addrs = match at.len() {
+                    1 => vec![old],
+                    2 | 3 => vec![],
+                    _ => vec![new],
+                };
+                std::future::ready(Ok(addrs.into_iter().collect()))
+            }
+        };
+        let shutdown = CancellationToken::new();
+        let table = ctx.table.clone();
+        let run = tokio::spawn(run_resolving(ctx, url.clone(), shutdown.clone(), lookup));
+        // The old address syncs; the new one does once it is watched.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        table.apply(&url.source_for(old), snapshot());
+        while lookups.lock().unwrap().len() < 4 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(table.view().by_name.contains_key("m"), "kept meanwhile");
+        table.apply(&url.source_for(new), snapshot());
+        tokio::time::sleep(GONE_GRACE * 3).await;
+        shutdown.cancel();
+        run.await.unwrap();
+        let at = lookups.lock().unwrap().clone();
+        let secs = |i: usize| at[i].as_secs_f64().round() as u64;
+        assert_eq!(
+            (secs(0), secs(1), secs(2), secs(3)),
+            (0, 30, 31, 32),
+            "{at:?}"
+        );
+        // Replaced (a lookup already planned a second on may come): back
+        // to the usual interval.
+        let n = at.len();
+        assert_eq!(secs(n - 1) - secs(n - 2), 30, "{at:?}");
+        let view = table.view();
+        assert_eq!(*view.by_name["m"].sources, [url.source_for(new)]);
     }
 
     /// With no other address, the gone one's models go after the grace.
