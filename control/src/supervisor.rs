@@ -69,6 +69,15 @@ pub const TAG_ENV: &str = "SIESTA_ENGINE_TAG";
 /// directory's, and told apart from another control plane's on the host.
 pub const STATE_ENV: &str = "SIESTA_STATE_DIR";
 
+/// Set for every engine: vLLM (and SGLang) name their engine core and
+/// workers with py-setproctitle, which zeroes what `/proc/PID/environ`
+/// shows of them unless this is set, and siesta finds an engine's
+/// leftovers by [`TAG_ENV`] and [`STATE_ENV`] there (an engine core that
+/// outlived its server while the store was lost was never found, and kept
+/// its GPU memory). With it the titles are limited to the length of the
+/// command line, which vLLM's short ones fit.
+pub const NO_ENV_CLOBBER: (&str, &str) = ("SPT_NOENV", "1");
+
 /// The value of [`STATE_ENV`] for `state_dir`: its canonical path (as
 /// given when it cannot be resolved).
 pub fn state_marker(state_dir: &Path) -> String {
@@ -220,6 +229,7 @@ pub fn spawn(
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .env(TAG_ENV, tag)
         .env(STATE_ENV, state_marker(log_dir.parent().unwrap_or(log_dir)))
+        .env(NO_ENV_CLOBBER.0, NO_ENV_CLOBBER.1)
         .stdin(std::process::Stdio::null())
         .stdout(out)
         .stderr(err)

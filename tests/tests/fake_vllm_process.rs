@@ -44,6 +44,37 @@ async fn tp_workers_and_engine_core_outlive_a_sigkilled_server() {
     .await;
 }
 
+/// What `/proc/PID/environ` shows of the engine core and its workers: nothing, as of
+/// vLLM's, whose py-setproctitle zeroes it when it names them; all of it with
+/// `SPT_NOENV=1` (siesta sets it: it finds an engine's leftovers by their environment).
+#[tokio::test]
+async fn the_engine_core_and_workers_show_no_environment_unless_spt_noenv() {
+    for noenv in ["", "1"] {
+        let fv = spawn_fake_vllm_env(
+            &["m", "-tp", "2"],
+            &[("SPT_NOENV", noenv), ("SIESTA_TEST_MARK", "x")],
+        )
+        .await;
+        let core = fv.engine_core_pid().await;
+        let workers = siesta_tests::wait_for("two TP workers", DEADLINE, || {
+            let w: Vec<i32> = siesta_tests::descendants(core)
+                .into_iter()
+                .filter(|p| proc_stat(*p).is_some_and(|s| s.comm == "VLLM::Worker_TP"))
+                .collect();
+            (w.len() == 2).then_some(w)
+        })
+        .await;
+        let shows = |pid: i32| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+            env.split(|b| *b == 0).any(|kv| kv == b"SIESTA_TEST_MARK=x")
+        };
+        assert!(shows(fv.child.pid() as i32), "the server is not renamed");
+        for pid in std::iter::once(core).chain(workers) {
+            assert_eq!(shows(pid), noenv == "1", "SPT_NOENV={noenv:?}, pid {pid}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn sigterm_stops_the_engine_core_and_its_workers() {
     let mut fv = spawn_fake_vllm(&["m", "-tp", "2"]).await;

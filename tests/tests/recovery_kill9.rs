@@ -315,6 +315,44 @@ async fn an_engine_whose_record_was_lost_with_the_store_is_stopped_first() {
     only_engine(&ctl, new.pid as i32).await;
 }
 
+/// The store was lost and the engine's server died while siesta was down: only its
+/// engine core is left (as vLLM's outlives its server), renamed as vLLM names it, which
+/// zeroes what `/proc` shows of its environment unless `SPT_NOENV` is set. siesta sets
+/// it, so the leftover is found by its state directory and killed before the new engine
+/// starts; before, it was never found, and kept its GPU memory.
+#[tokio::test]
+async fn an_engine_core_left_by_a_dead_server_whose_record_was_lost_is_killed() {
+    let model = fake_model("chat", "awake", &["--orphan-engine-core"], "");
+    let mut ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let old = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG)
+        .await
+        .pid as i32;
+    wait_until("engine-core child up", LONG, || async {
+        siesta_tests::group_members(old).len() >= 2
+    })
+    .await;
+    ctl.kill9();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(old),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_until("server gone, engine core left", LONG, || async {
+        !siesta_tests::alive(old) && !siesta_tests::group_members(old).is_empty()
+    })
+    .await;
+    let store = ctl.dir.path().join("state/siesta.redb");
+    std::fs::write(&store, vec![0xa5u8; 20000]).unwrap();
+    ctl.restart().await;
+    let mut c = ctl.client().await;
+    let new = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
+    assert_ne!(new.pid as i32, old);
+    // Gone before the new one started, not eventually.
+    assert_eq!(siesta_tests::group_members(old), Vec::<i32>::new());
+    only_engine(&ctl, new.pid as i32).await;
+}
+
 /// A SIGTERM while the restarted control plane is still recovering (here:
 /// its adopted engine's `/is_sleeping` waits behind a long wake, up to the
 /// 300 s wake timeout) ends it promptly, not when recovery is over.

@@ -50,11 +50,25 @@ fn prefix(argv: &[OsString], marker: &str) -> Vec<OsString> {
     }
 }
 
-/// `exe PREFIX... sub`, stdin closed.
+/// `exe PREFIX... sub`, stdin closed, its environment as `/proc` will show it.
 fn this_exe(argv: &[OsString], marker: &str, sub: &str) -> std::io::Result<Command> {
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.args(prefix(argv, marker)).arg(sub).stdin(Stdio::null());
+    environ_as_setproctitle_leaves_it(&mut cmd);
     Ok(cmd)
+}
+
+/// vLLM names its engine core and workers with py-setproctitle
+/// (`VLLM::EngineCore`, `VLLM::Worker_TP0`), which zeroes the memory that
+/// `/proc/PID/environ` reads, unless `SPT_NOENV` is set (checked with
+/// setproctitle 1.3.7, vLLM 0.24.0's: not one byte left). Python keeps its
+/// own copy, so the process still has its variables; only what others read
+/// of it is gone. These children read no variable, so they are spawned
+/// without any: `/proc` shows what it shows of vLLM's.
+fn environ_as_setproctitle_leaves_it(cmd: &mut Command) {
+    if std::env::var_os("SPT_NOENV").is_none_or(|v| v.is_empty()) {
+        cmd.env_clear();
+    }
 }
 
 fn set_name(name: &str) {
