@@ -265,13 +265,27 @@ impl RouteTable {
         let ready = st.sources.values().any(|s| s.synced);
         // Group statuses by model name over all control planes.
         let mut grouped: BTreeMap<&str, Vec<(&SourceId, &ModelStatus)>> = BTreeMap::new();
-        let mut seen = std::collections::HashSet::new();
+        // Of the addresses that reach one control plane process, the one
+        // furthest along counts: one whose watch broke keeps its last
+        // snapshot, which the other's events leave behind (the first
+        // address counted, frozen, and the live one's events were dropped).
+        let mut furthest: HashMap<&(String, String, i64), (&SourceId, u64)> = HashMap::new();
         for (id, src) in &st.sources {
             if let Some(ident) = &src.identity
                 && src.synced
-                && !seen.insert(ident)
             {
-                continue; // another address of a control plane already counted
+                let best = furthest.entry(ident).or_insert((id, src.revision));
+                if src.revision > best.1 {
+                    *best = (id, src.revision);
+                }
+            }
+        }
+        for (id, src) in &st.sources {
+            if let Some(ident) = &src.identity
+                && src.synced
+                && furthest.get(ident).is_some_and(|(best, _)| *best != id)
+            {
+                continue; // another address of this control plane counts
             }
             for (name, m) in &src.models {
                 grouped.entry(name.as_str()).or_default().push((id, m));

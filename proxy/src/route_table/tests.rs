@@ -140,6 +140,36 @@ fn best_source_leads_and_same_process_counts_once() {
     assert_eq!(t.view().by_name["m"].endpoints.len(), 1);
 }
 
+/// Two addresses of one control plane process, the first one's watch broken
+/// (its last snapshot kept): the other's events count. Before, the first
+/// address in order always did, frozen: the model, asleep since, was still
+/// routed to as awake (vLLM holds such requests until a wake).
+#[test]
+fn of_two_addresses_of_one_process_the_one_further_along_counts() {
+    let t = table();
+    let (a, b): (SourceId, SourceId) = (Arc::from("http://a"), Arc::from("http://b"));
+    let ident = ("ctl".to_owned(), "box".to_owned(), 42);
+    for s in [&a, &b] {
+        t.set_identity(s, ident.clone());
+        t.apply(
+            s,
+            snapshot(3, vec![status("m", ModelState::Awake, &["http://e:1"])]),
+        );
+    }
+    assert!(t.view().by_name["m"].is_awake());
+    // `a`'s watch is down; `b` sees the model go to sleep.
+    t.apply(&b, event(4, status("m", ModelState::Asleep, &[])));
+    let v = t.view();
+    assert!(!v.by_name["m"].is_awake(), "{:?}", v.by_name["m"]);
+    assert_eq!(*v.by_name["m"].sources, [b.clone()]);
+    // `a` back, caught up and beyond: it counts again.
+    t.apply(
+        &a,
+        event(5, status("m", ModelState::Awake, &["http://e:1"])),
+    );
+    assert_eq!(*t.view().by_name["m"].sources, [a]);
+}
+
 #[test]
 fn suspect_endpoints_are_skipped() {
     let t = table();
