@@ -161,7 +161,7 @@ fn of_two_addresses_of_one_process_the_one_further_along_counts() {
     t.apply(&b, event(4, status("m", ModelState::Asleep, &[])));
     let v = t.view();
     assert!(!v.by_name["m"].is_awake(), "{:?}", v.by_name["m"]);
-    assert_eq!(*v.by_name["m"].sources, [b.clone()]);
+    assert_eq!(&*v.by_name["m"].sources, std::slice::from_ref(&b));
     // `a` back, caught up and beyond: it counts again.
     t.apply(
         &a,
