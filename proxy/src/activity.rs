@@ -100,6 +100,12 @@ impl ActivityCounters {
         self.held.store(n, Ordering::Relaxed);
     }
 
+    /// The held count set last.
+    #[cfg(test)]
+    pub(crate) fn held(&self) -> u32 {
+        self.held.load(Ordering::Relaxed)
+    }
+
     /// Takes what accumulated since the last report, if worth reporting.
     fn take(&self) -> Option<ModelActivity> {
         // The fence before the in-flight count (see the module note).

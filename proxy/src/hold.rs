@@ -118,13 +118,18 @@ impl HoldQueue {
     }
 
     /// Reports to `to` from now on (the best control plane may change).
-    fn report_to(&self, to: Arc<ActivityCounters>) {
+    fn report_to(&self, to: Arc<ActivityCounters>, held: usize) {
         let mut r = self.report.lock().unwrap();
-        if let Some(old) = r.as_ref()
-            && !Arc::ptr_eq(old, &to)
-        {
+        if r.as_ref().is_some_and(|old| Arc::ptr_eq(old, &to)) {
+            return;
+        }
+        if let Some(old) = r.take() {
             old.set_held(0);
         }
+        // What waits now, told to the new control plane at once: a request
+        // shed (the queue full) changes no count, and the new one took the
+        // queue for empty until one joined or left.
+        to.set_held(held as u32);
         *r = Some(to);
     }
 }
@@ -303,7 +308,7 @@ impl Holds {
             return self.admit(route, held_since);
         }
         if let Some(source) = route.sources.first() {
-            queue.report_to(self.activity.counters(source, &route.name));
+            queue.report_to(self.activity.counters(source, &route.name), q.waiters.len());
         }
         let depth = q.waiters.len();
         if est.calibrated && est.ms > hold_left {
@@ -553,7 +558,9 @@ pub fn state_name(s: ModelState) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::route_table::SourceId;
     use crate::route_table::tests::{event, snapshot, status};
+    use siesta_proto::v1::HoldPolicy;
 
     /// Holds over a table whose model `m`, read asleep (the route
     /// returned), then changed by `change` before any release ran.
@@ -596,6 +603,44 @@ mod tests {
             .await;
         assert!(matches!(waited, Wait::Released(Release::Go)), "{waited:?}");
         assert_eq!(holds.depth("m"), 0);
+    }
+
+    /// The control plane leading for a model changes while requests are held
+    /// and the queue is full: the new one is told what waits at once (its
+    /// held count is demand), the old one that nothing does. Before, the
+    /// shed request changed no count, and both said 0 until one joined or
+    /// left.
+    #[tokio::test]
+    async fn a_new_leading_control_plane_is_told_what_is_held_at_once() {
+        let asleep = |level| {
+            let mut s = status("m", ModelState::Asleep, &[]);
+            s.sleep_level = level;
+            s.hold = Some(HoldPolicy {
+                max_queue: 1,
+                ..Default::default()
+            });
+            s
+        };
+        let (a, b): (SourceId, SourceId) = (Arc::from("http://a"), Arc::from("http://b"));
+        let (holds, _) = stale_route(|table, src| {
+            table.apply(src, snapshot(2, vec![asleep(2)]));
+        });
+        let table = holds.table.clone();
+        table.apply(&a, snapshot(1, vec![asleep(1)]));
+        table.apply(&b, snapshot(1, vec![asleep(2)]));
+        let route = table.view().by_name["m"].clone();
+        assert_eq!(route.sources[0], a);
+        let held = |s: &SourceId| holds.activity.counters(s, &route.name).held();
+        let _ticket = holds.admit(&route, Instant::now()).unwrap();
+        assert_eq!((held(&a), held(&b)), (1, 0));
+        // `b` leads now (it wakes sooner); the queue is full.
+        table.apply(&a, event(2, asleep(2)));
+        table.apply(&b, event(2, asleep(1)));
+        let route = table.view().by_name["m"].clone();
+        assert_eq!(route.sources[0], b);
+        let shed = holds.admit(&route, Instant::now());
+        assert!(shed.is_err(), "the queue holds one");
+        assert_eq!((held(&a), held(&b)), (0, 1));
     }
 
     /// The same for a model removed meanwhile: the view without it found
