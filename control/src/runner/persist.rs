@@ -18,16 +18,17 @@ const HISTORY_EVERY_MS: i64 = 1000;
 /// What a model's log says when its record could not be written (the
 /// daemon's log names the file and redb's error; siesta tries again at
 /// the next write, on the file reopened).
-const STORE_FAILED: &str = "state store write failed (is state_dir full or read-only? the \
-     daemon's log names the file): this intent and history would not survive a restart";
+const STORE_FAILED: &str = "state store write failed (is state_dir full, read-only or not \
+     answering? the daemon's log names the file): this intent and history would not survive a \
+     restart";
 /// The same, of a suspend.
 pub(super) const SUSPEND_NOT_RECORDED: &str = "cannot record the suspend in the state store \
-     (is state_dir full or read-only? the daemon's log names the file): a restarted control \
-     would not know the engine is suspended";
+     (is state_dir full, read-only or not answering? the daemon's log names the file): a \
+     restarted control would not know the engine is suspended";
 /// The same, of the engine record's sleep level.
-const SLEEP_LEVEL_FAILED: &str = "state store write failed (is state_dir full or read-only? \
-     the daemon's log names the file): a restarted control would not know the engine's sleep \
-     level";
+const SLEEP_LEVEL_FAILED: &str = "state store write failed (is state_dir full, read-only or not \
+     answering? the daemon's log names the file): a restarted control would not know the \
+     engine's sleep level";
 
 /// Supervises the adopted engine `a` of model `name` and puts `state` on
 /// it; returns the handle and the effects to carry out first.

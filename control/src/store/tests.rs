@@ -565,3 +565,30 @@ fn a_conditional_write_ends_though_a_round_ends_during_every_read() {
     );
     assert_eq!(s.engine("b"), None);
 }
+
+/// A writer that does not get through (the disk stops answering: here the
+/// writer is held): a task's wait for its write ends after its limit,
+/// false, as after a failed write, instead of stopping the model's task
+/// (deadlines and all) for as long as the disk hangs. The write stays
+/// queued, is read back meanwhile, and lands once the writer goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// The guard held across the waits is the stuck disk: the writer thread
+// waits on it, no task does.
+#[allow(clippy::await_holding_lock)]
+async fn a_wait_for_a_commit_that_does_not_come_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(dir.path()).unwrap();
+    let held = s.writes.pause();
+    let limit = std::time::Duration::from_millis(300);
+    let wait = s.set_soon("a", intent(1)).wait_within(limit);
+    let waited = tokio::time::timeout(std::time::Duration::from_secs(20), wait)
+        .await
+        .expect("the wait ended");
+    assert!(!waited, "not committed");
+    assert_eq!(s.get("a"), Some(intent(1)), "read back while queued");
+    drop(held);
+    assert!(s.set_soon("b", intent(2)).wait().await);
+    drop(s);
+    let s = Store::open(dir.path()).unwrap();
+    assert_eq!(s.get("a"), Some(intent(1)), "it landed");
+}

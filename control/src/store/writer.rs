@@ -20,6 +20,7 @@
 //! record's); every waiter of a failed round is told false.
 
 use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use super::Db;
 use futures::channel::oneshot;
@@ -124,22 +125,38 @@ impl Committed {
         self.0.is_none()
     }
 
-    /// True once durable; false when the commit failed (logged). On a
+    /// True once durable; false when the commit failed (logged), or did not
+    /// end within [`COMMIT_WAIT`]. On a
     /// current-thread runtime the thread blocks for it instead (a
     /// millisecond, as every write did before): the wait is on another
     /// thread, which such a runtime takes for idleness, and under paused
     /// time (the model tasks' tests) its clock would jump to the next timer
     /// while the write is under way.
     pub async fn wait(self) -> bool {
+        self.wait_within(COMMIT_WAIT).await
+    }
+
+    /// [`Self::wait`], giving up (false) after `limit` on a multi-threaded
+    /// runtime: the write stays queued and lands when the disk answers.
+    pub(super) async fn wait_within(self, limit: Duration) -> bool {
         let Some(rx) = self.0 else {
             return true;
         };
         let current_thread = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
         if current_thread {
-            futures::executor::block_on(rx).unwrap_or(false)
-        } else {
-            rx.await.unwrap_or(false)
+            return futures::executor::block_on(rx).unwrap_or(false);
+        }
+        match tokio::time::timeout(limit, rx).await {
+            Ok(done) => done.unwrap_or(false),
+            Err(_) => {
+                tracing::error!(
+                    waited = ?limit,
+                    "state store: a write not committed in time (does state_dir's disk answer?); \
+                     going on without waiting for it (it stays queued)"
+                );
+                false
+            }
         }
     }
 
@@ -158,6 +175,11 @@ impl Committed {
         }
     }
 }
+
+/// How long a task waits for its write's commit: a disk that stops answering
+/// (a hung network mount) would stop a model's task for as long, deadlines
+/// and all; after this it goes on as after a failed write, saying so.
+pub const COMMIT_WAIT: Duration = Duration::from_secs(30);
 
 /// How many times [`Writes::submit_if`] reads the file outside the queue's
 /// lock before it reads it under the lock.
