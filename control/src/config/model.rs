@@ -448,11 +448,33 @@ const SGLANG_FLAGS: &[(&[&str], &str, &str)] = &[
     ),
 ];
 
+/// Flags that spread an engine over more GPUs than `gpus` (pipeline, data
+/// or prefill-context parallel): siesta places `gpus` GPUs, makes only
+/// those visible and runs tensor parallel over all of them, so the engine
+/// would fail to start, or take GPUs placement gave another model. (A fake
+/// engine ignored them, and such a model passed every test.)
+const VLLM_MORE_GPUS: &[&str] = &[
+    "--pipeline-parallel-size",
+    "-pp",
+    "--data-parallel-size",
+    "-dp",
+    "--data-parallel-size-local",
+    "-dpl",
+    "--prefill-context-parallel-size",
+    "-pcp",
+];
+const SGLANG_MORE_GPUS: &[&str] = &[
+    "--pp-size",
+    "--pipeline-parallel-size",
+    "--dp-size",
+    "--data-parallel-size",
+];
+
 /// Engine flags in `args` that siesta sets itself or cannot work with.
 fn check_args(p: &mut Problems, key: &str, engine: EngineKind, args: &[String]) {
-    let owned = match engine {
-        EngineKind::Vllm => VLLM_FLAGS,
-        EngineKind::Sglang => SGLANG_FLAGS,
+    let (owned, more_gpus) = match engine {
+        EngineKind::Vllm => (VLLM_FLAGS, VLLM_MORE_GPUS),
+        EngineKind::Sglang => (SGLANG_FLAGS, SGLANG_MORE_GPUS),
         EngineKind::Openai => return,
     };
     for a in args {
@@ -468,6 +490,16 @@ fn check_args(p: &mut Problems, key: &str, engine: EngineKind, args: &[String]) 
             p.push(
                 key,
                 format!("{written} is set by siesta from `{k}`{why}: set `{k}` instead"),
+            );
+        }
+        if more_gpus.contains(&flag.as_str()) {
+            p.push(
+                key,
+                format!(
+                    "{written} spreads the engine over more GPUs than `gpus` places (siesta runs \
+                     it tensor parallel over exactly those GPUs): remove it, and set `gpus` to \
+                     the GPUs it needs"
+                ),
             );
         }
         if engine != EngineKind::Vllm {

@@ -70,6 +70,40 @@ fn vllm_flags_siesta_sets_are_refused_in_every_spelling_naming_the_key() {
     );
 }
 
+/// Pipeline, data or prefill-context parallel needs more GPUs than `gpus`,
+/// all of them visible: refused in every spelling, for both engines.
+#[test]
+fn flags_that_spread_an_engine_over_more_gpus_are_refused() {
+    for (engine, args, flag) in [
+        ("vllm", r#"["-pp", "2"]"#, "-pp"),
+        (
+            "vllm",
+            r#"["--pipeline_parallel_size=2"]"#,
+            "--pipeline_parallel_size",
+        ),
+        ("vllm", r#"["-dp", "2"]"#, "-dp"),
+        (
+            "vllm",
+            r#"["--data-parallel-size", "2"]"#,
+            "--data-parallel-size",
+        ),
+        ("vllm", r#"["-dpl=2"]"#, "-dpl"),
+        ("vllm", r#"["-pcp", "2"]"#, "-pcp"),
+        ("sglang", r#"["--pp-size", "2"]"#, "--pp-size"),
+        ("sglang", r#"["--dp-size=2"]"#, "--dp-size"),
+    ] {
+        let err = problems(engine, &format!("args = {args}"));
+        let want = format!(
+            "a.toml: model[0].args: {flag} spreads the engine over more GPUs than `gpus` places"
+        );
+        assert!(
+            err.contains(&want),
+            "{engine} {args}: want {want:?} in:\n{err}"
+        );
+    }
+    assert_eq!(problems("openai", r#"args = ["-pp", "2"]"#), "");
+}
+
 #[test]
 fn other_vllm_flags_and_values_that_look_like_flags_are_fine() {
     for args in [
