@@ -90,12 +90,10 @@ pub struct ServeArgs {
     /// when less is free (only checked with a simulated GPU, see below).
     #[arg(long, default_value_t = 0.92, value_parser = parse_fraction)]
     pub gpu_memory_utilization: f64,
-    /// `pooling` makes an embedding model (`/v1/embeddings` exists only then).
+    /// `pooling` makes an embedding model (`/v1/embeddings` exists only then). The older
+    /// `--task embed` is refused, as vLLM 0.24 and later refuse it.
     #[arg(long, value_parser = ["auto", "generate", "pooling", "draft"])]
     pub runner: Option<String>,
-    /// The older spelling: `embed` (or another pooling task) makes an embedding model.
-    #[arg(long)]
-    pub task: Option<String>,
     /// Seconds a SIGTERM lets the requests in flight finish (vLLM 0.18+): 0 aborts them
     /// (`finish_reason: "abort"`); either way the listener closes at once and a request
     /// that still reaches the server gets 500 "cannot schedule new futures after shutdown"
@@ -138,13 +136,9 @@ impl ServeArgs {
             .unwrap_or_else(|| "fake-model".to_string())
     }
 
-    /// Whether this is a pooling (embedding) model: `--runner pooling` or a pooling `--task`.
+    /// Whether this is a pooling (embedding) model: `--runner pooling`.
     pub fn pooling(&self) -> bool {
         self.runner.as_deref() == Some("pooling")
-            || matches!(
-                self.task.as_deref(),
-                Some("embed" | "embedding" | "classify" | "score" | "reward")
-            )
     }
 
     /// GPU memory held asleep, per GPU: `--asleep-residual-mib`, else vLLM's measured 836 MiB
