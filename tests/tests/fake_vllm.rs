@@ -500,12 +500,18 @@ async fn dev_endpoints_exist_only_in_dev_mode() {
         200
     );
 
-    // Dev mode without --enable-sleep-mode: vLLM 0.33 sleeps (freeing nothing); older
-    // versions refuse.
-    let fv = spawn_fake_vllm(&["m"]).await;
-    assert_eq!(post(&fv.at("/sleep?level=1")).await.status(), 200);
-    assert!(is_sleeping(&fv).await);
-    let fv = spawn_fake_vllm(&["m", "--imitate-version", "0.24.0"]).await;
+    // Dev mode without --enable-sleep-mode: vLLM 0.33 and 0.24 (the GPU machine's) sleep,
+    // freeing nothing; older versions (V0's engine) refuse.
+    for version in ["0.33.0", "0.24.0"] {
+        let fv = spawn_fake_vllm(&["m", "--imitate-version", version]).await;
+        assert_eq!(
+            post(&fv.at("/sleep?level=1")).await.status(),
+            200,
+            "{version}"
+        );
+        assert!(is_sleeping(&fv).await, "{version}");
+    }
+    let fv = spawn_fake_vllm(&["m", "--imitate-version", "0.10.0"]).await;
     assert_eq!(post(&fv.at("/sleep?level=1")).await.status(), 500);
     assert!(!is_sleeping(&fv).await);
 }

@@ -303,9 +303,10 @@ impl Engine {
         }
     }
 
-    /// Without `--enable-sleep-mode`, 0.33 sleeps and wakes (freeing nothing); older fail.
+    /// Without `--enable-sleep-mode`, 0.24 and later sleep and wake (freeing nothing); older
+    /// fail.
     fn sleep_allowed(&self) -> Result<(), EngineError> {
-        if self.args.enable_sleep_mode || self.version().json_sleep_bodies() {
+        if self.args.enable_sleep_mode || self.version().sleeps_without_flag() {
             Ok(())
         } else {
             Err(EngineError::SleepDisabled)

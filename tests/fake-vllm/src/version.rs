@@ -31,6 +31,16 @@ impl Imitated {
         patch: 0,
     };
 
+    /// The oldest release read whose `/sleep` without `--enable-sleep-mode` sleeps (its worker's
+    /// allocator pool is empty: nothing is freed) and answers 200 (`v1/worker/gpu_worker.py`
+    /// `sleep` has no check in 0.24.0). Older ones imitated fail it as vLLM's V0 engine did
+    /// ("Sleep mode is not enabled in the model config"); releases before 0.24 were not read.
+    pub const SLEEP_WITHOUT_FLAG: Imitated = Imitated {
+        major: 0,
+        minor: 24,
+        patch: 0,
+    };
+
     /// Parses `0.33.0`, `0.24` (a suffix like `0.33.0rc1` or `+cu128` is ignored).
     pub fn parse(s: &str) -> Result<Imitated, String> {
         let core = s
@@ -59,6 +69,11 @@ impl Imitated {
     /// (0.33 and later); before, both answer an empty 200.
     pub fn json_sleep_bodies(self) -> bool {
         self >= Self::JSON_SLEEP
+    }
+
+    /// See [`Imitated::SLEEP_WITHOUT_FLAG`].
+    pub fn sleeps_without_flag(self) -> bool {
+        self >= Self::SLEEP_WITHOUT_FLAG
     }
 
     /// See [`Imitated::SLEEP_REWORK`].
