@@ -82,6 +82,11 @@ pub struct EngineMetrics {
     /// `vllm:generation_tokens_total`: tokens generated so far (a drain's
     /// requests make progress; requests held by a paused scheduler do not).
     pub generation_tokens: u64,
+    /// `vllm:kv_cache_usage_perc`, in billionths (summed over engines): a
+    /// prefill makes progress here only (chunk by chunk, its cache grows;
+    /// its prompt tokens are counted with its first token), and so does a
+    /// decode (a block every few tokens, freed at its end).
+    pub kv_cache_used: u64,
     /// Whether any `vllm:` metric was served (none with `--disable-log-stats`).
     pub has_vllm_metrics: bool,
 }
@@ -424,10 +429,12 @@ impl EngineClient {
     /// the requests in flight are done. A `/wake_up` before that finds the
     /// memory awake, resumes the scheduler and answers "awake", and the
     /// memory is freed after it all the same, under a running scheduler: the
-    /// next request reaches freed memory. A drain makes progress: requests
-    /// that generate nothing for [`DRAIN_STALL`] are held by a paused
-    /// scheduler (`mode=keep`), which only the wake lets go, and are not
-    /// waited for. A probe too slow to answer (a loaded box) says nothing
+    /// next request reaches freed memory. A drain makes progress: tokens
+    /// generated, or its KV cache growing or shrinking (a long prompt's
+    /// prefill generates nothing for seconds; taken for a pause, the wake
+    /// went out under the drain). Requests that show neither for
+    /// [`DRAIN_STALL`] are held by a paused scheduler (`mode=keep`), which
+    /// only the wake lets go, and are not waited for. A probe too slow to answer (a loaded box) says nothing
     /// either way: it neither ends the wait nor counts as a stall, and the
     /// probes go on, for at most [`DRAIN_UNKNOWN`] in a row (an engine whose
     /// `/metrics` never answers in time delays its wakes by that, not by
@@ -441,7 +448,7 @@ impl EngineClient {
         }
         let until = tokio::time::Instant::now() + within;
         let mut first = None;
-        let mut tokens = 0;
+        let mut progress = (0, 0);
         let mut progressed = tokio::time::Instant::now();
         let mut unknown_since = None;
         loop {
@@ -459,12 +466,18 @@ impl EngineClient {
                         break;
                     }
                 }
-                (Drain::Running { running, tokens: t }, None) => {
-                    (first, tokens, progressed) = (Some(running), t, now);
+                (
+                    Drain::Running {
+                        running,
+                        progress: p,
+                    },
+                    None,
+                ) => {
+                    (first, progress, progressed) = (Some(running), p, now);
                 }
-                (Drain::Running { tokens: t, .. }, Some(first)) => {
-                    if t > tokens {
-                        (tokens, progressed) = (t, now);
+                (Drain::Running { progress: p, .. }, Some(first)) => {
+                    if p != progress {
+                        (progress, progressed) = (p, now);
                     } else if now - progressed >= DRAIN_STALL {
                         tracing::info!(running = first, "requests paused, not draining: waking");
                         break;
@@ -493,7 +506,7 @@ impl EngineClient {
         match self.is_sleeping_within(PROBE).await {
             Ok(Some(true)) => Drain::Running {
                 running: m.running,
-                tokens: m.generation_tokens,
+                progress: (m.generation_tokens, m.kv_cache_used),
             },
             Ok(None) => Drain::Unknown,
             Ok(Some(false)) | Err(_) => Drain::Over,
@@ -523,7 +536,7 @@ impl EngineClient {
 #[derive(Debug, Clone, Copy)]
 enum Drain {
     /// Asleep by `/is_sleeping`, awake by the metric, requests running.
-    Running { running: u32, tokens: u64 },
+    Running { running: u32, progress: (u64, u64) },
     /// Nothing drains (or the engine cannot tell: no metrics, an error).
     Over,
     /// A probe timed out.
@@ -554,6 +567,9 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
             "vllm:num_requests_running" | "sglang:num_running_reqs" => running += s.value,
             "vllm:generation_tokens_total" if s.value >= 0.0 => {
                 m.generation_tokens += s.value as u64;
+            }
+            "vllm:kv_cache_usage_perc" if s.value >= 0.0 => {
+                m.kv_cache_used += (s.value * 1e9).round() as u64;
             }
             "vllm:engine_sleep_state" if s.value >= 1.0 => {
                 let level = match s.label("sleep_state") {

@@ -149,3 +149,53 @@ async fn a_control_restarted_during_a_draining_sleep_wakes_the_engine_after_it()
     assert_eq!(stats["is_sleeping"], false, "{stats}");
     assert_eq!(stats["weights_intact"], true, "{stats}");
 }
+
+/// The same with the drained request in a long prefill (6 s, as a long
+/// prompt on a large model): it generates no token, only its KV cache grows.
+/// The restarted control plane's wake waits for the drain to its end (at
+/// most half its wake timeout, 30 s here). Before, no token for 2 s read as
+/// requests a paused scheduler holds: the wake went out under the drain, and
+/// the engine died at the next request.
+#[tokio::test]
+async fn a_draining_sleep_in_a_long_prefill_is_waited_for() {
+    let mut s = stack(&fake_model(
+        "tiny",
+        "awake",
+        &["--prefill-time", "6s", "--tokens-per-second", "20"],
+        "wake_timeout = \"30s\"",
+    ))
+    .await;
+    let st = wait_state(&mut s.c, "tiny", pb::ModelState::Awake, LONG).await;
+    let engine = endpoint(&st);
+    let url = format!("{engine}/v1/completions");
+    let direct = tokio::spawn(async move {
+        reqwest::Client::new()
+            .post(url)
+            .json(&json!({"prompt": "a long prompt", "max_tokens": 4, "ignore_eos": true}))
+            .timeout(LONG)
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
+    });
+    wait_until("the direct request to run", LONG, || async {
+        fake_stats(&engine).await["running"] == 1
+    })
+    .await;
+    let url = format!("{engine}/sleep?level=1&mode=wait");
+    let sleep = tokio::spawn(post(url));
+    wait_until("the drain to begin", LONG, || async {
+        fake_stats(&engine).await["is_sleeping"] == true
+    })
+    .await;
+
+    s.ctl.restart().await;
+    s.c = s.ctl.client().await;
+    assert_eq!(direct.await.unwrap().ok(), Some(200));
+    assert!(sleep.await.unwrap().status().is_success());
+    s.ask("tiny").await;
+    let st = wait_state(&mut s.c, "tiny", pb::ModelState::Awake, LONG).await;
+    assert_eq!(st.restarts, 1, "woken, not restarted: {st:#?}");
+    let stats = fake_stats(&engine).await;
+    assert_eq!(stats["is_sleeping"], false, "{stats}");
+    assert_eq!(stats["weights_intact"], true, "{stats}");
+}

@@ -396,6 +396,49 @@ async fn a_stalled_paced_answer_goes_on_at_its_pace() {
     );
 }
 
+/// A prefill (`--prefill-time`) is running and generates nothing, as vLLM's: its prompt
+/// tokens count with its first token; only the KV-cache gauge grows, chunk by chunk. A paused
+/// scheduler (`mode=keep`) holds it: the cache stops growing until the wake.
+#[tokio::test]
+async fn a_prefill_runs_without_tokens_while_its_cache_grows() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--prefill-time", "3s"]).await;
+    let (client, url) = (http(), fv.at("/v1/completions"));
+    let request = tokio::spawn(async move {
+        let body = json!({"prompt": "x", "max_tokens": 2});
+        client.post(url).json(&body).send().await.unwrap().status()
+    });
+    let running = "vllm:num_requests_running";
+    let kv = "vllm:kv_cache_usage_perc";
+    let tokens = "vllm:generation_tokens_total";
+    wait_until("the request to run", DEADLINE, || async {
+        metric(&fv, running, "").await == 1.0
+    })
+    .await;
+    let first = metric(&fv, kv, "").await;
+    wait_until("the cache to grow", DEADLINE, || async {
+        metric(&fv, kv, "").await > first
+    })
+    .await;
+    assert_eq!(
+        metric(&fv, tokens, "").await,
+        0.0,
+        "no token while it prefills"
+    );
+    assert_eq!(post(&fv.at("/sleep?level=0&mode=keep")).await.status(), 200);
+    // A chunk under way when the pause came ends, as vLLM's step does.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let held = metric(&fv, kv, "").await;
+    // No growth can only be sampled: four chunks' time.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // At most the one chunk a loaded box may still be finishing; running, four more.
+    let grew = metric(&fv, kv, "").await - held;
+    assert!(grew < 0.0015, "held by the paused scheduler: grew {grew}");
+    assert_eq!(post(&fv.at("/wake_up")).await.status(), 200);
+    assert_eq!(request.await.unwrap(), 200);
+    assert_eq!(metric(&fv, tokens, "").await, 2.0);
+    assert_eq!(metric(&fv, running, "").await, 0.0);
+}
+
 fn sse_events_in(chunk: &[u8]) -> usize {
     chunk
         .split(|&b| b == b'\n')

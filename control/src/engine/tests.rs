@@ -214,6 +214,42 @@ async fn a_wake_waits_for_a_drain_but_not_for_requests_a_pause_holds() {
     );
 }
 
+/// A drain whose request is in a long prefill generates nothing for far
+/// longer than [`DRAIN_STALL`], but its KV cache grows chunk by chunk: it is
+/// waited for to its end. Before, it was taken for requests a pause holds,
+/// and the wake went out under the drain (which kills vLLM).
+#[tokio::test]
+async fn a_drain_in_a_long_prefill_is_waited_for() {
+    let polls = Arc::new(AtomicUsize::new(0));
+    let seen = polls.clone();
+    let e = engine(move |_, _, line| {
+        if line.contains("/is_sleeping") {
+            return Act::Ok(r#"{"is_sleeping":true}"#);
+        }
+        let i = seen.fetch_add(1, Ordering::SeqCst);
+        // No token for 40 polls (4 s), the cache growing, then done.
+        let running = u32::from(i < 40);
+        Act::Ok(Box::leak(
+            format!(
+                "vllm:engine_sleep_state{{engine=\"0\",sleep_state=\"awake\"}} 1\n\
+                 vllm:num_requests_running{{engine=\"0\"}} {running}\n\
+                 vllm:generation_tokens_total{{engine=\"0\"}} 7\n\
+                 vllm:kv_cache_usage_perc{{engine=\"0\"}} {}\n",
+                0.01 + 0.0002 * i as f64
+            )
+            .into_boxed_str(),
+        ))
+    })
+    .await;
+    let c = EngineClient::new(&e.url);
+    assert_eq!(c.wait_for_drain(Duration::from_secs(120)).await, 1);
+    assert_eq!(
+        polls.load(Ordering::SeqCst),
+        41,
+        "left before the drain ended"
+    );
+}
+
 /// A probe that times out mid-drain (a loaded box) says nothing either way:
 /// the wait goes on to the drain's end. Before, the first slow `/metrics`
 /// ended the wait, the wake went out under the drain, and the drain then

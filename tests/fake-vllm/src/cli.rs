@@ -192,6 +192,12 @@ pub struct SimArgs {
     /// Time `collective_rpc reload_weights` takes (level-2 wake).
     #[arg(long, env = "FAKE_VLLM_RELOAD_TIME", default_value = "100ms", value_parser = parse_duration)]
     pub reload_time: Duration,
+    /// Time each request's prefill takes before its first token, in 100 ms chunks as vLLM's
+    /// chunked prefill steps: it counts as running and generates nothing (vLLM counts its
+    /// prompt tokens only with the first token), while the KV-cache gauge grows at every
+    /// chunk; a paused scheduler holds it between chunks. 0: none.
+    #[arg(long, env = "FAKE_VLLM_PREFILL_TIME", default_value = "0ms", value_parser = parse_duration)]
+    pub prefill_time: Duration,
     /// Generation pace per request; 0 means no pacing at all.
     #[arg(long, env = "FAKE_VLLM_TOKENS_PER_SECOND", default_value_t = 0.0)]
     pub tokens_per_second: f64,

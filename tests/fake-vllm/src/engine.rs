@@ -151,6 +151,8 @@ pub struct Engine {
     pub prompt_tokens: AtomicU64,
     /// Tokens generated.
     pub generation_tokens: AtomicU64,
+    /// Prefill chunks done by the requests still prefilling or running (their KV cache).
+    pub prefill_chunks: AtomicU64,
     /// Completed sleeps and wakes.
     pub sleeps: AtomicU64,
     /// Completed (full) wakes.
@@ -195,6 +197,7 @@ impl Engine {
             served: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
+            prefill_chunks: AtomicU64::new(0),
             sleeps: AtomicU64::new(0),
             wakes: AtomicU64::new(0),
             last_wake_finished_ns: AtomicU64::new(0),

@@ -34,10 +34,14 @@ pub fn metrics(app: &App) -> Resp {
     // gauge: a paused vLLM engine takes no steps, so its waiting gauge does not move.
     let waiting = 0u64;
     let st = e.sleep_state();
-    let kv = if st.is_sleeping() {
+    // Each running request's cache, and what each prefill chunk allocated (a chunked
+    // prefill shows only here: no token comes until it is over).
+    let chunks = e.prefill_chunks.load(Ordering::SeqCst);
+    // Freed only when the cache sleeps: a draining sleep's requests still hold theirs.
+    let kv = if st.kv_asleep {
         0.0
     } else {
-        (running as f64 * 0.05).min(1.0)
+        (running as f64 * 0.05 + chunks as f64 * 0.001).min(1.0)
     };
     let mut out = String::new();
     let mut gauge = |name: &str, help: &str, samples: &[(String, f64)]| {

@@ -248,6 +248,25 @@ async fn generate(app: Arc<App>, body: Incoming, kind: Kind) -> Resp {
     )
 }
 
+/// A request's prefill chunks in the KV-cache gauge, for as long as it lives.
+struct Prefilled<'a>(&'a crate::engine::Engine, u64);
+
+impl Prefilled<'_> {
+    fn chunk(&mut self) {
+        self.0.prefill_chunks.fetch_add(1, Ordering::SeqCst);
+        self.1 += 1;
+    }
+}
+
+impl Drop for Prefilled<'_> {
+    fn drop(&mut self) {
+        self.0.prefill_chunks.fetch_sub(self.1, Ordering::SeqCst);
+    }
+}
+
+/// How long one chunk of a prefill takes (`--prefill-time` is made of these).
+const PREFILL_CHUNK: Duration = Duration::from_millis(100);
+
 /// One request in `vllm:num_requests_running`, for as long as it lives.
 struct Running<'a>(&'a crate::engine::Engine);
 
@@ -309,9 +328,27 @@ async fn run_tokens(
     // timerfd behind its reactor).
     let period = (tps > 0.0).then(|| Duration::from_secs_f64(1.0 / tps));
     let mut step = Timer::never();
-    let mut next = std::time::Instant::now();
     let mut produced = 0;
     let mut dead = false;
+    // The prefill (`--prefill-time`): running, no token yet, the KV cache growing a chunk
+    // at a time; a paused scheduler holds it between chunks, as it holds a decode.
+    let mut prefilled = Prefilled(engine, 0);
+    let prefill = engine.args.sim.prefill_time;
+    let chunks = prefill.as_nanos().div_ceil(PREFILL_CHUNK.as_nanos()) as u32;
+    let mut n = n;
+    for _ in 0..chunks {
+        if !engine.core_alive() {
+            (dead, n) = (true, 0);
+            break;
+        }
+        if engine.step(epoch).await.is_err() {
+            (finish, n) = ("abort", 0);
+            break;
+        }
+        Timer::after(prefill / chunks).await;
+        prefilled.chunk();
+    }
+    let mut next = std::time::Instant::now();
     for i in 0..n {
         if !engine.core_alive() {
             dead = true;
@@ -348,7 +385,7 @@ async fn run_tokens(
             break;
         }
     }
-    drop(running);
+    drop((running, prefilled));
     engine
         .prompt_tokens
         .fetch_add(job.prompt_tokens, Ordering::SeqCst);
