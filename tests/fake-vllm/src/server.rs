@@ -463,6 +463,16 @@ async fn accept(
     }
 }
 
+/// Whether the request says its body is JSON (`Content-Type: application/json`, any
+/// parameters after it), as vLLM's OpenAI routes require.
+fn json_body(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+}
+
 /// Routes one request (and writes uvicorn's access-log line).
 pub(crate) async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Resp {
     let (parts, body) = req.into_parts();
@@ -486,6 +496,24 @@ pub(crate) async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAd
     };
     let vllm_only = matches!(uri.path(), "/version" | "/metrics")
         || (args.plain_openai() && uri.path() == "/ping");
+    let generation = matches!(
+        uri.path(),
+        "/v1/chat/completions" | "/v1/completions" | "/v1/embeddings"
+    );
+    if !(args.plain_openai() || args.sglang())
+        && method == Method::POST
+        && generation
+        && !json_body(&parts.headers)
+    {
+        // vLLM's `validate_json_request` dependency, before the body is read.
+        let resp = crate::http::error(
+            StatusCode::BAD_REQUEST,
+            "Bad Request",
+            "Unsupported Media Type: Only 'application/json' is allowed",
+            None,
+        );
+        return access_log(resp, &method, &uri, peer);
+    }
     if (args.plain_openai() || args.sglang()) && vllm_only {
         let resp = detail(StatusCode::NOT_FOUND, "Not Found");
         return access_log(resp, &method, &uri, peer);
