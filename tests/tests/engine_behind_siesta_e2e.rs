@@ -107,47 +107,8 @@ async fn an_engine_woken_only_in_part_behind_siestas_back_is_woken_for_the_next_
 /// killed the engine. siesta now waits for such a drain before waking.
 #[tokio::test]
 async fn a_control_restarted_during_a_draining_sleep_wakes_the_engine_after_it() {
-    let mut s = stack(&fake_model(
-        "tiny",
-        "awake",
-        &["--tokens-per-second", "5"],
-        "",
-    ))
-    .await;
-    let st = wait_state(&mut s.c, "tiny", pb::ModelState::Awake, LONG).await;
-    let engine = endpoint(&st);
     // A request straight to the engine: 25 tokens, 5 s.
-    let url = format!("{engine}/v1/completions");
-    let direct = tokio::spawn(async move {
-        reqwest::Client::new()
-            .post(url)
-            .json(&json!({"prompt": "hi", "max_tokens": 25, "ignore_eos": true}))
-            .timeout(LONG)
-            .send()
-            .await
-            .map(|r| r.status().as_u16())
-    });
-    wait_until("the direct request to run", LONG, || async {
-        fake_stats(&engine).await["running"] == 1
-    })
-    .await;
-    let url = format!("{engine}/sleep?level=1&mode=wait");
-    let sleep = tokio::spawn(post(url));
-    wait_until("the drain to begin", LONG, || async {
-        fake_stats(&engine).await["is_sleeping"] == true
-    })
-    .await;
-
-    s.ctl.restart().await;
-    s.c = s.ctl.client().await;
-    assert_eq!(direct.await.unwrap().ok(), Some(200));
-    assert!(sleep.await.unwrap().status().is_success());
-    s.ask("tiny").await;
-    let st = wait_state(&mut s.c, "tiny", pb::ModelState::Awake, LONG).await;
-    assert_eq!(st.restarts, 1, "woken, not restarted: {st:#?}");
-    let stats = fake_stats(&engine).await;
-    assert_eq!(stats["is_sleeping"], false, "{stats}");
-    assert_eq!(stats["weights_intact"], true, "{stats}");
+    restarted_during_a_draining_sleep(&["--tokens-per-second", "5"], "", 25).await;
 }
 
 /// The same with the drained request in a long prefill (6 s, as a long
@@ -158,20 +119,24 @@ async fn a_control_restarted_during_a_draining_sleep_wakes_the_engine_after_it()
 /// the engine died at the next request.
 #[tokio::test]
 async fn a_draining_sleep_in_a_long_prefill_is_waited_for() {
-    let mut s = stack(&fake_model(
-        "tiny",
-        "awake",
-        &["--prefill-time", "6s", "--tokens-per-second", "20"],
-        "wake_timeout = \"30s\"",
-    ))
-    .await;
+    let flags = ["--prefill-time", "6s", "--tokens-per-second", "20"];
+    restarted_during_a_draining_sleep(&flags, "wake_timeout = \"30s\"", 4).await;
+}
+
+/// `tiny` (fake-vllm with `flags`, model settings `extra`) runs a request of
+/// `max_tokens` sent straight to its engine; an operator's `/sleep?mode=wait`
+/// drains it; the control plane restarts meanwhile. Then a request through
+/// the proxy is answered by the same engine, woken whole.
+async fn restarted_during_a_draining_sleep(flags: &[&str], extra: &str, max_tokens: u32) {
+    let mut s = stack(&fake_model("tiny", "awake", flags, extra)).await;
     let st = wait_state(&mut s.c, "tiny", pb::ModelState::Awake, LONG).await;
     let engine = endpoint(&st);
     let url = format!("{engine}/v1/completions");
     let direct = tokio::spawn(async move {
+        let body = json!({"prompt": "hi", "max_tokens": max_tokens, "ignore_eos": true});
         reqwest::Client::new()
             .post(url)
-            .json(&json!({"prompt": "a long prompt", "max_tokens": 4, "ignore_eos": true}))
+            .json(&body)
             .timeout(LONG)
             .send()
             .await

@@ -10,18 +10,23 @@ use siesta_tests::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-#[tokio::test]
-async fn tp_workers_and_engine_core_outlive_a_sigkilled_server() {
-    let mut fv = spawn_fake_vllm(&["m", "--tensor-parallel-size", "3"]).await;
-    let core = fv.engine_core_pid().await;
-    let workers = siesta_tests::wait_for("three TP workers", DEADLINE, || {
+/// The `n` TP workers of the engine core `core`, once all have started.
+async fn tp_workers(core: i32, n: usize) -> Vec<i32> {
+    siesta_tests::wait_for("the TP workers", DEADLINE, || {
         let w: Vec<i32> = siesta_tests::descendants(core)
             .into_iter()
             .filter(|p| proc_stat(*p).is_some_and(|s| s.comm == "VLLM::Worker_TP"))
             .collect();
-        (w.len() == 3).then_some(w)
+        (w.len() == n).then_some(w)
     })
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn tp_workers_and_engine_core_outlive_a_sigkilled_server() {
+    let mut fv = spawn_fake_vllm(&["m", "--tensor-parallel-size", "3"]).await;
+    let core = fv.engine_core_pid().await;
+    let workers = tp_workers(core, 3).await;
     for w in &workers {
         let st = proc_stat(*w).unwrap();
         assert_eq!((st.ppid, st.pgrp), (core, fv.child.pgid()), "{st:?}");
@@ -56,14 +61,7 @@ async fn the_engine_core_and_workers_show_no_environment_unless_spt_noenv() {
         )
         .await;
         let core = fv.engine_core_pid().await;
-        let workers = siesta_tests::wait_for("two TP workers", DEADLINE, || {
-            let w: Vec<i32> = siesta_tests::descendants(core)
-                .into_iter()
-                .filter(|p| proc_stat(*p).is_some_and(|s| s.comm == "VLLM::Worker_TP"))
-                .collect();
-            (w.len() == 2).then_some(w)
-        })
-        .await;
+        let workers = tp_workers(core, 2).await;
         let shows = |pid: i32| {
             let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
             env.split(|b| *b == 0).any(|kv| kv == b"SIESTA_TEST_MARK=x")
@@ -96,14 +94,7 @@ async fn sigterm_stops_the_engine_core_and_its_workers() {
 async fn sigint_to_the_engine_core_stops_it_and_its_workers() {
     let fv = spawn_fake_vllm(&["m", "-tp", "2"]).await;
     let core = fv.engine_core_pid().await;
-    let workers = siesta_tests::wait_for("two TP workers", DEADLINE, || {
-        let w: Vec<i32> = siesta_tests::descendants(core)
-            .into_iter()
-            .filter(|p| proc_stat(*p).is_some_and(|s| s.comm == "VLLM::Worker_TP"))
-            .collect();
-        (w.len() == 2).then_some(w)
-    })
-    .await;
+    let workers = tp_workers(core, 2).await;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(core), Signal::SIGINT).unwrap();
     let mut all = workers.clone();
     all.push(core);

@@ -248,10 +248,11 @@ async fn requests_held_across_a_control_restart_are_served() {
     only_engine(&ctl, pid as i32).await;
 }
 
-/// The engine's server died while siesta was down but its engine-core child
-/// lives on (as vLLM's does): the leftover is killed, a fresh engine started.
-#[tokio::test]
-async fn leftovers_of_an_engine_that_died_while_siesta_was_down_are_killed() {
+/// `chat` (fake-vllm whose engine core outlives its server) awake; then
+/// siesta-control killed with `kill -9`, and the engine's server with it:
+/// its engine core is left running. Returns the control plane, down, and
+/// the dead server's pid (its process group's).
+async fn down_with_an_engine_core_left() -> (Ctl, i32) {
     let model = fake_model("chat", "awake", &["--orphan-engine-core"], "");
     let mut ctl = start(&config(&model)).await;
     let mut c = ctl.client().await;
@@ -272,6 +273,14 @@ async fn leftovers_of_an_engine_that_died_while_siesta_was_down_are_killed() {
         !siesta_tests::alive(pid) && !siesta_tests::group_members(pid).is_empty()
     })
     .await;
+    (ctl, pid)
+}
+
+/// The engine's server died while siesta was down but its engine-core child
+/// lives on (as vLLM's does): the leftover is killed, a fresh engine started.
+#[tokio::test]
+async fn leftovers_of_an_engine_that_died_while_siesta_was_down_are_killed() {
+    let (mut ctl, pid) = down_with_an_engine_core_left().await;
     ctl.restart().await;
     let mut c = ctl.client().await;
     let s = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG).await;
@@ -322,26 +331,7 @@ async fn an_engine_whose_record_was_lost_with_the_store_is_stopped_first() {
 /// starts; before, it was never found, and kept its GPU memory.
 #[tokio::test]
 async fn an_engine_core_left_by_a_dead_server_whose_record_was_lost_is_killed() {
-    let model = fake_model("chat", "awake", &["--orphan-engine-core"], "");
-    let mut ctl = start(&config(&model)).await;
-    let mut c = ctl.client().await;
-    let old = wait_state(&mut c, "chat", pb::ModelState::Awake, LONG)
-        .await
-        .pid as i32;
-    wait_until("engine-core child up", LONG, || async {
-        siesta_tests::group_members(old).len() >= 2
-    })
-    .await;
-    ctl.kill9();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(old),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    wait_until("server gone, engine core left", LONG, || async {
-        !siesta_tests::alive(old) && !siesta_tests::group_members(old).is_empty()
-    })
-    .await;
+    let (mut ctl, old) = down_with_an_engine_core_left().await;
     let store = ctl.dir.path().join("state/siesta.redb");
     std::fs::write(&store, vec![0xa5u8; 20000]).unwrap();
     ctl.restart().await;

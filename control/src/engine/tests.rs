@@ -156,13 +156,15 @@ async fn an_engine_on_ipv6_loopback_is_reached_through_its_base_url() {
 }
 
 /// Scripted `/metrics` for [`wait_for_drain`](EngineClient::wait_for_drain):
-/// awake by the metric, `running` requests, `tokens` generated so far.
-fn drain_metrics(running: u32, tokens: usize) -> Act {
+/// awake by the metric, `running` requests, `tokens` generated so far, the
+/// KV cache `kv` used.
+fn drain_metrics(running: u32, tokens: usize, kv: f64) -> Act {
     Act::Ok(Box::leak(
         format!(
             "vllm:engine_sleep_state{{engine=\"0\",sleep_state=\"awake\"}} 1\n\
              vllm:num_requests_running{{engine=\"0\"}} {running}\n\
-             vllm:generation_tokens_total{{engine=\"0\"}} {tokens}\n"
+             vllm:generation_tokens_total{{engine=\"0\"}} {tokens}\n\
+             vllm:kv_cache_usage_perc{{engine=\"0\"}} {kv}\n"
         )
         .into_boxed_str(),
     ))
@@ -179,7 +181,7 @@ async fn a_wake_waits_for_a_drain_but_not_for_requests_a_pause_holds() {
         if sleeping(line) {
             Act::Ok(r#"{"is_sleeping":true}"#)
         } else {
-            drain_metrics(1, 40)
+            drain_metrics(1, 40, 0.05)
         }
     })
     .await;
@@ -201,7 +203,7 @@ async fn a_wake_waits_for_a_drain_but_not_for_requests_a_pause_holds() {
         } else {
             let i = seen.fetch_add(1, Ordering::SeqCst);
             // Progress on every poll, for 30 of them, then done.
-            drain_metrics(u32::from(i < 30), 40 + i)
+            drain_metrics(u32::from(i < 30), 40 + i, 0.05)
         }
     })
     .await;
@@ -228,17 +230,7 @@ async fn a_drain_in_a_long_prefill_is_waited_for() {
         }
         let i = seen.fetch_add(1, Ordering::SeqCst);
         // No token for 40 polls (4 s), the cache growing, then done.
-        let running = u32::from(i < 40);
-        Act::Ok(Box::leak(
-            format!(
-                "vllm:engine_sleep_state{{engine=\"0\",sleep_state=\"awake\"}} 1\n\
-                 vllm:num_requests_running{{engine=\"0\"}} {running}\n\
-                 vllm:generation_tokens_total{{engine=\"0\"}} 7\n\
-                 vllm:kv_cache_usage_perc{{engine=\"0\"}} {}\n",
-                0.01 + 0.0002 * i as f64
-            )
-            .into_boxed_str(),
-        ))
+        drain_metrics(u32::from(i < 40), 7, 0.01 + 0.0002 * i as f64)
     })
     .await;
     let c = EngineClient::new(&e.url);
@@ -266,7 +258,7 @@ async fn a_slow_probe_neither_starts_nor_ends_the_wait_for_a_drain() {
         match i {
             // The first look, and two in the middle, are never answered.
             0 | 4 | 5 => Act::Hang,
-            _ => drain_metrics(u32::from(i < 10), 40 + i),
+            _ => drain_metrics(u32::from(i < 10), 40 + i, 0.05),
         }
     })
     .await;
