@@ -155,6 +155,24 @@ async fn an_engine_on_ipv6_loopback_is_reached_through_its_base_url() {
     assert_eq!(e.requests.lock().unwrap().len(), 1);
 }
 
+/// An engine asleep by `/is_sleeping` whose `/metrics` answers `poll(i)` at
+/// its `i`th poll: how many polls [`EngineClient::wait_for_drain`] made
+/// before it returned (it must return `running`, 1 here).
+async fn polls_of_a_drain(poll: impl Fn(usize) -> Act + Send + Sync + 'static) -> usize {
+    let polls = Arc::new(AtomicUsize::new(0));
+    let seen = polls.clone();
+    let e = engine(move |_, _, line| {
+        if line.contains("/is_sleeping") {
+            return Act::Ok(r#"{"is_sleeping":true}"#);
+        }
+        poll(seen.fetch_add(1, Ordering::SeqCst))
+    })
+    .await;
+    let c = EngineClient::new(&e.url);
+    assert_eq!(c.wait_for_drain(Duration::from_secs(120)).await, 1);
+    polls.load(Ordering::SeqCst)
+}
+
 /// Scripted `/metrics` for [`wait_for_drain`](EngineClient::wait_for_drain):
 /// awake by the metric, `running` requests, `tokens` generated so far, the
 /// KV cache `kv` used.
@@ -195,25 +213,9 @@ async fn a_wake_waits_for_a_drain_but_not_for_requests_a_pause_holds() {
         "waited for paused requests: {took:?}"
     );
 
-    let polls = Arc::new(AtomicUsize::new(0));
-    let seen = polls.clone();
-    let draining = engine(move |_, _, line| {
-        if sleeping(line) {
-            Act::Ok(r#"{"is_sleeping":true}"#)
-        } else {
-            let i = seen.fetch_add(1, Ordering::SeqCst);
-            // Progress on every poll, for 30 of them, then done.
-            drain_metrics(u32::from(i < 30), 40 + i, 0.05)
-        }
-    })
-    .await;
-    let c = EngineClient::new(&draining.url);
-    assert_eq!(c.wait_for_drain(Duration::from_secs(120)).await, 1);
-    assert_eq!(
-        polls.load(Ordering::SeqCst),
-        31,
-        "left before the drain ended"
-    );
+    // Progress on every poll, for 30 of them, then done.
+    let polls = polls_of_a_drain(|i| drain_metrics(u32::from(i < 30), 40 + i, 0.05)).await;
+    assert_eq!(polls, 31, "left before the drain ended");
 }
 
 /// A drain whose request is in a long prefill generates nothing for far
@@ -222,24 +224,10 @@ async fn a_wake_waits_for_a_drain_but_not_for_requests_a_pause_holds() {
 /// and the wake went out under the drain (which kills vLLM).
 #[tokio::test]
 async fn a_drain_in_a_long_prefill_is_waited_for() {
-    let polls = Arc::new(AtomicUsize::new(0));
-    let seen = polls.clone();
-    let e = engine(move |_, _, line| {
-        if line.contains("/is_sleeping") {
-            return Act::Ok(r#"{"is_sleeping":true}"#);
-        }
-        let i = seen.fetch_add(1, Ordering::SeqCst);
-        // No token for 40 polls (4 s), the cache growing, then done.
-        drain_metrics(u32::from(i < 40), 7, 0.01 + 0.0002 * i as f64)
-    })
-    .await;
-    let c = EngineClient::new(&e.url);
-    assert_eq!(c.wait_for_drain(Duration::from_secs(120)).await, 1);
-    assert_eq!(
-        polls.load(Ordering::SeqCst),
-        41,
-        "left before the drain ended"
-    );
+    // No token for 40 polls (4 s), the cache growing, then done.
+    let polls =
+        polls_of_a_drain(|i| drain_metrics(u32::from(i < 40), 7, 0.01 + 0.0002 * i as f64)).await;
+    assert_eq!(polls, 41, "left before the drain ended");
 }
 
 /// A probe that times out mid-drain (a loaded box) says nothing either way:
@@ -248,27 +236,13 @@ async fn a_drain_in_a_long_prefill_is_waited_for() {
 /// slept the memory the wake had just woken.
 #[tokio::test]
 async fn a_slow_probe_neither_starts_nor_ends_the_wait_for_a_drain() {
-    let polls = Arc::new(AtomicUsize::new(0));
-    let seen = polls.clone();
-    let e = engine(move |_, _, line| {
-        if line.contains("/is_sleeping") {
-            return Act::Ok(r#"{"is_sleeping":true}"#);
-        }
-        let i = seen.fetch_add(1, Ordering::SeqCst);
-        match i {
-            // The first look, and two in the middle, are never answered.
-            0 | 4 | 5 => Act::Hang,
-            _ => drain_metrics(u32::from(i < 10), 40 + i, 0.05),
-        }
+    let polls = polls_of_a_drain(|i| match i {
+        // The first look, and two in the middle, are never answered.
+        0 | 4 | 5 => Act::Hang,
+        _ => drain_metrics(u32::from(i < 10), 40 + i, 0.05),
     })
     .await;
-    let c = EngineClient::new(&e.url);
-    assert_eq!(c.wait_for_drain(Duration::from_secs(120)).await, 1);
-    assert_eq!(
-        polls.load(Ordering::SeqCst),
-        11,
-        "left before the drain ended"
-    );
+    assert_eq!(polls, 11, "left before the drain ended");
 }
 
 /// An engine whose probes never answer delays a wake by
