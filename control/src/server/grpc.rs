@@ -169,10 +169,23 @@ where
     }
 }
 
+/// How long a connection may take to finish its calls after the shutdown's
+/// GOAWAY: then it is closed. A call that cannot end (a Watch whose client
+/// stopped reading: its response waits for window space and its end is
+/// never sent) kept the daemon from exiting after SIGTERM until systemd
+/// killed it, its store unflushed.
+pub const CONNECTION_DRAIN: Duration = Duration::from_secs(10);
+
+/// HTTP/2 pings to each client this often, and a connection whose client
+/// does not answer one within [`KEEP_ALIVE`] is closed: a host that vanished
+/// (its streams' windows full, nothing in flight) leaked its connection for
+/// good.
+const KEEP_ALIVE: Duration = Duration::from_secs(20);
+
 /// Serves `routes` on `listener` (HTTP/2 only, `TCP_NODELAY`, no limit on
 /// concurrent streams: the settings tonic's `Server` used) until
 /// `shutdown`; then stops accepting, asks every connection to finish
-/// (GOAWAY) and waits until they have.
+/// (GOAWAY) and waits until they have, [`CONNECTION_DRAIN`] at most.
 pub async fn serve(listener: TcpListener, routes: Routes, exec: Exec, shutdown: CancellationToken) {
     let builder = http2(exec);
     let conns = TaskTracker::new();
@@ -207,7 +220,13 @@ pub async fn serve(listener: TcpListener, routes: Routes, exec: Exec, shutdown: 
                 Some(r) => r,
                 None => {
                     conn.as_mut().graceful_shutdown();
-                    conn.await
+                    match tokio::time::timeout(CONNECTION_DRAIN, conn).await {
+                        Ok(r) => r,
+                        Err(_) => {
+                            tracing::warn!(%peer, "a gRPC connection's calls did not end within {CONNECTION_DRAIN:?} of the shutdown: closing it");
+                            return;
+                        }
+                    }
                 }
             };
             if let Err(e) = r {
@@ -225,6 +244,8 @@ fn http2(exec: Exec) -> hyper::server::conn::http2::Builder<Exec> {
     let mut builder = hyper::server::conn::http2::Builder::new(exec);
     builder
         .timer(TokioTimer::new())
+        .keep_alive_interval(KEEP_ALIVE)
+        .keep_alive_timeout(KEEP_ALIVE)
         .max_concurrent_streams(None)
         .max_local_error_reset_streams(None);
     builder

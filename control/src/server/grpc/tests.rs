@@ -122,6 +122,70 @@ async fn shutdown_ends_serving_with_a_connection_open() {
         .ok();
 }
 
+/// Answers every call with a response whose body never ends, as a Watch
+/// whose client stopped reading never gets its end out.
+#[derive(Debug, Clone, Default)]
+struct Endless;
+
+impl NamedService for Endless {
+    const NAME: &'static str = "siesta.v1.Control";
+}
+
+impl<B: Send + 'static> tonic::codegen::Service<http::Request<B>> for Endless {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Self::Response, Infallible>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Request<B>) -> Self::Future {
+        Box::pin(async move {
+            let never =
+                futures::stream::pending::<Result<hyper::body::Frame<bytes::Bytes>, Infallible>>();
+            let body = tonic::body::Body::new(http_body_util::StreamBody::new(never));
+            Ok(http::Response::new(body))
+        })
+    }
+}
+
+/// A call that cannot end holds the shutdown up [`CONNECTION_DRAIN`] at
+/// most; then its connection is closed and serving ends. Before, the daemon
+/// never exited after SIGTERM while a Watch client had stopped reading.
+#[tokio::test]
+async fn shutdown_ends_serving_though_a_call_never_ends() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let served = tokio::spawn(serve(
+        listener,
+        Routes::new(Endless),
+        Exec::new(None),
+        stop.clone(),
+    ));
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(format!("http://{addr}{WATCH_PATH}"))
+        .header("content-type", "application/grpc")
+        .body(Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let began = std::time::Instant::now();
+    stop.cancel();
+    tokio::time::timeout(CONNECTION_DRAIN * 3, served)
+        .await
+        .expect("serve ends after shutdown")
+        .unwrap();
+    assert!(began.elapsed() >= CONNECTION_DRAIN, "{:?}", began.elapsed());
+    drop(resp);
+}
+
 /// A socket that counts the writes made to it.
 #[derive(Debug)]
 struct Counting<T>(T, Arc<AtomicU64>);
