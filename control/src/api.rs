@@ -290,18 +290,33 @@ impl pb::control_server::Control for ControlService {
         if !r.follow {
             return Ok(Response::new(Box::pin(first)));
         }
-        let cancel = self.cancel.clone();
-        let rest = futures::stream::unfold((feed, cancel), |(mut feed, cancel)| async move {
-            loop {
-                let next = tokio::select! {
-                    _ = cancel.cancelled() => return None,
-                    n = feed.recv() => n,
-                };
-                match next {
-                    Ok(l) => return Some((Ok(convert::log_line(&l)), (feed, cancel))),
-                    // Dropped lines show as gaps in `seq`.
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+        // A follow ends with an error saying why, never as if done: the
+        // client's `logs -f` exited 0 when the daemon stopped or a reload
+        // replaced the engine, and a script could not tell.
+        let (cancel, name) = (self.cancel.clone(), r.name);
+        let rest = futures::stream::unfold(Some((feed, cancel)), move |state| {
+            let name = name.clone();
+            async move {
+                let (mut feed, cancel) = state?;
+                loop {
+                    let next = tokio::select! {
+                        _ = cancel.cancelled() => {
+                            return Some((Err(OpError::ShuttingDown.into()), None));
+                        }
+                        n = feed.recv() => n,
+                    };
+                    match next {
+                        Ok(l) => return Some((Ok(convert::log_line(&l)), Some((feed, cancel)))),
+                        // Dropped lines show as gaps in `seq`.
+                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                            let why = format!(
+                                "the log of \"{name}\" ended: a reload replaced or removed its \
+                                 engine (follow it again)"
+                            );
+                            return Some((Err(OpError::Refused(why).into()), None));
+                        }
+                    }
                 }
             }
         });

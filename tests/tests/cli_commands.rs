@@ -239,8 +239,14 @@ async fn logs_follow_streams_new_lines() {
         follow.try_wait().unwrap().is_none(),
         "logs -f keeps running"
     );
-    drop(follow);
+    // The control plane stops: the follow ends with exit 1 and the reason
+    // (`the control plane is shutting down`), not exit 0 as if it were done.
     control.terminate().await;
+    let ended = tokio::time::timeout(DEADLINE, follow.wait())
+        .await
+        .expect("logs -f ends when the control plane stops")
+        .unwrap();
+    assert_eq!(ended.code(), Some(1), "{ended}");
 }
 
 /// `diag p2p` on two GPUs where the probe cannot run is a failed operation:
