@@ -91,3 +91,16 @@ fn an_ipv6_host_is_written_without_brackets() {
         "p.toml: model[0].host: \"[::1]\" is in brackets: write the address alone (\"::1\")"
     );
 }
+
+/// The gRPC and the web listener on one address: the daemon could not bind
+/// the second and said only "cannot listen on ..."; the file check said ok.
+#[test]
+fn the_control_planes_two_listeners_on_one_address_are_refused() {
+    let text = "[control]\nlisten = \"127.0.0.1:50051\"\nweb_listen = \"0.0.0.0:50051\"\n";
+    assert_eq!(
+        refused(text),
+        "p.toml: control.web_listen: 50051 is already used by control.listen (127.0.0.1:50051)"
+    );
+    let apart = "[control]\nlisten = \"127.0.0.1:50051\"\nweb_listen = \"127.0.0.1:8081\"\n";
+    assert!(Config::parse(apart, "p.toml").is_ok());
+}

@@ -439,6 +439,15 @@ fn check_ports(p: &mut Problems, control: &ControlConfig, models: &[(usize, Mode
     .filter(|(_, a)| a.port() != 0)
     .map(|(k, a)| (a.ip().to_string(), a.port(), format!("{k} ({a})")))
     .collect();
+    if let [(h, port, by), (web_host, web_port, _)] = &taken[..]
+        && port == web_port
+        && addresses_overlap(h, web_host)
+    {
+        p.push(
+            "control.web_listen",
+            format!("{port} is already used by {by}"),
+        );
+    }
     for (i, m) in models {
         let Launch::Process {
             host,
