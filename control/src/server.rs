@@ -66,6 +66,9 @@ impl Server {
         if crate::config::needs_token(addr, token.as_deref()) {
             return Err(Error::TokenRequired(addr));
         }
+        // A `host` no port can be picked on, named by file and key (as
+        // `siesta config check` names it) before anything is opened.
+        config.check_hosts(|_| true)?;
         let state_dir = config.control.state_dir.clone();
         let store = tokio::task::spawn_blocking(move || Store::open(&state_dir))
             .await

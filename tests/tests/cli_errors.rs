@@ -112,6 +112,30 @@ async fn config_check_refuses_an_exposed_listener_without_a_token() {
     }
 }
 
+/// A process engine whose port siesta picks, on a `host` that is no address
+/// of this machine (TEST-NET-1 here): `config check` refuses it naming the
+/// file, the key and the model, as the daemon does at start. It said "ok",
+/// and the daemon then failed with no file or key.
+#[tokio::test]
+async fn config_check_refuses_a_host_that_is_no_address_of_this_machine() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("far.toml");
+    let far = "[[model]]\nname = \"far\"\nmodel = \"m\"\ngpus = 0\nhost = \"192.0.2.1\"\n";
+    std::fs::write(&path, far).unwrap();
+    let file = path.to_str().unwrap();
+    let run = siesta(&["config", "check", file]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    assert!(
+        run.stderr
+            .starts_with(&format!("{file}: model[0].host: model \"far\": ")),
+        "{run:#?}"
+    );
+    assert!(run.stderr.contains("192.0.2.1"), "{run:#?}");
+    // With its own fixed port the engine binds what it is told: nothing to pick.
+    std::fs::write(&path, format!("{far}port = 8000\n")).unwrap();
+    siesta(&["config", "check", file]).await.ok();
+}
+
 #[tokio::test]
 async fn completion_scripts_are_generated() {
     for shell in ["bash", "zsh", "fish"] {

@@ -44,6 +44,28 @@ fn run_to_failure(dir: &Path, config_toml: &str) -> Output {
     out
 }
 
+/// Not the state directory's fault, but start-up's: a model on a `host` that
+/// is no address of this machine stops the start before the store is
+/// opened, naming the file, the key and the model (it said only "cannot
+/// start: cannot pick a free port on ...").
+#[tokio::test]
+async fn a_host_that_is_no_address_of_this_machine_is_named_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_to_failure(
+        dir.path(),
+        "[control]\nstate_dir = \"@DIR@/state\"\n[[model]]\nname = \"far\"\nmodel = \"m\"\n\
+         gpus = 0\nhost = \"192.0.2.1\"\n",
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(
+            "failing.toml: model[0].host: model \"far\": cannot pick a free port on \"192.0.2.1\""
+        ),
+        "{err}"
+    );
+    assert!(!dir.path().join("state").exists(), "the store was opened");
+}
+
 #[tokio::test]
 async fn a_state_dir_that_cannot_be_created_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();

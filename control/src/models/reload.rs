@@ -117,20 +117,13 @@ impl Models {
         }
         // A new engine that could not get a port (its `host` is no address
         // of this machine) refuses the reload before anything is stopped.
-        for (i, m) in config.models.iter().enumerate() {
-            if !(s.added.contains(&m.name) || s.changed.contains(&m.name)) {
-                continue;
-            }
-            if let crate::config::Launch::Process {
-                host, port: None, ..
-            } = &m.launch
-                && let Err(e) = crate::supervisor::free_port(host)
-            {
-                return Err(OpError::invalid(
-                    format!("{}: model[{i}].host", config.origin),
-                    format!("model {:?}: {e}; nothing was reloaded", m.name),
-                ));
-            }
+        let new = |m: &ModelConfig| s.added.contains(&m.name) || s.changed.contains(&m.name);
+        if let Err(e) = config.check_hosts(new) {
+            let p = &e.problems[0];
+            return Err(OpError::invalid(
+                format!("{}: {}", config.origin, p.key),
+                format!("{}; nothing was reloaded", p.message),
+            ));
         }
         // The old engines leave their GPUs before the new placement counts;
         // answers under way on them finish first (all drain at once: a
