@@ -199,6 +199,35 @@ async fn up_with_the_demo_answers_a_sleeping_model() {
     .await;
 }
 
+/// The demo's terminal hangs up (an SSH session dropped): SIGHUP stops it as
+/// Ctrl-C does, engines included. It went on serving, unseen, holding its
+/// ports and engines, and the next `siesta up` could not listen.
+#[tokio::test]
+async fn a_hang_up_stops_the_demo() {
+    let dir = tempfile::tempdir().unwrap();
+    let addr_file = dir.path().join("up.addr");
+    let mut up = spawn_up(dir.path(), &addr_file);
+    let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
+    wait_until("chat asleep", Duration::from_secs(60), || async {
+        model(&status(addrs[2]), "chat")["state"] == "asleep"
+    })
+    .await;
+    let engines = descendants(up.pid() as i32);
+    assert!(!engines.is_empty(), "engines run as children of siesta up");
+    up.signal(Signal::SIGHUP);
+    let status = up.wait_exit(Duration::from_secs(60)).await;
+    assert!(
+        status.success(),
+        "siesta up exited with {status}: {}",
+        up.output().text()
+    );
+    wait_until("engines gone", DEADLINE, || {
+        let left = any_alive(&engines);
+        async move { left.is_empty() }
+    })
+    .await;
+}
+
 /// Ctrl-C while one request streams from an awake model and another is held
 /// for a model still starting: the stream finishes (the proxy drains before
 /// the control plane stops the engines); no wake will come for the held one,

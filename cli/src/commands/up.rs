@@ -36,11 +36,27 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     crate::out::keep_serving();
     // Ctrl-C or SIGTERM from the very start, not only once everything runs.
     let signal = siesta_signal::shutdown_signal().map_err(|e| Failure::Failed(e.to_string()))?;
+    // The demo has no file to reload: a SIGHUP is its terminal gone (an SSH
+    // session dropped), and it stops as at Ctrl-C. It went on serving,
+    // unseen, holding its ports and engines. With `--config` a SIGHUP
+    // reloads the file, as it does the daemon.
+    let mut hangup = match &args.config {
+        None => Some(siesta_signal::reload_signal().map_err(|e| Failure::Failed(e.to_string()))?),
+        Some(_) => None,
+    };
     let shutdown = CancellationToken::new();
     let on_signal = shutdown.clone();
     tokio::spawn(async move {
-        let signal = signal.await;
-        tracing::info!(%signal, "shutting down");
+        let hung_up = async {
+            match &mut hangup {
+                Some(h) => h.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            signal = signal => tracing::info!(%signal, "shutting down"),
+            () = hung_up => tracing::info!("SIGHUP (the terminal hung up): shutting down"),
+        }
         on_signal.cancel();
     });
     let (config, config_path) = match &args.config {
