@@ -162,7 +162,23 @@ impl Models {
     }
 
     async fn send(&self, h: &ModelHandle, event: Event) -> Result<ModelStatus, OpError> {
-        h.send(event).await.ok_or(OpError::ShuttingDown)
+        match h.send(event).await {
+            Some(status) => Ok(status),
+            None => Err(self.task_ended(&h.cfg().name)),
+        }
+    }
+
+    /// Why a model's task ended under a call: the control plane stops, or a
+    /// reload replaced or removed the model meanwhile (an attached model
+    /// changed by a reload said "the control plane is shutting down").
+    fn task_ended(&self, name: &str) -> OpError {
+        if self.cancel.is_cancelled() {
+            OpError::ShuttingDown
+        } else {
+            OpError::Refused(format!(
+                "model {name:?} was replaced or removed by a reload meanwhile: ask again"
+            ))
+        }
     }
 
     /// Sends an operator's command or pin; refused if the model is leaving

@@ -362,7 +362,15 @@ async fn publish_placement_changes(
                 continue;
             }
         };
-        match item.map(|i| matches!(i.body, Body::Model(_) | Body::ModelRemoved(_))) {
+        // A resync snapshot (this task fell behind and was cut off) stands for
+        // changes it never saw: republish as for a model's change.
+        let changed = |b: &Body| {
+            matches!(
+                b,
+                Body::Model(_) | Body::ModelRemoved(_) | Body::Snapshot(_)
+            )
+        };
+        match item.map(|i| changed(&i.body)) {
             None => return,
             Some(true) => {
                 // GPU memory per engine moves with sleep and wake too.

@@ -112,9 +112,10 @@ impl Models {
         )
         .await;
         if let Ok(Err(_)) = waited {
-            // The model's task ended: the control plane is stopping. Its
-            // last status says nothing about the wake.
-            return Err(OpError::ShuttingDown);
+            // The model's task ended (the control plane stops, or a reload
+            // replaced the model): its last status says nothing about the
+            // wake.
+            return Err(self.task_ended(name));
         }
         // Read after the wait, whether it ran out or not: a model that got
         // there at the deadline is told as it is, not as still waking.

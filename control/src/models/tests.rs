@@ -476,6 +476,25 @@ async fn a_waited_wake_cut_short_by_shutdown_says_so() {
     assert!(matches!(r, Err(OpError::ShuttingDown)), "{r:?}");
 }
 
+/// `wake --wait` whose model's task ends while the control plane goes on (a
+/// reload replaced the model) says so; it said "the control plane is
+/// shutting down".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waited_wake_whose_model_a_reload_replaced_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, cancel, waiting) = waited_wake(dir.path()).await;
+    models.resolve("big").unwrap().shutdown(true).await;
+    let r = tokio::time::timeout(Duration::from_secs(20), waiting)
+        .await
+        .expect("wake --wait still waiting after its model's task ended")
+        .unwrap();
+    match r {
+        Err(OpError::Refused(m)) => assert!(m.contains("replaced or removed by a reload"), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    cancel.cancel();
+}
+
 /// A waited wake that runs out of time says what the model waits for (the
 /// room processes siesta does not run hold, say), not only its state.
 #[tokio::test]

@@ -126,21 +126,32 @@ impl Tracker {
                 item = sub.next() => item,
             };
             let Some(item) = item else { return };
-            match &item.body {
-                Body::Snapshot(s) => {
-                    for m in &s.models {
-                        self.record(&crate::api::convert::model_status(m), false);
-                    }
-                }
-                Body::Model(m) => self.record(&crate::api::convert::model_status(m), true),
-                Body::ModelRemoved(name) => {
-                    let mut inner = self.inner.lock().unwrap();
-                    inner.last.remove(name);
-                    inner.timelines.remove(name);
-                }
-                Body::Gpus(_) | Body::Placement(_) => {}
-            }
+            self.apply(&item.body);
         }
+    }
+
+    /// Takes in one event of the hub.
+    fn apply(&self, body: &Body) {
+        match body {
+            Body::Snapshot(s) => {
+                // A resync: a model removed in the events it stands for is
+                // in none of them (it was kept in the history for good).
+                self.forget(|name| !s.models.iter().any(|m| m.name == name));
+                for m in &s.models {
+                    self.record(&crate::api::convert::model_status(m), false);
+                }
+            }
+            Body::Model(m) => self.record(&crate::api::convert::model_status(m), true),
+            Body::ModelRemoved(name) => self.forget(|n| n == name),
+            Body::Gpus(_) | Body::Placement(_) => {}
+        }
+    }
+
+    /// Drops the models `gone` says are gone.
+    fn forget(&self, gone: impl Fn(&str) -> bool) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.last.retain(|n, _| !gone(n));
+        inner.timelines.retain(|n, _| !gone(n));
     }
 
     /// Notes a model's status; `count`: a live change (not a snapshot).
@@ -288,6 +299,35 @@ mod tests {
             text.contains("siesta_control_transitions_total{model=\"m\",state=\"awake\"} 1"),
             "{text}"
         );
+    }
+
+    /// A resync snapshot without a model (removed in events this tracker
+    /// never saw) drops it from the history, as its removal would have.
+    #[test]
+    fn a_resync_forgets_a_model_it_no_longer_lists() {
+        let t = Tracker::new();
+        let snapshot = |names: &[&str]| {
+            Body::Snapshot(crate::hub::Snapshot {
+                models: names
+                    .iter()
+                    .map(|n| Arc::new(crate::status::test_status(n, 0)))
+                    .collect(),
+                gpus: None,
+                placement: None,
+                resync: true,
+                wire: None,
+            })
+        };
+        t.apply(&snapshot(&["a", "b"]));
+        let listed = |t: &Tracker| {
+            let h = t.history(0);
+            let mut names: Vec<String> = h.timelines.keys().cloned().collect();
+            names.sort();
+            names
+        };
+        assert_eq!(listed(&t), ["a", "b"]);
+        t.apply(&snapshot(&["a"]));
+        assert_eq!(listed(&t), ["a"]);
     }
 
     #[test]
