@@ -27,6 +27,12 @@ pub(super) fn read_model(
         _ => {}
     }
     let aliases = r.strings(p, "aliases").unwrap_or_default();
+    for a in aliases.iter().filter(|a| !valid_name(a)) {
+        p.push(
+            r.key("aliases"),
+            format!("{a:?} must be non-empty and use only letters, digits and -_.:/"),
+        );
+    }
     let engine = match r.string(p, "engine").as_deref() {
         None => EngineKind::Vllm,
         Some(e) => EngineKind::parse(e).unwrap_or_else(|| {

@@ -111,6 +111,40 @@ env = { PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True" }
     assert!(err.problems.len() >= 7, "{text}");
 }
 
+/// `[defaults]`' backoff problem is told once, at its key, with the values;
+/// it was told again for every model, at `model[i].backoff_max`, a key the
+/// file did not have. An alias that is no name is refused.
+#[test]
+fn a_defaults_problem_is_told_once_and_an_alias_must_be_a_name() {
+    let text = r#"
+[defaults]
+backoff_initial = "5s"
+backoff_max = "1s"
+
+[[model]]
+name = "a"
+model = "m"
+aliases = ["", "ok-alias"]
+
+[[model]]
+name = "b"
+model = "m"
+"#;
+    let err = Config::parse(text, "d.toml").unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("d.toml: defaults.backoff_max: 1s is less than backoff_initial (5s)"),
+        "{text}"
+    );
+    assert!(!text.contains("model[0].backoff_max"), "{text}");
+    assert!(!text.contains("model[1].backoff_max"), "{text}");
+    assert!(
+        text.contains(r#"d.toml: model[0].aliases: "" must be non-empty"#),
+        "{text}"
+    );
+    assert_eq!(err.problems.len(), 2, "{text}");
+}
+
 #[test]
 fn duplicate_names_and_aliases_are_refused() {
     let text = r#"

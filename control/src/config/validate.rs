@@ -241,14 +241,22 @@ pub(super) fn read_timeouts(p: &mut Problems, r: &mut Reader<'_>, base: Timeouts
 
 pub(super) fn read_backoff(p: &mut Problems, r: &mut Reader<'_>, base: Backoff) -> Backoff {
     let mut b = base;
-    if let Some(d) = r.duration(p, "backoff_initial") {
+    let initial = r.duration(p, "backoff_initial");
+    if let Some(d) = initial {
         b.initial = d.max(Duration::from_millis(10));
     }
-    if let Some(d) = r.duration(p, "backoff_max") {
+    let max = r.duration(p, "backoff_max");
+    if let Some(d) = max {
         b.max = d;
     }
-    if b.max < b.initial {
-        p.push(r.key("backoff_max"), "is less than backoff_initial");
+    // Only where this table sets one of them: inherited both, the table
+    // they came from was told (every model repeated `[defaults]`' problem,
+    // at a key it does not have).
+    if b.max < b.initial && (initial.is_some() || max.is_some()) {
+        p.push(
+            r.key("backoff_max"),
+            format!("{:?} is less than backoff_initial ({:?})", b.max, b.initial),
+        );
     }
     b
 }
