@@ -153,6 +153,13 @@ pub(super) fn read_model(
                     );
                 }
             }
+            // Given, they were dropped without a word.
+            for k in ["args", "env"].into_iter().filter(|k| t.contains_key(*k)) {
+                p.push(
+                    r.key(k),
+                    "does not apply to launch = \"attach\": siesta does not start the engine",
+                );
+            }
             match url {
                 Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
                     Some(Launch::Attach {

@@ -105,6 +105,7 @@ env = { PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True" }
         "demo.toml: model[1].port: does not apply to launch = \"attach\"",
         r#"demo.toml: model[1].preload: "sometimes" is not"#,
         "demo.toml: model[1].env.PYTORCH_CUDA_ALLOC_CONF: expandable_segments:True",
+        "demo.toml: model[1].env: does not apply to launch = \"attach\"",
     ] {
         assert!(text.contains(want), "missing {want:?} in:\n{text}");
     }
