@@ -360,39 +360,6 @@ impl Config {
         })
     }
 
-    /// The process engines among `models` whose port siesta picks, on a
-    /// `host` that is no address of this machine (no port can be picked
-    /// there): each named by its key. The daemon refuses to start on them,
-    /// a reload to add them, and `siesta config check` says so first.
-    pub fn check_hosts(&self, models: impl Fn(&ModelConfig) -> bool) -> Result<(), ConfigError> {
-        let problems: Vec<Problem> = self
-            .models
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| models(m))
-            .filter_map(|(i, m)| {
-                let Launch::Process {
-                    host, port: None, ..
-                } = &m.launch
-                else {
-                    return None;
-                };
-                let e = crate::supervisor::free_port(host).err()?;
-                Some(Problem {
-                    key: format!("model[{i}].host"),
-                    message: format!("model {:?}: {e}", m.name),
-                })
-            })
-            .collect();
-        if problems.is_empty() {
-            return Ok(());
-        }
-        Err(ConfigError {
-            origin: self.origin.clone(),
-            problems,
-        })
-    }
-
     /// Reads and validates a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let origin = path.display().to_string();

@@ -26,4 +26,4 @@ pub use config::Config;
 pub use error::{Error, OpError};
 pub use runner::StopBound;
 pub use server::{ServeOptions, Server};
-pub use supervisor::{SWEEP_DEADLINE as KILL_SWEEP_DEADLINE, kill_engines_now};
+pub use supervisor::{SWEEP_DEADLINE as KILL_SWEEP_DEADLINE, check_hosts, kill_engines_now};

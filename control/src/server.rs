@@ -68,7 +68,7 @@ impl Server {
         }
         // A `host` no port can be picked on, named by file and key (as
         // `siesta config check` names it) before anything is opened.
-        config.check_hosts(|_| true)?;
+        crate::supervisor::check_hosts(&config, |_| true)?;
         let state_dir = config.control.state_dir.clone();
         let store = tokio::task::spawn_blocking(move || Store::open(&state_dir))
             .await

@@ -19,6 +19,7 @@ pub use group::{
 pub use logs::{LogLine, LogRing};
 pub(crate) use tail::{ENGINE_LOG_MAX, appends, fresh_log, tail};
 
+use crate::config::{Config, ConfigError, Launch, ModelConfig, Problem};
 use nix::sys::signal::Signal as NixSignal;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -127,6 +128,43 @@ fn engine_port_range() -> Option<std::ops::Range<u16>> {
 /// Whether `port` on `host` can be bound now.
 pub fn port_is_free(host: &str, port: u16) -> bool {
     std::net::TcpListener::bind((host, port)).is_ok()
+}
+
+/// The process engines among `models` whose port siesta picks, on a
+/// `host` that is no address of this machine (no port can be picked
+/// there): each named by its key in `config`'s file. The daemon refuses to
+/// start on them, a reload to add them, and `siesta config check` says so
+/// first. (Here, not in `config`: it binds, and `config` reads only.)
+pub fn check_hosts(
+    config: &Config,
+    models: impl Fn(&ModelConfig) -> bool,
+) -> Result<(), ConfigError> {
+    let problems: Vec<Problem> = config
+        .models
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| models(m))
+        .filter_map(|(i, m)| {
+            let Launch::Process {
+                host, port: None, ..
+            } = &m.launch
+            else {
+                return None;
+            };
+            let e = free_port(host).err()?;
+            Some(Problem {
+                key: format!("model[{i}].host"),
+                message: format!("model {:?}: {e}", m.name),
+            })
+        })
+        .collect();
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(ConfigError {
+        origin: config.origin.clone(),
+        problems,
+    })
 }
 
 /// A free TCP port on `host` (bound and released): a random one below the

@@ -22,7 +22,7 @@ pub fn check(path: &Path) -> Result<(), Failure> {
     config.check_tokens().map_err(|e| refused(&e))?;
     // A `host` that is no address of this machine (where the check runs):
     // the daemon could pick no port there.
-    config.check_hosts(|_| true).map_err(|e| refused(&e))?;
+    siesta_control::check_hosts(&config, |_| true).map_err(|e| refused(&e))?;
     // The same inventory as the daemon (NVML, else `[[gpu]]`) and the same
     // placement function: what cannot fit is refused with its arithmetic.
     match siesta_control::gpu_view::check(&config).map_err(|e| refused(&e))? {

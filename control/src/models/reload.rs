@@ -118,7 +118,7 @@ impl Models {
         // A new engine that could not get a port (its `host` is no address
         // of this machine) refuses the reload before anything is stopped.
         let new = |m: &ModelConfig| s.added.contains(&m.name) || s.changed.contains(&m.name);
-        if let Err(e) = config.check_hosts(new) {
+        if let Err(e) = crate::supervisor::check_hosts(config, new) {
             let p = &e.problems[0];
             return Err(OpError::invalid(
                 format!("{}: {}", config.origin, p.key),
