@@ -293,29 +293,24 @@ impl pb::control_server::Control for ControlService {
         // A follow ends with an error saying why, never as if done: the
         // client's `logs -f` exited 0 when the daemon stopped or a reload
         // replaced the engine, and a script could not tell.
-        let (cancel, name) = (self.cancel.clone(), r.name);
-        let rest = futures::stream::unfold(Some((feed, cancel)), move |state| {
-            let name = name.clone();
-            async move {
-                let (mut feed, cancel) = state?;
-                loop {
-                    let next = tokio::select! {
-                        _ = cancel.cancelled() => {
-                            return Some((Err(OpError::ShuttingDown.into()), None));
-                        }
-                        n = feed.recv() => n,
-                    };
-                    match next {
-                        Ok(l) => return Some((Ok(convert::log_line(&l)), Some((feed, cancel)))),
-                        // Dropped lines show as gaps in `seq`.
-                        Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => {
-                            let why = format!(
-                                "the log of \"{name}\" ended: a reload replaced or removed its \
-                                 engine (follow it again)"
-                            );
-                            return Some((Err(OpError::Refused(why).into()), None));
-                        }
+        let state = (feed, self.cancel.clone(), r.name);
+        let rest = futures::stream::unfold(Some(state), |state| async move {
+            let (mut feed, cancel, name) = state?;
+            loop {
+                let next = tokio::select! {
+                    _ = cancel.cancelled() => return Some((Err(OpError::ShuttingDown.into()), None)),
+                    n = feed.recv() => n,
+                };
+                match next {
+                    Ok(l) => return Some((Ok(convert::log_line(&l)), Some((feed, cancel, name)))),
+                    // Dropped lines show as gaps in `seq`.
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                        let why = format!(
+                            "the log of \"{name}\" ended: a reload replaced or removed its engine \
+                             (follow it again)"
+                        );
+                        return Some((Err(OpError::Refused(why).into()), None));
                     }
                 }
             }

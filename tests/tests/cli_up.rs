@@ -132,6 +132,24 @@ fn spawn_up_of(
     }
 }
 
+/// `signal` to `up`: it exits 0 and every engine it ran is gone.
+async fn stops_with_its_engines(up: &mut Up, signal: Signal) {
+    let engines = descendants(up.pid() as i32);
+    assert!(!engines.is_empty(), "engines run as children of siesta up");
+    up.signal(signal);
+    let status = up.wait_exit(Duration::from_secs(60)).await;
+    assert!(
+        status.success(),
+        "siesta up exited with {status}: {}",
+        up.output().text()
+    );
+    wait_until("engines gone", DEADLINE, || {
+        let left = any_alive(&engines);
+        async move { left.is_empty() }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn up_with_the_demo_answers_a_sleeping_model() {
     let dir = tempfile::tempdir().unwrap();
@@ -183,20 +201,7 @@ async fn up_with_the_demo_answers_a_sleeping_model() {
     up.output().wait_for("chat: waking → awake", DEADLINE).await;
 
     // Ctrl-C: everything stops, engines included.
-    let engines = descendants(up.pid() as i32);
-    assert!(!engines.is_empty(), "engines run as children of siesta up");
-    up.signal(Signal::SIGINT);
-    let status = up.wait_exit(Duration::from_secs(60)).await;
-    assert!(
-        status.success(),
-        "siesta up exited with {status}: {}",
-        up.output().text()
-    );
-    wait_until("engines gone", DEADLINE, || {
-        let left = any_alive(&engines);
-        async move { left.is_empty() }
-    })
-    .await;
+    stops_with_its_engines(&mut up, Signal::SIGINT).await;
 }
 
 /// The demo's terminal hangs up (an SSH session dropped): SIGHUP stops it as
@@ -212,20 +217,7 @@ async fn a_hang_up_stops_the_demo() {
         model(&status(addrs[2]), "chat")["state"] == "asleep"
     })
     .await;
-    let engines = descendants(up.pid() as i32);
-    assert!(!engines.is_empty(), "engines run as children of siesta up");
-    up.signal(Signal::SIGHUP);
-    let status = up.wait_exit(Duration::from_secs(60)).await;
-    assert!(
-        status.success(),
-        "siesta up exited with {status}: {}",
-        up.output().text()
-    );
-    wait_until("engines gone", DEADLINE, || {
-        let left = any_alive(&engines);
-        async move { left.is_empty() }
-    })
-    .await;
+    stops_with_its_engines(&mut up, Signal::SIGHUP).await;
 }
 
 /// Ctrl-C while one request streams from an awake model and another is held

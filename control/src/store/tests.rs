@@ -9,6 +9,23 @@ use crate::status::Clock;
 use records::AverageRecord;
 use tokio::time::Instant;
 
+/// `b`'s engine record removed if it is still the one tagged `t`, the
+/// record read with `committed` (as an engine's exit removes its own).
+fn remove_b_if_tagged_t(
+    s: &Store,
+    committed: impl Fn() -> Option<Vec<u8>>,
+) -> Option<super::writer::Committed> {
+    let ours = |b: Option<&[u8]>| {
+        b.and_then(|b| serde_json::from_slice::<EngineRecord>(b).ok())
+            .is_some_and(|r| r.tag == "t")
+    };
+    let delete = super::writer::Op::Delete {
+        tables: vec![ENGINES],
+        key: "b".into(),
+    };
+    s.writes.submit_if((ENGINES, "b"), ours, committed, delete)
+}
+
 fn engine(pid: u32, proc_gen: u64) -> EngineRecord {
     EngineRecord {
         pid,
@@ -479,15 +496,7 @@ fn a_conditional_write_sees_a_commit_that_lands_while_it_reads_the_file() {
             }
             before
         };
-        let ours = |b: Option<&[u8]>| {
-            b.and_then(|b| serde_json::from_slice::<EngineRecord>(b).ok())
-                .is_some_and(|r| r.tag == "t")
-        };
-        let delete = super::writer::Op::Delete {
-            tables: vec![ENGINES],
-            key: "b".into(),
-        };
-        let queued = s2.writes.submit_if((ENGINES, "b"), ours, committed, delete);
+        let queued = remove_b_if_tagged_t(&s2, committed);
         let _ = done.send((queued.is_some(), reads.get()));
     });
     let Ok((queued, reads)) = result.recv_timeout(std::time::Duration::from_secs(30)) else {
@@ -541,15 +550,7 @@ fn a_conditional_write_ends_though_a_round_ends_during_every_read() {
             }
             before
         };
-        let ours = |b: Option<&[u8]>| {
-            b.and_then(|b| serde_json::from_slice::<EngineRecord>(b).ok())
-                .is_some_and(|r| r.tag == "t")
-        };
-        let delete = super::writer::Op::Delete {
-            tables: vec![ENGINES],
-            key: "b".into(),
-        };
-        let queued = s2.writes.submit_if((ENGINES, "b"), ours, committed, delete);
+        let queued = remove_b_if_tagged_t(&s2, committed);
         let waited = queued.map(Committed::wait_blocking);
         let _ = done.send((waited, reads.get(), landed_under_lock.get()));
     });

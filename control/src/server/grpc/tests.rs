@@ -9,6 +9,9 @@ use hyper_util::rt::TokioExecutor;
 use tonic::codegen::BoxFuture;
 use tonic::server::NamedService;
 
+/// A path [`Where`] answers with a body that never ends.
+const ENDLESS_PATH: &str = "/siesta.v1.Control/Endless";
+
 /// Records the name of the thread that runs each request's future, by path.
 #[derive(Debug, Clone, Default)]
 struct Where(Arc<Mutex<Vec<(String, String)>>>);
@@ -31,7 +34,17 @@ impl<B: Send + 'static> tonic::codegen::Service<http::Request<B>> for Where {
         let path = req.uri().path().to_string();
         Box::pin(async move {
             let thread = std::thread::current().name().unwrap_or("").to_string();
+            let endless = path == ENDLESS_PATH;
             seen.lock().unwrap().push((path, thread));
+            if endless {
+                // As a Watch whose client stopped reading never gets its
+                // end out.
+                let never = futures::stream::pending::<
+                    Result<hyper::body::Frame<bytes::Bytes>, Infallible>,
+                >();
+                let body = tonic::body::Body::new(http_body_util::StreamBody::new(never));
+                return Ok(http::Response::new(body));
+            }
             Ok(http::Response::new(tonic::body::Body::empty()))
         })
     }
@@ -122,34 +135,6 @@ async fn shutdown_ends_serving_with_a_connection_open() {
         .ok();
 }
 
-/// Answers every call with a response whose body never ends, as a Watch
-/// whose client stopped reading never gets its end out.
-#[derive(Debug, Clone, Default)]
-struct Endless;
-
-impl NamedService for Endless {
-    const NAME: &'static str = "siesta.v1.Control";
-}
-
-impl<B: Send + 'static> tonic::codegen::Service<http::Request<B>> for Endless {
-    type Response = http::Response<tonic::body::Body>;
-    type Error = Infallible;
-    type Future = BoxFuture<Self::Response, Infallible>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, _: http::Request<B>) -> Self::Future {
-        Box::pin(async move {
-            let never =
-                futures::stream::pending::<Result<hyper::body::Frame<bytes::Bytes>, Infallible>>();
-            let body = tonic::body::Body::new(http_body_util::StreamBody::new(never));
-            Ok(http::Response::new(body))
-        })
-    }
-}
-
 /// A call that cannot end holds the shutdown up [`CONNECTION_DRAIN`] at
 /// most; then its connection is closed and serving ends. Before, the daemon
 /// never exited after SIGTERM while a Watch client had stopped reading.
@@ -160,7 +145,7 @@ async fn shutdown_ends_serving_though_a_call_never_ends() {
     let stop = CancellationToken::new();
     let served = tokio::spawn(serve(
         listener,
-        Routes::new(Endless),
+        Routes::new(Where::default()),
         Exec::new(None),
         stop.clone(),
     ));
@@ -170,7 +155,7 @@ async fn shutdown_ends_serving_though_a_call_never_ends() {
             .await
             .unwrap();
     tokio::spawn(conn);
-    let req = http::Request::post(format!("http://{addr}{WATCH_PATH}"))
+    let req = http::Request::post(format!("http://{addr}{ENDLESS_PATH}"))
         .header("content-type", "application/grpc")
         .body(Empty::<bytes::Bytes>::new())
         .unwrap();
