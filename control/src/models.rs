@@ -105,6 +105,8 @@ impl Models {
             }),
         );
         let mut reg = self.registry.write().unwrap();
+        // A changed model's old names go with its old task.
+        reg.names.retain(|_, n| n != &cfg.name);
         for alias in &cfg.aliases {
             reg.names.insert(alias.clone(), cfg.name.clone());
         }
@@ -112,6 +114,15 @@ impl Models {
         reg.models.insert(cfg.name.clone(), handle);
         reg.configs.insert(cfg.name.clone(), Arc::new(cfg));
         Ok(())
+    }
+
+    /// Takes `name` out of the registry (its names and aliases too);
+    /// returns its task's handle.
+    fn forget(&self, name: &str) -> Option<Arc<ModelHandle>> {
+        let mut reg = self.registry.write().unwrap();
+        reg.names.retain(|_, n| n != name);
+        reg.configs.remove(name);
+        reg.models.remove(name)
     }
 
     /// The admission task every model asks for GPU room.

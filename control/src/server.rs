@@ -232,10 +232,11 @@ impl Server {
             models.clone(),
             tasks.clone(),
         ));
+        let reload_lock = service.reload_lock.clone();
         tokio::spawn(reload_on_sighup(
             hup,
             models.clone(),
-            service.reload_lock.clone(),
+            reload_lock.clone(),
             service.config_path.clone(),
             tasks.clone(),
         ));
@@ -266,7 +267,12 @@ impl Server {
         .await;
         tasks.cancel();
         hub.close();
+        // A reload under way ends first (it starts nothing once cancelled):
+        // a model task it added after the join's list would be left out,
+        // and its engine with it.
+        let reloaded = reload_lock.lock().await;
         models.join().await;
+        drop(reloaded);
         // The models' last calibration records are not waited for when
         // written: durable before the process ends.
         store.flush().await;

@@ -159,8 +159,20 @@ impl Models {
         for m in config.models.iter() {
             if s.added.contains(&m.name) || s.changed.contains(&m.name) {
                 let carried_over = s.changed.contains(&m.name);
-                self.add(m.clone(), Some(placed_of(m)), None, carried_over)
-                    .map_err(|e| OpError::io(format!("reload: starting {}", m.name), e))?;
+                // Nothing new is started once the daemon shuts down (its
+                // model tasks are joined after the reload ends).
+                let added = if self.cancel.is_cancelled() {
+                    Err(OpError::ShuttingDown)
+                } else {
+                    self.add(m.clone(), Some(placed_of(m)), None, carried_over)
+                        .map_err(|e| OpError::io(format!("reload: starting {}", m.name), e))
+                };
+                if let Err(e) = added {
+                    // A changed model's old task is gone: not listed as if
+                    // it still ran.
+                    self.forget(&m.name);
+                    return Err(e);
+                }
             } else if s.reconfigured.contains(&m.name) {
                 self.reconfigure(m);
             }
@@ -249,11 +261,13 @@ impl Models {
                 tracing::warn!(model = %name, in_flight = s.in_flight, "removed attached engine left awake: its requests did not finish within its stop grace, or its sleep did not; it holds GPU memory siesta no longer counts (put it to sleep or stop it by hand)");
             }
         }
-        let handle = {
-            let mut reg = self.registry.write().unwrap();
-            reg.names.retain(|_, n| n != name);
-            reg.configs.remove(name);
-            reg.models.remove(name)
+        // A changed model stays listed and found by name (retiring: its
+        // commands are refused as leaving, then as replaced) until its new
+        // engine's task takes its place: while other models of the reload
+        // drain, an operator's call for it is not told it does not exist.
+        let handle = match leaving {
+            Leaving::Removed => self.forget(name),
+            Leaving::Changed { .. } => self.registry.read().unwrap().models.get(name).cloned(),
         };
         self.shared.admission.registry().remove(name);
         // The history as it ended (the drain may have moved it).

@@ -573,3 +573,79 @@ async fn a_reload_that_removes_a_model_waits_for_the_store_without_blocking_its_
     assert!(shared.store.get("x").is_none());
     cancel.cancel();
 }
+
+/// A changed model whose old engine is gone stays found by name and listed
+/// while other models of the same reload still drain: an operator's call
+/// for it is told it is being replaced, never that it does not exist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_model_stays_found_while_another_drains() {
+    let dir = tempfile::tempdir().unwrap();
+    // `slow` ignores SIGTERM: its drain lasts its stop grace (8 s); `quick`
+    // ends at SIGTERM.
+    let slow = sleeper("slow", "awake", "", "8s").replace("exec sleep", "trap '' TERM; exec sleep");
+    let text = format!("{BOOT}{slow}{}", sleeper("quick", "awake", "", "8s"));
+    let (models, cancel) = boot(&text, shared(dir.path()));
+    let models = Arc::new(models);
+    for name in ["slow", "quick"] {
+        wait_status(&models, name, "a pid", |s| s.pid.is_some()).await;
+    }
+    let changed = Config::parse(&text.replace("args = []", "args = [\"--x\"]"), "c.toml").unwrap();
+    let reload = tokio::spawn({
+        let models = models.clone();
+        async move { models.reload(&changed).await }
+    });
+    let mut checks = 0;
+    while !reload.is_finished() {
+        for name in ["slow", "quick"] {
+            match models.status(name) {
+                Ok(_) => {}
+                Err(e) => panic!("{name} during the reload, check {checks}: {e}"),
+            }
+            assert!(
+                models.list().iter().any(|s| s.name == name),
+                "{name} not listed during the reload, check {checks}"
+            );
+            match models.command(name, Command::Wake).await {
+                Ok(_) => {}
+                Err(OpError::Refused(m)) => assert!(
+                    m.contains("leaving with a reload") || m.contains("replaced or removed"),
+                    "{m}"
+                ),
+                Err(e) => panic!("{name}: wake during the reload, check {checks}: {e}"),
+            }
+        }
+        checks += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let s = reload.await.unwrap().unwrap();
+    assert_eq!(s.changed, ["slow", "quick"]);
+    assert!(
+        checks > 10,
+        "the reload ended before it could be watched: {checks} checks"
+    );
+    for name in ["slow", "quick"] {
+        assert!(!models.status(name).unwrap().retiring, "{name}");
+        models.resolve(name).unwrap().shutdown(true).await;
+    }
+    cancel.cancel();
+}
+
+/// A reload that comes while the daemon shuts down starts nothing: an
+/// added model's task would not be among those the shutdown waits for.
+#[tokio::test]
+async fn a_reload_after_the_shutdown_began_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, cancel) = boot(BOOT, shared(dir.path()));
+    cancel.cancel();
+    let added = Config::parse(
+        &format!("{BOOT}{}", sleeper("x", "awake", "", "1s")),
+        "c.toml",
+    )
+    .unwrap();
+    match models.reload(&added).await {
+        Err(OpError::ShuttingDown) => {}
+        other => panic!("not refused: {other:?}"),
+    }
+    assert!(models.resolve("x").is_err());
+    assert!(models.list().is_empty());
+}
