@@ -64,6 +64,7 @@ impl Models {
             registry: RwLock::new(Registry::default()),
             started_with: config.clone(),
         };
+        models.shared.ports.configure(&config.models);
         for m in &config.models {
             let found = adopted.remove(&m.name);
             models.add(m.clone(), placements.get(&m.name).cloned(), found, false)?;

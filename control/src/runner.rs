@@ -18,7 +18,7 @@ use crate::reconciler::{Desired, Effect, Event, ModelState, Phase, Reason, Setti
 use crate::recovery::Adopted;
 use crate::status::{Clock, Endpoint, EngineFacts, ModelStatus, model_status};
 use crate::store::Store;
-use crate::supervisor::{GpuLocks, KILL_WAIT, LogRing, ProcHandle, free_port};
+use crate::supervisor::{GpuLocks, KILL_WAIT, LogRing, ProcHandle};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,6 +50,8 @@ pub struct Shared {
     pub fences: Arc<crate::fence::Fences>,
     /// How long the model tasks may take to end (kept by `Models`).
     pub stop_bound: StopBound,
+    /// Every model's engine port (kept by `Models`, picked by the tasks).
+    pub ports: crate::supervisor::PortBook,
 }
 
 /// The longest the model tasks may take to end once cancelled, stopping
@@ -252,9 +254,12 @@ pub fn spawn_model_adopting(
     let (base_url, served, port) = match &cfg.launch {
         Launch::Process { host, port, .. } => {
             let port = match (port, &adopted) {
-                (_, Some(a)) => a.port,
+                (_, Some(a)) => {
+                    shared.ports.record(&cfg.name, a.port);
+                    a.port
+                }
                 (Some(p), None) => *p,
-                (None, None) => free_port(host)?,
+                (None, None) => shared.ports.pick(&cfg.name, host)?,
             };
             (crate::engine::base_url(host, port), cfg.name.clone(), port)
         }

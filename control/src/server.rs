@@ -195,6 +195,7 @@ impl Server {
             engine_idle_timeout: config.control.engine_idle_timeout,
             fences: Default::default(),
             stop_bound,
+            ports: Default::default(),
         });
         let tasks = shutdown.child_token();
         let placed = gpus.placed();

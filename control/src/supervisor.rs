@@ -6,6 +6,7 @@ mod argv;
 mod exit_cause;
 mod group;
 mod logs;
+mod ports;
 pub mod procfs;
 mod tail;
 
@@ -17,9 +18,9 @@ pub use group::{
     state_dir_groups, sweep_group,
 };
 pub use logs::{LogLine, LogRing};
+pub use ports::{PortBook, check_hosts, port_is_free};
 pub(crate) use tail::{ENGINE_LOG_MAX, appends, fresh_log, tail};
 
-use crate::config::{Config, ConfigError, Launch, ModelConfig, Problem};
 use nix::sys::signal::Signal as NixSignal;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -107,87 +108,6 @@ pub fn command_hash(spec: &SpawnSpec) -> String {
         eat(v);
     }
     format!("{h:016x}")
-}
-
-/// Lowest port handed to engines.
-const ENGINE_PORTS_FROM: u16 = 20_000;
-
-/// Where engine ports are picked: from [`ENGINE_PORTS_FROM`] up to the start
-/// of the kernel's ephemeral range (`ip_local_port_range`, 32768 by
-/// default), so no outgoing connection (the kernel binds those from the
-/// ephemeral range) can take an engine's port between the pick and the
-/// engine's own bind. None: the ephemeral range leaves no room below it.
-fn engine_port_range() -> Option<std::ops::Range<u16>> {
-    let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(32_768);
-    (start > ENGINE_PORTS_FROM + 1_000).then_some(ENGINE_PORTS_FROM..start)
-}
-
-/// Whether `port` on `host` can be bound now.
-pub fn port_is_free(host: &str, port: u16) -> bool {
-    std::net::TcpListener::bind((host, port)).is_ok()
-}
-
-/// The process engines among `models` whose port siesta picks, on a
-/// `host` that is no address of this machine (no port can be picked
-/// there): each named by its key in `config`'s file. The daemon refuses to
-/// start on them, a reload to add them, and `siesta config check` says so
-/// first. (Here, not in `config`: it binds, and `config` reads only.)
-pub fn check_hosts(
-    config: &Config,
-    models: impl Fn(&ModelConfig) -> bool,
-) -> Result<(), ConfigError> {
-    let problems: Vec<Problem> = config
-        .models
-        .iter()
-        .enumerate()
-        .filter(|(_, m)| models(m))
-        .filter_map(|(i, m)| {
-            let Launch::Process {
-                host, port: None, ..
-            } = &m.launch
-            else {
-                return None;
-            };
-            let e = free_port(host).err()?;
-            Some(Problem {
-                key: format!("model[{i}].host"),
-                message: format!("model {:?}: {e}", m.name),
-            })
-        })
-        .collect();
-    if problems.is_empty() {
-        return Ok(());
-    }
-    Err(ConfigError {
-        origin: config.origin.clone(),
-        problems,
-    })
-}
-
-/// A free TCP port on `host` (bound and released): a random one below the
-/// ephemeral range where there is room, else one the kernel picks.
-pub fn free_port(host: &str) -> std::io::Result<u16> {
-    let pick = || {
-        if let Some(range) = engine_port_range() {
-            for _ in 0..64 {
-                let port = rand::random_range(range.clone());
-                if port_is_free(host, port) {
-                    return Ok(port);
-                }
-            }
-        }
-        let l = std::net::TcpListener::bind((host, 0))?;
-        l.local_addr().map(|a| a.port())
-    };
-    pick().map_err(|e| {
-        std::io::Error::new(
-            e.kind(),
-            format!("cannot pick a free port on {host:?}: {e} (a model's `host` must be an address of this machine)"),
-        )
-    })
 }
 
 /// A running (or exited) engine process group.
@@ -472,18 +392,6 @@ impl StartHold {
 
 #[cfg(test)]
 mod tests {
-
-    #[test]
-    fn engine_ports_are_picked_below_the_ephemeral_range_and_are_free() {
-        let p = free_port("127.0.0.1").unwrap();
-        if let Some(range) = engine_port_range() {
-            assert!(range.contains(&p), "{p} outside {range:?}");
-        }
-        assert!(port_is_free("127.0.0.1", p));
-        let held = std::net::TcpListener::bind(("127.0.0.1", p)).unwrap();
-        assert!(!port_is_free("127.0.0.1", p));
-        drop(held);
-    }
 
     use super::*;
     use crate::config::{Config, GpuMemory};

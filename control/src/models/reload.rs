@@ -151,6 +151,7 @@ impl Models {
         if let (Some(v), Some(p)) = (&view, planned) {
             v.apply(config, p);
         }
+        self.shared.ports.configure(&config.models);
         let placed_of = |m: &ModelConfig| {
             view.as_ref()
                 .and_then(|v| v.placed_one(&m.name))

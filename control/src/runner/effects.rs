@@ -7,7 +7,7 @@ use super::{Msg, Runner};
 use crate::config::Launch;
 use crate::reconciler::{Effect, Event};
 use crate::store::EngineRecord;
-use crate::supervisor::{self, free_port, spawn_spec};
+use crate::supervisor::{self, spawn_spec};
 use nix::sys::signal::Signal as NixSignal;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -196,7 +196,7 @@ impl Runner {
             host, port: None, ..
         } = &self.cfg.launch
             && (fresh_port || !supervisor::port_is_free(host, self.port))
-            && let Ok(p) = free_port(host)
+            && let Ok(p) = self.shared.ports.pick(&self.cfg.name, host)
         {
             // A fresh port after a failure, or when the one picked earlier
             // (when the model was set up, maybe long ago) is taken now.

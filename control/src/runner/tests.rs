@@ -23,6 +23,7 @@ pub(crate) fn shared(dir: &std::path::Path) -> Arc<Shared> {
         engine_idle_timeout: crate::engine::DEFAULT_IDLE_TIMEOUT,
         fences: Default::default(),
         stop_bound: Default::default(),
+        ports: Default::default(),
     })
 }
 
