@@ -324,6 +324,20 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::DiagP2pRequest>,
     ) -> Result<Response<pb::DiagP2pResponse>, Status> {
         let r = req.into_inner();
+        // One probe runs at a time: one with a deadline of days would hold
+        // every later one (and the start-up probe of a restart) that long.
+        let max = crate::config::PROBE_TIMEOUT_MAX;
+        if r.timeout_ms > max.as_millis() as u64 {
+            return Err(OpError::invalid(
+                "timeout_ms",
+                format!(
+                    "{} ms is more than the probe's longest deadline, {} (0: the configured `p2p_probe_timeout`)",
+                    r.timeout_ms,
+                    humantime::format_duration(max)
+                ),
+            )
+            .into());
+        }
         let resp = self
             .gpus
             .diag_p2p(

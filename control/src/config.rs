@@ -90,6 +90,11 @@ pub const NO_ROOM: &str = "no room on its GPUs within";
 /// Default `[control] yield_after`.
 pub const DEFAULT_YIELD_AFTER: Duration = Duration::from_secs(10);
 
+/// The longest deadline a P2P probe may have (`p2p_probe_timeout`, or a
+/// `DiagP2p` call's): probes run one at a time, and a hung one holds every
+/// later one until its deadline.
+pub const PROBE_TIMEOUT_MAX: Duration = Duration::from_secs(3600);
+
 /// When and how the GPU peer-to-peer probe runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct P2pProbeConfig {

@@ -206,6 +206,14 @@ async fn every_command_against_a_real_control_plane() {
     let run = at(&control, &["diag", "p2p", "-o", "json"]).await;
     assert_eq!(run.code, 0, "{run:#?}");
     assert!(run.json()["results"].is_array());
+    // A probe deadline past an hour is refused, naming the field.
+    let run = at(&control, &["diag", "p2p", "--timeout", "2h"]).await;
+    assert_eq!(run.code, 1, "{run:#?}");
+    assert!(
+        run.stderr
+            .contains("timeout_ms: 7200000 ms is more than the probe's longest deadline, 1h"),
+        "{run:#?}"
+    );
 
     // reload: the same file, nothing changes.
     let json = at(&control, &["reload", "-o", "json"]).await.ok().json();

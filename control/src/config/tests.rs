@@ -334,3 +334,34 @@ fn port_zero_and_a_gpu_memory_of_a_few_bytes_are_refused() {
         assert_eq!(err(ok), "", "{ok}");
     }
 }
+
+/// A `backoff_initial` under 10 ms is refused, naming the key (it was
+/// raised to 10 ms without a word), and so is a `p2p_probe_timeout` over
+/// an hour (a hung probe holds every later one until its deadline).
+#[test]
+fn a_busy_loop_backoff_and_an_endless_probe_deadline_are_refused() {
+    let text = r#"
+[control]
+p2p_probe_timeout = "2h"
+
+[defaults]
+backoff_initial = "0s"
+
+[[model]]
+name = "a"
+model = "m"
+backoff_initial = "5ms"
+"#;
+    let text = Config::parse(text, "b.toml").unwrap_err().to_string();
+    for want in [
+        "b.toml: defaults.backoff_initial: 0s is less than 10ms",
+        "b.toml: model[0].backoff_initial: 5ms is less than 10ms",
+        "b.toml: control.p2p_probe_timeout: 2h is more than 1h",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in:\n{text}");
+    }
+    let ok = "[control]\np2p_probe_timeout = \"1h\"\n[defaults]\nbackoff_initial = \"10ms\"\n";
+    let c = Config::parse(ok, "ok.toml").unwrap();
+    assert_eq!(c.defaults.backoff.initial, Duration::from_millis(10));
+    assert_eq!(c.control.p2p_probe.timeout, Duration::from_secs(3600));
+}

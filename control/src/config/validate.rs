@@ -214,6 +214,14 @@ fn read_p2p_probe(p: &mut Problems, r: &mut Reader<'_>) -> P2pProbeConfig {
     }
     match r.duration(p, "p2p_probe_timeout") {
         Some(d) if d.is_zero() => p.push(r.key("p2p_probe_timeout"), "must be more than 0"),
+        Some(d) if d > super::PROBE_TIMEOUT_MAX => p.push(
+            r.key("p2p_probe_timeout"),
+            format!(
+                "{} is more than {}: probes run one at a time, and a hung one holds the next until its deadline",
+                humantime::format_duration(d),
+                humantime::format_duration(super::PROBE_TIMEOUT_MAX)
+            ),
+        ),
         Some(d) => c.timeout = d,
         None => {}
     }
@@ -239,11 +247,25 @@ pub(super) fn read_timeouts(p: &mut Problems, r: &mut Reader<'_>, base: Timeouts
     t
 }
 
+/// The shortest `backoff_initial`.
+const BACKOFF_FLOOR: Duration = Duration::from_millis(10);
+
 pub(super) fn read_backoff(p: &mut Problems, r: &mut Reader<'_>, base: Backoff) -> Backoff {
     let mut b = base;
     let initial = r.duration(p, "backoff_initial");
-    if let Some(d) = initial {
-        b.initial = d.max(Duration::from_millis(10));
+    match initial {
+        // A failed start is retried this long after at the earliest: an
+        // engine that dies at once would be respawned in a busy loop.
+        Some(d) if d < BACKOFF_FLOOR => p.push(
+            r.key("backoff_initial"),
+            format!(
+                "{} is less than {}: an engine that fails at once would be respawned in a busy loop",
+                humantime::format_duration(d),
+                humantime::format_duration(BACKOFF_FLOOR)
+            ),
+        ),
+        Some(d) => b.initial = d,
+        None => {}
     }
     let max = r.duration(p, "backoff_max");
     if let Some(d) = max {
