@@ -66,6 +66,9 @@ pub struct ProxyConfig {
     /// How long an idle connection to an engine is kept; below the engines'
     /// keep-alive (vLLM's uvicorn: 5 s).
     pub upstream_idle_timeout: Duration,
+    /// Requests at one engine at once; more wait for a slot, up to their
+    /// model's hold limit.
+    pub engine_concurrency: usize,
 }
 
 impl Default for ProxyConfig {
@@ -89,6 +92,7 @@ impl Default for ProxyConfig {
             shed_held_on_shutdown: false,
             proxy_id: None,
             upstream_idle_timeout: crate::forward::DEFAULT_UPSTREAM_IDLE_TIMEOUT,
+            engine_concurrency: crate::forward::DEFAULT_ENGINE_CONCURRENCY,
         }
     }
 }
@@ -115,6 +119,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("shed_held_on_shutdown", &self.shed_held_on_shutdown)
             .field("proxy_id", &self.proxy_id)
             .field("upstream_idle_timeout", &self.upstream_idle_timeout)
+            .field("engine_concurrency", &self.engine_concurrency)
             .finish()
     }
 }

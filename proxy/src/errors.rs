@@ -22,6 +22,9 @@ pub enum ShedReason {
     ShuttingDown,
     /// The proxy has not heard from any control plane yet.
     NotReady,
+    /// Every one of the engine's slots (`--engine-concurrency`) stayed
+    /// taken for the model's hold limit.
+    EngineBusy,
 }
 
 impl ShedReason {
@@ -34,6 +37,7 @@ impl ShedReason {
             ShedReason::Refused => "model_unavailable",
             ShedReason::ShuttingDown => "proxy_shutting_down",
             ShedReason::NotReady => "proxy_not_ready",
+            ShedReason::EngineBusy => "engine_busy",
         }
     }
 }

@@ -40,6 +40,7 @@ use crate::route_table::Upstream;
 pub use conn::UpstreamConn;
 use h1::RequestHead;
 pub use h1::{ClientHeaders, RawHead, UpstreamError, named_in, stops_here};
+pub use pool::DEFAULT_ENGINE_CONCURRENCY;
 use pool::EnginePool;
 
 /// Default time an idle upstream connection is kept: below uvicorn's 5 s.
@@ -62,6 +63,9 @@ pub enum ForwardError {
     /// The model stopped serving before the request was sent (a fence:
     /// `activity.rs`): route it again (it is held).
     Fenced,
+    /// Every one of the engine's slots (`--engine-concurrency`) stayed
+    /// taken until the deadline: the request was not sent.
+    Busy { slots: usize },
     /// Anything after the request may have reached the engine.
     Other(String),
 }
@@ -108,6 +112,8 @@ pub struct Forwarder {
     idle_timeout: Duration,
     /// Serving threads (each keeps its own idle connections).
     threads: usize,
+    /// Requests at one engine at once (`--engine-concurrency`).
+    engine_concurrency: usize,
     /// The runtime the pools' reapers run on: the one that made this
     /// forwarder (thread 0's), which outlives the other serving threads.
     reaper: tokio::runtime::Handle,
@@ -180,9 +186,16 @@ impl Forwarder {
             strip_authorization,
             idle_timeout: idle,
             threads,
+            engine_concurrency: pool::DEFAULT_ENGINE_CONCURRENCY,
             reaper: tokio::runtime::Handle::current(),
             engines: Default::default(),
         }
+    }
+
+    /// At most `n` requests at one engine at once (at least 1).
+    pub fn with_engine_concurrency(mut self, n: usize) -> Self {
+        self.engine_concurrency = n.max(1);
+        self
     }
 
     /// `up`'s pool, metrics and Host header; looked up once per upstream.
@@ -230,7 +243,13 @@ impl Forwarder {
         }
         // Rare (a new engine address): forget the engines no one uses.
         engines.retain(|_, p| p.strong_count() > 0);
-        let pool = EnginePool::new(authority, self.idle_timeout, self.threads, &self.reaper);
+        let pool = EnginePool::new(
+            authority,
+            self.idle_timeout,
+            self.threads,
+            self.engine_concurrency,
+            &self.reaper,
+        );
         engines.insert(authority.clone(), Arc::downgrade(&pool));
         pool
     }
@@ -245,6 +264,7 @@ impl Forwarder {
         req: &ClientRequest<'_>,
         body: Bytes,
         gate: Option<OwnedSemaphorePermit>,
+        slot_by: tokio::time::Instant,
     ) -> Result<Response<ProxyBody>, ForwardError> {
         if up.scheme != http::uri::Scheme::HTTP {
             // As hyper's HTTP connector said before: only plain HTTP.
@@ -261,13 +281,24 @@ impl Forwarder {
             content_length: body.len(),
             strip_authorization: self.strip_authorization,
         };
-        let slot = h
-            .pool
-            .slots
-            .clone()
-            .acquire_owned()
+        let slots = &h.pool.slots;
+        let slot = match slots.clone().try_acquire_owned() {
+            Ok(slot) => slot,
+            // Boxed: the timer stays out of every other request's future.
+            Err(_) => match Box::pin(tokio::time::timeout_at(
+                slot_by,
+                slots.clone().acquire_owned(),
+            ))
             .await
-            .expect("the semaphore is never closed");
+            {
+                Ok(slot) => slot.expect("the semaphore is never closed"),
+                Err(_) => {
+                    return Err(ForwardError::Busy {
+                        slots: self.engine_concurrency,
+                    });
+                }
+            },
+        };
         let guard = InFlightGuard::new(up.clone(), slot);
         if up.activity.fenced() {
             // The model stopped serving between the route lookup and now;

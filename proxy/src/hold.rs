@@ -34,6 +34,12 @@ pub const LEAVING_AT_ONCE: usize = 256;
 /// How long a released request keeps its place once the engine has it.
 pub const GATE_HOLD_MAX: Duration = Duration::from_secs(1);
 
+/// A request waits for its way out of the waiting room, then for one of
+/// the engine's slots, until its hold limit (counted from its first wait)
+/// and at least this long each: one released at the end of its hold is
+/// not shed for a slot that frees a moment later.
+pub const SLOT_WAIT_MIN: Duration = Duration::from_secs(5);
+
 /// How often requests shed as `wait_too_long` may ask for a model's wake.
 const SHED_DEMAND_EVERY: Duration = Duration::from_secs(1);
 

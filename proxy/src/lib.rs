@@ -25,7 +25,7 @@ mod waiting_room;
 mod watch_client;
 
 pub use config::{DEFAULT_CONTROL, DEFAULT_MAX_BODY_BYTES, ProxyConfig};
-pub use forward::DEFAULT_UPSTREAM_IDLE_TIMEOUT;
+pub use forward::{DEFAULT_ENGINE_CONCURRENCY, DEFAULT_UPSTREAM_IDLE_TIMEOUT};
 pub use server::Proxy;
 pub use threads::default_count as default_serving_threads;
 

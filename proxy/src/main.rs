@@ -101,6 +101,12 @@ struct Args {
     /// engines' keep-alive (vLLM: 5 s).
     #[arg(long, default_value = "4s", value_parser = humantime::parse_duration)]
     upstream_idle_timeout: std::time::Duration,
+    /// Requests at one engine at once (its connections from this proxy);
+    /// more wait for a slot up to their model's hold limit, then get 503
+    /// `engine_busy` with Retry-After.
+    #[arg(long, default_value_t = siesta_proxy::DEFAULT_ENGINE_CONCURRENCY as u32,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    engine_concurrency: u32,
 }
 
 fn write_addr_file(path: &PathBuf, proxy: &Proxy) -> anyhow::Result<()> {
@@ -170,6 +176,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         drain_timeout: args.drain_timeout,
         proxy_id: args.proxy_id,
         upstream_idle_timeout: args.upstream_idle_timeout,
+        engine_concurrency: args.engine_concurrency as usize,
         ..ProxyConfig::default()
     };
     raise_fd_limit();

@@ -169,7 +169,8 @@ impl Proxy {
                 !cfg.api_keys.is_empty(),
                 cfg.upstream_idle_timeout,
                 cfg.threads.max(1),
-            ),
+            )
+            .with_engine_concurrency(cfg.engine_concurrency),
             metrics: metrics.clone(),
             activity: activity.clone(),
             api_keys: cfg.api_keys.iter().map(|k| k.as_bytes().to_vec()).collect(),

@@ -82,12 +82,17 @@ pub async fn hold(shared: &Shared, stream: &TcpStream, route: Arc<ModelRoute>) -
     drop(ticket);
     // Only a released request waits for its turn to leave (the others are
     // answered at once or held again by the handler); a client that hangs
-    // up meanwhile is let go, one that sends more is served without a turn.
+    // up meanwhile is let go, one that sends more is served without a turn,
+    // and so is one whose hold limit passes (its engine's slots are all
+    // taken, by requests that wait with their turns): the handler sheds it
+    // if no slot comes either.
     let mut gate = None;
     if released {
+        let turn_by = deadline.max(Instant::now() + crate::hold::SLOT_WAIT_MIN);
         tokio::select! {
             p = leaving.acquire_owned() => gate = p.ok(),
             n = stream.peek(&mut one) => closed = matches!(n, Ok(0) | Err(_)),
+            () = tokio::time::sleep_until(turn_by) => {}
         }
     }
     if closed {

@@ -364,3 +364,73 @@ async fn an_engine_sigtermed_by_someone_else_finishes_its_answer_and_is_started_
         "{log:#?}"
     );
 }
+
+/// With every one of an engine's slots at this proxy taken
+/// (`--engine-concurrency 1`) by an answer longer than the model's hold
+/// limit, another request waits for a slot that long (5 s at least), then
+/// gets 503 `engine_busy` with Retry-After; it used to wait without end.
+/// Once the slot is free, the next request is answered.
+#[tokio::test]
+async fn a_request_that_gets_no_engine_slot_within_the_hold_limit_is_shed() {
+    let model = fake_model(
+        "busy",
+        "awake",
+        &["--tokens-per-second", "10"],
+        "max_hold = \"2s\"",
+    );
+    let ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    wait_state(&mut c, "busy", pb::ModelState::Awake, LONG).await;
+    let proxy = spawn_proxy(&[ctl.url()], &["--engine-concurrency", "1"]).await;
+    ready(&proxy).await;
+    let url = format!("{}/v1/chat/completions", proxy.url());
+    // 1,000 tokens at 10 a second: the one slot is taken for 100 s.
+    let mut body = chat_body("busy", true, 1000);
+    body["ignore_eos"] = json!(true);
+    let long = http().post(&url).json(&body).send().await.unwrap();
+    assert_eq!(long.status(), 200);
+    let mut stream = long.bytes_stream();
+    assert!(
+        stream.next().await.is_some_and(|c| c.is_ok()),
+        "first chunk"
+    );
+    let asked = std::time::Instant::now();
+    let r = http()
+        .post(&url)
+        .json(&chat_body("busy", false, 4))
+        .send()
+        .await
+        .expect("no answer while the engine's one slot was taken");
+    let waited = asked.elapsed();
+    assert_eq!(r.status(), 503, "after {waited:?}");
+    assert_eq!(
+        r.headers().get("retry-after").and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "engine_busy", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("all 1 of its request slots")),
+        "{body}"
+    );
+    assert!(
+        waited >= Duration::from_secs(2),
+        "shed after {waited:?}, before the hold limit"
+    );
+    // The long answer ends (its client hangs up): the slot is free again.
+    drop(stream);
+    wait_until("a request answered once the slot is free", DEADLINE, || {
+        let url = url.clone();
+        async move {
+            let r = http()
+                .post(&url)
+                .json(&chat_body("busy", false, 4))
+                .send()
+                .await;
+            matches!(r, Ok(r) if r.status() == 200)
+        }
+    })
+    .await;
+}

@@ -22,11 +22,12 @@ use super::conn::UpstreamConn;
 
 /// Idle upstream connections kept per engine.
 pub const MAX_IDLE_PER_ENGINE: usize = 128;
-/// Requests at one engine at once (so connections to it): more wait here,
-/// in arrival order, for a slot. This paces the release of a whole hold
+/// Requests at one engine at once (so connections to it), by default
+/// (`--engine-concurrency`): more wait here, in arrival order, for a slot,
+/// up to their model's hold limit. This paces the release of a whole hold
 /// queue (10,000 requests do not open 10,000 connections at once) and is
 /// no lower than what vLLM runs at once (`max_num_seqs`: 256 to 1024).
-pub const MAX_CONCURRENT_PER_ENGINE: usize = 1024;
+pub const DEFAULT_ENGINE_CONCURRENCY: usize = 1024;
 
 #[derive(Debug)]
 struct Idle {
@@ -42,7 +43,7 @@ pub struct EnginePool {
     /// Per serving thread, the connections it opened and may reuse.
     idle: Box<[Mutex<Vec<Idle>>]>,
     idle_timeout: Duration,
-    /// Slots for concurrent requests ([`MAX_CONCURRENT_PER_ENGINE`]).
+    /// Slots for concurrent requests ([`DEFAULT_ENGINE_CONCURRENCY`]).
     pub slots: Arc<Semaphore>,
 }
 
@@ -56,6 +57,7 @@ impl EnginePool {
         authority: &Authority,
         idle_timeout: Duration,
         threads: usize,
+        concurrency: usize,
         reaper: &tokio::runtime::Handle,
     ) -> Arc<EnginePool> {
         let addr = match authority.port_u16() {
@@ -68,7 +70,7 @@ impl EnginePool {
                 .map(|_| Mutex::new(Vec::new()))
                 .collect(),
             idle_timeout,
-            slots: Arc::new(Semaphore::new(MAX_CONCURRENT_PER_ENGINE)),
+            slots: Arc::new(Semaphore::new(concurrency.max(1))),
         });
         reaper.spawn(reap(Arc::downgrade(&pool), idle_timeout));
         pool
@@ -165,7 +167,13 @@ mod tests {
 
     /// A pool on this test's runtime.
     fn pool(authority: &Authority, idle: Duration, threads: usize) -> Arc<EnginePool> {
-        EnginePool::new(authority, idle, threads, &tokio::runtime::Handle::current())
+        EnginePool::new(
+            authority,
+            idle,
+            threads,
+            DEFAULT_ENGINE_CONCURRENCY,
+            &tokio::runtime::Handle::current(),
+        )
     }
 
     async fn engine() -> (tokio::net::TcpListener, Authority) {
