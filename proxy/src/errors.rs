@@ -66,6 +66,12 @@ pub enum ApiError {
     InvalidModel,
     #[error("malformed JSON body: {0}")]
     MalformedJson(String),
+    /// vLLM's words, and the model's: the request did not say
+    /// `Content-Type: application/json`.
+    #[error(
+        "Unsupported Media Type: Only 'application/json' is allowed (model `{0}`'s engine, vLLM, reads no other; send `Content-Type: application/json`)"
+    )]
+    UnsupportedMediaType(String),
     #[error("malformed multipart/form-data body: {0}")]
     MalformedForm(&'static str),
     #[error("request body exceeds the limit of {limit} bytes")]
@@ -95,6 +101,7 @@ impl ApiError {
             | ApiError::ModelRequired(_)
             | ApiError::InvalidModel
             | ApiError::MalformedJson(_)
+            | ApiError::UnsupportedMediaType(_)
             | ApiError::MalformedForm(_)
             | ApiError::BodyRead(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -114,6 +121,9 @@ impl ApiError {
             }
             ApiError::InvalidModel => ("invalid_request_error", "invalid_model"),
             ApiError::MalformedJson(_) => ("invalid_request_error", "invalid_json"),
+            ApiError::UnsupportedMediaType(_) => {
+                ("invalid_request_error", "unsupported_media_type")
+            }
             ApiError::MalformedForm(_) => ("invalid_request_error", "invalid_form"),
             ApiError::BodyTooLarge { .. } => ("invalid_request_error", "request_too_large"),
             ApiError::BodyTimeout(_) => ("invalid_request_error", "request_timeout"),

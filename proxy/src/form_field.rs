@@ -98,6 +98,7 @@ fn find_in<'a>(body: &'a [u8], boundary: &[u8]) -> Result<ModelField<'a>, ApiErr
         name: Cow::Borrowed(name),
         span,
         kind: FieldKind::Form,
+        json_media: false,
     })
 }
 

@@ -18,7 +18,7 @@ use crate::forward::{ClientRequest, ForwardError, Forwarder};
 use crate::hold::{self, Holds, Release, SLOT_WAIT_MIN, Ticket, Wait};
 use crate::metrics::{Metrics, ModelLabels, ShedLabels, no_model};
 use crate::model_field::{FieldKind, ModelField, rewrite_model};
-use crate::request_model::{find_request_model, route_for};
+use crate::request_model::{find_request_model, refused_media, route_for};
 use crate::route_table::{ModelRoute, RouteTable, View};
 
 pub(crate) mod checks;
@@ -241,6 +241,9 @@ async fn routed(
         Err(e) => return (no_model(), e.into_response()),
     };
     let model = route.name.clone();
+    if let Some(e) = refused_media(route, req.target, &field) {
+        return (model, e.into_response());
+    }
     drop(view);
     let http2 = req.version == http::Version::HTTP_2;
     let resp = route_loop(shared, &model, &field, req, body, waited)

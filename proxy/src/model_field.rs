@@ -75,6 +75,9 @@ pub struct ModelField<'a> {
     /// field's value, when a form field; empty when the body names none.
     pub span: Range<usize>,
     pub kind: FieldKind,
+    /// The request said its body is JSON (`Content-Type: application/json`
+    /// as vLLM reads it; set by [`crate::request_model::find_request_model`]).
+    pub json_media: bool,
 }
 
 /// Where a request's model name is written.
@@ -96,6 +99,7 @@ impl ModelField<'_> {
             name: Cow::Borrowed(""),
             span: 0..0,
             kind: FieldKind::Unnamed,
+            json_media: false,
         }
     }
 
@@ -154,6 +158,7 @@ pub fn find_model(body: &[u8]) -> Result<ModelField<'_>, ApiError> {
         name,
         span: start..start + text.len(),
         kind: FieldKind::Json,
+        json_media: false,
     })
 }
 

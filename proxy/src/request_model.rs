@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use crate::errors::ApiError;
 use crate::form_field::find_form_model;
-use crate::model_field::{ModelField, find_model};
+use crate::model_field::{FieldKind, ModelField, find_model};
 use crate::route_table::{ModelRoute, View};
 
 /// Models named in the error for a request that names none (more are
@@ -21,12 +21,58 @@ pub fn find_request_model<'a>(
     body: &'a [u8],
     content_type: Option<&[u8]>,
 ) -> Result<ModelField<'a>, ApiError> {
-    find_model(body).or_else(
-        |e| match content_type.and_then(|ct| find_form_model(body, ct)) {
+    let mut field = find_model(body).or_else(|e| {
+        match content_type.and_then(|ct| find_form_model(body, ct)) {
             Some(form) => form,
             None => Err(e),
-        },
-    )
+        }
+    })?;
+    field.json_media = content_type.is_some_and(json_media);
+    Ok(field)
+}
+
+/// Whether a `Content-Type` is JSON as vLLM's `validate_json_request`
+/// reads it: lowercased, up to the first `;`, exactly `application/json`
+/// (no space before the `;`).
+fn json_media(content_type: &[u8]) -> bool {
+    let media = content_type
+        .split(|b| *b == b';')
+        .next()
+        .unwrap_or_default();
+    media.eq_ignore_ascii_case(b"application/json")
+}
+
+/// vLLM's routes among those a proxy forwards that take only
+/// `Content-Type: application/json` (0.24's `validate_json_request`,
+/// checked before the body is read): another type, or none, is a 400.
+const VLLM_JSON_ONLY: &[&str] = &[
+    "/v1/chat/completions",
+    "/v1/chat/completions/batch",
+    "/v1/chat/completions/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions",
+    "/v1/completions/render",
+    "/v1/completions/derender",
+    "/v1/embeddings",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/rerank",
+    "/v1/responses",
+    "/v1/score",
+];
+
+/// The 400 a vLLM engine would answer `field`'s request to `target` with
+/// for its `Content-Type`: answered here, so a model is not woken (or
+/// started) for a request it refuses before reading it. Other engine kinds
+/// read the body whatever its type.
+pub fn refused_media(route: &ModelRoute, target: &str, field: &ModelField<'_>) -> Option<ApiError> {
+    if field.json_media || field.kind == FieldKind::Form || route.status.engine != "vllm" {
+        return None;
+    }
+    let path = target.split('?').next().unwrap_or(target);
+    VLLM_JSON_ONLY
+        .contains(&path)
+        .then(|| ApiError::UnsupportedMediaType(route.name.to_string()))
 }
 
 /// The route for `name`; an empty name (the body names no model) is the one

@@ -127,6 +127,18 @@ async fn vllm_sglang_and_openai_take_turns_on_one_gpu_through_the_proxy() {
         "sg was resumed, not restarted"
     );
     assert_eq!(fake_stats(&sg).await["is_sleeping"], false);
+    // SGLang reads a body whatever its `Content-Type`: the proxy passes a
+    // text/plain one on (only a vLLM engine's is answered 400 by the proxy).
+    let body = serde_json::json!({"model": "sg", "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", proxy.url()))
+        .header("content-type", "text/plain")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{:?}", r.text().await);
 
     // `siesta get` names each kind and what it can do.
     let get = at(&ctl, &["get", "sg"]).await.ok().stdout;

@@ -449,6 +449,8 @@ async fn a_request_not_said_to_be_json_is_refused() {
         None,
         Some("text/plain"),
         Some("application/x-www-form-urlencoded"),
+        // vLLM reads the type up to the `;` as it is: no space is taken off.
+        Some("application/json ; charset=utf-8"),
     ] {
         let mut req = http().post(fv.at("/v1/completions")).body(body);
         if let Some(t) = content_type {

@@ -776,3 +776,68 @@ async fn engine_crash_then_served_again() {
     s.track_engines().await;
     s.stop().await;
 }
+
+/// A request vLLM refuses before reading it (its `Content-Type` is not
+/// `application/json`: `curl -d` sends a form type, some clients none) is
+/// answered 400 by the proxy in vLLM's words, and its model is not woken
+/// for it: before, it was held, the model woken, and vLLM's 400 came after
+/// the wake. A JSON request after it is served as ever.
+#[tokio::test]
+async fn a_request_vllm_would_refuse_for_its_content_type_wakes_nothing() {
+    let models = [model_toml(
+        "sleepy",
+        "asleep",
+        "",
+        &["--startup-time", "100ms", "--wake-time", "1500ms"],
+    )];
+    let mut s = Stack::start(&models, &[]).await;
+    s.wait_state("sleepy", "asleep").await;
+    s.track_engines().await;
+    let url = s.url("/v1/chat/completions");
+    let body = chat("sleepy").to_string();
+    for content_type in [
+        None,
+        Some("application/x-www-form-urlencoded"),
+        Some("text/plain"),
+        Some("application/json ; charset=utf-8"),
+    ] {
+        let mut req = http().post(&url).body(body.clone());
+        if let Some(t) = content_type {
+            req = req.header("content-type", t);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 400, "{content_type:?}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "unsupported_media_type", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("Only 'application/json' is allowed")),
+            "{v}"
+        );
+    }
+    let mut c = s.control.client().await;
+    let m = c
+        .get_model(siesta_proto::v1::GetModelRequest {
+            name: "sleepy".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .model
+        .unwrap();
+    assert_eq!(
+        m.state,
+        siesta_proto::v1::ModelState::Asleep as i32,
+        "woken for requests it refuses: {m:?}"
+    );
+    let ok = http()
+        .post(&url)
+        .header("content-type", "Application/JSON; charset=utf-8")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    s.stop().await;
+}

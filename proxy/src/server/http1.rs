@@ -39,7 +39,7 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::handler::{self, Shared, Waited};
-use crate::request_model::find_request_model;
+use crate::request_model::{find_request_model, refused_media};
 use crate::waiting_room;
 use request::Read;
 
@@ -96,6 +96,7 @@ pub async fn serve(
         if buf.is_empty()
             && let Ok(f) = &field
             && let Some(route) = waiting_room::asleep(shared, &f.name)
+            && refused_media(&route, req.client().target, f).is_none()
         {
             let held = waiting_room::hold(shared, stream, route).await;
             if held.closed {

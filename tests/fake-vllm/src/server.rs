@@ -463,14 +463,15 @@ async fn accept(
     }
 }
 
-/// Whether the request says its body is JSON (`Content-Type: application/json`, any
-/// parameters after it), as vLLM's OpenAI routes require.
+/// Whether the request says its body is JSON as vLLM's OpenAI routes require
+/// (`validate_json_request`: lowercased, up to the first `;`, exactly
+/// `application/json`: parameters after it, no space before them).
 fn json_body(headers: &http::HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.split(';').next())
-        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+        .is_some_and(|t| t.eq_ignore_ascii_case("application/json"))
 }
 
 /// Routes one request (and writes uvicorn's access-log line).
