@@ -289,3 +289,46 @@ pub async fn proxy_ready(proxy: &crate::ProxyProc) {
     })
     .await;
 }
+
+/// POSTs `body` to `url` with each `Content-Type` vLLM's JSON-only routes
+/// refuse (none, a form's, text, and JSON with a space before its `;`,
+/// which vLLM does not take off): each a 400 in vLLM's words, whose error
+/// bodies are returned.
+pub async fn refused_types(url: &str, body: &str) -> Vec<serde_json::Value> {
+    let http = reqwest::Client::new();
+    let mut refused = Vec::new();
+    for content_type in [
+        None,
+        Some("application/x-www-form-urlencoded"),
+        Some("text/plain"),
+        Some("application/json ; charset=utf-8"),
+    ] {
+        let mut req = http.post(url).body(body.to_owned());
+        if let Some(t) = content_type {
+            req = req.header("content-type", t);
+        }
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status(), 400, "{content_type:?}");
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("Only 'application/json' is allowed")),
+            "{content_type:?}: {v}"
+        );
+        refused.push(v);
+    }
+    refused
+}
+
+/// POSTs `body` to `url` as `Application/JSON; charset=utf-8`: a 200.
+pub async fn json_taken(url: &str, body: &str) {
+    let ok = reqwest::Client::new()
+        .post(url)
+        .header("content-type", "Application/JSON; charset=utf-8")
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+}

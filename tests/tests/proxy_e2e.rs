@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use siesta_proto::v1::{ListModelsRequest, ModelRequest};
+use siesta_tests::ctl::{json_taken, refused_types};
 use siesta_tests::{ControlProc, DEADLINE, ProxyProc, spawn_control_with, spawn_proxy, wait_until};
 
 /// One model entry for the config; `args` are fake-vllm flags.
@@ -46,6 +47,20 @@ impl Stack {
             matches!(http().get(&url).send().await, Ok(r) if r.status() == 200)
         })
         .await;
+        s
+    }
+
+    /// One model, `sleepy`, asleep (its wake takes 1.5 s).
+    async fn sleepy() -> Stack {
+        let models = [model_toml(
+            "sleepy",
+            "asleep",
+            "",
+            &["--startup-time", "100ms", "--wake-time", "1500ms"],
+        )];
+        let mut s = Stack::start(&models, &[]).await;
+        s.wait_state("sleepy", "asleep").await;
+        s.track_engines().await;
         s
     }
 
@@ -253,15 +268,7 @@ async fn awake_model_forwarded_and_errors_answered_by_the_proxy() {
 
 #[tokio::test]
 async fn sleeping_model_held_during_wake_then_answered() {
-    let models = [model_toml(
-        "sleepy",
-        "asleep",
-        "",
-        &["--startup-time", "100ms", "--wake-time", "1500ms"],
-    )];
-    let mut s = Stack::start(&models, &[]).await;
-    s.wait_state("sleepy", "asleep").await;
-    s.track_engines().await;
+    let s = Stack::sleepy().await;
     let url = s.url("/v1/chat/completions");
     let t0 = Instant::now();
     let (c1, c2) = (chat("sleepy"), chat_stream("sleepy"));
@@ -784,37 +791,11 @@ async fn engine_crash_then_served_again() {
 /// the wake. A JSON request after it is served as ever.
 #[tokio::test]
 async fn a_request_vllm_would_refuse_for_its_content_type_wakes_nothing() {
-    let models = [model_toml(
-        "sleepy",
-        "asleep",
-        "",
-        &["--startup-time", "100ms", "--wake-time", "1500ms"],
-    )];
-    let mut s = Stack::start(&models, &[]).await;
-    s.wait_state("sleepy", "asleep").await;
-    s.track_engines().await;
+    let s = Stack::sleepy().await;
     let url = s.url("/v1/chat/completions");
     let body = chat("sleepy").to_string();
-    for content_type in [
-        None,
-        Some("application/x-www-form-urlencoded"),
-        Some("text/plain"),
-        Some("application/json ; charset=utf-8"),
-    ] {
-        let mut req = http().post(&url).body(body.clone());
-        if let Some(t) = content_type {
-            req = req.header("content-type", t);
-        }
-        let r = req.send().await.unwrap();
-        assert_eq!(r.status(), 400, "{content_type:?}");
-        let v: Value = r.json().await.unwrap();
+    for v in refused_types(&url, &body).await {
         assert_eq!(v["error"]["code"], "unsupported_media_type", "{v}");
-        assert!(
-            v["error"]["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("Only 'application/json' is allowed")),
-            "{v}"
-        );
     }
     let mut c = s.control.client().await;
     let m = c
@@ -831,13 +812,6 @@ async fn a_request_vllm_would_refuse_for_its_content_type_wakes_nothing() {
         siesta_proto::v1::ModelState::Asleep as i32,
         "woken for requests it refuses: {m:?}"
     );
-    let ok = http()
-        .post(&url)
-        .header("content-type", "Application/JSON; charset=utf-8")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(ok.status(), 200);
+    json_taken(&url, &body).await;
     s.stop().await;
 }
