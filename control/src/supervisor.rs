@@ -37,17 +37,34 @@ pub struct Exit {
     pub cause: Option<String>,
 }
 
+/// How long the cause of an engine's exit is looked for in its output
+/// files: on a disk that stopped answering, the exit is told without it
+/// (the model's task waits for the exit: a stop, a restart).
+pub const EXIT_CAUSE_WAIT: Duration = Duration::from_secs(2);
+
 impl Exit {
     /// Reads the cause from the ends of the engine's output files
-    /// ([`log_paths`]; blocking I/O on a blocking thread).
+    /// ([`log_paths`]; blocking I/O on a blocking thread), for
+    /// [`EXIT_CAUSE_WAIT`] at most.
     async fn read(status: String, name: String, log_dir: PathBuf) -> Self {
-        let cause = tokio::task::spawn_blocking(move || {
+        Self::read_within(status, EXIT_CAUSE_WAIT, move || {
             let [(out, _), (err, _)] = log_paths(&name, &log_dir);
             exit_cause::read(&[&err, &out])
         })
         .await
-        .ok()
-        .flatten();
+    }
+
+    async fn read_within(
+        status: String,
+        wait: Duration,
+        read: impl FnOnce() -> Option<String> + Send + 'static,
+    ) -> Self {
+        let cause = match tokio::time::timeout(wait, tokio::task::spawn_blocking(read)).await {
+            Ok(read) => read.ok().flatten(),
+            Err(_) => Some(format!(
+                "(the cause is unknown: the engine's log could not be read within {wait:?})"
+            )),
+        };
         Self { status, cause }
     }
 }
@@ -392,6 +409,28 @@ impl StartHold {
 
 #[cfg(test)]
 mod tests {
+
+    /// An exit whose log cannot be read (a disk that stopped answering) is
+    /// told within the wait, without its cause: the model's task waits for
+    /// the exit to stop or restart the engine.
+    #[tokio::test]
+    async fn an_exit_is_told_though_its_log_cannot_be_read() {
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let read = move || {
+            let _ = held.recv_timeout(Duration::from_secs(30));
+            Some("never seen".to_string())
+        };
+        let exit = tokio::time::timeout(
+            Duration::from_secs(10),
+            Exit::read_within("exit status: 1".into(), Duration::from_millis(100), read),
+        )
+        .await
+        .expect("the exit waited for its log");
+        let _ = release.send(());
+        assert_eq!(exit.status, "exit status: 1");
+        let cause = exit.cause.unwrap();
+        assert!(cause.contains("could not be read within 100ms"), "{cause}");
+    }
 
     use super::*;
     use crate::config::{Config, GpuMemory};
