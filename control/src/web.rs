@@ -75,6 +75,12 @@ pub fn spawn(
     tokio::spawn(accept(listener, web, cancel));
 }
 
+/// How long a request's head may take to arrive, and a keep-alive
+/// connection may sit idle between requests: a client that connects and
+/// sends nothing (before its token is checked) holds no task and file for
+/// ever. An `/events` stream is a response, not timed by this.
+pub const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 async fn accept(listener: TcpListener, web: Arc<Web>, cancel: CancellationToken) {
     loop {
         let (stream, peer) = tokio::select! {
@@ -99,6 +105,8 @@ async fn accept(listener: TcpListener, web: Arc<Web>, cancel: CancellationToken)
             });
             let io = hyper_util::rt::TokioIo::new(stream);
             if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
                 .serve_connection(io, svc)
                 .await
             {

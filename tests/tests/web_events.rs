@@ -207,3 +207,40 @@ async fn events_carry_revisions_and_resume_after_the_last_one() {
     })
     .await;
 }
+
+/// A client that connects to the web listener and does not finish its
+/// request head is closed after the header timeout (10 s): it held a task
+/// and a file for ever, before its token was even checked. An `/events`
+/// stream open all that while is a response, not cut by it.
+#[tokio::test]
+async fn a_client_that_sends_no_whole_head_is_closed_and_events_go_on() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = stack::stack(&fake_model("alpha", "none", &[], "")).await;
+    let mut ev = Events::open(&format!("{}/events", s.web), None).await;
+    assert_eq!(ev.next().await.1, "snapshot");
+    let addr = s.web.trim_start_matches("http://");
+    let mut slow = tokio::net::TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"GET /api/models HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let opened = std::time::Instant::now();
+    let mut buf = Vec::new();
+    let read = tokio::time::timeout(LONG, slow.read_to_end(&mut buf))
+        .await
+        .expect("a connection with half a head was kept open");
+    assert!(
+        read.is_ok() && opened.elapsed() >= std::time::Duration::from_secs(5),
+        "{read:?} after {:?}",
+        opened.elapsed()
+    );
+    // The events stream, open longer than the timeout, still delivers.
+    let r = reqwest::Client::new()
+        .post(format!("{}/api/models/alpha/wake", s.web))
+        .header("origin", &s.web)
+        .header("sec-fetch-site", "same-origin")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    ev.until("alpha", "awake").await;
+}
