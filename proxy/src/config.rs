@@ -69,6 +69,9 @@ pub struct ProxyConfig {
     /// Requests at one engine at once; more wait for a slot, up to their
     /// model's hold limit.
     pub engine_concurrency: usize,
+    /// How long an engine may send nothing on a request (its response
+    /// head, or its body between reads) before the request is ended.
+    pub upstream_timeout: Duration,
 }
 
 impl Default for ProxyConfig {
@@ -93,6 +96,7 @@ impl Default for ProxyConfig {
             proxy_id: None,
             upstream_idle_timeout: crate::forward::DEFAULT_UPSTREAM_IDLE_TIMEOUT,
             engine_concurrency: crate::forward::DEFAULT_ENGINE_CONCURRENCY,
+            upstream_timeout: crate::forward::DEFAULT_UPSTREAM_TIMEOUT,
         }
     }
 }
@@ -120,6 +124,7 @@ impl std::fmt::Debug for ProxyConfig {
             .field("proxy_id", &self.proxy_id)
             .field("upstream_idle_timeout", &self.upstream_idle_timeout)
             .field("engine_concurrency", &self.engine_concurrency)
+            .field("upstream_timeout", &self.upstream_timeout)
             .finish()
     }
 }

@@ -91,6 +91,8 @@ pub enum ApiError {
     },
     #[error("the model's engine failed while answering (retrying may help): {0}")]
     Upstream(String),
+    #[error("the model's engine did not answer: {0}")]
+    UpstreamTimeout(String),
 }
 
 impl ApiError {
@@ -109,6 +111,7 @@ impl ApiError {
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream(_) => StatusCode::BAD_GATEWAY,
+            ApiError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
@@ -131,6 +134,7 @@ impl ApiError {
             ApiError::Unauthorized => ("invalid_request_error", "invalid_api_key"),
             ApiError::Shed { reason, .. } => ("server_error", reason.code()),
             ApiError::Upstream(_) => ("server_error", "upstream_error"),
+            ApiError::UpstreamTimeout(_) => ("server_error", "upstream_timeout"),
         }
     }
 

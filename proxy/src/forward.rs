@@ -40,8 +40,8 @@ use crate::route_table::Upstream;
 pub use conn::UpstreamConn;
 use h1::RequestHead;
 pub use h1::{ClientHeaders, RawHead, UpstreamError, named_in, stops_here};
-pub use pool::DEFAULT_ENGINE_CONCURRENCY;
-use pool::EnginePool;
+pub use pool::{DEFAULT_ENGINE_CONCURRENCY, DEFAULT_UPSTREAM_TIMEOUT};
+use pool::{EngineLimits, EnginePool};
 
 /// Default time an idle upstream connection is kept: below uvicorn's 5 s.
 pub const DEFAULT_UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
@@ -66,6 +66,8 @@ pub enum ForwardError {
     /// Every one of the engine's slots (`--engine-concurrency`) stayed
     /// taken until the deadline: the request was not sent.
     Busy { slots: usize },
+    /// The engine sent no response head for `--upstream-timeout`.
+    Quiet(String),
     /// Anything after the request may have reached the engine.
     Other(String),
 }
@@ -109,11 +111,10 @@ pub struct Forwarder {
     metrics: Arc<Metrics>,
     /// Drop the client's Authorization header (it carries the proxy's API key).
     strip_authorization: bool,
-    idle_timeout: Duration,
+    /// Idle time, slots and quiet time of every engine.
+    limits: EngineLimits,
     /// Serving threads (each keeps its own idle connections).
     threads: usize,
-    /// Requests at one engine at once (`--engine-concurrency`).
-    engine_concurrency: usize,
     /// The runtime the pools' reapers run on: the one that made this
     /// forwarder (thread 0's), which outlives the other serving threads.
     reaper: tokio::runtime::Handle,
@@ -184,9 +185,12 @@ impl Forwarder {
         Forwarder {
             metrics,
             strip_authorization,
-            idle_timeout: idle,
+            limits: EngineLimits {
+                idle_timeout: idle,
+                concurrency: DEFAULT_ENGINE_CONCURRENCY,
+                quiet: DEFAULT_UPSTREAM_TIMEOUT,
+            },
             threads,
-            engine_concurrency: pool::DEFAULT_ENGINE_CONCURRENCY,
             reaper: tokio::runtime::Handle::current(),
             engines: Default::default(),
         }
@@ -194,7 +198,14 @@ impl Forwarder {
 
     /// At most `n` requests at one engine at once (at least 1).
     pub fn with_engine_concurrency(mut self, n: usize) -> Self {
-        self.engine_concurrency = n.max(1);
+        self.limits.concurrency = n.max(1);
+        self
+    }
+
+    /// An engine that sends nothing on a request for `quiet` (no byte of
+    /// its response head, or of its body while it is read) ends it.
+    pub fn with_upstream_timeout(mut self, quiet: Duration) -> Self {
+        self.limits.quiet = quiet;
         self
     }
 
@@ -243,13 +254,7 @@ impl Forwarder {
         }
         // Rare (a new engine address): forget the engines no one uses.
         engines.retain(|_, p| p.strong_count() > 0);
-        let pool = EnginePool::new(
-            authority,
-            self.idle_timeout,
-            self.threads,
-            self.engine_concurrency,
-            &self.reaper,
-        );
+        let pool = EnginePool::new(authority, self.limits, self.threads, &self.reaper);
         engines.insert(authority.clone(), Arc::downgrade(&pool));
         pool
     }
@@ -294,7 +299,7 @@ impl Forwarder {
                 Ok(slot) => slot.expect("the semaphore is never closed"),
                 Err(_) => {
                     return Err(ForwardError::Busy {
-                        slots: self.engine_concurrency,
+                        slots: self.limits.concurrency,
                     });
                 }
             },
@@ -387,6 +392,9 @@ impl Forwarder {
                          the engine closing an idle one, so not sent again)",
                         sent.elapsed().as_secs_f64()
                     )))
+                }
+                None if matches!(e, UpstreamError::Quiet(_)) => {
+                    Err(ForwardError::Quiet(e.to_string()))
                 }
                 None => Err(ForwardError::Other(e.to_string())),
             },

@@ -390,6 +390,10 @@ async fn route_loop(
                         .endpoint_failed(&up.source, model, &up.url, err);
                     continue;
                 }
+                Err(ForwardError::Quiet(err)) => {
+                    tracing::warn!(model = %model, url = %up.url, error = %err, "engine sent no answer");
+                    return Err(ApiError::UpstreamTimeout(err));
+                }
                 Err(ForwardError::Other(err)) => {
                     tracing::warn!(model = %model, url = %up.url, error = %err, "upstream error");
                     return Err(ApiError::Upstream(err));

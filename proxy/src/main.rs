@@ -107,6 +107,21 @@ struct Args {
     #[arg(long, default_value_t = siesta_proxy::DEFAULT_ENGINE_CONCURRENCY as u32,
           value_parser = clap::value_parser!(u32).range(1..))]
     engine_concurrency: u32,
+    /// How long an engine may send nothing on a request: no response head
+    /// (a non-streamed answer comes whole, so raise it for longer ones), or
+    /// a pause between parts of its body. Then 504 `upstream_timeout`, or
+    /// an error event ending a stream; the engine sees the request end.
+    #[arg(long, default_value = "10m", value_parser = positive_duration)]
+    upstream_timeout: std::time::Duration,
+}
+
+/// A duration above zero (`0s` would end every request at once).
+fn positive_duration(s: &str) -> Result<std::time::Duration, String> {
+    match humantime::parse_duration(s) {
+        Ok(d) if d.is_zero() => Err("must be more than 0".into()),
+        Ok(d) => Ok(d),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn write_addr_file(path: &PathBuf, proxy: &Proxy) -> anyhow::Result<()> {
@@ -177,6 +192,7 @@ async fn run(args: Args, threads: usize) -> anyhow::Result<()> {
         proxy_id: args.proxy_id,
         upstream_idle_timeout: args.upstream_idle_timeout,
         engine_concurrency: args.engine_concurrency as usize,
+        upstream_timeout: args.upstream_timeout,
         ..ProxyConfig::default()
     };
     raise_fd_limit();

@@ -170,7 +170,8 @@ impl Proxy {
                 cfg.upstream_idle_timeout,
                 cfg.threads.max(1),
             )
-            .with_engine_concurrency(cfg.engine_concurrency),
+            .with_engine_concurrency(cfg.engine_concurrency)
+            .with_upstream_timeout(cfg.upstream_timeout),
             metrics: metrics.clone(),
             activity: activity.clone(),
             api_keys: cfg.api_keys.iter().map(|k| k.as_bytes().to_vec()).collect(),

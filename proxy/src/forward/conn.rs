@@ -55,6 +55,13 @@ pub struct UpstreamConn {
     /// they are): `raw_valid` says they are the current response's.
     raw: RawHead,
     raw_valid: bool,
+    /// `--upstream-timeout`: the longest the engine may send nothing on a
+    /// request (for its head, and between reads of its body).
+    quiet: Duration,
+    /// The body's quiet timer, set again when a read finds nothing after
+    /// data came (`quiet_armed` false).
+    quiet_timer: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    quiet_armed: bool,
 }
 
 /// What [`UpstreamConn::send`] returns: the response's status and headers
@@ -95,6 +102,9 @@ impl UpstreamConn {
             answered: false,
             raw: RawHead::default(),
             raw_valid: false,
+            quiet: pool.quiet,
+            quiet_timer: None,
+            quiet_armed: false,
         }))
     }
 
@@ -147,7 +157,13 @@ impl UpstreamConn {
                 });
             }
             make_room(&mut self.read);
-            if self.io.read_buf(&mut self.read).await? == 0 {
+            let read = tokio::time::timeout(self.quiet, self.io.read_buf(&mut self.read)).await;
+            let Ok(read) = read else {
+                // Dropped, not reused: the engine sees the request end.
+                self.poolable = false;
+                return Err(UpstreamError::Quiet(self.quiet));
+            };
+            if read? == 0 {
                 self.poolable = false;
                 return Err(UpstreamError::ClosedBeforeHead);
             }
@@ -226,11 +242,21 @@ impl UpstreamConn {
                 }
             }
             make_room(&mut self.read);
-            let res = ready!(tokio_util::io::poll_read_buf(
+            let res = match tokio_util::io::poll_read_buf(
                 std::pin::Pin::new(&mut self.io),
                 cx,
-                &mut self.read
-            ));
+                &mut self.read,
+            ) {
+                Poll::Ready(res) => {
+                    self.quiet_armed = false;
+                    res
+                }
+                Poll::Pending => {
+                    ready!(self.poll_quiet(cx));
+                    self.poolable = false;
+                    return Poll::Ready(Some(Err(UpstreamError::Quiet(self.quiet))));
+                }
+            };
             match res {
                 Ok(0) => {
                     self.poolable = false;
@@ -245,6 +271,22 @@ impl UpstreamConn {
                 }
             }
         }
+    }
+
+    /// Ready once the engine has sent nothing for [`UpstreamConn::quiet`]
+    /// since the last read that found data (the timer is set again at the
+    /// first read after data that finds none: one timer per quiet spell,
+    /// not per chunk).
+    fn poll_quiet(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let deadline = tokio::time::Instant::now() + self.quiet;
+        let timer = self
+            .quiet_timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !self.quiet_armed {
+            timer.as_mut().reset(deadline);
+            self.quiet_armed = true;
+        }
+        timer.as_mut().poll(cx)
     }
 
     /// The current response's end-to-end headers, when they were kept raw.

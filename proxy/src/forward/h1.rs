@@ -42,6 +42,13 @@ pub enum UpstreamError {
     /// The engine sent what is not HTTP/1.1 (or beyond its limits).
     #[error("invalid response from the engine: {0}")]
     Invalid(String),
+    /// The engine sent nothing on the request for this long
+    /// (`--upstream-timeout`): it is hung, or slower than that allows.
+    #[error(
+        "the engine sent nothing for {} (--upstream-timeout); the request was ended",
+        humantime::format_duration(*.0)
+    )]
+    Quiet(std::time::Duration),
 }
 
 impl UpstreamError {

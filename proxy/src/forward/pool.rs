@@ -35,6 +35,21 @@ struct Idle {
     since: Instant,
 }
 
+/// The same for every engine: how long an idle connection is kept, how many
+/// requests go to one engine at once, and how long an engine may send
+/// nothing on a request it has.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineLimits {
+    pub idle_timeout: Duration,
+    pub concurrency: usize,
+    /// `--upstream-timeout`: no byte of a response's head, or of its body
+    /// while it is read, for this long ends the request.
+    pub quiet: Duration,
+}
+
+/// Default `--upstream-timeout`: as long as the OpenAI SDK waits.
+pub const DEFAULT_UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// One engine (`host:port`): its idle connections and its request slots.
 #[derive(Debug)]
 pub struct EnginePool {
@@ -43,6 +58,8 @@ pub struct EnginePool {
     /// Per serving thread, the connections it opened and may reuse.
     idle: Box<[Mutex<Vec<Idle>>]>,
     idle_timeout: Duration,
+    /// See [`EngineLimits::quiet`].
+    pub quiet: Duration,
     /// Slots for concurrent requests ([`DEFAULT_ENGINE_CONCURRENCY`]).
     pub slots: Arc<Semaphore>,
 }
@@ -55,11 +72,15 @@ impl EnginePool {
     /// that lets an unused pool go.
     pub fn new(
         authority: &Authority,
-        idle_timeout: Duration,
+        limits: EngineLimits,
         threads: usize,
-        concurrency: usize,
         reaper: &tokio::runtime::Handle,
     ) -> Arc<EnginePool> {
+        let EngineLimits {
+            idle_timeout,
+            concurrency,
+            quiet,
+        } = limits;
         let addr = match authority.port_u16() {
             Some(_) => authority.as_str().to_owned(),
             None => format!("{}:80", authority.host()),
@@ -70,6 +91,7 @@ impl EnginePool {
                 .map(|_| Mutex::new(Vec::new()))
                 .collect(),
             idle_timeout,
+            quiet,
             slots: Arc::new(Semaphore::new(concurrency.max(1))),
         });
         reaper.spawn(reap(Arc::downgrade(&pool), idle_timeout));
@@ -167,11 +189,15 @@ mod tests {
 
     /// A pool on this test's runtime.
     fn pool(authority: &Authority, idle: Duration, threads: usize) -> Arc<EnginePool> {
+        let limits = EngineLimits {
+            idle_timeout: idle,
+            concurrency: DEFAULT_ENGINE_CONCURRENCY,
+            quiet: DEFAULT_UPSTREAM_TIMEOUT,
+        };
         EnginePool::new(
             authority,
-            idle,
+            limits,
             threads,
-            DEFAULT_ENGINE_CONCURRENCY,
             &tokio::runtime::Handle::current(),
         )
     }

@@ -265,3 +265,64 @@ async fn http2_clients_are_served() {
         assert!(!body.is_empty());
     }
 }
+
+/// An engine that sends nothing on a request for `--upstream-timeout` (a
+/// hung engine core behind a server that still answers its health probe)
+/// has the request ended: a whole request gets 504 `upstream_timeout`, a
+/// stream that stalls ends with an error event, and the engine sees both
+/// end (they counted in flight for ever, and kept the model awake).
+#[tokio::test]
+async fn an_engine_that_sends_nothing_for_the_upstream_timeout_has_the_request_ended() {
+    let e = Engine::start("e1").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| {
+        cfg.upstream_timeout = Duration::from_millis(500)
+    })
+    .await;
+    e.set_gate(false);
+    let asked = std::time::Instant::now();
+    let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
+    assert_eq!(r.status, 504, "{:?}", r.body);
+    assert_eq!(r.json()["error"]["code"], "upstream_timeout");
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("sent nothing for 500ms")),
+        "{:?}",
+        r.body
+    );
+    assert!(asked.elapsed() >= Duration::from_millis(500));
+    wait_until("the whole request ended at the engine", || async {
+        e.state.cancelled.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // A stream: its first chunk comes, then nothing.
+    let resp = send(
+        Method::POST,
+        &p.url("/v1/chat/completions"),
+        &[],
+        Bytes::from(chat_stream("m")),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let text = std::str::from_utf8(&body).unwrap();
+    assert!(text.contains("tok1"), "{text}");
+    assert!(!text.contains("tok2"), "{text}");
+    assert!(
+        text.contains("--upstream-timeout"),
+        "an error event: {text}"
+    );
+    wait_until("the stream ended at the engine", || async {
+        e.state.cancelled.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    // A slow engine within the limit is waited for.
+    e.set_gate(true);
+    assert_eq!(
+        post(&p.url("/v1/chat/completions"), &chat("m"))
+            .await
+            .status,
+        200
+    );
+}
