@@ -157,13 +157,7 @@ impl UpstreamConn {
                 });
             }
             make_room(&mut self.read);
-            let read = tokio::time::timeout(self.quiet, self.io.read_buf(&mut self.read)).await;
-            let Ok(read) = read else {
-                // Dropped, not reused: the engine sees the request end.
-                self.poolable = false;
-                return Err(UpstreamError::Quiet(self.quiet));
-            };
-            if read? == 0 {
+            if std::future::poll_fn(|cx| self.poll_read(cx)).await? == 0 {
                 self.poolable = false;
                 return Err(UpstreamError::ClosedBeforeHead);
             }
@@ -242,22 +236,7 @@ impl UpstreamConn {
                 }
             }
             make_room(&mut self.read);
-            let res = match tokio_util::io::poll_read_buf(
-                std::pin::Pin::new(&mut self.io),
-                cx,
-                &mut self.read,
-            ) {
-                Poll::Ready(res) => {
-                    self.quiet_armed = false;
-                    res
-                }
-                Poll::Pending => {
-                    ready!(self.poll_quiet(cx));
-                    self.poolable = false;
-                    return Poll::Ready(Some(Err(UpstreamError::Quiet(self.quiet))));
-                }
-            };
-            match res {
+            match ready!(self.poll_read(cx)) {
                 Ok(0) => {
                     self.poolable = false;
                     if let Err(e) = self.body.eof() {
@@ -267,8 +246,27 @@ impl UpstreamConn {
                 Ok(_) => {}
                 Err(e) => {
                     self.poolable = false;
-                    return Poll::Ready(Some(Err(e.into())));
+                    return Poll::Ready(Some(Err(e)));
                 }
+            }
+        }
+    }
+
+    /// Reads what the engine sent into the read buffer; an engine that
+    /// sends nothing for [`UpstreamConn::quiet`] is an error, and the
+    /// connection is not reused (dropped, so the engine sees the request
+    /// end). The timer is the connection's own, set again, not made anew,
+    /// for each request.
+    fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<Result<usize, UpstreamError>> {
+        match tokio_util::io::poll_read_buf(std::pin::Pin::new(&mut self.io), cx, &mut self.read) {
+            Poll::Ready(res) => {
+                self.quiet_armed = false;
+                Poll::Ready(res.map_err(UpstreamError::from))
+            }
+            Poll::Pending => {
+                ready!(self.poll_quiet(cx));
+                self.poolable = false;
+                Poll::Ready(Err(UpstreamError::Quiet(self.quiet)))
             }
         }
     }
@@ -278,15 +276,18 @@ impl UpstreamConn {
     /// first read after data that finds none: one timer per quiet spell,
     /// not per chunk).
     fn poll_quiet(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        let deadline = tokio::time::Instant::now() + self.quiet;
-        let timer = self
-            .quiet_timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         if !self.quiet_armed {
-            timer.as_mut().reset(deadline);
+            let deadline = tokio::time::Instant::now() + self.quiet;
+            match &mut self.quiet_timer {
+                Some(timer) => timer.as_mut().reset(deadline),
+                None => self.quiet_timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
             self.quiet_armed = true;
         }
-        timer.as_mut().poll(cx)
+        match &mut self.quiet_timer {
+            Some(timer) => timer.as_mut().poll(cx),
+            None => Poll::Pending,
+        }
     }
 
     /// The current response's end-to-end headers, when they were kept raw.
