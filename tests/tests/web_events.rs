@@ -20,6 +20,20 @@ struct Events {
 /// One event: (id, event name, data as JSON).
 type Event = (String, String, Value);
 
+/// A wake through the API: the same call as the Wake RPC, sent as the
+/// page's own fetch is (its Origin is the listener's); asserts 200.
+async fn wake_from_the_page(web: &str, model: &str) -> reqwest::Response {
+    let r = reqwest::Client::new()
+        .post(format!("{web}/api/models/{model}/wake"))
+        .header("origin", web)
+        .header("sec-fetch-site", "same-origin")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r
+}
+
 /// The revision an id names (`INCARNATION-REVISION`).
 fn rev(id: &str) -> u64 {
     let (_, r) = id.split_once('-').expect("INCARNATION-REVISION");
@@ -100,14 +114,7 @@ async fn events_carry_revisions_and_resume_after_the_last_one() {
 
     // A wake through the API: the same call as the Wake RPC, sent as the
     // page's own fetch is (its Origin is the listener's).
-    let r = reqwest::Client::new()
-        .post(format!("{}/api/models/alpha/wake", s.web))
-        .header("origin", &s.web)
-        .header("sec-fetch-site", "same-origin")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    let r = wake_from_the_page(&s.web, "alpha").await;
     let op: Value = r.json().await.unwrap();
     assert_eq!(op["model"]["name"], "alpha");
     let seen = ev.until("alpha", "awake").await;
@@ -234,13 +241,6 @@ async fn a_client_that_sends_no_whole_head_is_closed_and_events_go_on() {
         opened.elapsed()
     );
     // The events stream, open longer than the timeout, still delivers.
-    let r = reqwest::Client::new()
-        .post(format!("{}/api/models/alpha/wake", s.web))
-        .header("origin", &s.web)
-        .header("sec-fetch-site", "same-origin")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    wake_from_the_page(&s.web, "alpha").await;
     ev.until("alpha", "awake").await;
 }

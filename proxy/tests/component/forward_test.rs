@@ -112,13 +112,7 @@ async fn client_disconnect_cancels_upstream() {
     let p = ready_proxy(vec![c.url()], |_| {}).await;
     e.set_gate(false);
     // A streaming request, dropped after the first chunk.
-    let resp = send(
-        Method::POST,
-        &p.url("/v1/chat/completions"),
-        &[],
-        Bytes::from(chat_stream("m")),
-    )
-    .await;
+    let resp = send_chat_stream(&p.url("/v1/chat/completions"), "m").await;
     let mut body = resp.into_body();
     body.frame().await.unwrap().unwrap();
     drop(body);
@@ -297,13 +291,7 @@ async fn an_engine_that_sends_nothing_for_the_upstream_timeout_has_the_request_e
     })
     .await;
     // A stream: its first chunk comes, then nothing.
-    let resp = send(
-        Method::POST,
-        &p.url("/v1/chat/completions"),
-        &[],
-        Bytes::from(chat_stream("m")),
-    )
-    .await;
+    let resp = send_chat_stream(&p.url("/v1/chat/completions"), "m").await;
     assert_eq!(resp.status(), 200);
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     let text = std::str::from_utf8(&body).unwrap();

@@ -128,6 +128,11 @@ pub async fn send(
         .expect("request failed")
 }
 
+/// POSTs a streamed chat completion for `model` to `url`.
+pub async fn send_chat_stream(url: &str, model: &str) -> http::Response<Incoming> {
+    send(Method::POST, url, &[], Bytes::from(chat_stream(model))).await
+}
+
 pub async fn reply(resp: http::Response<Incoming>) -> Reply {
     let (parts, body) = resp.into_parts();
     let body = tokio::time::timeout(DEADLINE, body.collect())

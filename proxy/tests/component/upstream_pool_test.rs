@@ -7,8 +7,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::Method;
 use http_body_util::BodyExt;
 use siesta_proto::v1::ModelState;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -246,13 +244,7 @@ async fn a_stream_the_client_left_does_not_return_its_connection_to_the_pool() {
     let e = PoolEngine::start(None).await;
     let (_c, p) = proxy_to(&e).await;
     e.gate.send_replace(false);
-    let resp = send(
-        Method::POST,
-        &p.url("/v1/chat/completions"),
-        &[],
-        Bytes::from(chat_stream("m")),
-    )
-    .await;
+    let resp = send_chat_stream(&p.url("/v1/chat/completions"), "m").await;
     assert_eq!(resp.status(), 200);
     let mut body = resp.into_body();
     let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
