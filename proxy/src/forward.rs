@@ -65,11 +65,27 @@ pub enum ForwardError {
     Fenced,
     /// Every one of the engine's slots (`--engine-concurrency`) stayed
     /// taken until the deadline: the request was not sent.
-    Busy { slots: usize },
+    Busy { slots: usize, waited: Duration },
     /// The engine sent no response head for `--upstream-timeout`.
     Quiet(String),
     /// Anything after the request may have reached the engine.
     Other(String),
+}
+
+/// How long a request may wait for one of its engine's slots: its hold
+/// limit from its first wait (`since`; None: it has not waited), and
+/// [`crate::hold::SLOT_WAIT_MIN`] at least. Worked out only when no slot
+/// is free, off the common path.
+#[derive(Debug, Clone, Copy)]
+pub struct SlotWait {
+    pub since: Option<tokio::time::Instant>,
+    pub hold: Duration,
+}
+
+impl SlotWait {
+    fn deadline(&self, now: tokio::time::Instant) -> tokio::time::Instant {
+        (self.since.unwrap_or(now) + self.hold).max(now + crate::hold::SLOT_WAIT_MIN)
+    }
 }
 
 /// The client's request, as forwarding needs it (the body aside).
@@ -269,7 +285,7 @@ impl Forwarder {
         req: &ClientRequest<'_>,
         body: Bytes,
         gate: Option<OwnedSemaphorePermit>,
-        slot_by: tokio::time::Instant,
+        slot_wait: SlotWait,
     ) -> Result<Response<ProxyBody>, ForwardError> {
         if up.scheme != http::uri::Scheme::HTTP {
             // As hyper's HTTP connector said before: only plain HTTP.
@@ -290,19 +306,19 @@ impl Forwarder {
         let slot = match slots.clone().try_acquire_owned() {
             Ok(slot) => slot,
             // Boxed: the timer stays out of every other request's future.
-            Err(_) => match Box::pin(tokio::time::timeout_at(
-                slot_by,
-                slots.clone().acquire_owned(),
-            ))
-            .await
-            {
-                Ok(slot) => slot.expect("the semaphore is never closed"),
-                Err(_) => {
-                    return Err(ForwardError::Busy {
-                        slots: self.limits.concurrency,
-                    });
+            Err(_) => {
+                let now = tokio::time::Instant::now();
+                let by = slot_wait.deadline(now);
+                match Box::pin(tokio::time::timeout_at(by, slots.clone().acquire_owned())).await {
+                    Ok(slot) => slot.expect("the semaphore is never closed"),
+                    Err(_) => {
+                        return Err(ForwardError::Busy {
+                            slots: self.limits.concurrency,
+                            waited: by - slot_wait.since.unwrap_or(now),
+                        });
+                    }
                 }
-            },
+            }
         };
         let guard = InFlightGuard::new(up.clone(), slot);
         if up.activity.fenced() {

@@ -14,8 +14,8 @@ use crate::activity::Activity;
 use crate::body::ProxyBody;
 use crate::errors::{ApiError, ShedReason};
 use crate::form_field::rewrite_form_model;
-use crate::forward::{ClientRequest, ForwardError, Forwarder};
-use crate::hold::{self, Holds, Release, SLOT_WAIT_MIN, Ticket, Wait};
+use crate::forward::{ClientRequest, ForwardError, Forwarder, SlotWait};
+use crate::hold::{self, Holds, Release, Ticket, Wait};
 use crate::metrics::{Metrics, ModelLabels, ShedLabels, no_model};
 use crate::model_field::{FieldKind, ModelField, rewrite_model};
 use crate::request_model::{find_request_model, refused_media, route_for};
@@ -345,27 +345,32 @@ async fn route_loop(
             };
             // A request waits for one of the engine's slots as long as it
             // may be held (from its first wait), and a few seconds at least.
-            let now = Instant::now();
-            let slot_by = (held_since.unwrap_or(now) + Duration::from_millis(route.max_hold_ms))
-                .max(now + SLOT_WAIT_MIN);
+            let slot_wait = SlotWait {
+                since: held_since,
+                hold: Duration::from_millis(route.max_hold_ms),
+            };
             // Boxed: a held request's future need not carry its size.
             match Box::pin(
                 shared
                     .forwarder
-                    .forward(&up, req, out, gate.take(), slot_by),
+                    .forward(&up, req, out, gate.take(), slot_wait),
             )
             .await
             {
                 Ok(resp) => return Ok(resp),
-                Err(ForwardError::Busy { slots }) => {
-                    tracing::warn!(model = %model, url = %up.url, slots, "engine busy: no slot came within the hold limit");
+                Err(ForwardError::Busy { slots, waited }) => {
+                    tracing::warn!(model = %model, url = %up.url, slots, ?waited, "engine busy: no slot came within the hold limit");
                     return Err(ApiError::Shed {
                         reason: ShedReason::EngineBusy,
                         retry_after_s: Some(1),
                         message: format!(
                             "model `{}`'s engine kept all {slots} of its request slots at this proxy \
-                             (--engine-concurrency) for {} ms, the model's hold limit",
-                            route.name, route.max_hold_ms
+                             taken for the {:.1} s this request waited (its hold limit, {} ms, \
+                             5 s at least): retry, or raise the proxy's --engine-concurrency if \
+                             the engine runs more at once",
+                            route.name,
+                            waited.as_secs_f64(),
+                            route.max_hold_ms
                         ),
                     });
                 }

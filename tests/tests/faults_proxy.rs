@@ -412,7 +412,8 @@ async fn a_request_that_gets_no_engine_slot_within_the_hold_limit_is_shed() {
     assert!(
         body["error"]["message"]
             .as_str()
-            .is_some_and(|m| m.contains("all 1 of its request slots")),
+            .is_some_and(|m| m.contains("all 1 of its request slots")
+                && m.contains("raise the proxy's --engine-concurrency")),
         "{body}"
     );
     assert!(
