@@ -22,10 +22,12 @@ use std::time::{Duration, Instant};
 
 mod foreign;
 mod p2p;
+mod reader;
 mod report;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use reader::NVML_ANSWER_WAIT;
 pub use report::{GpuList, ModelPlacement, P2pDiag, PlacementReport};
 
 #[derive(Debug)]
@@ -44,6 +46,9 @@ struct ViewState {
     /// The last NVML read failed: `inventory` is an older snapshot, its
     /// processes maybe gone.
     read_failed: bool,
+    /// NVML has not answered the read out now, begun this long ago (a hung
+    /// driver): `inventory` is the last good snapshot.
+    silent_for: Option<Duration>,
     /// NVML's pids are this process's PID namespace's (the host's): only
     /// then can a GPU process be told siesta's or someone else's.
     pids_here: bool,
@@ -53,7 +58,7 @@ struct ViewState {
 #[derive(Debug)]
 pub struct GpuView {
     state: Mutex<ViewState>,
-    source: Mutex<GpuSource>,
+    reader: reader::Reader,
     policy: Policy,
     /// What each model holds per GPU while asleep: its default until an
     /// NVML measurement after a sleep replaces it.
@@ -185,9 +190,10 @@ impl GpuView {
                 placement_note: None,
                 refusal: None,
                 read_failed: false,
+                silent_for: None,
                 pids_here: foreign::host_pid_namespace(),
             }),
-            source: Mutex::new(source),
+            reader: reader::Reader::new(source),
             policy: policy_of(config),
             residuals: Mutex::new(
                 config
@@ -318,8 +324,12 @@ impl GpuView {
     /// model's asleep residual. None where NVML is absent or shows none of
     /// the engine's processes. Blocking (NVML): call from `spawn_blocking`.
     pub fn measure_residual(&self, model: &str, pgid: u32) -> Option<Residual> {
-        // Read NVML now, whatever the age of the last read.
-        self.refresh_inventory_within(Duration::ZERO);
+        // Read NVML now, whatever the age of the last read; an older read
+        // would show what the engine held awake.
+        if !self.refresh_inventory_within(Duration::ZERO) {
+            tracing::warn!(model, "asleep residual not measured: NVML does not answer");
+            return None;
+        }
         let (bytes, awake) = {
             let st = self.state.lock().unwrap();
             if st.inventory.source != InventorySource::Nvml {
@@ -348,10 +358,12 @@ impl GpuView {
 
     /// The CUDA processes NVML lists within process group `pgid`, with the
     /// GPU memory each holds (summed over GPUs): what a suspend
-    /// checkpoints. None without NVML. Blocking.
+    /// checkpoints. None without NVML, or when it does not answer. Blocking.
     pub fn engine_cuda_processes(&self, pgid: u32) -> Option<Vec<(u32, u64)>> {
         // Read NVML now, whatever the age of the last read.
-        self.refresh_inventory_within(Duration::ZERO);
+        if !self.refresh_inventory_within(Duration::ZERO) {
+            return None;
+        }
         let st = self.state.lock().unwrap();
         if st.inventory.source != InventorySource::Nvml {
             return None;
@@ -387,7 +399,7 @@ impl GpuView {
     /// Reads the GPUs from `gpus` from now on, as from NVML (tests).
     #[cfg(test)]
     pub(crate) fn script_nvml(&self, gpus: std::sync::Arc<Mutex<Vec<crate::gpu::GpuInfo>>>) {
-        *self.source.lock().unwrap() = GpuSource::Scripted(gpus);
+        self.reader.script(gpus);
     }
 
     /// Every placement (empty when placement failed).
@@ -414,24 +426,23 @@ impl GpuView {
     }
 
     /// Re-reads an NVML inventory older than [`INVENTORY_MAX_AGE`] (memory
-    /// and processes move as engines sleep and wake). Blocks for NVML's
-    /// milliseconds; on a multi-threaded runtime it tells tokio so.
+    /// and processes move as engines sleep and wake).
     fn refresh_inventory(&self) {
         self.refresh_inventory_within(INVENTORY_MAX_AGE);
     }
 
-    /// [`Self::refresh_inventory`] for a read at most `max_age` old.
-    fn refresh_inventory_within(&self, max_age: Duration) {
+    /// [`Self::refresh_inventory`] for a read at most `max_age` old. False
+    /// when NVML did not answer within [`NVML_ANSWER_WAIT`] of the read's
+    /// start: the inventory is then the last good one, marked so. Blocks up
+    /// to that wait; on a multi-threaded runtime it tells tokio so.
+    fn refresh_inventory_within(&self, max_age: Duration) -> bool {
         {
             let st = self.state.lock().unwrap();
             if st.read_at.elapsed() < max_age {
-                return;
+                return st.silent_for.is_none();
             }
         }
-        let read = || {
-            let source = self.source.lock().unwrap();
-            source.reads_live().then(|| source.snapshot())
-        };
+        let read = || self.reader.read(NVML_ANSWER_WAIT);
         let multi = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         let fresh = if multi {
@@ -442,17 +453,40 @@ impl GpuView {
         let mut st = self.state.lock().unwrap();
         st.read_at = Instant::now();
         match fresh {
-            Some(inv) if inv.gpus.is_empty() && !st.inventory.gpus.is_empty() => {
+            reader::Read::Fresh(inv) if inv.gpus.is_empty() && !st.inventory.gpus.is_empty() => {
                 // Keep the last good snapshot; say why it is old.
                 st.inventory.note = inv.note;
                 st.read_failed = true;
+                st.silent_for = None;
             }
-            Some(inv) => {
+            reader::Read::Fresh(inv) => {
+                if st.silent_for.take().is_some() {
+                    tracing::info!("NVML answers again");
+                }
                 st.inventory = inv;
                 st.read_failed = false;
             }
-            None => {}
+            reader::Read::Late(silent) => {
+                if st.silent_for.is_none() {
+                    tracing::error!(
+                        silent_ms = silent.as_millis() as u64,
+                        "NVML does not answer (a GPU off the bus, a driver in reset?): \
+                         going on with the last good read; wakes and starts wait for a fresh one"
+                    );
+                }
+                st.inventory.note = Some(silent_note(silent));
+                st.read_failed = true;
+                st.silent_for = Some(silent);
+            }
+            reader::Read::Fixed => {}
         }
+        st.silent_for.is_none()
+    }
+
+    /// How long NVML has not answered the read out now (None: it answers,
+    /// or the GPUs are a fixed list).
+    pub(crate) fn nvml_silent_for(&self) -> Option<Duration> {
+        self.state.lock().unwrap().silent_for
     }
 
     pub fn list_gpus(&self, models: &[ModelStatus]) -> GpuList {
@@ -474,6 +508,7 @@ impl GpuView {
             owners,
             p2p,
             p2p_probed_unix_ms,
+            note: inventory.note,
         }
     }
 
@@ -560,6 +595,15 @@ impl GpuView {
             gpus: budgets(&machine, &st.placements, &runtime, &self.run_policy()),
         }
     }
+}
+
+/// What the inventory's note says while NVML does not answer.
+fn silent_note(silent: Duration) -> String {
+    format!(
+        "NVML has not answered for {:.1}s (a GPU off the bus, a driver in reset?): \
+         the GPUs as last read; wakes and starts wait for a fresh read",
+        silent.as_secs_f64()
+    )
 }
 
 /// A measured asleep residual against the model's awake share per GPU

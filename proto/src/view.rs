@@ -241,6 +241,8 @@ pub struct GpusView {
     pub gpus: Vec<GpuView>,
     pub p2p: Vec<P2pView>,
     pub p2p_probed_unix_ms: i64,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub note: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -290,6 +292,7 @@ impl From<&pb::ListGpusResponse> for GpusView {
             gpus: r.gpus.iter().map(GpuView::from).collect(),
             p2p: r.p2p.iter().map(P2pView::from).collect(),
             p2p_probed_unix_ms: r.p2p_probed_unix_ms,
+            note: r.note.clone(),
         }
     }
 }

@@ -26,6 +26,9 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
 
 pub fn describe(now: i64, r: &pb::ListGpusResponse) -> String {
     let mut out = format!("inventory: {}\n", render::or_dash(&r.source));
+    if !r.note.is_empty() {
+        out.push_str(&format!("note: {}\n", r.note));
+    }
     if r.gpus.is_empty() {
         out.push_str("no GPUs\n");
     } else {
@@ -108,6 +111,25 @@ pub fn p2p_matrix(results: &[pb::P2pResult]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Why the GPUs shown are an older read is said under the source.
+    #[test]
+    fn an_old_inventory_says_why() {
+        let mut r = pb::ListGpusResponse {
+            source: "nvml".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            describe(0, &r),
+            "inventory: nvml\nno GPUs\np2p: never probed (run `siesta diag p2p`)\n"
+        );
+        r.note = "NVML has not answered for 4.0s".into();
+        assert!(
+            describe(0, &r).starts_with("inventory: nvml\nnote: NVML has not answered for 4.0s\n"),
+            "{}",
+            describe(0, &r)
+        );
+    }
 
     #[test]
     fn matrix_rows_are_sources() {

@@ -1262,6 +1262,40 @@ fn a_wake_goes_only_on_a_fresh_read_of_what_others_hold() {
     assert_eq!(w.run[1], Run::Waking(true));
 }
 
+/// NVML that stops answering (a GPU off the bus) leaves what others hold
+/// unknown: a wake waits, told why, instead of going on the last good read
+/// (or holding up admission for as long as NVML does), and goes once NVML
+/// answers again.
+#[test]
+fn a_wake_waits_while_nvml_does_not_answer() {
+    let mut w = World::new(&config(1, &[(1, 0.45), (1, 0.45)])).unwrap();
+    another_process_holds(&w, 0);
+    let nvml = std::sync::Arc::new(std::sync::Mutex::new(vec![held_gpu(0)]));
+    w.view.script_nvml(nvml.clone());
+    let hang = nvml.lock().unwrap();
+    w.view.age_reads(std::time::Duration::from_millis(60));
+    w.demand(1);
+    w.plan().unwrap();
+    assert_eq!(
+        w.run[1],
+        Run::Waking(false),
+        "admitted on a read NVML never gave"
+    );
+    let told = w.told.lock().unwrap()[1].clone().unwrap_or_default();
+    assert!(
+        told.contains("a fresh read of the GPUs: NVML has not answered for"),
+        "{told}"
+    );
+    drop(hang);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while w.run[1] != Run::Waking(true) {
+        assert!(std::time::Instant::now() < deadline, "never admitted");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        w.view.age_reads(crate::gpu_view::INVENTORY_MAX_AGE);
+        w.plan().unwrap();
+    }
+}
+
 /// Memory held by a process siesta does not run counts: two models of
 /// 0.45 fit one 80 GiB GPU together, but not beside 20 GiB of someone
 /// else's, so the idle one is put to sleep first; beside 50 GiB even that

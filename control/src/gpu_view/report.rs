@@ -17,6 +17,9 @@ pub struct GpuList {
     pub source: InventorySource,
     pub p2p: Vec<P2pResult>,
     pub p2p_probed_unix_ms: i64,
+    /// Why the inventory is not NVML's, or is an older read (see
+    /// [`crate::gpu::Inventory::note`]).
+    pub note: Option<String>,
 }
 
 /// Where one model runs and why.

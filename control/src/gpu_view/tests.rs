@@ -771,3 +771,71 @@ fn gpu(index: u32, procs: &[(u32, u64)]) -> crate::gpu::GpuInfo {
         .collect();
     g
 }
+
+/// An NVML call that never returns (a GPU off the bus) held up every
+/// caller of the view behind it: admission, `ListGpus`, the status page.
+/// Now the first caller waits [`NVML_ANSWER_WAIT`] and goes on with the
+/// last good read, marked so; later ones do not wait at all while that
+/// read is out; a residual is not measured on the old read; and once NVML
+/// answers, the next read is fresh again.
+#[test]
+fn an_nvml_that_stops_answering_holds_up_no_caller() {
+    use std::sync::mpsc;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = two_gpus(dir.path(), "");
+    let view = std::sync::Arc::new(GpuView::detect(&cfg, &Default::default()));
+    let me = std::process::id();
+    let nvml = std::sync::Arc::new(Mutex::new(vec![gpu(0, &[(me, 5 << 30)])]));
+    view.script_nvml(nvml.clone());
+    view.age_reads(INVENTORY_MAX_AGE);
+    let l = view.list_gpus(&[]);
+    assert_eq!(l.gpus[0].processes.len(), 1, "{l:?}");
+    assert_eq!(view.nvml_silent_for(), None);
+
+    // NVML hangs: the scripted read blocks on the list's lock.
+    let hang = nvml.lock().unwrap();
+    view.age_reads(INVENTORY_MAX_AGE);
+    let (tx, rx) = mpsc::channel();
+    let v = view.clone();
+    std::thread::spawn(move || {
+        let t = Instant::now();
+        let l = v.list_gpus(&[]);
+        tx.send((t.elapsed(), l)).unwrap();
+    });
+    let (waited, l) = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("ListGpus waited on a hung NVML read");
+    assert!(waited >= NVML_ANSWER_WAIT, "{waited:?}");
+    let note = l.note.clone().unwrap_or_default();
+    assert!(note.contains("NVML has not answered for"), "{note}");
+    assert_eq!(l.gpus[0].processes.len(), 1, "the last good read: {l:?}");
+    assert!(view.nvml_silent_for().is_some());
+    // The read is still out: no caller waits for it again.
+    let t = Instant::now();
+    assert_eq!(view.measure_residual("tp01", me), None);
+    assert_eq!(view.engine_cuda_processes(me), None);
+    view.age_reads(INVENTORY_MAX_AGE);
+    let f = view.foreign(&[]);
+    assert!(
+        t.elapsed() < NVML_ANSWER_WAIT,
+        "waited again: {:?}",
+        t.elapsed()
+    );
+    // What others held at the last good read still counts.
+    assert_eq!(f[&0].processes, [(me, 5 << 30)], "{f:?}");
+
+    // NVML answers again: the next read is fresh.
+    let mut hang = hang;
+    *hang = vec![gpu(0, &[])];
+    drop(hang);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while view.nvml_silent_for().is_some() {
+        assert!(Instant::now() < deadline, "NVML's answer never taken");
+        std::thread::sleep(Duration::from_millis(20));
+        view.age_reads(INVENTORY_MAX_AGE);
+        view.list_gpus(&[]);
+    }
+    let l = view.list_gpus(&[]);
+    assert!(l.gpus[0].processes.is_empty(), "{l:?}");
+    assert_eq!(l.note, None);
+}

@@ -164,6 +164,14 @@ impl Core {
                 fresh = true;
                 continue;
             }
+            // NVML did not answer that read (a hung driver): what others
+            // hold now is unknown, so nothing goes on the last good read.
+            if acts && let Some(silent) = self.gpus.nvml_silent_for() {
+                plan = WakePlan::Wait(format!(
+                    "a fresh read of the GPUs: NVML has not answered for {:.1}s",
+                    silent.as_secs_f64()
+                ));
+            }
             if let WakePlan::Going(going) = &plan
                 && let Some((without, not_needed)) =
                     self.without_yields(&self.queue[i], going, &rt, models)

@@ -23,6 +23,7 @@ pub fn gpu_list(l: &GpuList) -> pb::ListGpusResponse {
         .into(),
         p2p: l.p2p.iter().map(p2p_to_proto).collect(),
         p2p_probed_unix_ms: l.p2p_probed_unix_ms,
+        note: l.note.clone().unwrap_or_default(),
     }
 }
 

@@ -21,6 +21,7 @@ fn gpus() -> GpuList {
         source: InventorySource::Config,
         p2p: vec![],
         p2p_probed_unix_ms: 12,
+        note: Some("NVML has not answered for 3.0s".into()),
     }
 }
 
