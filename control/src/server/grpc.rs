@@ -40,6 +40,7 @@ use crate::api::watch::{LIST_MODELS_PATH, WATCH_PATH};
 use copied_writes::CopiedWrites;
 
 mod copied_writes;
+mod preface;
 
 thread_local! {
     /// Set by [`Place::call`] for a `Watch` request, taken by the
@@ -208,9 +209,20 @@ pub async fn serve(listener: TcpListener, routes: Routes, exec: Exec, shutdown: 
             tracing::debug!(%peer, error = %e, "TCP_NODELAY");
         }
         let svc = Place(TowerToHyperService::new(routes.clone()));
-        let conn = builder.serve_connection(conn_io(tcp), svc);
-        let stop = shutdown.clone();
+        let (builder, stop) = (builder.clone(), shutdown.clone());
         conns.spawn(async move {
+            let tcp = tokio::select! {
+                r = preface::read(tcp, preface::PREFACE_WAIT) => r,
+                _ = stop.cancelled() => return,
+            };
+            let tcp = match tcp {
+                Ok(tcp) => tcp,
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "gRPC connection closed before HTTP/2 began");
+                    return;
+                }
+            };
+            let conn = builder.serve_connection(conn_io(tcp), svc);
             let mut conn = std::pin::pin!(conn);
             let done = tokio::select! {
                 r = conn.as_mut() => Some(r),

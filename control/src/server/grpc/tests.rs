@@ -296,3 +296,42 @@ async fn small_frames_of_many_streams_leave_in_a_few_writes() {
         "{writes} writes for {STREAMS} small frames"
     );
 }
+
+/// A client that connects and sends nothing, or half a preface, is closed
+/// after [`preface::PREFACE_WAIT`]. Before, hyper waited for the preface
+/// without end (its keep-alive pings begin after it): each such client
+/// held a task and a file descriptor for the daemon's life.
+#[tokio::test(start_paused = true)]
+async fn a_client_that_sends_no_preface_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let served = tokio::spawn(serve(
+        listener,
+        Routes::new(Where::default()),
+        Exec::new(None),
+        stop.clone(),
+    ));
+    let silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut half = tokio::net::TcpStream::connect(addr).await.unwrap();
+    half.write_all(b"PRI * HTTP/2.0").await.unwrap();
+    let began = tokio::time::Instant::now();
+    for (what, mut c) in [("silent", silent), ("half a preface", half)] {
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(3600), c.read_to_end(&mut got))
+            .await
+            .unwrap_or_else(|_| panic!("{what}: never closed ({} bytes read)", got.len()))
+            .ok();
+    }
+    assert!(
+        began.elapsed() >= preface::PREFACE_WAIT,
+        "{:?}",
+        began.elapsed()
+    );
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(30), served)
+        .await
+        .expect("serve ends after shutdown")
+        .unwrap();
+}
