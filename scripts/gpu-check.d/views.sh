@@ -51,7 +51,7 @@ preload = "awake"
 args = ["--gpu-memory", "$((VIEW_MEMORY / 2))", "--runner", "pooling"]
 TOML
 echo "  config: $VDIR/siesta.toml (chat asleep with $((VIEW_MEMORY >> 20)) MiB, embed awake with $((VIEW_MEMORY >> 21)) MiB, both on GPU 0)"
-"$BIN/siesta-control" --config "$VDIR/siesta.toml" >"$VDIR/control.log" 2>&1 &
+"$BIN/siesta-control" --config "$VDIR/siesta.toml" --stop-engines-on-exit >"$VDIR/control.log" 2>&1 &
 CTL_PID=$!
 "$BIN/siesta-proxy" --control "$CTL" --listen "127.0.0.1:$PROXY_PORT" --admin-listen "127.0.0.1:$ADMIN_PORT" >"$VDIR/proxy.log" 2>&1 &
 PROXY_PID=$!
@@ -145,7 +145,11 @@ fi
 "$BIN/siesta" --control "$CTL" status 2>&1 | sed 's/^/  /'
 kill -TERM "$PROXY_PID" "$CTL_PID" 2>/dev/null
 wait "$PROXY_PID" "$CTL_PID" 2>/dev/null
-pkill -f "$VDIR" 2>/dev/null
+# The engines stop with the control plane (--stop-engines-on-exit): one left
+# behind would hold GPU memory through the next check (it did: foreign.sh counted
+# this check's engines as others' memory).
+left=$(pgrep -f "$BIN/fake-vllm" | tr '\n' ' ')
+[ -z "$left" ] || { fail "engines left running after the control plane's exit: $left"; pkill -KILL -f "$BIN/fake-vllm"; }
 echo "  saved: $VDIR (control.log, proxy.log, events.txt, top.raw, top.txt)"
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT/views"
