@@ -51,7 +51,8 @@ fn row_state(model: &str) -> String {
 async fn the_page_follows_a_wake_and_its_buttons_send_the_operations() {
     // A wake long enough for the held request to be reported and shown.
     let models = fake_model("alpha", "asleep", &["--wake-time", "1500ms"], "")
-        + &fake_model("beta", "none", &[], "");
+        // On a GPU, so that the inventory's source is looked for (NVML).
+        + &util::fake_model_on("beta", "none", 1, &[], "");
     let s = stack::stack(&models).await;
     let mut c = s.ctl.client().await;
     wait_state(&mut c, "alpha", pb::ModelState::Asleep, LONG).await;
@@ -66,6 +67,22 @@ async fn the_page_follows_a_wake_and_its_buttons_send_the_operations() {
     .await;
     assert_eq!(b.eval(&row_state("alpha")).await, "asleep");
     assert_eq!(b.eval(&row_state("beta")).await, "stopped");
+    // Why the GPUs are shown as they are (without NVML: "NVML not
+    // available", no GPUs known) is on the page as ListGpus says it.
+    let gpus = c
+        .list_gpus(pb::ListGpusRequest::default())
+        .await
+        .expect("ListGpus")
+        .into_inner();
+    assert!(gpus.source == "nvml" || !gpus.note.is_empty(), "{gpus:?}");
+    let shown = b
+        .eval("(document.getElementById('gpu-note') || {}).textContent || ''")
+        .await;
+    assert_eq!(
+        shown.as_str(),
+        Some(gpus.note.as_str()),
+        "the page's GPU note"
+    );
 
     // A request through the proxy wakes alpha; the page follows each event.
     s.ask("alpha").await;

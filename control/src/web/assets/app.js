@@ -144,6 +144,8 @@ function renderGpus() {
   const box = document.getElementById("gpus");
   box.replaceChildren();
   const g = S.gpus;
+  // Why the GPUs shown are an older read (NVML silent or failing), or not NVML's.
+  if (g && g.note) box.append(el("div", { class: "gpu-note", id: "gpu-note", text: g.note }));
   if (!g || !g.gpus.length) { box.append(el("span", { class: "muted", text: "no GPUs" })); return; }
   for (const gpu of g.gpus) {
     const bar = el("div", { class: "bar" });
