@@ -139,7 +139,14 @@ fn header(f: &mut Frame, area: Rect, top: &Top, now: i64) {
 }
 
 fn gpus(f: &mut Frame, area: Rect, top: &Top) {
-    let block = Block::default().borders(Borders::ALL).title(" GPUs ");
+    let mut block = Block::default().borders(Borders::ALL).title(" GPUs ");
+    // Why they are not a fresh NVML read (NVML absent, failing or silent).
+    if let Some(note) = top.gpus.as_ref().map(|g| &g.note).filter(|n| !n.is_empty()) {
+        block = block.title(Line::styled(
+            format!(" {note} "),
+            Style::default().fg(Color::Yellow),
+        ));
+    }
     let Some(g) = top.gpus.as_ref().filter(|g| !g.gpus.is_empty()) else {
         f.render_widget(Paragraph::new("no GPUs").block(block), area);
         return;
@@ -273,4 +280,48 @@ fn models(f: &mut Frame, area: Rect, top: &Top, now: i64) {
     .row_highlight_style(Style::default().add_modifier(Modifier::REVERSED));
     let mut state = TableState::default().with_selected(Some(top.selected));
     f.render_stateful_widget(table, area, &mut state);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ratatui::{Terminal, backend::TestBackend};
+
+    /// The screen's text, row by row.
+    fn screen(top: &Top) -> String {
+        let mut t = Terminal::new(TestBackend::new(160, 24)).unwrap();
+        t.draw(|f| draw(f, top, 0)).unwrap();
+        let buf = t.backend().buffer();
+        (0..buf.area.height)
+            .map(|y| {
+                (0..buf.area.width)
+                    .map(|x| buf[(x, y)].symbol())
+                    .collect::<String>()
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Why the GPUs shown are an older read is on the GPUs' frame; a fresh
+    /// read says nothing more.
+    #[test]
+    fn the_gpus_frame_says_why_they_are_an_older_read() {
+        let mut top = Top::new("http://c");
+        let mut g = pb::ListGpusResponse {
+            source: "nvml".into(),
+            gpus: vec![pb::Gpu {
+                index: 0,
+                name: "H100".into(),
+                memory_total_bytes: 80 << 30,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        top.gpus = Some(g.clone());
+        assert!(!screen(&top).contains("NVML"), "{}", screen(&top));
+        g.note = "NVML has not answered for 4.0s".into();
+        top.gpus = Some(g);
+        let s = screen(&top);
+        assert!(s.contains("NVML has not answered for 4.0s"), "{s}");
+    }
 }
