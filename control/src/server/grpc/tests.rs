@@ -66,20 +66,28 @@ async fn request(addr: std::net::SocketAddr, path: &str) {
     resp.into_body().collect().await.unwrap();
 }
 
+/// `serve` on a loopback port: its address, its shutdown, its task.
+async fn serving(
+    routes: Where,
+    exec: Exec,
+) -> (
+    std::net::SocketAddr,
+    CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let served = tokio::spawn(serve(listener, Routes::new(routes), exec, stop.clone()));
+    (addr, stop, served)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_and_list_models_run_on_the_watch_runtime_and_the_rest_do_not() {
     let rt = WatchRuntime::start(1).unwrap();
     let exec = Exec::new(Some(rt.handle()));
     let seen = Where::default();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let served = tokio::spawn(serve(
-        listener,
-        Routes::new(seen.clone()),
-        exec.clone(),
-        stop.clone(),
-    ));
+    let (addr, stop, served) = serving(seen.clone(), exec.clone()).await;
     request(addr, WATCH_PATH).await;
     request(addr, "/siesta.v1.Control/GetModel").await;
     request(addr, LIST_MODELS_PATH).await;
@@ -103,15 +111,7 @@ async fn watch_and_list_models_run_on_the_watch_runtime_and_the_rest_do_not() {
 #[tokio::test]
 async fn shutdown_ends_serving_with_a_connection_open() {
     let rt = WatchRuntime::start(1).unwrap();
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let served = tokio::spawn(serve(
-        listener,
-        Routes::new(Where::default()),
-        Exec::new(Some(rt.handle())),
-        stop.clone(),
-    ));
+    let (addr, stop, served) = serving(Where::default(), Exec::new(Some(rt.handle()))).await;
     // An idle HTTP/2 connection, as a client between calls holds one.
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (_send, conn) = hyper::client::conn::http2::handshake::<_, _, Empty<bytes::Bytes>>(
@@ -140,15 +140,7 @@ async fn shutdown_ends_serving_with_a_connection_open() {
 /// never exited after SIGTERM while a Watch client had stopped reading.
 #[tokio::test]
 async fn shutdown_ends_serving_though_a_call_never_ends() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let served = tokio::spawn(serve(
-        listener,
-        Routes::new(Where::default()),
-        Exec::new(None),
-        stop.clone(),
-    ));
+    let (addr, stop, served) = serving(Where::default(), Exec::new(None)).await;
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut send, conn) =
         hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
@@ -304,15 +296,7 @@ async fn small_frames_of_many_streams_leave_in_a_few_writes() {
 #[tokio::test(start_paused = true)]
 async fn a_client_that_sends_no_preface_is_closed() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let served = tokio::spawn(serve(
-        listener,
-        Routes::new(Where::default()),
-        Exec::new(None),
-        stop.clone(),
-    ));
+    let (addr, stop, served) = serving(Where::default(), Exec::new(None)).await;
     let silent = tokio::net::TcpStream::connect(addr).await.unwrap();
     let mut half = tokio::net::TcpStream::connect(addr).await.unwrap();
     half.write_all(b"PRI * HTTP/2.0").await.unwrap();
