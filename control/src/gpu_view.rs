@@ -478,7 +478,7 @@ impl GpuView {
                 st.read_failed = true;
                 st.silent_for = Some(silent);
             }
-            reader::Read::Fixed => {}
+            reader::Read::Listed => {}
         }
         st.silent_for.is_none()
     }
@@ -600,8 +600,9 @@ impl GpuView {
 /// What the inventory's note says while NVML does not answer.
 fn silent_note(silent: Duration) -> String {
     format!(
-        "NVML has not answered for {:.1}s (a GPU off the bus, a driver in reset?): \
-         the GPUs as last read; wakes and starts wait for a fresh read",
+        "NVML has not answered for {:.1}s (a GPU off the bus, a driver in reset? \
+         see nvidia-smi and the kernel log for Xid errors): the GPUs as last read; \
+         wakes and starts wait for a fresh read",
         silent.as_secs_f64()
     )
 }

@@ -24,8 +24,8 @@ pub(crate) const NVML_ANSWER_WAIT: Duration = Duration::from_secs(2);
 /// What a read gave.
 #[derive(Debug)]
 pub(super) enum Read {
-    /// The source is a fixed list (the config's `[[gpu]]`): nothing to read.
-    Fixed,
+    /// The source is the config's `[[gpu]]` list: nothing to read.
+    Listed,
     /// NVML answered.
     Fresh(Inventory),
     /// NVML has not answered this read, begun this long ago.
@@ -68,7 +68,7 @@ impl Reader {
     /// read began (a read already out is joined, not doubled). Blocking.
     pub(super) fn read(&self, wait: Duration) -> Read {
         if !self.reads_live() {
-            return Read::Fixed;
+            return Read::Listed;
         }
         let pending = self.pending_or_start();
         let left = (pending.since + wait).saturating_duration_since(Instant::now());

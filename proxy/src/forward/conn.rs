@@ -284,10 +284,8 @@ impl UpstreamConn {
             }
             self.quiet_armed = true;
         }
-        match &mut self.quiet_timer {
-            Some(timer) => timer.as_mut().poll(cx),
-            None => Poll::Pending,
-        }
+        let timer = self.quiet_timer.as_mut().expect("made when first armed");
+        timer.as_mut().poll(cx)
     }
 
     /// The current response's end-to-end headers, when they were kept raw.

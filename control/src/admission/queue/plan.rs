@@ -168,7 +168,8 @@ impl Core {
             // hold now is unknown, so nothing goes on the last good read.
             if acts && let Some(silent) = self.gpus.nvml_silent_for() {
                 plan = WakePlan::Wait(format!(
-                    "a fresh read of the GPUs: NVML has not answered for {:.1}s",
+                    "a fresh read of the GPUs: NVML has not answered for {:.1}s \
+                     (see `siesta gpus`, nvidia-smi and the kernel log for Xid errors)",
                     silent.as_secs_f64()
                 ));
             }
