@@ -43,6 +43,12 @@ pub struct ControlConfig {
     pub control_id: String,
     /// The GPU peer-to-peer probe (`p2p_probe`, `p2p_probe_bytes`, `p2p_probe_timeout`).
     pub p2p_probe: P2pProbeConfig,
+    /// How long start-up waits for NVML to load and answer its first read
+    /// (`gpu_detect_timeout`, default 2m; the P2P probe's own deadline
+    /// comes on top). A GPU off the bus or a driver stuck in a reset can
+    /// hang `nvmlInit` for ever; past this the daemon exits with an error
+    /// rather than never serving.
+    pub gpu_detect_timeout: Duration,
     /// GPU memory placement counts for each asleep model per GPU
     /// (`asleep_residual`; unset: 1 GiB at TP=1, 2.5 GiB per GPU above,
     /// until measured; vLLM leaves 1–7 GiB asleep).
@@ -71,6 +77,10 @@ pub struct ControlConfig {
 /// Default `[control] engine_idle_timeout`: below uvicorn's 5 s keep-alive,
 /// so control never sends on a connection vLLM is closing.
 pub const DEFAULT_ENGINE_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// Default `[control] gpu_detect_timeout`: NVML loads and reads in
+/// seconds, even on eight GPUs without the persistence daemon.
+pub const DEFAULT_GPU_DETECT_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Default `[control] min_awake`.
 pub const DEFAULT_MIN_AWAKE: Duration = Duration::from_secs(2);

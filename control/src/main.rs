@@ -74,9 +74,15 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!(%signal, "shutting down");
         signals.cancel();
     });
-    server.run(shutdown).await?;
-    // A start-up step the signal cut short (the GPU probe) may still run on
-    // a blocking thread, which dropping the runtime would wait for.
+    let ran = server.run(shutdown).await;
+    // A start-up step the signal cut short (the GPU probe), or one that
+    // ran past its deadline (a hung NVML call), may still run on a
+    // blocking thread, which dropping the runtime would wait for.
+    if let Err(e) = ran {
+        tracing::error!(error = %e, "exiting");
+        eprintln!("Error: {e}");
+        std::process::exit(1)
+    }
     std::process::exit(0)
 }
 

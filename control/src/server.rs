@@ -154,14 +154,21 @@ impl Server {
         crate::api::watch::install_encoder(&hub, config.control.control_id.clone());
         let cfg = config.clone();
         let recorded = recorded_gpus(&store);
-        let detect = tokio::task::spawn_blocking(move || GpuView::detect(&cfg, &recorded));
+        let limit = detect_limit(&config);
+        let detect = tokio::time::timeout(
+            limit,
+            tokio::task::spawn_blocking(move || GpuView::detect(&cfg, &recorded)),
+        );
         let Some(detected) = unless_shut_down(&shutdown, "GPU detection", detect).await else {
             return Ok(());
         };
-        let gpus =
-            Arc::new(detected.map_err(|e| {
-                Error::Startup(std::io::Error::other(format!("GPU detection: {e}")))
-            })?);
+        let gpus = Arc::new(
+            detected
+                .map_err(|_| Error::Startup(std::io::Error::other(detect_hung(&config, limit))))?
+                .map_err(|e| {
+                    Error::Startup(std::io::Error::other(format!("GPU detection: {e}")))
+                })?,
+        );
         // A model that can never fit its GPUs: refuse to start, as
         // `siesta config check` refuses the file, with the same message.
         if let Some(refusal) = gpus.refusal() {
@@ -300,6 +307,37 @@ async fn unless_shut_down<T>(
         }
         done = run => Some(done),
     }
+}
+
+/// How long GPU detection may take at start-up: NVML's load and first read
+/// (`gpu_detect_timeout`), and the P2P probe's own deadline where it runs.
+fn detect_limit(config: &Config) -> Duration {
+    let probe = &config.control.p2p_probe;
+    let probing = probe.at_start && config.models.iter().any(|m| m.gpus > 0);
+    let probing = if probing {
+        probe.timeout
+    } else {
+        Duration::ZERO
+    };
+    config.control.gpu_detect_timeout + probing
+}
+
+/// Why the daemon gives up when GPU detection does not finish: the call
+/// left hanging is NVML's (a GPU off the bus, a driver stuck in a reset),
+/// whose thread cannot be stopped, only left behind by the exit.
+fn detect_hung(config: &Config, limit: Duration) -> String {
+    format!(
+        "GPU detection (loading NVML, reading the GPUs{}) did not finish within {}: \
+         NVML or a GPU is hung; see nvidia-smi and the kernel log for Xid errors \
+         ([control] gpu_detect_timeout is {})",
+        if limit > config.control.gpu_detect_timeout {
+            ", the P2P probe"
+        } else {
+            ""
+        },
+        humantime::format_duration(limit),
+        humantime::format_duration(config.control.gpu_detect_timeout),
+    )
 }
 
 /// Where the engines a previous control plane left were placed: start-up

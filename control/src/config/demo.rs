@@ -130,6 +130,7 @@ pub(super) fn demo(command_prefix: Vec<String>) -> Config {
             token: None,
             control_id: validate::host_name(),
             p2p_probe: P2pProbeConfig::default(),
+            gpu_detect_timeout: super::DEFAULT_GPU_DETECT_TIMEOUT,
             asleep_residual: None,
             min_awake: super::DEFAULT_MIN_AWAKE,
             yield_after: Some(super::DEFAULT_YIELD_AFTER),

@@ -25,6 +25,7 @@ fn control_changes(old: &ControlConfig, new: &ControlConfig) -> Vec<String> {
         token,
         control_id,
         p2p_probe,
+        gpu_detect_timeout,
         asleep_residual: _, // placement reads it on each reload
         min_awake,
         yield_after,
@@ -42,6 +43,10 @@ fn control_changes(old: &ControlConfig, new: &ControlConfig) -> Vec<String> {
         (
             "p2p_probe_timeout",
             p2p_probe.timeout != new.p2p_probe.timeout,
+        ),
+        (
+            "gpu_detect_timeout",
+            *gpu_detect_timeout != new.gpu_detect_timeout,
         ),
         ("min_awake", *min_awake != new.min_awake),
         ("yield_after", *yield_after != new.yield_after),

@@ -261,6 +261,23 @@ fn engine_idle_timeout_is_configurable() {
 }
 
 #[test]
+fn gpu_detect_timeout_is_configurable_and_named_by_a_reload() {
+    let c = Config::parse("", "empty.toml").unwrap();
+    assert_eq!(c.control.gpu_detect_timeout, Duration::from_secs(120));
+    let n = Config::parse("[control]\ngpu_detect_timeout = \"5m\"\n", "g.toml").unwrap();
+    assert_eq!(n.control.gpu_detect_timeout, Duration::from_secs(300));
+    // Read at start-up only: a reload says so.
+    assert_eq!(c.restart_only_changes(&n), ["control.gpu_detect_timeout"]);
+    let err = Config::parse("[control]\ngpu_detect_timeout = \"0s\"\n", "g.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("g.toml: control.gpu_detect_timeout: must be more than 0"),
+        "{err}"
+    );
+}
+
+#[test]
 fn yield_after_is_a_duration_or_off() {
     let c = Config::parse("", "empty.toml").unwrap();
     assert_eq!(c.control.yield_after, Some(Duration::from_secs(10)));

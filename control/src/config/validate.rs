@@ -149,6 +149,13 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         }
         d => d,
     };
+    let gpu_detect_timeout = match r.duration(p, "gpu_detect_timeout") {
+        Some(d) if d.is_zero() => {
+            p.push(r.key("gpu_detect_timeout"), "must be more than 0");
+            None
+        }
+        d => d,
+    };
     r.finish(p);
     ControlConfig {
         listen: listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 50051))),
@@ -156,6 +163,7 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
         token,
         control_id: control_id.unwrap_or_else(host_name),
         p2p_probe,
+        gpu_detect_timeout: gpu_detect_timeout.unwrap_or(super::DEFAULT_GPU_DETECT_TIMEOUT),
         asleep_residual,
         min_awake,
         yield_after,
