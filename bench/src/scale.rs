@@ -83,6 +83,7 @@ pub async fn run(a: Args) -> Result<()> {
                     since_revision: 0,
                     client_id: format!("bench-scale-{i}"),
                     incarnation: 0,
+                    heartbeat: false,
                 })
                 .await?
                 .into_inner();

@@ -26,7 +26,17 @@ pub enum Body {
     ModelRemoved(String),
     Gpus(Arc<GpuList>),
     Placement(Arc<PlacementReport>),
+    /// Nothing changed; the next message comes within this long. Only to
+    /// subscribers that asked ([`Hub::subscribe_with_heartbeats`]), never
+    /// kept in the history.
+    Heartbeat(std::time::Duration),
 }
+
+/// How long a stream that asked for heartbeats may go without a message:
+/// after this long with nothing published, the fan-out task sends each
+/// such subscriber a heartbeat. Far inside the proxy's patience (three
+/// of these), far above what a few hundred subscribers cost per beat.
+pub const HEARTBEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The whole picture at a revision.
 #[derive(Debug, Clone, PartialEq)]
@@ -127,6 +137,8 @@ struct Inner {
 struct Sub {
     tx: mpsc::Sender<Arc<WatchItem>>,
     next: u64,
+    /// Asked for heartbeats.
+    heartbeat: bool,
 }
 
 /// Shared by every model task and every Watch stream.
@@ -148,6 +160,7 @@ pub struct Subscription {
     hub: Arc<Hub>,
     pending: VecDeque<Arc<WatchItem>>,
     rx: mpsc::Receiver<Arc<WatchItem>>,
+    heartbeat: bool,
 }
 
 impl Subscription {
@@ -166,7 +179,7 @@ impl Subscription {
             Some(item) => Poll::Ready(Some(item)),
             None => {
                 // Cut off (fell behind) or closed.
-                let Some(fresh) = self.hub.subscribe_inner(None, true) else {
+                let Some(fresh) = self.hub.subscribe_inner(None, true, self.heartbeat) else {
                     return Poll::Ready(None);
                 };
                 *self = fresh;
@@ -233,6 +246,19 @@ impl Hub {
                 inner.revision,
             )
         })
+    }
+
+    /// A heartbeat at `revision`, encoded once for every subscriber.
+    fn heartbeat(&self, revision: u64) -> WatchItem {
+        let item = WatchItem::new(
+            revision,
+            self.clock.now_ms(),
+            Body::Heartbeat(HEARTBEAT_EVERY),
+        );
+        if let Some(enc) = self.enc() {
+            let _ = item.wire.set(enc.item(&item, None));
+        }
+        item
     }
 
     fn publish(&self, inner: &mut Inner, body: Body, part: Option<&Bytes>) -> u64 {
@@ -339,7 +365,19 @@ impl Hub {
     /// Subscribes: `since_revision` 0 starts with a snapshot; otherwise the
     /// events after it, or a resync snapshot when they are gone.
     pub fn subscribe(self: &Arc<Self>, since_revision: u64) -> Option<Subscription> {
-        self.subscribe_inner((since_revision > 0).then_some(since_revision), false)
+        self.subscribe_inner((since_revision > 0).then_some(since_revision), false, false)
+    }
+
+    /// [`Hub::subscribe`], with a heartbeat after the snapshot or the
+    /// catch-up items, and whenever nothing was published for
+    /// [`HEARTBEAT_EVERY`] (with the fan-out task: [`Hub::spawn_fan_out`]).
+    /// A client can then tell a live event path from a wedged one whose
+    /// connection still answers pings.
+    pub fn subscribe_with_heartbeats(
+        self: &Arc<Self>,
+        since_revision: u64,
+    ) -> Option<Subscription> {
+        self.subscribe_inner((since_revision > 0).then_some(since_revision), false, true)
     }
 
     /// Subscribes with a snapshot marked `resync`: for a client whose
@@ -347,11 +385,16 @@ impl Hub {
     /// listener's ids of an earlier incarnation), so it replaces what it
     /// holds rather than applying the events after a revision that means
     /// something else here.
-    pub fn subscribe_resync(self: &Arc<Self>) -> Option<Subscription> {
-        self.subscribe_inner(None, true)
+    pub fn subscribe_resync(self: &Arc<Self>, heartbeat: bool) -> Option<Subscription> {
+        self.subscribe_inner(None, true, heartbeat)
     }
 
-    fn subscribe_inner(self: &Arc<Self>, since: Option<u64>, resync: bool) -> Option<Subscription> {
+    fn subscribe_inner(
+        self: &Arc<Self>,
+        since: Option<u64>,
+        resync: bool,
+        heartbeat: bool,
+    ) -> Option<Subscription> {
         let mut inner = self.inner.lock().unwrap();
         if inner.unsubscribed {
             return None;
@@ -360,7 +403,7 @@ impl Hub {
             .history
             .front()
             .map_or(inner.revision + 1, |i| i.revision);
-        let pending: VecDeque<Arc<WatchItem>> = match since {
+        let mut pending: VecDeque<Arc<WatchItem>> = match since {
             Some(s) if s <= inner.revision && s + 1 >= oldest => inner
                 .history
                 .iter()
@@ -393,14 +436,22 @@ impl Hub {
                 ))])
             }
         };
+        if heartbeat {
+            pending.push_back(Arc::new(self.heartbeat(inner.revision)));
+        }
         let (tx, rx) = mpsc::channel(self.channel_cap);
         // Everything up to now is in the snapshot or in `pending`.
         let next = inner.revision + 1;
-        inner.subscribers.push(Sub { tx, next });
+        inner.subscribers.push(Sub {
+            tx,
+            next,
+            heartbeat,
+        });
         Some(Subscription {
             hub: self.clone(),
             pending,
             rx,
+            heartbeat,
         })
     }
 }

@@ -476,6 +476,7 @@ impl From<&pb::WatchEvent> for EventView {
                 v.kind = "placement";
                 v.placement = Some(PlacementView::from(p));
             }
+            Some(Kind::Heartbeat(_)) => v.kind = "heartbeat",
             None => {}
         }
         v

@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use siesta_proto::v1::control_client::ControlClient;
-use siesta_proto::v1::{GetInfoRequest, WatchRequest};
 use tokio_util::sync::CancellationToken;
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::interceptor::InterceptedService;
@@ -305,94 +304,8 @@ pub fn backoff(attempt: u32) -> Duration {
     Duration::from_millis((base as f64 * jitter) as u64)
 }
 
-async fn watch_source(ctx: WatchCtx, group: String, source: SourceId, shutdown: CancellationToken) {
-    let mut client = match ctx.controls.connect(&source) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::error!(control = %source, error = %e, "cannot watch control plane");
-            return;
-        }
-    };
-    let mut attempt = 0u32;
-    let mut incarnation: Option<(String, i64)> = None;
-    loop {
-        let session = watch_once(
-            &ctx,
-            &group,
-            &source,
-            &mut client,
-            &mut incarnation,
-            &mut attempt,
-        );
-        let res = tokio::select! {
-            r = session => r,
-            _ = shutdown.cancelled() => break,
-        };
-        match res {
-            Ok(()) => tracing::warn!(control = %source, "watch stream ended; reconnecting"),
-            Err(status) if status.code() == tonic::Code::Unauthenticated => tracing::error!(
-                control = %source, error = %status.message(),
-                "control plane refused this proxy's token: pass the control plane's token with --token or SIESTA_TOKEN"
-            ),
-            Err(status) => tracing::warn!(
-                control = %source, code = ?status.code(), error = %status.message(),
-                "control plane unreachable; serving from the last table"
-            ),
-        }
-        attempt = attempt.saturating_add(1);
-        tokio::select! {
-            _ = tokio::time::sleep(backoff(attempt)) => {}
-            _ = shutdown.cancelled() => break,
-        }
-    }
-    ctx.controls.forget(&source);
-}
-
-async fn watch_once(
-    ctx: &WatchCtx,
-    group: &str,
-    source: &SourceId,
-    client: &mut Client,
-    incarnation: &mut Option<(String, i64)>,
-    attempt: &mut u32,
-) -> Result<(), tonic::Status> {
-    let mut since = ctx.table.revision(source);
-    // A restarted control plane starts a new revision history: resync.
-    match tokio::time::timeout(Duration::from_secs(5), client.get_info(GetInfoRequest {})).await {
-        Ok(Ok(info)) => {
-            let info = info.into_inner();
-            let now = (info.control_id.clone(), info.started_unix_ms);
-            if incarnation.as_ref() != Some(&now) || info.revision < since {
-                since = 0;
-            }
-            ctx.table
-                .set_identity(source, (group.to_owned(), now.0.clone(), now.1));
-            *incarnation = Some(now);
-        }
-        Ok(Err(s)) if s.code() == tonic::Code::Unimplemented => {}
-        Ok(Err(s)) => return Err(s),
-        Err(_) => return Err(tonic::Status::deadline_exceeded("GetInfo timed out")),
-    }
-    // The run `since` is from: a control plane that restarted after
-    // GetInfo answered resyncs rather than resuming after a revision of
-    // its earlier run.
-    let req = WatchRequest {
-        since_revision: since,
-        client_id: ctx.proxy_id.clone(),
-        incarnation: incarnation.as_ref().map_or(0, |i| i.1),
-    };
-    let mut stream = client.watch(req).await?.into_inner();
-    let mut first = true;
-    while let Some(ev) = stream.message().await? {
-        if first {
-            first = false;
-            *attempt = 0;
-            tracing::info!(control = %source, since_revision = since, "watching control plane");
-        }
-        ctx.table.apply(source, ev);
-    }
-    Ok(())
-}
+mod session;
+use session::watch_source;
 
 #[cfg(test)]
 mod tests {

@@ -62,6 +62,7 @@ pub fn watch_never_awake_together(
                 since_revision: 0,
                 client_id: "swap-test".into(),
                 incarnation: 0,
+                heartbeat: false,
             })
             .await
             .unwrap()

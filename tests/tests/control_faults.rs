@@ -49,6 +49,7 @@ async fn engine_crash_goes_failed_then_restarts() {
             since_revision: 0,
             client_id: "t".into(),
             incarnation: 0,
+            heartbeat: false,
         })
         .await
         .unwrap()
@@ -102,6 +103,7 @@ async fn wake_that_hangs_is_killed_at_its_deadline_and_retried() {
             since_revision: 0,
             client_id: "t".into(),
             incarnation: 0,
+            heartbeat: false,
         })
         .await
         .unwrap()

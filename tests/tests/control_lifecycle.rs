@@ -153,6 +153,7 @@ async fn idle_tiers_fire_in_order() {
             since_revision: 0,
             client_id: "test".into(),
             incarnation: 0,
+            heartbeat: false,
         })
         .await
         .unwrap()

@@ -31,6 +31,7 @@ async fn watch_of(
         since_revision: since,
         client_id: "t".into(),
         incarnation,
+        heartbeat: false,
     })
     .await
     .unwrap()

@@ -261,6 +261,7 @@ async fn requests_held_when_an_operator_sleeps_the_model_are_answered_before_the
             since_revision: 0,
             client_id: "test".into(),
             incarnation: 0,
+            heartbeat: false,
         })
         .await
         .unwrap()

@@ -439,6 +439,7 @@ async fn a_tp_group_over_a_corrupt_pair_starts_with_p2p_off() {
             since_revision: 0,
             client_id: "gpu_eviction".into(),
             incarnation: 0,
+            heartbeat: false,
         })
         .await
         .unwrap()

@@ -56,6 +56,7 @@ async fn top_shows_a_wake_through_the_proxy_live_and_q_restores_the_terminal() {
             since_revision: since,
             client_id: "top test".into(),
             incarnation: 0,
+            heartbeat: false,
         })
         .await
         .expect("Watch")

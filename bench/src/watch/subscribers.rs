@@ -94,6 +94,7 @@ fn request(i: usize) -> WatchRequest {
         since_revision: 0,
         client_id: format!("bench-{i}"),
         incarnation: 0,
+        heartbeat: false,
     }
 }
 

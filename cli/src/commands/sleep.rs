@@ -57,6 +57,7 @@ pub async fn run(
                         since_revision: 0,
                         client_id: "siesta sleep --wait".into(),
                         incarnation: 0,
+                        heartbeat: false,
                     })
                     .await
                 })

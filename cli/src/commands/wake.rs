@@ -63,6 +63,7 @@ pub async fn run(
             since_revision: 0,
             client_id: "siesta wake --wait".into(),
             incarnation: 0,
+            heartbeat: false,
         }),
     )
     .await;

@@ -148,6 +148,7 @@ pub(super) async fn open(
         since_revision: since,
         client_id: client_id.into(),
         incarnation: of.1,
+        heartbeat: false,
     };
     match tokio::time::timeout(RPC_TIMEOUT, client.watch(req)).await {
         Ok(r) => r.map(tonic::Response::into_inner),
@@ -257,6 +258,8 @@ impl TextWatch {
                 self.placement = Some(line.clone());
                 vec![format!("{at} #{rev} placement: {line}")]
             }
+            // Not asked for; nothing changed.
+            Some(Kind::Heartbeat(_)) => Vec::new(),
             None => vec![format!("{at} #{rev} (unknown event)")],
         }
     }

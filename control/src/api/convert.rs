@@ -168,6 +168,9 @@ pub fn watch_event(item: &WatchItem, control_id: &str) -> pb::WatchEvent {
         Body::ModelRemoved(name) => Kind::ModelRemoved(name.clone()),
         Body::Gpus(g) => Kind::Gpus(gpu_list(g)),
         Body::Placement(p) => Kind::Placement(placement(p)),
+        Body::Heartbeat(every) => Kind::Heartbeat(pb::Heartbeat {
+            interval_ms: every.as_millis().try_into().unwrap_or(u32::MAX),
+        }),
     };
     pb::WatchEvent {
         revision: item.revision,

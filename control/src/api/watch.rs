@@ -167,11 +167,13 @@ pub(super) fn subscribe(
 ) -> Result<Subscription, Status> {
     let other_run = r.incarnation != 0 && r.incarnation != started_unix_ms;
     let sub = if other_run {
-        hub.subscribe_resync()
+        hub.subscribe_resync(r.heartbeat)
+    } else if r.heartbeat {
+        hub.subscribe_with_heartbeats(r.since_revision)
     } else {
         hub.subscribe(r.since_revision)
     };
-    tracing::debug!(client = %r.client_id, since = r.since_revision, other_run, "watch");
+    tracing::debug!(client = %r.client_id, since = r.since_revision, other_run, heartbeat = r.heartbeat, "watch");
     Ok(sub.ok_or(OpError::ShuttingDown)?)
 }
 

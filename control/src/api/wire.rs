@@ -24,6 +24,8 @@ const EV_MODEL: u32 = 11;
 const EV_MODEL_REMOVED: u32 = 12;
 const EV_GPUS: u32 = 13;
 const EV_PLACEMENT: u32 = 14;
+const EV_HEARTBEAT: u32 = 15;
+const HEARTBEAT_INTERVAL_MS: u32 = 1;
 const SNAP_MODELS: u32 = 1;
 const SNAP_GPUS: u32 = 2;
 const SNAP_PLACEMENT: u32 = 3;
@@ -98,6 +100,12 @@ impl DaemonWire {
                 EV_PLACEMENT,
                 part.cloned().unwrap_or_else(|| self.placement(p)),
             ),
+            Body::Heartbeat(every) => {
+                let mut buf = BytesMut::with_capacity(6);
+                let ms = u32::try_from(every.as_millis()).unwrap_or(u32::MAX);
+                put_varint_field(&mut buf, HEARTBEAT_INTERVAL_MS, u64::from(ms));
+                (EV_HEARTBEAT, buf.freeze())
+            }
         })
     }
 }

@@ -11,8 +11,15 @@
 //! round), and puts the list back. Order per subscriber is the revision
 //! order; a subscriber whose channel is full, or that missed items the
 //! bounded history no longer holds, is dropped and resyncs from a snapshot.
+//!
+//! The same task sends the heartbeats: after [`HEARTBEAT_EVERY`] with
+//! nothing published, a round hands each subscriber that asked for them
+//! one heartbeat (encoded once), through the same lock, list and channels
+//! as the events. So a heartbeat says the event path works, not only the
+//! connection: a fan-out task that died (a panic under the hub's lock) or
+//! a lock held for ever stops both.
 
-use super::{Hub, Sub, WatchItem};
+use super::{HEARTBEAT_EVERY, Hub, Sub, WatchItem};
 use std::sync::Arc;
 use tokio::runtime::Handle;
 use tokio::sync::Notify;
@@ -44,8 +51,13 @@ impl Hub {
         let woken = wake.clone();
         rt.spawn(async move {
             loop {
-                woken.notified().await;
-                if !hub.fan_out_round() {
+                // Quiet since the last round: the next one beats.
+                let quiet = tokio::time::sleep(HEARTBEAT_EVERY);
+                let beat = tokio::select! {
+                    _ = woken.notified() => false,
+                    _ = quiet => true,
+                };
+                if !hub.fan_out_round(beat) {
                     return;
                 }
             }
@@ -54,10 +66,11 @@ impl Hub {
         wake.notify_one();
     }
 
-    /// One round: every item after the last round to every subscriber.
-    /// `false` once the hub is closed.
-    fn fan_out_round(&self) -> bool {
-        let (items, mut subs, oldest) = {
+    /// One round: every item after the last round to every subscriber,
+    /// and with `beat` a heartbeat after them to those that asked. `false`
+    /// once the hub is closed.
+    fn fan_out_round(&self, beat: bool) -> bool {
+        let (items, mut subs, oldest, heartbeat) = {
             let mut inner = self.inner.lock().unwrap();
             if inner.closed {
                 return false;
@@ -71,13 +84,24 @@ impl Hub {
                 .collect();
             let oldest = inner.history.front().map_or(u64::MAX, |i| i.revision);
             inner.fanned = inner.revision;
-            (items, std::mem::take(&mut inner.subscribers), oldest)
+            let heartbeat = beat.then(|| Arc::new(self.heartbeat(inner.revision)));
+            (
+                items,
+                std::mem::take(&mut inner.subscribers),
+                oldest,
+                heartbeat,
+            )
         };
         if !items.is_empty() {
             // More was published since the last round than the history
             // keeps: whoever still needed the lost items resyncs.
             subs.retain(|s| s.next >= oldest);
             send(&mut subs, &items);
+        }
+        if let Some(heartbeat) = heartbeat {
+            // A subscriber whose channel is full (a reader far behind) is
+            // dropped and resyncs, as for an event.
+            subs.retain(|s| !s.heartbeat || s.tx.try_send(heartbeat.clone()).is_ok());
         }
         let mut inner = self.inner.lock().unwrap();
         if inner.closed {

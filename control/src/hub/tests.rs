@@ -1,4 +1,5 @@
 use super::*;
+use std::time::Duration;
 
 fn status(name: &str, restarts: u32) -> ModelStatus {
     crate::status::test_status(name, restarts)
@@ -68,7 +69,7 @@ async fn subscribe_resync_starts_with_a_resync_snapshot_even_when_kept() {
     for i in 0..3 {
         hub.publish_model(status("a", i));
     }
-    let mut sub = hub.subscribe_resync().unwrap();
+    let mut sub = hub.subscribe_resync(false).unwrap();
     let item = sub.next().await.unwrap();
     let Body::Snapshot(s) = &item.body else {
         panic!("a snapshot first")
@@ -236,7 +237,7 @@ async fn fan_out_task_gives_every_subscriber_every_event_in_order_across_bursts(
             tokio::spawn(async move {
                 let mut got = vec![];
                 while got.last() != Some(&299) {
-                    let item = tokio::time::timeout(std::time::Duration::from_secs(30), s.next())
+                    let item = tokio::time::timeout(Duration::from_secs(30), s.next())
                         .await
                         .unwrap_or_else(|_| panic!("subscriber {n} waits after {got:?}"))
                         .unwrap();
@@ -341,4 +342,92 @@ async fn ended_subscriptions_stay_ended_while_publishing_goes_on() {
     let (models, revision) = hub.models();
     assert_eq!(revision, 3);
     assert_eq!(models[0].restarts, 3);
+}
+
+/// What a subscriber has been handed so far, without waiting.
+fn ready(sub: &mut Subscription) -> Vec<Arc<WatchItem>> {
+    let waker = std::task::Waker::noop();
+    let mut cx = Context::from_waker(waker);
+    let mut got = Vec::new();
+    while let Poll::Ready(Some(item)) = sub.poll_next(&mut cx) {
+        got.push(item);
+    }
+    got
+}
+
+fn heartbeats(items: &[Arc<WatchItem>]) -> Vec<u64> {
+    items
+        .iter()
+        .filter(|i| matches!(i.body, Body::Heartbeat(every) if every == HEARTBEAT_EVERY))
+        .map(|i| i.revision)
+        .collect()
+}
+
+/// A subscriber that asked for heartbeats gets one after its snapshot (or
+/// its catch-up items), then one whenever nothing was published for
+/// `HEARTBEAT_EVERY`, at the latest revision, through the fan-out task;
+/// none while events come more often; a subscriber that did not ask gets
+/// none, and no heartbeat takes a revision or a place in the history.
+#[tokio::test(start_paused = true)]
+async fn heartbeats_come_to_those_who_asked_when_nothing_else_does() {
+    let hub = deferred(100, 64);
+    hub.publish_model(status("a", 0));
+    let mut alive = hub.subscribe_with_heartbeats(0).unwrap();
+    let mut plain = hub.subscribe(0).unwrap();
+    let mut resumed = hub.subscribe_with_heartbeats(0).unwrap();
+    let first = ready(&mut alive);
+    assert!(matches!(first[0].body, Body::Snapshot(_)), "{first:?}");
+    assert_eq!(heartbeats(&first), [1], "one right after the snapshot");
+    assert_eq!(heartbeats(&ready(&mut plain)), Vec::<u64>::new());
+    ready(&mut resumed);
+    // Events every 6 s (less than HEARTBEAT_EVERY): no heartbeat between.
+    for i in 1..=4 {
+        tokio::time::sleep(HEARTBEAT_EVERY * 6 / 10).await;
+        hub.publish_model(status("a", i));
+    }
+    tokio::task::yield_now().await;
+    let got = ready(&mut alive);
+    assert_eq!(got.len(), 4, "{got:?}");
+    assert_eq!(heartbeats(&got), Vec::<u64>::new(), "{got:?}");
+    // Quiet: a heartbeat at the latest revision, and again.
+    tokio::time::sleep(HEARTBEAT_EVERY + Duration::from_millis(1)).await;
+    assert_eq!(heartbeats(&ready(&mut alive)), [5]);
+    tokio::time::sleep(HEARTBEAT_EVERY).await;
+    assert_eq!(heartbeats(&ready(&mut alive)), [5]);
+    let plain_got = ready(&mut plain);
+    assert_eq!(plain_got.len(), 4, "{plain_got:?}");
+    assert_eq!(heartbeats(&plain_got), Vec::<u64>::new());
+    assert_eq!(hub.revision(), 5, "a heartbeat takes no revision");
+    // Resuming after revision 3: items 4 and 5, then a heartbeat at 5.
+    let mut later = hub.subscribe_with_heartbeats(3).unwrap();
+    let got = ready(&mut later);
+    let revisions: Vec<u64> = got.iter().map(|i| i.revision).collect();
+    assert_eq!(revisions, [4, 5, 5], "{got:?}");
+    assert_eq!(heartbeats(&got), [5]);
+    // Kept in no history: a resume point before it replays events only.
+    let mut replay = hub.subscribe(3).unwrap();
+    assert_eq!(heartbeats(&ready(&mut replay)), Vec::<u64>::new());
+    drop(resumed);
+}
+
+/// A heartbeat subscriber cut off (it fell behind) resyncs from a snapshot
+/// and still gets heartbeats: the request's wish survives the resync.
+#[tokio::test(start_paused = true)]
+async fn a_resynced_subscriber_keeps_its_heartbeats() {
+    let hub = deferred(100, 2);
+    let mut sub = hub.subscribe_with_heartbeats(0).unwrap();
+    ready(&mut sub);
+    for i in 0..10 {
+        hub.publish_model(status("a", i));
+    }
+    tokio::task::yield_now().await;
+    let got = ready(&mut sub);
+    assert!(
+        got.iter()
+            .any(|i| matches!(&i.body, Body::Snapshot(s) if s.resync)),
+        "{got:?}"
+    );
+    assert_eq!(heartbeats(&got).last(), Some(&10), "{got:?}");
+    tokio::time::sleep(HEARTBEAT_EVERY + Duration::from_millis(1)).await;
+    assert_eq!(heartbeats(&ready(&mut sub)), [10]);
 }

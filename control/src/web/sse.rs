@@ -90,7 +90,7 @@ pub fn events<B>(web: &Web, req: &Request<B>, cancel: CancellationToken) -> Resp
     let sub = match from {
         Resume::Fresh => hub.subscribe(0),
         Resume::After(rev) => hub.subscribe(rev),
-        Resume::Resync => hub.subscribe_resync(),
+        Resume::Resync => hub.subscribe_resync(false),
     };
     let Some(sub) = sub else {
         return error(

@@ -143,7 +143,7 @@ impl Tracker {
             }
             Body::Model(m) => self.record(&crate::api::convert::model_status(m), true),
             Body::ModelRemoved(name) => self.forget(|n| n == name),
-            Body::Gpus(_) | Body::Placement(_) => {}
+            Body::Gpus(_) | Body::Placement(_) | Body::Heartbeat(_) => {}
         }
     }
 

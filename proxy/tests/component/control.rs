@@ -27,6 +27,11 @@ pub struct State {
     pub bearer: Vec<Option<String>>,
     /// Answer demands with accepted = false and this message.
     pub refuse_demands: Option<String>,
+    /// To a Watch that asks for heartbeats: one after the snapshot with
+    /// this interval, then only what [`ScriptedControl::beat`] sends (a
+    /// wedged event path never sends another). `None`: none, as a control
+    /// plane older than heartbeats.
+    pub heartbeat_ms: Option<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -108,6 +113,12 @@ impl Control for Svc {
             })),
         };
         tx.try_send(Ok(snap)).unwrap();
+        if let Some(interval_ms) = s
+            .heartbeat_ms
+            .filter(|_| s.watch_requests.last().unwrap().heartbeat)
+        {
+            tx.try_send(Ok(heartbeat(s.revision, interval_ms))).unwrap();
+        }
         s.watchers.push(tx);
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
@@ -243,6 +254,14 @@ impl ScriptedControl {
         s.watchers.retain(|w| w.try_send(Ok(ev.clone())).is_ok());
     }
 
+    /// Sends every watcher a heartbeat (at the interval set in
+    /// `heartbeat_ms`).
+    pub fn beat(&self) {
+        let mut s = self.state.lock().unwrap();
+        let ev = heartbeat(s.revision, s.heartbeat_ms.expect("heartbeat_ms set"));
+        s.watchers.retain(|w| w.try_send(Ok(ev.clone())).is_ok());
+    }
+
     /// Changes a model without telling watchers (as if the event was missed).
     pub fn set_quietly(&self, m: ModelStatus) {
         let mut s = self.state.lock().unwrap();
@@ -262,6 +281,15 @@ impl ScriptedControl {
 impl Drop for ScriptedControl {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+fn heartbeat(revision: u64, interval_ms: u32) -> WatchEvent {
+    WatchEvent {
+        revision,
+        at_unix_ms: now_ms(),
+        control_id: "scripted".into(),
+        kind: Some(watch_event::Kind::Heartbeat(Heartbeat { interval_ms })),
     }
 }
 

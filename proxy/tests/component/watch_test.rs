@@ -85,6 +85,45 @@ async fn reconnect_resumes_from_last_revision() {
     );
 }
 
+/// A control plane whose event path is wedged (its connection still
+/// answers HTTP/2 pings, tonic's runtime is fine) but that promised a
+/// heartbeat every 300 ms: after three intervals of nothing the proxy
+/// calls Watch again, resuming from its revision, and keeps serving from
+/// its table meanwhile. Heartbeats that keep coming keep the stream.
+#[tokio::test]
+async fn a_stream_silent_past_its_heartbeats_is_called_again() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    c.state.lock().unwrap().heartbeat_ms = Some(1_000);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let first = c.state.lock().unwrap().watch_requests[0].clone();
+    assert!(first.heartbeat, "the proxy asks for heartbeats");
+    // Beats every 200 ms for 4 s (the proxy's patience: 3 s): one stream.
+    for _ in 0..20 {
+        c.beat();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(c.state.lock().unwrap().watch_requests.len(), 1);
+    // Wedged from a shorter promise on: called again, resumed.
+    c.state.lock().unwrap().heartbeat_ms = Some(300);
+    c.beat();
+    c.set(model("m", ModelState::Awake, &[&e.url]));
+    let rev = c.state.lock().unwrap().revision;
+    wait_until("called again", || async {
+        c.state.lock().unwrap().watch_requests.len() >= 2
+    })
+    .await;
+    let again = c.state.lock().unwrap().watch_requests[1].clone();
+    assert_eq!(again.since_revision, rev, "resumed, not resynced");
+    assert!(again.heartbeat);
+    assert_eq!(
+        post(&p.url("/v1/chat/completions"), &chat("m"))
+            .await
+            .status,
+        200
+    );
+}
+
 #[tokio::test]
 async fn union_of_control_planes() {
     let e1 = Engine::start("box1").await;

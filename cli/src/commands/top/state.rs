@@ -113,7 +113,7 @@ impl Top {
                 self.note(ev.at_unix_ms, format!("{name}: removed"));
             }
             Some(Kind::Gpus(g)) => self.gpus = Some(g.clone()),
-            Some(Kind::Placement(_)) | None => {}
+            Some(Kind::Placement(_)) | Some(Kind::Heartbeat(_)) | None => {}
         }
         // The selection stays on its model when others come or go before
         // it in the list (a key then acted on the model that took its row:

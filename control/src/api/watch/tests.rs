@@ -73,10 +73,20 @@ async fn watch_of(
     since: u64,
     incarnation: i64,
 ) -> tonic::Streaming<pb::WatchEvent> {
+    watch_with(c, since, incarnation, false).await
+}
+
+async fn watch_with(
+    c: &mut ControlClient<Channel>,
+    since: u64,
+    incarnation: i64,
+    heartbeat: bool,
+) -> tonic::Streaming<pb::WatchEvent> {
     c.watch(pb::WatchRequest {
         since_revision: since,
         client_id: "t".into(),
         incarnation,
+        heartbeat,
     })
     .await
     .unwrap()
@@ -178,6 +188,31 @@ async fn resume_and_resync_are_unchanged() {
     );
     let mut same = watch_of(&mut c, 8, STARTED).await;
     assert_eq!(next(&mut same).await.revision, 9);
+    // Asking for heartbeats: one after the catch-up, at the latest
+    // revision, with the interval the stream keeps; after a resync
+    // snapshot the same.
+    for (since, incarnation, first) in [(8, STARTED, 9), (8, STARTED - 60_000, 10)] {
+        let mut alive = watch_with(&mut c, since, incarnation, true).await;
+        let mut revisions = vec![];
+        let beat = loop {
+            let e = next(&mut alive).await;
+            match e.kind {
+                Some(Kind::Heartbeat(beat)) => break (e.revision, beat),
+                _ => revisions.push(e.revision),
+            }
+        };
+        assert_eq!(revisions.first(), Some(&first));
+        assert_eq!(revisions.last(), Some(&10));
+        assert_eq!(
+            beat,
+            (
+                10,
+                pb::Heartbeat {
+                    interval_ms: 10_000
+                }
+            )
+        );
+    }
     // Shutdown ends the streams.
     cancel.cancel();
     let end = tokio::time::timeout(LONG, s.message())

@@ -101,6 +101,15 @@ async fn every_kind_of_event_and_the_snapshot_encode_as_the_converted_message() 
         assert_eq!(body.resync, since != 0);
         assert_same(&hub, &snap);
     }
+    // A heartbeat (after the snapshot, for a subscriber that asked).
+    let mut s = hub.subscribe_with_heartbeats(0).unwrap();
+    s.next().await.unwrap();
+    let beat = s.next().await.unwrap();
+    assert!(
+        matches!(beat.body, crate::hub::Body::Heartbeat(_)),
+        "{beat:?}"
+    );
+    assert_same(&hub, &beat);
 }
 
 #[tokio::test]
