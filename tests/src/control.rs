@@ -167,3 +167,28 @@ impl Drop for ControlProc {
         }
     }
 }
+
+/// Runs `siesta-control` with `args` (and `env`) until it exits, which it
+/// must within `within` (a daemon that refuses to start or gives up):
+/// (exit code, stderr).
+pub async fn control_exit(
+    args: &[&std::ffi::OsStr],
+    env: &[(&str, &std::ffi::OsStr)],
+    within: std::time::Duration,
+) -> (Option<i32>, String) {
+    let run = tokio::process::Command::new(bin_path("siesta-control"))
+        .args(args)
+        .envs(env.iter().copied())
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(within, run)
+        .await
+        .unwrap_or_else(|_| panic!("siesta-control {args:?} did not exit within {within:?}"))
+        .expect("running siesta-control");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

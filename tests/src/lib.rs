@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 pub use browser::{Browser, chromium_path};
 pub use child::{Child, Output};
-pub use control::{ControlProc, spawn_control, spawn_control_with};
+pub use control::{ControlProc, control_exit, spawn_control, spawn_control_with};
 pub use fake::{
     FakeVllm, assert_engine_dead_answers, fake_vllm_cmd, parse_uvicorn_line, spawn_fake_vllm,
     spawn_fake_vllm_argv, spawn_fake_vllm_env, spawn_fake_vllm_nowait,

@@ -8,7 +8,7 @@
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use siesta_tests::{DEADLINE, bin_path, wait_until};
+use siesta_tests::{DEADLINE, bin_path, control_exit, wait_until};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -69,40 +69,22 @@ gpu_memory = 0.5
     path
 }
 
-fn daemon(dir: &Path, detect: &str) -> (tokio::process::Child, PathBuf) {
-    let mark = dir.join("nvml-called");
-    let child = tokio::process::Command::new(bin_path("siesta-control"))
-        .arg("--config")
-        .arg(config(dir, detect))
-        .arg("--listen")
-        .arg("127.0.0.1:0")
-        .env("LD_LIBRARY_PATH", hung_nvml(dir))
-        .env("HUNG_NVML_MARK", &mark)
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    (child, mark)
-}
-
-async fn exit_of(child: tokio::process::Child, within: Duration) -> (Option<i32>, String) {
-    let out = tokio::time::timeout(within, child.wait_with_output())
-        .await
-        .expect("siesta-control did not exit")
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[tokio::test]
 async fn a_hung_nvml_at_start_up_ends_the_daemon_with_the_reason() {
     let dir = tempfile::tempdir().unwrap();
-    let (child, mark) = daemon(dir.path(), "2s");
-    let (code, stderr) = exit_of(child, DEADLINE.max(Duration::from_secs(60))).await;
+    let (config, lib) = (config(dir.path(), "2s"), hung_nvml(dir.path()));
+    let mark = dir.path().join("nvml-called");
+    let args = [
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--listen".as_ref(),
+        "127.0.0.1:0".as_ref(),
+    ];
+    let env = [
+        ("LD_LIBRARY_PATH", lib.as_os_str()),
+        ("HUNG_NVML_MARK", mark.as_os_str()),
+    ];
+    let (code, stderr) = control_exit(&args, &env, DEADLINE.max(Duration::from_secs(60))).await;
     assert!(mark.exists(), "NVML was never called: {stderr}");
     assert_eq!(code, Some(1), "{stderr}");
     assert!(
@@ -119,7 +101,20 @@ async fn a_hung_nvml_at_start_up_ends_the_daemon_with_the_reason() {
 #[tokio::test]
 async fn a_sigterm_while_nvml_hangs_at_start_up_ends_the_daemon() {
     let dir = tempfile::tempdir().unwrap();
-    let (child, mark) = daemon(dir.path(), "1h");
+    let mark = dir.path().join("nvml-called");
+    let child = tokio::process::Command::new(bin_path("siesta-control"))
+        .arg("--config")
+        .arg(config(dir.path(), "1h"))
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .env("LD_LIBRARY_PATH", hung_nvml(dir.path()))
+        .env("HUNG_NVML_MARK", &mark)
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
     wait_until("NVML called", DEADLINE, || {
         let there = mark.exists();
         async move { there }
@@ -127,7 +122,11 @@ async fn a_sigterm_while_nvml_hangs_at_start_up_ends_the_daemon() {
     .await;
     let pid = child.id().expect("running") as i32;
     kill(Pid::from_raw(pid), Signal::SIGTERM).unwrap();
-    let (code, stderr) = exit_of(child, Duration::from_secs(30)).await;
-    assert_eq!(code, Some(0), "{stderr}");
+    let out = tokio::time::timeout(Duration::from_secs(30), child.wait_with_output())
+        .await
+        .expect("siesta-control did not exit at SIGTERM")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(stderr.contains("GPU detection abandoned"), "{stderr}");
 }

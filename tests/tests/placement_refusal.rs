@@ -5,7 +5,7 @@
 //! present the inventory is the real one and these tests skip.
 
 use siesta_tests::cli::siesta;
-use siesta_tests::{DEADLINE, bin_path};
+use siesta_tests::{DEADLINE, control_exit};
 use std::path::Path;
 use std::time::Duration;
 
@@ -50,22 +50,13 @@ model = "m"
 /// Runs the daemon on `config` until it exits (it must, within the
 /// deadline): (exit code, stderr).
 async fn daemon(config: &Path) -> (Option<i32>, String) {
-    let run = tokio::process::Command::new(bin_path("siesta-control"))
-        .arg("--config")
-        .arg(config)
-        .arg("--listen")
-        .arg("127.0.0.1:0")
-        .env("NO_COLOR", "1")
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(DEADLINE.max(Duration::from_secs(60)), run)
-        .await
-        .expect("siesta-control did not exit on a configuration that cannot fit")
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let args = [
+        "--config".as_ref(),
+        config.as_os_str(),
+        "--listen".as_ref(),
+        "127.0.0.1:0".as_ref(),
+    ];
+    control_exit(&args, &[], DEADLINE.max(Duration::from_secs(60))).await
 }
 
 #[tokio::test]
