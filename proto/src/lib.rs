@@ -21,6 +21,7 @@ pub mod v1 {
 
 pub use v1::*;
 
+pub mod patience;
 pub mod view;
 
 impl v1::ModelState {

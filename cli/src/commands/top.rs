@@ -10,6 +10,7 @@ mod state;
 use std::time::Duration;
 
 use ratatui::crossterm::event::{self, Event, KeyEventKind};
+use siesta_proto::patience::Patience;
 use siesta_proto::v1 as pb;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -206,8 +207,14 @@ async fn watch_feed(conn: Conn, tx: mpsc::Sender<Feed>) {
                         if tx.send(Feed::Live).await.is_err() {
                             return;
                         }
+                        let mut patience = Patience::default();
                         loop {
-                            match events.next().await {
+                            let next = match patience.within(events.next()).await {
+                                Ok(next) => next,
+                                Err(why) => break why,
+                            };
+                            match next {
+                                Some(Ok(ev)) if patience.heard(&ev) => {}
                                 Some(Ok(ev)) => {
                                     backoff = BACKOFF_MIN;
                                     since = ev.revision;

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use siesta_proto::patience::Patience;
 use siesta_proto::v1 as pb;
 use siesta_proto::v1::watch_event::Kind;
 use tokio_stream::StreamExt;
@@ -96,8 +97,15 @@ pub(super) async fn follow(
                     eprintln!("siesta watch: reconnected to {}", conn.url);
                 }
                 connected_once = true;
+                let mut patience = Patience::default();
                 loop {
-                    match events.next().await {
+                    let next = match patience.within(events.next()).await {
+                        Ok(next) => next,
+                        Err(why) => break why,
+                    };
+                    match next {
+                        // Asked for, to tell a wedged control plane: not shown.
+                        Some(Ok(ev)) if patience.heard(&ev) => {}
                         Some(Ok(mut ev)) => {
                             if let Some(Kind::Snapshot(s)) = &mut ev.kind {
                                 // A restart's snapshot replaces what was printed.
@@ -148,7 +156,7 @@ pub(super) async fn open(
         since_revision: since,
         client_id: client_id.into(),
         incarnation: of.1,
-        heartbeat: false,
+        heartbeat: true,
     };
     match tokio::time::timeout(RPC_TIMEOUT, client.watch(req)).await {
         Ok(r) => r.map(tonic::Response::into_inner),

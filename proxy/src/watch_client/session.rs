@@ -2,16 +2,17 @@
 //! ends or falls silent, called again after a backoff, resuming from the
 //! last revision seen.
 //!
-//! Silent means past its deadline: the first message within
-//! [`FIRST_EVENT_WAIT`]; then, once the control plane has sent a
-//! heartbeat (the proxy asks for them; older control planes send none and
-//! are waited for without end, their connection's pings catching a dead
-//! one), [`HEARTBEATS_MISSED`] of its intervals. A control plane whose
-//! runtime answers HTTP/2 pings but whose event path is wedged (its
-//! fan-out task gone, its hub's lock held) is so told from a quiet one.
+//! Silent means past its deadline ([`Patience`]): the first message
+//! within 10 s; then, once the control plane has sent a heartbeat (the
+//! proxy asks for them; older control planes send none and are waited for
+//! without end, their connection's pings catching a dead one), three of
+//! its intervals. A control plane whose runtime answers HTTP/2 pings but
+//! whose event path is wedged (its fan-out task gone, its hub's lock held)
+//! is so told from a quiet one.
 
 use std::time::Duration;
 
+use siesta_proto::patience::Patience;
 use siesta_proto::v1::{GetInfoRequest, WatchRequest};
 use tokio_util::sync::CancellationToken;
 
@@ -100,21 +101,18 @@ async fn watch_once(
         incarnation: incarnation.as_ref().map_or(0, |i| i.1),
         heartbeat: true,
     };
-    let mut stream = match tokio::time::timeout(FIRST_EVENT_WAIT, client.watch(req)).await {
-        Ok(stream) => stream?.into_inner(),
-        Err(_) => return Err(silent(FIRST_EVENT_WAIT, None)),
-    };
     let mut patience = Patience::default();
+    let mut stream = match patience.within(client.watch(req)).await {
+        Ok(stream) => stream?.into_inner(),
+        Err(why) => return Err(silent(why)),
+    };
     loop {
-        let ev = match patience.wait() {
-            Some(wait) => match tokio::time::timeout(wait, stream.message()).await {
-                Ok(ev) => ev?,
-                Err(_) => return Err(silent(wait, patience.interval)),
-            },
-            None => stream.message().await?,
+        let ev = match patience.within(stream.message()).await {
+            Ok(ev) => ev?,
+            Err(why) => return Err(silent(why)),
         };
         let Some(ev) = ev else { return Ok(()) };
-        if patience.first {
+        if patience.first() {
             *attempt = 0;
             tracing::info!(control = %source, since_revision = since, "watching control plane");
         }
@@ -124,118 +122,8 @@ async fn watch_once(
     }
 }
 
-/// How long a Watch call may take to answer with its first message (a
-/// snapshot or catch-up events: milliseconds even at 1,000 models). A
-/// control plane that accepts the connection but never answers (still
-/// starting, or wedged) is given up on and called again after a backoff.
-pub const FIRST_EVENT_WAIT: Duration = Duration::from_secs(10);
-
-/// How many heartbeat intervals a stream may stay silent: past this the
-/// control plane's event path is taken as wedged (its connection may
-/// still answer HTTP/2 pings) and the stream is called again, resuming
-/// from the last revision.
-pub const HEARTBEATS_MISSED: u32 = 3;
-
-/// How long the next message may take, from what the stream has sent.
-#[derive(Debug)]
-struct Patience {
-    /// No message yet.
-    first: bool,
-    /// The interval of the last heartbeat: set once the control plane has
-    /// sent one (an older one, which sends none, is waited for without end:
-    /// its pings still catch a dead connection).
-    interval: Option<Duration>,
-}
-
-impl Default for Patience {
-    fn default() -> Self {
-        Patience {
-            first: true,
-            interval: None,
-        }
-    }
-}
-
-impl Patience {
-    fn wait(&self) -> Option<Duration> {
-        match self.interval {
-            Some(every) => Some(every * HEARTBEATS_MISSED),
-            None if self.first => Some(FIRST_EVENT_WAIT),
-            None => None,
-        }
-    }
-
-    /// Notes a message; `true` for a heartbeat (nothing to apply).
-    fn heard(&mut self, ev: &siesta_proto::v1::WatchEvent) -> bool {
-        use siesta_proto::v1::watch_event::Kind;
-        self.first = false;
-        match &ev.kind {
-            Some(Kind::Heartbeat(h)) => {
-                // A zero would make every wait instant.
-                let every = Duration::from_millis(u64::from(h.interval_ms)).max(MIN_INTERVAL);
-                self.interval = Some(every);
-                true
-            }
-            _ => false,
-        }
-    }
-}
-
-/// The shortest heartbeat interval held to.
-const MIN_INTERVAL: Duration = Duration::from_millis(100);
-
 /// The error a silent stream ends with (logged by the caller, which calls
-/// again after a backoff).
-fn silent(waited: Duration, every: Option<Duration>) -> tonic::Status {
-    let why = match every {
-        Some(every) => format!(
-            "no event or heartbeat for {waited:?} (the control plane promised one every {every:?}): its event path looks wedged; calling Watch again"
-        ),
-        None => format!("no answer to Watch in {waited:?}"),
-    };
-    tonic::Status::deadline_exceeded(why)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use siesta_proto::v1::WatchEvent;
-
-    fn snapshot() -> WatchEvent {
-        crate::route_table::tests::snapshot(1, vec![])
-    }
-
-    fn event(kind: siesta_proto::v1::watch_event::Kind) -> WatchEvent {
-        WatchEvent {
-            kind: Some(kind),
-            ..Default::default()
-        }
-    }
-
-    /// How long each next message may take: the first, 10 s; then, from a
-    /// control plane that sends no heartbeats (older ones), without end;
-    /// from one that does, three of its intervals, the latest heartbeat's.
-    #[test]
-    fn patience_follows_the_heartbeats_the_control_plane_sends() {
-        use siesta_proto::v1::Heartbeat;
-        use siesta_proto::v1::watch_event::Kind;
-        let beat = |ms| event(Kind::Heartbeat(Heartbeat { interval_ms: ms }));
-        let mut old = Patience::default();
-        assert_eq!(old.wait(), Some(FIRST_EVENT_WAIT));
-        assert!(!old.heard(&snapshot()));
-        assert_eq!(old.wait(), None, "no heartbeat yet: no deadline");
-        assert!(!old.heard(&event(Kind::ModelRemoved("m".into()))));
-        assert_eq!(old.wait(), None);
-
-        let mut new = Patience::default();
-        assert!(!new.heard(&snapshot()));
-        assert!(new.heard(&beat(10_000)), "a heartbeat is not applied");
-        assert_eq!(new.wait(), Some(Duration::from_secs(30)));
-        assert!(!new.heard(&event(Kind::ModelRemoved("m".into()))));
-        assert_eq!(new.wait(), Some(Duration::from_secs(30)), "kept");
-        new.heard(&beat(2_000));
-        assert_eq!(new.wait(), Some(Duration::from_secs(6)));
-        new.heard(&beat(0));
-        assert_eq!(new.wait(), Some(MIN_INTERVAL * HEARTBEATS_MISSED));
-    }
+/// Watch again after a backoff, resuming from the last revision).
+fn silent(why: String) -> tonic::Status {
+    tonic::Status::deadline_exceeded(format!("{why}; calling Watch again"))
 }
