@@ -28,6 +28,14 @@ pub struct ShedLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WatchLostLabels {
+    /// The control plane address (`http://IP:PORT`).
+    pub control: Arc<str>,
+    /// `ended`, `silent` or `error` (see [`Metrics::watch_lost`]).
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ThreadLabels {
     pub thread: usize,
 }
@@ -51,6 +59,11 @@ pub struct Metrics {
     pub connections: Family<ThreadLabels, Counter>,
     /// Client connections the proxy's own HTTP/1.1 server handed to hyper's.
     pub to_hyper: Counter,
+    /// Watch streams lost (each followed by a reconnect), by control plane
+    /// address and why: `ended` (the control plane closed it), `silent`
+    /// (no answer, first event or heartbeat within its deadline: a control
+    /// plane up but wedged), `error` (unreachable, or refused).
+    pub watch_lost: Family<WatchLostLabels, Counter>,
 }
 
 /// Label for requests that name no known model.
@@ -120,8 +133,17 @@ impl Metrics {
              served by the proxy's own HTTP/1.1 server)",
             to_hyper.clone(),
         );
+        let watch_lost = Family::<WatchLostLabels, Counter>::default();
+        registry.register(
+            "watch_lost",
+            "Watch streams of control planes lost, each called again after a backoff, by address \
+             and why: ended (closed by the control plane), silent (no answer, first event or \
+             heartbeat within its deadline), error (unreachable or refused)",
+            watch_lost.clone(),
+        );
         Metrics {
             registry,
+            watch_lost,
             connections,
             to_hyper,
             requests,

@@ -186,6 +186,7 @@ impl Proxy {
             controls: controls.clone(),
             proxy_id: proxy_id.clone(),
             resolve_interval: cfg.resolve_interval,
+            metrics: metrics.clone(),
         };
         for url in self.controls {
             tokio::spawn(run_control(ctx.clone(), url, background.child_token()));

@@ -136,6 +136,8 @@ pub struct WatchCtx {
     pub controls: Arc<Controls>,
     pub proxy_id: String,
     pub resolve_interval: Duration,
+    /// Counts the Watch streams lost (`watch_lost`).
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 /// How long the models of a control plane address that left DNS stay
@@ -325,6 +327,7 @@ mod tests {
             controls: Arc::new(Controls::new(None).unwrap()),
             proxy_id: "p".into(),
             resolve_interval: Duration::from_secs(30),
+            metrics: Default::default(),
         };
         let url = ControlUrl::parse("http://control.example:50051").unwrap();
         let old: SocketAddr = "127.0.0.1:50051".parse().unwrap();

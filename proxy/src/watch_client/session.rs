@@ -17,6 +17,7 @@ use siesta_proto::v1::{GetInfoRequest, WatchRequest};
 use tokio_util::sync::CancellationToken;
 
 use super::{Client, WatchCtx, backoff};
+use crate::metrics::WatchLostLabels;
 use crate::route_table::SourceId;
 
 pub(super) async fn watch_source(
@@ -47,6 +48,18 @@ pub(super) async fn watch_source(
             r = session => r,
             _ = shutdown.cancelled() => break,
         };
+        let reason = match &res {
+            Ok(()) => "ended",
+            Err(s) if s.code() == tonic::Code::DeadlineExceeded => "silent",
+            Err(_) => "error",
+        };
+        ctx.metrics
+            .watch_lost
+            .get_or_create(&WatchLostLabels {
+                control: source.clone(),
+                reason,
+            })
+            .inc();
         match res {
             Ok(()) => tracing::warn!(control = %source, "watch stream ended; reconnecting"),
             Err(status) if status.code() == tonic::Code::Unauthenticated => tracing::error!(

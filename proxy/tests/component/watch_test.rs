@@ -83,6 +83,12 @@ async fn reconnect_resumes_from_last_revision() {
         c.state.lock().unwrap().watch_requests[1].since_revision,
         rev
     );
+    let metrics = p.metrics().await;
+    let ended = format!(
+        "siesta_proxy_watch_lost_total{{control=\"{}\",reason=\"ended\"}} 1",
+        c.url()
+    );
+    assert!(metrics.contains(&ended), "{ended} in {metrics}");
 }
 
 /// A control plane whose event path is wedged (its connection still
@@ -116,6 +122,12 @@ async fn a_stream_silent_past_its_heartbeats_is_called_again() {
     let again = c.state.lock().unwrap().watch_requests[1].clone();
     assert_eq!(again.since_revision, rev, "resumed, not resynced");
     assert!(again.heartbeat);
+    let lost = format!(
+        "siesta_proxy_watch_lost_total{{control=\"{}\",reason=\"silent\"}} 1",
+        c.url()
+    );
+    let metrics = p.metrics().await;
+    assert!(metrics.contains(&lost), "{lost} in {metrics}");
     assert_eq!(
         post(&p.url("/v1/chat/completions"), &chat("m"))
             .await
