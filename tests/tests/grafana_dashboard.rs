@@ -13,12 +13,20 @@ use util::fake_model;
 /// Families a short test cannot make appear (prometheus-client exports a
 /// family only once it has a sample): each is checked against the source
 /// that registers it instead. `upstream_connect_failures` needs an engine
-/// that refuses connections while the control plane believes it awake.
-const RARE: &[(&str, &str, &str)] = &[(
-    "siesta_proxy_upstream_connect_failures",
-    "counter",
-    concat!(env!("CARGO_MANIFEST_DIR"), "/../proxy/src/metrics.rs"),
-)];
+/// that refuses connections while the control plane believes it awake;
+/// `watch_lost` a Watch stream that ended.
+const RARE: &[(&str, &str, &str)] = &[
+    (
+        "siesta_proxy_upstream_connect_failures",
+        "counter",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../proxy/src/metrics.rs"),
+    ),
+    (
+        "siesta_proxy_watch_lost",
+        "counter",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../proxy/src/metrics.rs"),
+    ),
+];
 
 /// A model on a hand-listed GPU (so GPU and engine memory series exist),
 /// and one that is shed: it wakes slower than its hold limit.
