@@ -1,4 +1,5 @@
 use super::*;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 fn status(name: &str, restarts: u32) -> ModelStatus {
