@@ -266,7 +266,7 @@ impl TextWatch {
                 self.placement = Some(line.clone());
                 vec![format!("{at} #{rev} placement: {line}")]
             }
-            // Not asked for; nothing changed.
+            // `follow` keeps them from here; nothing changed anyway.
             Some(Kind::Heartbeat(_)) => Vec::new(),
             None => vec![format!("{at} #{rev} (unknown event)")],
         }
