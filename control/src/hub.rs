@@ -150,6 +150,10 @@ pub struct Hub {
     encoder: OnceLock<Encoder>,
     /// Set by [`Hub::spawn_fan_out`]: `publish` only wakes the fan-out task.
     fan_out: OnceLock<Arc<tokio::sync::Notify>>,
+    /// When the fan-out task last finished a round (it makes one at least
+    /// every [`HEARTBEAT_EVERY`]); kept outside `inner`, so it can be read
+    /// while that lock is held for ever.
+    fanned_at: Mutex<Option<tokio::time::Instant>>,
 }
 
 impl Hub {
@@ -174,6 +178,7 @@ impl Hub {
             clock,
             encoder: OnceLock::new(),
             fan_out: OnceLock::new(),
+            fanned_at: Mutex::new(None),
         })
     }
 

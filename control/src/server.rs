@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 
 mod grpc;
+mod liveness;
 use grpc::WatchRuntime;
 
 /// How to serve, besides the configuration.
@@ -230,6 +231,16 @@ impl Server {
         health
             .set_serving::<pb::control_server::ControlServer<ControlService>>()
             .await;
+        // Health follows the Watch event path (a liveness probe's answer).
+        tokio::spawn(liveness::follow(
+            hub.clone(),
+            health,
+            vec![
+                "",
+                <pb::control_server::ControlServer<ControlService> as tonic::server::NamedService>::NAME,
+            ],
+            tasks.clone(),
+        ));
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .build_v1()

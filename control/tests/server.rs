@@ -89,18 +89,23 @@ async fn bearer_token_is_required_when_configured() {
         .into_inner();
     assert_eq!(gpus.source, "none");
 
+    // Without the token, as a liveness probe asks: the whole server ("",
+    // what a Kubernetes gRPC probe checks) and the Control service.
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
-    let h = health
-        .check(tonic_health::pb::HealthCheckRequest {
-            service: "siesta.v1.Control".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(
-        h.status,
-        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-    );
+    for service in ["", "siesta.v1.Control"] {
+        let h = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            h.status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+            "{service:?}"
+        );
+    }
 
     shutdown.cancel();
     tokio::time::timeout(std::time::Duration::from_secs(10), running)

@@ -17,7 +17,9 @@
 //! one heartbeat (encoded once), through the same lock, list and channels
 //! as the events. So a heartbeat says the event path works, not only the
 //! connection: a fan-out task that died (a panic under the hub's lock) or
-//! a lock held for ever stops both.
+//! a lock held for ever stops both. The daemon watches the same rounds
+//! ([`Hub::fan_out_silent_for`]) and reports itself not serving on gRPC
+//! health when they stop (`server/liveness.rs`).
 
 use super::{HEARTBEAT_EVERY, Hub, Sub, WatchItem};
 use std::sync::Arc;
@@ -49,6 +51,7 @@ impl Hub {
         }
         let hub = self.clone();
         let woken = wake.clone();
+        *self.fanned_at.lock().unwrap() = Some(tokio::time::Instant::now());
         rt.spawn(async move {
             loop {
                 // Quiet since the last round: the next one beats.
@@ -114,6 +117,29 @@ impl Hub {
             subs.append(&mut inner.subscribers);
             inner.subscribers = subs;
         }
+        drop(inner);
+        *self.fanned_at.lock().unwrap() = Some(tokio::time::Instant::now());
         true
+    }
+
+    /// Poisons the hub's lock, as a panic under it would: every later
+    /// round (and publish) panics.
+    #[cfg(test)]
+    pub(crate) fn poison(self: &Arc<Self>) {
+        let hub = self.clone();
+        let _ = std::thread::spawn(move || {
+            let _held = hub.inner.lock().unwrap();
+            panic!("a bug under the hub's lock (a test)");
+        })
+        .join();
+    }
+
+    /// How long since the fan-out task last finished a round; `None`
+    /// without one. It makes a round at least every [`HEARTBEAT_EVERY`]
+    /// (a heartbeat round when nothing is published), so far longer means
+    /// the event path is stuck: the task died (a panic under the hub's
+    /// lock) or waits on that lock for ever. Read without that lock.
+    pub fn fan_out_silent_for(&self) -> Option<std::time::Duration> {
+        self.fanned_at.lock().unwrap().map(|at| at.elapsed())
     }
 }

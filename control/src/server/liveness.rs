@@ -1,0 +1,145 @@
+//! gRPC health follows the Watch event path.
+//!
+//! The daemon's runtime can answer TCP, HTTP/2 pings and gRPC calls while
+//! its events have stopped: the hub's fan-out task died (a panic under the
+//! hub's lock) or waits on that lock for ever. Watch clients see that as
+//! missing heartbeats; this task lets a supervisor see it too. The fan-out
+//! task makes a round at least every [`HEARTBEAT_EVERY`]; when none has
+//! finished for [`STUCK_AFTER`], gRPC health (`grpc.health.v1`, for the
+//! whole server and for `siesta.v1.Control`) says `NOT_SERVING`, and a
+//! liveness probe (`deploy/kubernetes`: a gRPC probe) restarts the daemon,
+//! which adopts its engines. Back to `SERVING` if the rounds come back.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::hub::{HEARTBEAT_EVERY, Hub};
+
+/// How long the fan-out may make no round before the daemon says it is
+/// not serving: three heartbeats, as long as a Watch client waits.
+pub const STUCK_AFTER: Duration = Duration::from_secs(HEARTBEAT_EVERY.as_secs() * 3);
+
+/// How often the fan-out's last round is looked at.
+const CHECK_EVERY: Duration = Duration::from_secs(5);
+
+/// The health a fan-out silent for `silent_for` gives.
+fn status(silent_for: Option<Duration>) -> ServingStatus {
+    match silent_for {
+        Some(d) if d > STUCK_AFTER => ServingStatus::NotServing,
+        _ => ServingStatus::Serving,
+    }
+}
+
+/// Keeps `services`' health (`""` is the whole server) in step with the
+/// hub's fan-out until `cancel`.
+pub(super) async fn follow(
+    hub: Arc<Hub>,
+    health: HealthReporter,
+    services: Vec<&'static str>,
+    cancel: CancellationToken,
+) {
+    let mut now = ServingStatus::Serving;
+    let mut every = tokio::time::interval(CHECK_EVERY);
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            _ = cancel.cancelled() => return,
+        }
+        let silent = hub.fan_out_silent_for();
+        let next = status(silent);
+        if next == now {
+            continue;
+        }
+        match next {
+            ServingStatus::NotServing => tracing::error!(
+                silent_for = ?silent.unwrap_or_default(),
+                "the Watch event path made no round (events, heartbeats) for longer than {STUCK_AFTER:?}: \
+                 gRPC health now says NOT_SERVING, so a liveness probe restarts the daemon"
+            ),
+            _ => {
+                tracing::info!("the Watch event path makes rounds again: gRPC health says SERVING")
+            }
+        }
+        for s in &services {
+            health.set_service_status(s, next).await;
+        }
+        now = next;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::status::Clock;
+    use tonic_health::pb::health_server::Health;
+    use tonic_health::pb::{HealthCheckRequest, health_check_response};
+
+    async fn check(svc: &impl Health, service: &str) -> health_check_response::ServingStatus {
+        let r = svc
+            .check(tonic::Request::new(HealthCheckRequest {
+                service: service.into(),
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        r.status()
+    }
+
+    #[test]
+    fn a_fan_out_silent_past_three_heartbeats_is_not_serving() {
+        assert_eq!(status(None), ServingStatus::Serving);
+        assert_eq!(status(Some(HEARTBEAT_EVERY)), ServingStatus::Serving);
+        assert_eq!(status(Some(STUCK_AFTER)), ServingStatus::Serving);
+        assert_eq!(
+            status(Some(STUCK_AFTER + Duration::from_millis(1))),
+            ServingStatus::NotServing
+        );
+    }
+
+    /// A fan-out task that dies (here: the hub's lock poisoned by a panic,
+    /// as a bug under it would) stops its rounds; gRPC health then says
+    /// NOT_SERVING for the server and for `siesta.v1.Control`. While the
+    /// task lives, quiet or not, it says SERVING.
+    #[tokio::test(start_paused = true)]
+    async fn health_says_not_serving_once_the_event_path_stops() {
+        let hub = Hub::new(Clock::new(), 16, 16);
+        hub.spawn_fan_out(&tokio::runtime::Handle::current());
+        let health = HealthReporter::new();
+        let svc = tonic_health::server::HealthService::from_health_reporter(health.clone());
+        let services = vec!["", "siesta.v1.Control"];
+        for s in &services {
+            health.set_service_status(s, ServingStatus::Serving).await;
+        }
+        let cancel = CancellationToken::new();
+        tokio::spawn(follow(
+            hub.clone(),
+            health,
+            services.clone(),
+            cancel.clone(),
+        ));
+        // Quiet for a minute: heartbeat rounds keep it alive.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(hub.fan_out_silent_for().unwrap() <= HEARTBEAT_EVERY);
+        for s in &services {
+            assert_eq!(
+                check(&svc, s).await,
+                health_check_response::ServingStatus::Serving
+            );
+        }
+        hub.poison();
+        tokio::time::sleep(STUCK_AFTER + HEARTBEAT_EVERY + CHECK_EVERY * 2).await;
+        assert!(hub.fan_out_silent_for().unwrap() > STUCK_AFTER);
+        for s in &services {
+            assert_eq!(
+                check(&svc, s).await,
+                health_check_response::ServingStatus::NotServing,
+                "{s:?}"
+            );
+        }
+        cancel.cancel();
+    }
+}
