@@ -239,6 +239,7 @@ impl Server {
                 "",
                 <pb::control_server::ControlServer<ControlService> as tonic::server::NamedService>::NAME,
             ],
+            liveness::systemd_alive,
             tasks.clone(),
         ));
         let reflection = tonic_reflection::server::Builder::configure()
@@ -277,6 +278,10 @@ impl Server {
             .add_service(reflection)
             .add_service(control);
         tracing::info!(addr = %local_addr, models = config.models.len(), origin = %config.origin, "serving");
+        // Under systemd (`Type=notify`): started. Nothing without it.
+        if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+            tracing::warn!(error = %e, "cannot tell systemd the daemon is ready");
+        }
         grpc::serve(
             listener,
             routes,

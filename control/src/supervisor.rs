@@ -205,6 +205,12 @@ pub fn spawn(
         .env(TAG_ENV, tag)
         .env(STATE_ENV, state_marker(log_dir.parent().unwrap_or(log_dir)))
         .env(NO_ENV_CLOBBER.0, NO_ENV_CLOBBER.1)
+        // systemd's notify socket and watchdog are the daemon's, not an
+        // engine's (one that speaks sd_notify would say ready or alive
+        // for it).
+        .env_remove("NOTIFY_SOCKET")
+        .env_remove("WATCHDOG_USEC")
+        .env_remove("WATCHDOG_PID")
         .stdin(std::process::Stdio::null())
         .stdout(out)
         .stderr(err)

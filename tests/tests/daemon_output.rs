@@ -1,6 +1,6 @@
 //! What the daemons write to their own stderr: no engine output (it stays in
 //! the engine's log files and `siesta logs`), and no colour codes when
-//! stderr is not a terminal.
+//! stderr is not a terminal; and what siesta-control tells systemd.
 
 use siesta_tests::cli;
 
@@ -70,4 +70,86 @@ async fn no_colour_codes_when_stderr_is_not_a_terminal() {
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(text.contains("TRACE"), "siesta logged nothing:\n{text}");
     assert!(!text.contains(ESC), "siesta wrote colour codes:\n{text}");
+}
+
+/// Under systemd (`Type=notify`, `WatchdogSec=`): siesta-control says
+/// `READY=1` once it serves and `WATCHDOG=1` while its Watch event path
+/// makes rounds, on the socket in `NOTIFY_SOCKET`; its engines do not
+/// inherit that socket or the watchdog's variables (one that spoke
+/// sd_notify would answer for the daemon).
+#[tokio::test]
+async fn control_tells_systemd_it_is_ready_and_alive_and_its_engines_do_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("notify.sock");
+    let notify = tokio::net::UnixDatagram::bind(&socket).unwrap();
+    let tag = format!("notify-{}", std::process::id());
+    let config = dir.path().join("siesta.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[control]
+state_dir = "{state}"
+[[model]]
+name = "chat"
+model = "fake/chat"
+executable = "{fake}"
+gpus = 0
+preload = "awake"
+env = {{ SIESTA_TEST_TAG = "{tag}" }}
+"#,
+            state = dir.path().join("state").display(),
+            fake = siesta_tests::fake_vllm_command(),
+        ),
+    )
+    .unwrap();
+    let mut daemon = tokio::process::Command::new(bin_path("siesta-control"))
+        .arg("--config")
+        .arg(&config)
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .arg("--stop-engines-on-exit")
+        .env("NOTIFY_SOCKET", &socket)
+        .env("WATCHDOG_USEC", "20000000")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut said = Vec::new();
+    let mut buf = [0u8; 256];
+    while !said.iter().any(|m: &String| m.contains("WATCHDOG=1")) {
+        let n = tokio::time::timeout(LONG, notify.recv(&mut buf))
+            .await
+            .unwrap_or_else(|_| panic!("no READY=1 then WATCHDOG=1 from siesta-control: {said:?}"))
+            .unwrap();
+        said.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+    }
+    assert_eq!(
+        said.first().map(String::as_str),
+        Some("READY=1\n"),
+        "{said:?}"
+    );
+    let engines = siesta_tests::pids_with_env("SIESTA_TEST_TAG", &tag);
+    assert!(!engines.is_empty(), "the engine runs");
+    for pid in engines {
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        for key in ["NOTIFY_SOCKET=", "WATCHDOG_USEC=", "WATCHDOG_PID="] {
+            assert!(
+                !env.split(|b| *b == 0)
+                    .any(|kv| kv.starts_with(key.as_bytes())),
+                "engine {pid} inherited {key}"
+            );
+        }
+    }
+    let pid = daemon.id().unwrap() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    tokio::time::timeout(LONG, daemon.wait())
+        .await
+        .expect("exits")
+        .unwrap();
 }

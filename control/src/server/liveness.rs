@@ -9,6 +9,9 @@
 //! whole server and for `siesta.v1.Control`) says `NOT_SERVING`, and a
 //! liveness probe (`deploy/kubernetes`: a gRPC probe) restarts the daemon,
 //! which adopts its engines. Back to `SERVING` if the rounds come back.
+//! Under systemd with `WatchdogSec=` the same verdict feeds the watchdog:
+//! `WATCHDOG=1` is sent on each check while serving, none once stuck, so
+//! systemd restarts the daemon (`deploy/systemd`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,16 +37,29 @@ fn status(silent_for: Option<Duration>) -> ServingStatus {
     }
 }
 
+/// Tells systemd the daemon is alive (`WATCHDOG=1`), when it runs with a
+/// watchdog (`WatchdogSec=`); nothing otherwise.
+pub(super) fn systemd_alive() {
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]) {
+        tracing::warn!(error = %e, "cannot reach systemd's notify socket");
+    }
+}
+
 /// Keeps `services`' health (`""` is the whole server) in step with the
-/// hub's fan-out until `cancel`.
+/// hub's fan-out until `cancel`, and calls `alive` on every check that
+/// finds it serving (systemd's watchdog: [`systemd_alive`]).
 pub(super) async fn follow(
     hub: Arc<Hub>,
     health: HealthReporter,
     services: Vec<&'static str>,
+    alive: impl Fn(),
     cancel: CancellationToken,
 ) {
     let mut now = ServingStatus::Serving;
-    let mut every = tokio::time::interval(CHECK_EVERY);
+    // The first look a check's length after start-up (systemd hears
+    // `READY=1` first).
+    let mut every =
+        tokio::time::interval_at(tokio::time::Instant::now() + CHECK_EVERY, CHECK_EVERY);
     loop {
         tokio::select! {
             _ = every.tick() => {}
@@ -51,6 +67,9 @@ pub(super) async fn follow(
         }
         let silent = hub.fan_out_silent_for();
         let next = status(silent);
+        if next == ServingStatus::Serving {
+            alive();
+        }
         if next == now {
             continue;
         }
@@ -115,12 +134,19 @@ mod tests {
             health.set_service_status(s, ServingStatus::Serving).await;
         }
         let cancel = CancellationToken::new();
+        let beats = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counted = beats.clone();
+        let alive = move || {
+            counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        };
         tokio::spawn(follow(
             hub.clone(),
             health,
             services.clone(),
+            alive,
             cancel.clone(),
         ));
+        let beats_now = || beats.load(std::sync::atomic::Ordering::Relaxed);
         // Quiet for a minute: heartbeat rounds keep it alive.
         tokio::time::sleep(Duration::from_secs(60)).await;
         assert!(hub.fan_out_silent_for().unwrap() <= HEARTBEAT_EVERY);
@@ -130,9 +156,14 @@ mod tests {
                 health_check_response::ServingStatus::Serving
             );
         }
+        assert!(beats_now() >= 11, "alive on each check: {}", beats_now());
         hub.poison();
         tokio::time::sleep(STUCK_AFTER + HEARTBEAT_EVERY + CHECK_EVERY * 2).await;
         assert!(hub.fan_out_silent_for().unwrap() > STUCK_AFTER);
+        // No more `alive` (systemd's watchdog then restarts the daemon).
+        let stuck = beats_now();
+        tokio::time::sleep(CHECK_EVERY * 4).await;
+        assert_eq!(beats_now(), stuck, "alive while stuck");
         for s in &services {
             assert_eq!(
                 check(&svc, s).await,
