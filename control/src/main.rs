@@ -79,7 +79,8 @@ async fn main() -> anyhow::Result<()> {
     // ran past its deadline (a hung NVML call), may still run on a
     // blocking thread, which dropping the runtime would wait for.
     if let Err(e) = ran {
-        tracing::error!(error = %e, "exiting");
+        // Once, as anyhow's `Error:` line would have been (a tracing line
+        // too would say it twice on the same stderr).
         eprintln!("Error: {e}");
         std::process::exit(1)
     }
