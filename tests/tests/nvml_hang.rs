@@ -96,6 +96,11 @@ async fn a_hung_nvml_at_start_up_ends_the_daemon_with_the_reason() {
         "{stderr}"
     );
     assert!(!stderr.contains("serving"), "{stderr}");
+    assert_eq!(
+        stderr.matches("did not finish").count(),
+        1,
+        "said once: {stderr}"
+    );
 }
 
 #[tokio::test]
