@@ -2,11 +2,13 @@
 # `vllm-check crowded`: a process siesta does not run holds most of GPU 0's memory (torch on
 # the GPU machine; LOCAL: fake-vllm's simulated GPU with a holder's entry).
 # On the GPU machine siesta sees the holder through NVML and plans around it:
-#   crowded-start-waits-for-room: 100 GiB held; a model of gpu_memory 0.5 asked for there
+# How much is held scales with GPU 0's memory (5/7 and 6/7 of it: 100 and 120 GiB of an H200's
+# 140, 56 and 67 of an H100's 79), so the check runs on either card:
+#   crowded-start-waits-for-room: 5/7 held; a model of gpu_memory 0.5 asked for there
 #     is not started: `siesta wake --wait --timeout 30s` ends without it, the model's
 #     `waiting_for` names the holder's pid and what it holds; once the holder exits, the
 #     same wake (still queued) starts it, answered 200.
-#   crowded-wake-waits-for-room: asleep at level 1, then 120 GiB held and it is woken: the
+#   crowded-wake-waits-for-room: asleep at level 1, then 6/7 held and it is woken: the
 #     wake waits (engine alive, asleep, `waiting_for` names the holder), and completes once
 #     the holder exits; the answer after it is 200.
 # LOCAL (no NVML: siesta-control cannot see the simulated GPU) siesta admits both and
@@ -71,10 +73,10 @@ crowded_local() {
         result FAIL crowded-wake-says-why "not started and asleep: wake_exit=$rc state=$state"
         return
     fi
-    hold 120
+    hold "$WAKE_HOLD"
     out=$(S wake crowded --wait --timeout 4m 2>&1)
     rc=$?
-    log "siesta wake crowded --wait, 120 GiB held (exit $rc): $out"
+    log "siesta wake crowded --wait, $WAKE_HOLD GiB held (exit $rc): $out"
     state=$(mstate crowded)
     err=$(mget crowded last_error)
     alive=$(kill -0 "$PID" 2>/dev/null && echo yes || echo no)
@@ -89,7 +91,7 @@ crowded_nvml() {
     local out rc state why ok PID alive t0 ms after same
     out=$(S wake crowded --wait --timeout 30s 2>&1)
     rc=$?
-    log "siesta wake crowded --wait --timeout 30s, 100 GiB held (exit $rc): $out"
+    log "siesta wake crowded --wait --timeout 30s, $START_HOLD GiB held (exit $rc): $out"
     state=$(mget crowded state)
     why=$(mget crowded waiting_for)
     logcmd S placement
@@ -112,10 +114,10 @@ crowded_nvml() {
         result FAIL crowded-wake-waits-for-room "not asleep: state=$state"
         return
     fi
-    hold 120
+    hold "$WAKE_HOLD"
     out=$(S wake crowded --wait --timeout 30s 2>&1)
     rc=$?
-    log "siesta wake crowded --wait --timeout 30s, 120 GiB held (exit $rc): $out"
+    log "siesta wake crowded --wait --timeout 30s, $WAKE_HOLD GiB held (exit $rc): $out"
     state=$(mget crowded state)
     why=$(mget crowded waiting_for)
     alive=$(kill -0 "$PID" 2>/dev/null && echo yes || echo no)
@@ -135,12 +137,19 @@ crowded_nvml() {
         waiting_for="$why" woke_after_release_ms=$ms state_after=$after same_pid=$same
 }
 if [ "$LOCAL" = 1 ]; then
+    TOTAL_GIB=140
     GPU=$'\n[[gpu]]\nindex = 0\nname = "fake"\nmemory = "140GiB"'
     ENV="env = { FAKE_VLLM_GPU_TOTAL_BYTES = \"$((140 << 30))\", FAKE_VLLM_GPU_DIR = \"$RUN/simgpu\" }"
 else
+    TOTAL_GIB=$(($(nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits) >> 10))
     GPU= ENV=
 fi
-hold 100
+# Held beside a model of half the GPU: 5/7 leaves less than half free (the start must wait);
+# 6/7 still fits beside the model asleep at level 1 (its ~1 GiB), not beside it awake.
+START_HOLD=$((TOTAL_GIB * 5 / 7))
+WAKE_HOLD=$((TOTAL_GIB * 6 / 7))
+log "GPU 0: $TOTAL_GIB GiB; held: $START_HOLD GiB at the start, $WAKE_HOLD GiB at the wake"
+hold "$START_HOLD"
 cat >"$CFG" <<T
 [control]
 listen = "127.0.0.1:0"
