@@ -24,7 +24,7 @@ use std::time::Duration;
 use bytes::{Buf, Bytes};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::handler::Shared;
@@ -89,10 +89,10 @@ pub async fn hold(shared: &Shared, stream: &TcpStream, route: Arc<ModelRoute>) -
     let mut gate = None;
     if released {
         let turn_by = deadline.max(Instant::now() + crate::hold::SLOT_WAIT_MIN);
-        tokio::select! {
-            p = leaving.acquire_owned() => gate = p.ok(),
-            n = stream.peek(&mut one) => closed = matches!(n, Ok(0) | Err(_)),
-            () = tokio::time::sleep_until(turn_by) => {}
+        match take_turn(leaving, stream, turn_by).await {
+            Turn::Got(p) => gate = Some(p),
+            Turn::Closed => closed = true,
+            Turn::SentMore | Turn::Late => {}
         }
     }
     if closed {
@@ -108,6 +108,34 @@ pub async fn hold(shared: &Shared, stream: &TcpStream, route: Arc<ModelRoute>) -
         since: Some(since),
         gate,
         closed,
+    }
+}
+
+/// How a released request's wait for its turn to leave ended.
+#[derive(Debug)]
+enum Turn {
+    /// Its place among the model's requests leaving ([`Held::gate`]).
+    Got(OwnedSemaphorePermit),
+    /// The client closed the connection.
+    Closed,
+    /// The client sent more: served without a turn.
+    SentMore,
+    /// `turn_by` passed first (every place taken by requests waiting on
+    /// the engine's slots): served without a turn, and shed by the handler
+    /// if no slot comes either. Never a wait without an end.
+    Late,
+}
+
+/// Waits for a place in `leaving`, until `turn_by` at the latest.
+async fn take_turn(leaving: Arc<Semaphore>, stream: &TcpStream, turn_by: Instant) -> Turn {
+    let mut one = [0u8; 1];
+    tokio::select! {
+        p = leaving.acquire_owned() => p.map_or(Turn::Late, Turn::Got),
+        n = stream.peek(&mut one) => match n {
+            Ok(0) | Err(_) => Turn::Closed,
+            Ok(_) => Turn::SentMore,
+        },
+        () = tokio::time::sleep_until(turn_by) => Turn::Late,
     }
 }
 
@@ -224,5 +252,58 @@ mod tests {
         let mut next = [0u8; 4];
         io.read_exact(&mut next).await.unwrap();
         assert_eq!(&next, b"next");
+    }
+
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (server, _) = l.accept().await.unwrap();
+        (client, server)
+    }
+
+    /// Every place taken (256 released requests each waiting on a busy
+    /// engine's slots): the next released request's turn still ends, at
+    /// `turn_by`, and not before; a place given back meanwhile is taken.
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_with_every_place_taken_ends_at_its_deadline() {
+        let (_client, server) = pair().await;
+        let leaving = Arc::new(Semaphore::new(1));
+        let taken = leaving.clone().acquire_owned().await.unwrap();
+        let start = Instant::now();
+        let turn_by = start + Duration::from_secs(5);
+        let turn = tokio::time::timeout(
+            Duration::from_secs(60),
+            take_turn(leaving.clone(), &server, turn_by),
+        )
+        .await
+        .expect("the turn waited past its deadline");
+        assert!(matches!(turn, Turn::Late), "{turn:?}");
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+
+        let giver = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            drop(taken);
+        });
+        let turn = take_turn(leaving, &server, Instant::now() + Duration::from_secs(5)).await;
+        assert!(matches!(turn, Turn::Got(_)), "{turn:?}");
+        giver.await.unwrap();
+    }
+
+    /// A client that closes, or sends its next request, while waiting for
+    /// its turn is let go at once, without a place.
+    #[tokio::test]
+    async fn a_turn_ends_when_the_client_closes_or_sends_more() {
+        let none = Arc::new(Semaphore::new(0));
+        let far = Instant::now() + Duration::from_secs(600);
+
+        let (mut client, server) = pair().await;
+        client.write_all(b"GET").await.unwrap();
+        let turn = take_turn(none.clone(), &server, far).await;
+        assert!(matches!(turn, Turn::SentMore), "{turn:?}");
+
+        let (client, server) = pair().await;
+        drop(client);
+        let turn = take_turn(none, &server, far).await;
+        assert!(matches!(turn, Turn::Closed), "{turn:?}");
     }
 }
