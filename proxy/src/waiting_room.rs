@@ -130,6 +130,7 @@ enum Turn {
 async fn take_turn(leaving: Arc<Semaphore>, stream: &TcpStream, turn_by: Instant) -> Turn {
     let mut one = [0u8; 1];
     tokio::select! {
+        // The places are never closed; were they, it would be served without one.
         p = leaving.acquire_owned() => p.map_or(Turn::Late, Turn::Got),
         n = stream.peek(&mut one) => match n {
             Ok(0) | Err(_) => Turn::Closed,
