@@ -239,7 +239,7 @@ impl Server {
                 "",
                 <pb::control_server::ControlServer<ControlService> as tonic::server::NamedService>::NAME,
             ],
-            liveness::systemd_alive,
+            liveness::systemd_alive(),
             tasks.clone(),
         ));
         let reflection = tonic_reflection::server::Builder::configure()

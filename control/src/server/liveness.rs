@@ -14,6 +14,7 @@
 //! systemd restarts the daemon (`deploy/systemd`).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -38,10 +39,43 @@ fn status(silent_for: Option<Duration>) -> ServingStatus {
 }
 
 /// Tells systemd the daemon is alive (`WATCHDOG=1`), when it runs with a
-/// watchdog (`WatchdogSec=`); nothing otherwise.
-pub(super) fn systemd_alive() {
-    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]) {
-        tracing::warn!(error = %e, "cannot reach systemd's notify socket");
+/// watchdog (`WatchdogSec=`); nothing otherwise. A notify socket that
+/// stops answering is warned of once, not on every check, and its return
+/// is logged.
+pub(super) fn systemd_alive() -> impl Fn() {
+    let failing = AtomicBool::new(false);
+    move || {
+        notice(
+            &failing,
+            sd_notify::notify(&[sd_notify::NotifyState::Watchdog]),
+        );
+    }
+}
+
+/// What a check's notify result is worth saying, given whether the last
+/// one failed.
+#[derive(Debug, PartialEq, Eq)]
+enum Notice {
+    Quiet,
+    Unreachable,
+    Reachable,
+}
+
+fn notice(failing: &AtomicBool, sent: std::io::Result<()>) -> Notice {
+    match sent {
+        Err(e) if !failing.swap(true, Ordering::Relaxed) => {
+            tracing::warn!(
+                error = %e,
+                "cannot reach systemd's notify socket (NOTIFY_SOCKET); its watchdog will \
+                 restart the daemon if it has one. Said once until the socket answers again"
+            );
+            Notice::Unreachable
+        }
+        Ok(()) if failing.swap(false, Ordering::Relaxed) => {
+            tracing::info!("systemd's notify socket answers again");
+            Notice::Reachable
+        }
+        _ => Notice::Quiet,
     }
 }
 
@@ -117,6 +151,19 @@ mod tests {
             status(Some(STUCK_AFTER + Duration::from_millis(1))),
             ServingStatus::NotServing
         );
+    }
+
+    #[test]
+    fn an_unreachable_notify_socket_is_warned_of_once_until_it_answers() {
+        let failing = AtomicBool::new(false);
+        let err = || Err(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert_eq!(notice(&failing, Ok(())), Notice::Quiet);
+        assert_eq!(notice(&failing, err()), Notice::Unreachable);
+        assert_eq!(notice(&failing, err()), Notice::Quiet);
+        assert_eq!(notice(&failing, err()), Notice::Quiet);
+        assert_eq!(notice(&failing, Ok(())), Notice::Reachable);
+        assert_eq!(notice(&failing, Ok(())), Notice::Quiet);
+        assert_eq!(notice(&failing, err()), Notice::Unreachable);
     }
 
     /// A fan-out task that dies (here: the hub's lock poisoned by a panic,
