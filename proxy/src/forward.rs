@@ -477,6 +477,106 @@ mod tests {
         assert_eq!(n, 0);
     }
 
+    /// `--upstream-timeout` while a large body (over 16 KiB: written while
+    /// the answer is read) goes out: an engine that accepts but neither
+    /// reads nor answers (its API server's event loop stuck, a stopped
+    /// process) has the request ended, as one that sends no head does.
+    /// Before, the write waited for as long as the client did, holding the
+    /// model's in-flight count.
+    #[tokio::test]
+    async fn an_engine_that_never_reads_a_large_body_has_the_request_ended() {
+        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a: Authority = engine.local_addr().unwrap().to_string().parse().unwrap();
+        let limits = pool::EngineLimits {
+            idle_timeout: Duration::from_secs(4),
+            concurrency: 4,
+            quiet: Duration::from_millis(300),
+        };
+        let pool = EnginePool::new(&a, limits, 1, &tokio::runtime::Handle::current());
+        let mut conn = conn::UpstreamConn::connect(&pool).await.unwrap();
+        let (_engine_side, _) = engine.accept().await.unwrap(); // never read
+        let body = Bytes::from(vec![b'x'; 32 * 1024 * 1024]);
+        let head = RequestHead {
+            method: &http::Method::POST,
+            target: "/v1/audio/transcriptions",
+            host: b"e",
+            content_length: body.len(),
+            strip_authorization: false,
+        };
+        let r = tokio::time::timeout(
+            Duration::from_secs(60),
+            conn.send(&head, ClientHeaders::Lines(b""), &body),
+        )
+        .await;
+        match r {
+            Ok(Err(UpstreamError::Quiet(d))) => assert_eq!(d, Duration::from_millis(300)),
+            Ok(other) => panic!("{other:?}"),
+            Err(_) => panic!("still writing the body 60 s on, with --upstream-timeout at 300 ms"),
+        }
+    }
+
+    /// A large body the engine reads slowly, each pause shorter than
+    /// `--upstream-timeout` but all of them together far longer, goes out
+    /// whole: the timeout is for an engine that takes nothing, not a limit
+    /// on the whole upload. (The proxy sees the engine take bytes when the
+    /// kernel lets it write again, once about half its send buffer, a few
+    /// MB on loopback, has gone: the engine here takes ~10 MB/s.)
+    #[tokio::test]
+    async fn a_large_body_read_slowly_is_not_timed_out() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a: Authority = engine.local_addr().unwrap().to_string().parse().unwrap();
+        let quiet = Duration::from_secs(1);
+        let limits = pool::EngineLimits {
+            idle_timeout: Duration::from_secs(4),
+            concurrency: 4,
+            quiet,
+        };
+        let pool = EnginePool::new(&a, limits, 1, &tokio::runtime::Handle::current());
+        let mut conn = conn::UpstreamConn::connect(&pool).await.unwrap();
+        let body = Bytes::from(vec![b'x'; 40 * 1024 * 1024]);
+        let total = body.len();
+        let reader = tokio::spawn(async move {
+            let (mut s, _) = engine.accept().await.unwrap();
+            let mut buf = vec![0; 1024 * 1024];
+            let mut got = 0usize;
+            let started = std::time::Instant::now();
+            // Until the whole head and body are in: the head is a few
+            // hundred bytes, the rest is the body.
+            while got < total {
+                let n = s.read(&mut buf).await.unwrap();
+                assert_ne!(n, 0, "the proxy closed after {got} bytes");
+                got += n;
+                tokio::time::sleep(quiet / 10).await;
+            }
+            let slow = started.elapsed();
+            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            slow
+        });
+        let head = RequestHead {
+            method: &http::Method::POST,
+            target: "/v1/audio/transcriptions",
+            host: b"e",
+            content_length: body.len(),
+            strip_authorization: false,
+        };
+        let answer = tokio::time::timeout(
+            Duration::from_secs(120),
+            conn.send(&head, ClientHeaders::Lines(b""), &body),
+        )
+        .await
+        .expect("no answer in 120 s")
+        .expect("the slow upload was ended");
+        assert_eq!(answer.parts.status, 200);
+        let slow = reader.await.unwrap();
+        assert!(
+            slow > quiet * 3,
+            "the engine read the body in {slow:?}, not much longer than the timeout: the test shows nothing"
+        );
+    }
+
     #[tokio::test]
     async fn an_engine_no_upstream_uses_is_forgotten_with_its_pool() {
         let f = Forwarder::new(Arc::new(Metrics::new()), false, Duration::from_secs(4), 1);

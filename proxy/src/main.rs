@@ -109,7 +109,8 @@ struct Args {
     engine_concurrency: u32,
     /// How long an engine may send nothing on a request: no response head
     /// (a non-streamed answer comes whole, so raise it for longer ones), or
-    /// a pause between parts of its body. Then 504 `upstream_timeout`, or
+    /// a pause between parts of its body; nor take any of a large request
+    /// body (ended within twice this). Then 504 `upstream_timeout`, or
     /// an error event ending a stream; the engine sees the request end.
     #[arg(long, default_value = "10m", value_parser = positive_duration)]
     upstream_timeout: std::time::Duration,

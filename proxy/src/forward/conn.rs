@@ -7,6 +7,7 @@
 
 use std::io::IoSlice;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -172,14 +173,24 @@ impl UpstreamConn {
     /// the client, where writing on alone would fail (the close) or never
     /// end (the engine no longer reads); the connection, with part of a
     /// request on it, is not reused. `None`: the whole request went out.
+    /// An engine that takes no byte of the body and sends none for
+    /// [`UpstreamConn::quiet`] (`--upstream-timeout`) ends the request, as
+    /// one that sends no head does (within twice that: the timer is looked
+    /// at when it rings).
     async fn write_reading(
         &mut self,
         method: &http::Method,
         body: &Bytes,
     ) -> Result<Option<Answer>, UpstreamError> {
         let (mut rd, mut wr) = self.io.split();
-        let write = write_both(&mut wr, &self.write, body);
+        let written = AtomicUsize::new(0);
+        let write = write_both(&mut wr, &self.write, body, &written);
         tokio::pin!(write);
+        // Looked at when it rings, not moved on each write: a body that
+        // goes out in many writes sets no timer per write.
+        let quiet = tokio::time::sleep(self.quiet);
+        tokio::pin!(quiet);
+        let mut written_at_ring = 0;
         // A failed write (the engine closed) may still have an answer
         // behind it, already in the socket.
         let mut write_failed = None;
@@ -190,11 +201,21 @@ impl UpstreamConn {
                     Ok(()) => return Ok(None),
                     Err(e) => write_failed = Some(e),
                 },
+                () = &mut quiet => {
+                    let now = written.load(Ordering::Relaxed);
+                    if now == written_at_ring {
+                        self.poolable = false;
+                        return Err(UpstreamError::Quiet(self.quiet));
+                    }
+                    written_at_ring = now;
+                    quiet.as_mut().reset(tokio::time::Instant::now() + self.quiet);
+                }
                 r = rd.read_buf(&mut self.read) => {
                     let closed = match r {
                         Ok(0) => None,
                         Ok(_) => {
                             self.answered = true;
+                            quiet.as_mut().reset(tokio::time::Instant::now() + self.quiet);
                             let raw = self.raw_valid.then_some(&mut self.raw);
                             if let Some(resp) = h1::parse_response(&mut self.read, method, raw)? {
                                 self.body = Decoder::new(resp.body);
@@ -321,11 +342,13 @@ fn make_room(read: &mut BytesMut) {
     }
 }
 
-/// Writes `head` then `body` with as few writes as the socket allows.
+/// Writes `head` then `body` with as few writes as the socket allows,
+/// counting the bytes written in `written`.
 async fn write_both(
     io: &mut (impl tokio::io::AsyncWrite + Unpin),
     head: &[u8],
     body: &[u8],
+    written: &AtomicUsize,
 ) -> std::io::Result<()> {
     let (mut h, mut b) = (0, 0);
     while h < head.len() || b < body.len() {
@@ -334,6 +357,7 @@ async fn write_both(
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
+        written.fetch_add(n, Ordering::Relaxed);
         let from_head = n.min(head.len() - h);
         h += from_head;
         b += n - from_head;
