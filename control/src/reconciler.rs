@@ -694,14 +694,24 @@ impl ModelState {
         }
     }
 
-    /// Requests in flight: all proxies plus the engine's gauge.
+    /// Requests in flight: all proxies plus the engine's gauge (saturating:
+    /// the counts come from the wire as they are).
     pub fn in_flight(&self) -> u32 {
-        self.proxies.values().map(|p| p.in_flight).sum::<u32>() + self.engine_running
+        self.proxies_in_flight().saturating_add(self.engine_running)
     }
 
-    /// Requests the proxies hold for the model now.
+    /// Requests in flight through the proxies (saturating).
+    pub fn proxies_in_flight(&self) -> u32 {
+        self.proxies
+            .values()
+            .fold(0, |n, p| n.saturating_add(p.in_flight))
+    }
+
+    /// Requests the proxies hold for the model now (saturating).
     pub fn held(&self) -> u32 {
-        self.proxies.values().map(|p| p.held).sum()
+        self.proxies
+            .values()
+            .fold(0, |n, p| n.saturating_add(p.held))
     }
 
     pub fn pinned(&self, now: Instant) -> bool {

@@ -223,7 +223,10 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             fx.push(Effect::Log(format!("resume gave up: {error}")));
             m.last_error = Some(error);
             m.demand_since = None;
-            set_intent(m, Desired::Suspended, Reason::Eviction, now);
+            // A pin asks again (as a wake's or a start's give-up does).
+            if m.pin == Pin::None {
+                set_intent(m, Desired::Suspended, Reason::Eviction, now);
+            }
             set_phase(m, Phase::Suspended { under }, now);
         }
         Phase::Resuming { .. } => fail(m, "resume timed out".into(), now, fx),
@@ -414,10 +417,10 @@ fn held_is_demand(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) -> boo
         Phase::Asleep { .. } | Phase::Stopped | Phase::Suspended { .. }
     );
     let stuck = match m.phase {
-        Phase::Asleep { .. } => m.proxies.values().map(|p| p.in_flight).sum::<u32>(),
+        Phase::Asleep { .. } => m.proxies_in_flight(),
         _ => 0,
     };
-    let waiting = m.held() + stuck;
+    let waiting = m.held().saturating_add(stuck);
     if waiting == 0 || m.intent.desired == Desired::Awake || !at_rest || !demand(m, now) {
         return false;
     }

@@ -273,6 +273,8 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 "the engine is asleep at level {level} while taken as awake (a sleep siesta did \
                  not see finish, or one sent to the engine directly): taken as asleep"
             )));
+            // Its gauge is read only while awake: what it last said is over.
+            m.engine_running = 0;
             set_phase(m, Phase::Asleep { level }, now);
         }
         Event::ProbeOk { epoch: e } if e == epoch => {

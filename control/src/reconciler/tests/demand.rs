@@ -386,3 +386,43 @@ fn a_request_in_flight_to_an_asleep_engine_wakes_it() {
     );
     assert_eq!(s.m.intent.desired, Desired::Awake);
 }
+
+/// Proxies' in-flight and held counts come from the wire as they are: a
+/// sum that overflows saturates. Before, it panicked the model task in a
+/// debug build and wrapped to a small number in release (where a sleep
+/// could begin with requests in flight).
+#[test]
+fn huge_in_flight_reports_do_not_overflow() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::Activity {
+        proxy: "a".into(),
+        in_flight: u32::MAX,
+        held: 0,
+        active: true,
+        last_finished: None,
+    });
+    s.ev(Event::Activity {
+        proxy: "b".into(),
+        in_flight: 1,
+        held: 0,
+        active: true,
+        last_finished: None,
+    });
+    assert_eq!(s.m.in_flight(), u32::MAX);
+    s.ev(Event::Activity {
+        proxy: "a".into(),
+        in_flight: 0,
+        held: u32::MAX,
+        active: true,
+        last_finished: None,
+    });
+    s.ev(Event::Activity {
+        proxy: "b".into(),
+        in_flight: 0,
+        held: 2,
+        active: true,
+        last_finished: None,
+    });
+    assert_eq!(s.m.held(), u32::MAX);
+}

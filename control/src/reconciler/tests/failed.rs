@@ -422,3 +422,65 @@ fn a_refused_probe_with_answers_under_way_drains_and_restarts_the_engine() {
     assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
     assert!(s.has(|f| matches!(f, Effect::Kill)));
 }
+
+/// An engine found asleep while taken as awake drops the running gauge of
+/// its last awake poll (no poll reads it while asleep). Before, the model
+/// counted those requests in flight for ever: a wake that then gave up for
+/// lack of room left it asleep with a phantom load, its stop tier never
+/// fired and admission could never stop it (asleep victims need nothing
+/// in flight).
+#[test]
+fn an_engine_found_asleep_does_not_keep_a_phantom_load() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    // Last awake poll: two requests running.
+    s.ev(Event::EngineMetrics { running: 2 });
+    assert_eq!(s.m.in_flight(), 2);
+    // They finish, someone (or a sleep siesta did not see end) puts the
+    // engine to sleep; the next polls find it asleep.
+    s.ev(Event::FoundAsleep {
+        epoch: s.m.epoch,
+        level: 1,
+    });
+    // Wanted awake: a wake, which finds no room within ROOM_WAIT.
+    assert!(
+        matches!(
+            s.m.phase,
+            Phase::Waking {
+                admitted: false,
+                ..
+            }
+        ),
+        "{:?}",
+        s.m.phase
+    );
+    s.advance(ROOM_WAIT);
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+    assert_eq!(
+        s.m.in_flight(),
+        0,
+        "asleep with a phantom load of {} request(s) from the engine's last awake poll",
+        s.m.in_flight()
+    );
+}
+
+/// Same, seen through what the phantom load blocked: admission's stop of
+/// an asleep victim.
+#[test]
+fn an_engine_found_asleep_after_a_busy_poll_can_be_stopped_to_make_room() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    s.ev(Event::EngineMetrics { running: 1 });
+    s.ev(Event::FoundAsleep {
+        epoch: s.m.epoch,
+        level: 1,
+    });
+    s.advance(ROOM_WAIT);
+    assert_eq!(s.m.phase, Phase::Asleep { level: 1 });
+    s.ev(Event::Evict);
+    assert_eq!(
+        s.m.intent.desired,
+        Desired::Stopped,
+        "an asleep, idle, unpinned model asked to make room is stopped"
+    );
+}

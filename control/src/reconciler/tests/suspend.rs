@@ -304,3 +304,50 @@ fn a_suspend_that_waits_for_a_start_counts_its_time_from_when_it_began() {
     assert_eq!(s.m.phase, Phase::Suspended { under: 0 });
     assert_eq!(s.m.calibration.suspend.millis(), 2000);
 }
+
+/// A pinned model whose resume found no room keeps its pin's intent and
+/// asks again, like a wake or a start
+/// (`a_pinned_model_whose_wake_found_no_room_asks_again`). Before, the
+/// resume's give-up set the intent to `Suspended (Eviction)` while the pin
+/// stayed in force: shown pinned, it stayed suspended until a request.
+#[test]
+fn a_pinned_model_whose_resume_found_no_room_asks_again() {
+    let now = Instant::now();
+    let mut settings = settings(false);
+    settings.tiers = vec![IdleTier {
+        after: secs(10),
+        action: IdleAction::Suspend,
+    }];
+    let mut s = Sim {
+        m: ModelState::new(settings, Preload::Awake, now),
+        now,
+        fx: vec![],
+    };
+    s.ev(Event::Tick);
+    s.boot();
+    s.advance(secs(11));
+    s.now += secs(2);
+    s.ev(Event::SuspendDone { epoch: s.m.epoch });
+    assert_eq!(s.m.phase, Phase::Suspended { under: 0 });
+    // The operator pins it: a resume, which waits for room.
+    s.ev(Event::Pin(None));
+    assert!(
+        matches!(
+            s.m.phase,
+            Phase::Resuming {
+                admitted: false,
+                ..
+            }
+        ),
+        "{:?}",
+        s.m.phase
+    );
+    s.advance(ROOM_WAIT);
+    assert!(s.m.pinned(s.now), "the pin is still shown in force");
+    assert_eq!(
+        (s.m.intent.desired, s.m.intent.reason),
+        (Desired::Awake, Reason::Pin),
+        "phase {:?}",
+        s.m.phase
+    );
+}
