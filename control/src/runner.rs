@@ -598,7 +598,12 @@ impl Runner {
         if effects.contains(&Effect::Persist) {
             self.persist().await;
         }
-        if matches!(self.state.phase, Phase::Suspending { .. }) && self.state.demand_since.is_some()
+        // A suspend not begun yet (waiting for the proxies' fences, or for
+        // an engine start on its GPUs) is called off by a request held for
+        // the model, and by an operator's wake or pin: cheaper than a
+        // checkpoint and a restore of an engine that was still awake.
+        if matches!(self.state.phase, Phase::Suspending { .. })
+            && (self.state.demand_since.is_some() || self.state.intent.desired == Desired::Awake)
         {
             self.suspend_cancel.cancel();
         }

@@ -493,3 +493,54 @@ async fn a_request_while_a_suspend_waits_for_the_proxies_calls_it_off() {
     let cal = s.calibration.expect("calibration");
     assert_eq!(cal.suspend_samples, 0, "no checkpoint was made: {cal:?}");
 }
+
+#[tokio::test]
+async fn an_operators_wake_while_a_suspend_waits_for_the_proxies_calls_it_off() {
+    // As a held request does (above), `siesta wake` while the suspend waits for a frozen
+    // proxy's fence calls the suspend off before anything is checkpointed. Before, the
+    // suspend went on (a checkpoint once the proxy was back, then a restore) for an
+    // engine that was still awake.
+    use nix::sys::signal::{Signal, kill};
+    use nix::unistd::Pid;
+    let ctl = start(&suspend_config("")).await;
+    let mut c = ctl.client().await;
+    let awake = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
+    let a = spawn_proxy(&[ctl.url()], &[]).await;
+    proxy_ready(&a).await;
+    try_chat(&a.url(), "m", 4, LONG).await.expect("served");
+    wait_status(&mut c, "m", "the proxy's report", LONG, |s| {
+        s.last_activity_unix_ms > 0
+    })
+    .await;
+
+    let a_pid = Pid::from_raw(a.child.pid() as i32);
+    kill(a_pid, Signal::SIGSTOP).expect("SIGSTOP the proxy");
+    c.suspend(pb::ModelRequest { name: "m".into() })
+        .await
+        .expect("suspend accepted");
+    wait_state(&mut c, "m", pb::ModelState::Suspending, LONG).await;
+    c.wake(pb::WakeRequest {
+        name: "m".into(),
+        wait: false,
+        timeout_ms: 0,
+    })
+    .await
+    .expect("wake accepted");
+    let s = wait_state(&mut c, "m", pb::ModelState::Awake, LONG).await;
+    let frozen_engine = group(awake.pid).iter().any(|(_, st)| *st == 'T');
+    kill(a_pid, Signal::SIGCONT).expect("SIGCONT the proxy");
+    assert_eq!((s.pid, s.restarts), (awake.pid, 1), "{s:#?}");
+    assert!(!frozen_engine);
+    // Not a suspend that failed on the fence's timeout: one called off.
+    assert!(s.last_error.is_empty(), "{s:#?}");
+    let cal = s.calibration.expect("calibration");
+    assert_eq!(cal.suspend_samples, 0, "no checkpoint was made: {cal:?}");
+    // And it stays awake once the proxy is back (no suspend resumed behind it).
+    try_chat(&a.url(), "m", 4, LONG).await.expect("served");
+    let s = status(&mut c, "m").await;
+    assert_eq!(
+        (state(&s), s.pid, s.restarts),
+        (pb::ModelState::Awake, awake.pid, 1),
+        "{s:#?}"
+    );
+}
