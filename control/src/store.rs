@@ -246,6 +246,30 @@ impl Store {
         self.delete(&[INTENTS, ENGINES, CALIBRATION], name)
     }
 
+    /// Forgets everything about a model and records `record` as its intent,
+    /// in one transaction (a model changed by a reload): a crash leaves
+    /// the old records or the new intent, never neither.
+    pub fn replace(&self, name: &str, record: &IntentRecord) -> Committed {
+        let value = match serde_json::to_vec(record) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::error!(table = %INTENTS, key = name, error = %e, "state store record not encodable");
+                return Committed::failed();
+            }
+        };
+        self.writes.submit(vec![
+            Op::Delete {
+                tables: vec![INTENTS, ENGINES, CALIBRATION],
+                key: name.to_string(),
+            },
+            Op::Put {
+                table: INTENTS,
+                key: name.to_string(),
+                value,
+            },
+        ])
+    }
+
     /// Names of the models with a recorded intent.
     pub fn intent_names(&self) -> Vec<String> {
         self.read_all::<IntentRecord>(INTENTS)

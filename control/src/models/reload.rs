@@ -281,7 +281,6 @@ impl Models {
             self.shared.hub.remove_model(name);
         }
         let store = &self.shared.store;
-        store.remove(name).wait().await;
         if let (Leaving::Changed { same_launch }, Some(before)) = (leaving, before) {
             let end = after.as_ref().unwrap_or(&before);
             let mut rec = crate::store::IntentRecord::from_status(&before);
@@ -289,10 +288,14 @@ impl Models {
             rec.last_activity_unix_ms = rec
                 .last_activity_unix_ms
                 .max(end.last_activity_unix_ms.unwrap_or(0));
-            store.set_soon(name, rec).wait().await;
+            // One transaction: a crash between forgetting the old records
+            // and writing the intent lost the operator's stop or pin.
+            store.replace(name, &rec).wait().await;
             if same_launch {
                 store.set_calibration(name, &(&end.calibration).into());
             }
+        } else {
+            store.remove(name).wait().await;
         }
         held
     }

@@ -121,6 +121,20 @@ pub(super) fn io(path: &Path, source: std::io::Error) -> StoreError {
     }
 }
 
+/// A storage error that shows the file is damaged (then it is moved
+/// aside), not that reading it failed this time.
+fn storage_says_corrupt(e: &redb::StorageError) -> bool {
+    use redb::StorageError;
+    match e {
+        StorageError::Corrupted(_) => true,
+        StorageError::Io(e) => matches!(
+            e.kind(),
+            std::io::ErrorKind::InvalidData | std::io::ErrorKind::UnexpectedEof
+        ),
+        _ => false,
+    }
+}
+
 pub(super) fn try_open(path: &Path) -> Result<Opened, StoreError> {
     use redb::{DatabaseError, StorageError};
     let db = match create(path) {
@@ -159,6 +173,12 @@ pub(super) fn try_open(path: &Path) -> Result<Opened, StoreError> {
                 .map_err(|e| db_err(e.into()))?
                 .map(|v| v.value()),
             Err(redb::TableError::TableDoesNotExist(_)) => None,
+            // A read that failed (a disk error, a full or vanished mount)
+            // says nothing of the file: refused, not moved aside with every
+            // intent and engine record in it.
+            Err(redb::TableError::Storage(e)) if !storage_says_corrupt(&e) => {
+                return Err(db_err(e.into()));
+            }
             Err(e) => {
                 return Ok(Opened::Reject {
                     why: "corrupt",
@@ -208,4 +228,27 @@ pub(super) fn unix_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Only a store shown damaged is moved aside (with every intent and
+    /// engine record in it); a read that failed (EIO, a previous I/O
+    /// error) refuses the start and says so, the file left as it is.
+    #[test]
+    fn only_damage_moves_a_store_aside_not_a_read_that_failed() {
+        use redb::StorageError;
+        assert!(storage_says_corrupt(&StorageError::Corrupted(
+            "bad page".into()
+        )));
+        assert!(storage_says_corrupt(&StorageError::Io(
+            std::io::ErrorKind::UnexpectedEof.into()
+        )));
+        assert!(!storage_says_corrupt(&StorageError::Io(
+            std::io::Error::from_raw_os_error(5)
+        )));
+        assert!(!storage_says_corrupt(&StorageError::PreviousIo));
+    }
 }

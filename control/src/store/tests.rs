@@ -593,3 +593,26 @@ async fn a_wait_for_a_commit_that_does_not_come_ends() {
     let s = Store::open(dir.path()).unwrap();
     assert_eq!(s.get("a"), Some(intent(1)), "it landed");
 }
+
+/// A model changed by a reload has its records forgotten and its intent
+/// written in one transaction (two before: a crash between them lost the
+/// operator's stop or pin).
+#[test]
+fn a_replaced_intent_is_one_transaction_that_forgets_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(dir.path()).unwrap();
+    assert!(s.set("a", intent(1)));
+    assert!(s.set_engine("a", &engine(4, 1)));
+    s.set_calibration("a", &CalibrationRecord::default());
+    assert!(s.writes.submit(Vec::new()).wait_blocking());
+    let before = s.writes.commits();
+    assert!(s.replace("a", &intent(9)).wait_blocking());
+    assert_eq!(s.writes.commits(), before + 1);
+    assert_eq!(s.get("a"), Some(intent(9)));
+    assert_eq!(s.engine("a"), None);
+    assert!(s.calibration("a").is_none());
+    drop(s);
+    let again = Store::open(dir.path()).unwrap();
+    assert_eq!(again.get("a"), Some(intent(9)));
+    assert_eq!(again.engine("a"), None);
+}
