@@ -52,6 +52,7 @@ impl Conn {
     /// command starts.
     pub async fn connect(url: &str, token: Option<&str>) -> Result<Conn, Failure> {
         let url = normalise_url(url);
+        plain_http(&url)?;
         let auth = match token.filter(|t| !t.is_empty()) {
             Some(t) => Some(MetadataValue::try_from(format!("Bearer {t}")).map_err(|_| {
                 Failure::Usage("the token holds characters not allowed in a header".into())
@@ -116,9 +117,47 @@ pub fn normalise_url(url: &str) -> String {
     }
 }
 
+/// The control plane speaks plain HTTP/2 only (as the proxy's `--control`
+/// says too). An `https://` address is refused: tonic built without TLS
+/// would talk plaintext to it, bearer token and all, to an operator who
+/// believed it encrypted.
+fn plain_http(url: &str) -> Result<(), Failure> {
+    match url.split_once("://") {
+        Some((scheme, _)) if !scheme.eq_ignore_ascii_case("http") => Err(Failure::Usage(format!(
+            "invalid control plane address {url:?}: only http:// is supported (siesta-control \
+             serves plain gRPC; for TLS put a terminating proxy in front and reach it from the \
+             same host)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `https://` is refused before anything is sent: the channel has no
+    /// TLS and would have sent the token in plaintext.
+    #[tokio::test]
+    async fn an_https_address_is_refused_not_spoken_to_in_plaintext() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("https://{}", listener.local_addr().unwrap());
+        let err = Conn::connect(&url, Some("secret")).await.unwrap_err();
+        assert!(matches!(err, Failure::Usage(_)), "{err:?}");
+        assert!(
+            err.to_string().contains("only http:// is supported"),
+            "{err}"
+        );
+        // Nothing connected.
+        let accepted =
+            tokio::time::timeout(std::time::Duration::from_millis(200), listener.accept()).await;
+        assert!(
+            accepted.is_err(),
+            "the CLI connected to an https:// address"
+        );
+        assert!(plain_http("http://h:1").is_ok());
+        assert!(plain_http("HTTP://h:1").is_ok());
+    }
 
     #[test]
     fn bare_addresses_get_a_scheme() {
