@@ -154,23 +154,109 @@ type CounterKey = (SourceId, Arc<str>);
 pub struct Activity {
     counters: Mutex<HashMap<CounterKey, Arc<ActivityCounters>>>,
     failures: Mutex<Vec<(SourceId, EndpointFailure)>>,
+    groups: Arc<Groups>,
+}
+
+/// Addresses that reach one control plane process (a dual-stack name:
+/// the route table knows them by the identity each answers with). Their
+/// counters are one set, kept under the group's first address, and its
+/// reports go through the address whose watch is furthest along. Kept per
+/// address, the fence was set only on the address that counted, and the
+/// process heard both addresses' reports under one proxy id, the last one
+/// winning: "fenced, none in flight" through one while a request was in
+/// flight through the other confirmed a CUDA suspend under it.
+#[derive(Debug, Default)]
+pub struct Groups {
+    map: Mutex<HashMap<SourceId, Group>>,
+}
+
+#[derive(Debug, Clone)]
+struct Group {
+    first: SourceId,
+    via: SourceId,
+}
+
+impl Groups {
+    /// The address `source`'s counters are kept under.
+    pub fn first(&self, source: &SourceId) -> SourceId {
+        self.map
+            .lock()
+            .unwrap()
+            .get(source)
+            .map_or_else(|| source.clone(), |g| g.first.clone())
+    }
+
+    /// The address reports kept under `first` go through.
+    pub fn via(&self, first: &SourceId) -> SourceId {
+        self.map
+            .lock()
+            .unwrap()
+            .get(first)
+            .map_or_else(|| first.clone(), |g| g.via.clone())
+    }
 }
 
 impl Activity {
-    /// The counters for `model` served through `source` (created once).
+    /// The counters for `model` served through `source` (created once; one
+    /// set for every address of a control plane process: [`Groups`]).
     pub fn counters(&self, source: &SourceId, model: &Arc<str>) -> Arc<ActivityCounters> {
+        let source = self.groups.first(source);
         let mut map = self.counters.lock().unwrap();
         map.entry((source.clone(), model.clone()))
-            .or_insert_with(|| Arc::new(ActivityCounters::new(source.clone(), model.clone())))
+            .or_insert_with(|| Arc::new(ActivityCounters::new(source, model.clone())))
             .clone()
+    }
+
+    /// Sets the groups of addresses that reach one control plane process:
+    /// each group's addresses (the first keeps the counters) and the one
+    /// its reports go through. Counters kept under an address that is now
+    /// not its group's first are dropped (made before its identity was
+    /// known; the next look-up finds the group's).
+    pub fn set_groups(&self, groups: Vec<(Vec<SourceId>, SourceId)>) {
+        let mut map = HashMap::new();
+        for (members, via) in groups {
+            let Some(first) = members.iter().min().cloned() else {
+                continue;
+            };
+            for m in members {
+                map.insert(
+                    m,
+                    Group {
+                        first: first.clone(),
+                        via: via.clone(),
+                    },
+                );
+            }
+        }
+        let mut held = self.groups.map.lock().unwrap();
+        let unchanged = held.len() == map.len()
+            && map.iter().all(|(k, g)| {
+                held.get(k)
+                    .is_some_and(|h| h.first == g.first && h.via == g.via)
+            });
+        if unchanged {
+            return;
+        }
+        self.counters
+            .lock()
+            .unwrap()
+            .retain(|(src, _), _| map.get(src).is_none_or(|g| &g.first == src));
+        *held = map;
+    }
+
+    /// The groups of addresses of one control plane process.
+    #[cfg(test)]
+    pub(crate) fn groups(&self) -> &Groups {
+        &self.groups
     }
 
     /// Records an endpoint that refused a connection while believed awake.
     pub fn endpoint_failed(&self, source: &SourceId, model: &str, url: &str, error: String) {
+        let source = self.groups.first(source);
         let mut f = self.failures.lock().unwrap();
         if f.len() < 1024 {
             f.push((
-                source.clone(),
+                source,
                 EndpointFailure {
                     model: model.to_owned(),
                     url: url.to_owned(),
@@ -207,7 +293,7 @@ impl Activity {
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut ticks: u32 = 0;
-        let mut outboxes = Outboxes::default();
+        let mut outboxes = Outboxes::through(self.groups.clone());
         loop {
             let last = tokio::select! {
                 _ = tick.tick() => false,
@@ -217,7 +303,7 @@ impl Activity {
             ticks = ticks.wrapping_add(1);
             if ticks.is_multiple_of(HEARTBEAT_TICKS) {
                 for src in controls.sources() {
-                    batches.entry(src).or_default();
+                    batches.entry(self.groups.first(&src)).or_default();
                 }
             }
             for (src, mut req) in batches {

@@ -280,6 +280,23 @@ impl RouteTable {
                 }
             }
         }
+        // One set of activity counters (fences, in-flight counts) per
+        // process, reported through the address that counts (activity.rs).
+        let mut members: HashMap<&(String, String, i64), Vec<SourceId>> = HashMap::new();
+        for (id, src) in &st.sources {
+            if let Some(ident) = &src.identity
+                && src.synced
+            {
+                members.entry(ident).or_default().push(id.clone());
+            }
+        }
+        self.activity.set_groups(
+            members
+                .into_iter()
+                .filter(|(_, m)| m.len() > 1)
+                .map(|(ident, m)| (m, furthest[ident].0.clone()))
+                .collect(),
+        );
         for (id, src) in &st.sources {
             if let Some(ident) = &src.identity
                 && src.synced

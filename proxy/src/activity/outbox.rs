@@ -15,6 +15,7 @@ use siesta_proto::v1::{ModelActivity, ReportActivityRequest};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use super::Groups;
 use crate::route_table::SourceId;
 use crate::watch_client::Controls;
 
@@ -41,15 +42,32 @@ struct Outbox {
 #[derive(Debug, Default)]
 pub struct Outboxes {
     boxes: HashMap<SourceId, (Arc<Outbox>, JoinHandle<()>)>,
+    /// Where a group's reports go (none: each to its own address).
+    groups: Option<Arc<Groups>>,
 }
 
 impl Outboxes {
+    /// Senders whose reports for a group of addresses of one control plane
+    /// process go through the one [`Groups::via`] names when sent (one
+    /// sender per group, so still in order).
+    pub fn through(groups: Arc<Groups>) -> Self {
+        Outboxes {
+            boxes: HashMap::new(),
+            groups: Some(groups),
+        }
+    }
+
     /// Queues `req` for `src`: merged into what waits there, sent after the
     /// report under way.
     pub fn post(&mut self, controls: &Arc<Controls>, src: SourceId, req: ReportActivityRequest) {
         let (outbox, _) = self.boxes.entry(src.clone()).or_insert_with(|| {
             let outbox = Arc::new(Outbox::default());
-            let task = tokio::spawn(send_in_order(outbox.clone(), controls.clone(), src));
+            let task = tokio::spawn(send_in_order(
+                outbox.clone(),
+                controls.clone(),
+                src,
+                self.groups.clone(),
+            ));
             (outbox, task)
         });
         {
@@ -74,7 +92,12 @@ impl Outboxes {
     }
 }
 
-async fn send_in_order(outbox: Arc<Outbox>, controls: Arc<Controls>, src: SourceId) {
+async fn send_in_order(
+    outbox: Arc<Outbox>,
+    controls: Arc<Controls>,
+    src: SourceId,
+    groups: Option<Arc<Groups>>,
+) {
     loop {
         outbox.notify.notified().await;
         loop {
@@ -88,7 +111,8 @@ async fn send_in_order(outbox: Arc<Outbox>, controls: Arc<Controls>, src: Source
                 }
                 break;
             };
-            let Some(mut client) = controls.client(&src) else {
+            let to = groups.as_ref().map_or_else(|| src.clone(), |g| g.via(&src));
+            let Some(mut client) = controls.client(&to) else {
                 continue;
             };
             // Kept until answered: levels (held, in flight, a fence) are

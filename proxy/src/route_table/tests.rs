@@ -170,6 +170,51 @@ fn of_two_addresses_of_one_process_the_one_further_along_counts() {
     assert_eq!(*t.view().by_name["m"].sources, [a]);
 }
 
+/// Two addresses of one control plane process: a request in flight
+/// counted while `a` counted, then `b`'s stream applies the model's
+/// suspend first (`b` now counts). The request's upstream is fenced, and
+/// no report says "fenced, none in flight" while it is at the engine: the
+/// two addresses keep one set of counters, reported through the address
+/// that counts. Before, each address kept its own: `b`'s said fenced with
+/// none in flight, `a`'s upstream stayed unfenced, and the process (one
+/// proxy id, the last report winning) confirmed the suspend under it.
+#[test]
+fn two_addresses_of_one_process_keep_one_fence_and_one_in_flight_count() {
+    let activity = Arc::new(Activity::default());
+    let t = RouteTable::new(activity.clone());
+    let (a, b): (SourceId, SourceId) = (Arc::from("http://a"), Arc::from("http://b"));
+    let ident = ("ctl".to_owned(), "box".to_owned(), 42);
+    for s in [&a, &b] {
+        t.set_identity(s, ident.clone());
+        t.apply(
+            s,
+            snapshot(3, vec![status("m", ModelState::Awake, &["http://e:1"])]),
+        );
+    }
+    let up = t.view().by_name["m"].endpoints[0].clone();
+    assert_eq!(up.source, a, "a counts on a tie");
+    // What InFlightGuard::new does for a request sent to the engine.
+    up.activity.start();
+    let _ = activity.drain();
+    let mut suspending = status("m", ModelState::Suspending, &[]);
+    suspending.state_since_unix_ms = 1234;
+    t.apply(&b, event(4, suspending));
+    assert!(!t.view().by_name["m"].is_awake());
+    assert!(
+        up.activity.fenced(),
+        "the upstream in use is not fenced although the view stopped serving"
+    );
+    let reports = activity.drain();
+    assert_eq!(reports.len(), 1, "one report for the process: {reports:?}");
+    let m = &reports[&a].models[0];
+    assert_eq!((m.fenced_since_unix_ms, m.in_flight), (1234, 1), "{m:?}");
+    // Sent through `b`, the address whose watch is furthest along.
+    assert_eq!(activity.groups().via(&a), b);
+    up.activity.finish();
+    let m = &activity.drain()[&a].models[0];
+    assert_eq!((m.fenced_since_unix_ms, m.in_flight), (1234, 0), "{m:?}");
+}
+
 #[test]
 fn suspect_endpoints_are_skipped() {
     let t = table();
