@@ -59,6 +59,17 @@ impl Models {
                     before.name
                 )));
             }
+            // Stopping for good (not for a restart): refused as once
+            // stopped. Accepted, it started the engine again (a cold start,
+            // its GPU memory taken back) to put it to sleep.
+            Command::Sleep(_) | Command::Suspend
+                if before.state == State::Stopping && before.intent.desired == Desired::Stopped =>
+            {
+                return Err(OpError::Refused(format!(
+                    "{} is stopping, to stay stopped: start it first",
+                    before.name
+                )));
+            }
             Command::Stop | Command::Restart if attach => {
                 return Err(OpError::Refused(format!(
                     "{} is an attach engine run by someone else: siesta can only sleep and wake it",

@@ -310,6 +310,34 @@ async fn a_waited_wake_ends_when_the_wake_is_called_off() {
     cancel.cancel();
 }
 
+/// `siesta sleep` or `suspend` of a model an operator stopped is refused
+/// while its engine is still stopping, as once stopped. Before, it was
+/// accepted and the engine started again (a cold start) to be put to sleep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sleep_while_an_operators_stop_goes_on_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    // An engine that ignores SIGTERM: it stops for the whole stop grace.
+    let text = sleeper("chat", "none", "", "10s").replace("exec sleep", "trap '' TERM; exec sleep");
+    let (models, cancel) = boot(&text, shared(dir.path()));
+    models.command("chat", Command::Wake).await.unwrap();
+    let first = wait_status(&models, "chat", "a pid", |s| s.pid.is_some()).await;
+    models.command("chat", Command::Stop).await.unwrap();
+    wait_status(&models, "chat", "stopping", |s| s.state == State::Stopping).await;
+    for cmd in [Command::Sleep(1), Command::Suspend] {
+        let e = models.command("chat", cmd).await.unwrap_err().to_string();
+        assert!(e.contains("chat is stopping, to stay stopped"), "{e}");
+    }
+    let s = models.status("chat").unwrap();
+    assert_eq!(s.intent.desired, Desired::Stopped, "{s:#?}");
+    assert_eq!(s.pid, first.pid, "{s:#?}");
+    // A wake is still taken: the operator starts it again.
+    models.command("chat", Command::Wake).await.unwrap();
+    let woken = models.status("chat").unwrap();
+    assert_eq!(woken.intent.desired, Desired::Awake, "{woken:#?}");
+    models.resolve("chat").unwrap().shutdown(true).await;
+    cancel.cancel();
+}
+
 /// A reload whose new or changed model cannot get a port (its `host` is
 /// not an address of this machine) is refused, naming the file, key and
 /// model, before anything is stopped: the running models keep running
