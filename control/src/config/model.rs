@@ -205,10 +205,7 @@ pub(super) fn read_model(
             Preload::None
         }
     };
-    let max_queue = r
-        .uint(p, "max_queue", u32::MAX as u64)
-        .map_or(d.max_queue, |n| n as u32);
-    let max_hold = r.duration(p, "max_hold").unwrap_or(d.max_hold);
+    let (max_queue, max_hold) = read_hold(p, &mut r, d.max_queue, d.max_hold);
     let timeouts = read_timeouts(p, &mut r, d.timeouts);
     let backoff = read_backoff(p, &mut r, d.backoff);
     if model.is_none()
@@ -247,6 +244,37 @@ pub(super) fn read_model(
         timeouts,
         backoff,
     })
+}
+
+/// `max_queue` and `max_hold`, or the defaults given. Zero is refused: the
+/// proxy reads 0 as "not sent" and holds by its own defaults (128, 60 s),
+/// so a 0 shown by `siesta get` was not what was enforced.
+pub(super) fn read_hold(
+    p: &mut Problems,
+    r: &mut Reader,
+    max_queue: u32,
+    max_hold: Duration,
+) -> (u32, Duration) {
+    let queue = match r.uint(p, "max_queue", u32::MAX as u64) {
+        Some(0) => {
+            p.push(
+                r.key("max_queue"),
+                "must be more than 0 (to hold nothing for a model, keep it awake: preload = \"awake\" and no idle tiers)",
+            );
+            max_queue
+        }
+        Some(n) => n as u32,
+        None => max_queue,
+    };
+    let hold = match r.duration(p, "max_hold") {
+        Some(d) if d.is_zero() => {
+            p.push(r.key("max_hold"), "must be more than 0");
+            max_hold
+        }
+        Some(d) => d,
+        None => max_hold,
+    };
+    (queue, hold)
 }
 
 fn valid_name(n: &str) -> bool {

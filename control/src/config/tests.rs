@@ -382,3 +382,42 @@ backoff_initial = "5ms"
     assert_eq!(c.defaults.backoff.initial, Duration::from_millis(10));
     assert_eq!(c.control.p2p_probe.timeout, Duration::from_secs(3600));
 }
+
+/// `max_queue = 0` and `max_hold = "0s"` are refused, in a model and in
+/// `[defaults]`, naming the file and key. They were taken, shown as 0 by
+/// `siesta get`, and the proxy (which reads 0 as "not sent") held by its
+/// own defaults instead: 128 requests, 60 s.
+#[test]
+fn a_zero_hold_limit_is_refused_not_shown_and_ignored() {
+    for (table, key, value) in [
+        (
+            "[[model]]\nname = \"m\"\nmodel = \"x\"\n",
+            "model[0].max_queue",
+            "max_queue = 0",
+        ),
+        (
+            "[[model]]\nname = \"m\"\nmodel = \"x\"\n",
+            "model[0].max_hold",
+            "max_hold = \"0s\"",
+        ),
+        ("[defaults]\n", "defaults.max_queue", "max_queue = 0"),
+        ("[defaults]\n", "defaults.max_hold", "max_hold = \"0s\""),
+    ] {
+        let err = Config::parse(&format!("{table}{value}\n"), "h.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("h.toml: {key}: must be more than 0")),
+            "{value} in {table:?}: {err}"
+        );
+    }
+    let c = Config::parse(
+        "[[model]]\nname = \"m\"\nmodel = \"x\"\nmax_queue = 1\nmax_hold = \"1s\"\n",
+        "h.toml",
+    )
+    .unwrap();
+    assert_eq!(
+        (c.models[0].max_queue, c.models[0].max_hold),
+        (1, Duration::from_secs(1))
+    );
+}

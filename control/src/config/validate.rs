@@ -305,10 +305,7 @@ fn read_defaults(p: &mut Problems, t: &toml::Table) -> Defaults {
             },
         ]
     });
-    let max_queue = r.uint(p, "max_queue", u32::MAX as u64).unwrap_or(64) as u32;
-    let max_hold = r
-        .duration(p, "max_hold")
-        .unwrap_or(Duration::from_secs(300));
+    let (max_queue, max_hold) = super::model::read_hold(p, &mut r, 64, Duration::from_secs(300));
     let timeouts = read_timeouts(p, &mut r, Timeouts::default());
     let backoff = read_backoff(p, &mut r, Backoff::default());
     r.finish(p);
