@@ -76,6 +76,8 @@ pub enum ApiError {
     MalformedForm(&'static str),
     #[error("request body exceeds the limit of {limit} bytes")]
     BodyTooLarge { limit: usize },
+    #[error("request headers exceed the limit of {limit} bytes (the proxy's --max-header-bytes)")]
+    HeadersTooLarge { limit: usize },
     /// The body stalled for the body timeout, or came too slowly.
     #[error("{0}")]
     BodyTimeout(String),
@@ -107,6 +109,7 @@ impl ApiError {
             | ApiError::MalformedForm(_)
             | ApiError::BodyRead(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::HeadersTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Shed { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -129,6 +132,7 @@ impl ApiError {
             }
             ApiError::MalformedForm(_) => ("invalid_request_error", "invalid_form"),
             ApiError::BodyTooLarge { .. } => ("invalid_request_error", "request_too_large"),
+            ApiError::HeadersTooLarge { .. } => ("invalid_request_error", "headers_too_large"),
             ApiError::BodyTimeout(_) => ("invalid_request_error", "request_timeout"),
             ApiError::BodyRead(_) => ("invalid_request_error", "invalid_body"),
             ApiError::Unauthorized => ("invalid_request_error", "invalid_api_key"),

@@ -38,6 +38,7 @@ use bytes::{Bytes, BytesMut};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
+use crate::errors::ApiError;
 use crate::handler::{self, Shared, Waited};
 use crate::request_model::{find_request_model, refused_media};
 use crate::waiting_room;
@@ -87,6 +88,10 @@ pub async fn serve(
             Read::Plain(r) => r,
             Read::Other => return End::Hyper(buf.freeze()),
             Read::Closed => return End::Closed,
+            Read::HeadTooLarge => {
+                refuse_head(shared, stream, limits).await;
+                return End::Closed;
+            }
         };
         first = false;
         let field = find_request_model(&req.body, req.content_type.clone().map(|r| &req.head[r]));
@@ -141,6 +146,33 @@ pub async fn serve(
         }
     }
 }
+
+/// Answers a head over `--max-header-bytes` with an OpenAI-shaped 431 and
+/// closes: the rest of the head is read and dropped for at most
+/// [`LINGER`] first, as closing with unread bytes would reset the
+/// connection and could take the answer with it.
+async fn refuse_head(shared: &Shared, stream: &mut TcpStream, limits: &Limits) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let resp = ApiError::HeadersTooLarge {
+        limit: limits.max_header_bytes,
+    }
+    .into_response();
+    shared
+        .metrics
+        .request(&crate::metrics::no_model(), resp.status());
+    // (It says the connection may carry no more: that is known.)
+    let _ = response::write(stream, resp, false, limits.send_timeout, false).await;
+    let _ = stream.shutdown().await;
+    let mut sink = [0u8; 8192];
+    let _ = tokio::time::timeout(LINGER, async {
+        while let Ok(1..) = stream.read(&mut sink).await {}
+    })
+    .await;
+}
+
+/// How long a refused connection's unread bytes are read and dropped
+/// before it is closed.
+const LINGER: Duration = Duration::from_secs(1);
 
 /// The next request: within the header timeout; once the proxy drains, an
 /// idle connection closes, and a new one (or one with part of a request

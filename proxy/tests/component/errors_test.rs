@@ -460,3 +460,39 @@ async fn an_answer_before_the_body_is_read_says_the_connection_closes() {
     }
     assert_eq!(e.count(), 0);
 }
+
+/// A head over `--max-header-bytes` gets an OpenAI-shaped 431 (hyper's
+/// had no body), whole, before the connection closes.
+#[tokio::test]
+async fn headers_too_large_are_answered_openai_shaped() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |cfg| cfg.max_header_bytes = 8192).await;
+    let body = r#"{"model":"m","messages":[]}"#;
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         x-big: {}\r\ncontent-length: {}\r\n\r\n{body}",
+        "a".repeat(70_000),
+        body.len()
+    );
+    let mut s = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    // The proxy answers after 8 KiB; the rest of the write may fail.
+    let _ = s.write_all(req.as_bytes()).await;
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        s.read_to_end(&mut answer),
+    )
+    .await
+    .expect("no end of the answer in 30 s");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(read.is_ok(), "{read:?}: {answer}");
+    assert!(answer.starts_with("HTTP/1.1 431 "), "{answer}");
+    assert!(
+        answer.contains("\"code\":\"headers_too_large\""),
+        "{answer}"
+    );
+    assert!(answer.contains("--max-header-bytes"), "{answer}");
+    assert_eq!(e.count(), 0);
+}

@@ -33,6 +33,9 @@ pub enum Read {
     /// Not a plain request (or not a valid one): hyper serves it from the
     /// bytes still in the buffer.
     Other,
+    /// A head longer than the limit (whole or not): answered 431 here, in
+    /// the OpenAI shape (hyper's 431 has no body).
+    HeadTooLarge,
     /// The client closed the connection (or it failed).
     Closed,
 }
@@ -77,6 +80,8 @@ enum Parsed {
     Need(usize),
     /// Not a plain request (or not valid HTTP/1).
     Other,
+    /// A head over the limit.
+    TooLarge,
 }
 
 /// A byte the `http` crate takes in a query (what it refuses, hyper
@@ -119,10 +124,12 @@ fn take(rules: &Rules<'_>, buf: &mut BytesMut) -> Parsed {
     let len = match httparse::ParserConfig::default()
         .parse_request_with_uninit_headers(&mut req, buf, &mut raw)
     {
-        // A head over the limit is hyper's (431) even when it came whole.
+        // A head over the limit is refused even when it came whole.
         Ok(httparse::Status::Complete(n)) if n <= max_header_bytes => n,
-        Ok(httparse::Status::Complete(_)) => return Parsed::Other,
-        Ok(httparse::Status::Partial) if buf.len() >= max_header_bytes => return Parsed::Other,
+        Ok(httparse::Status::Complete(_)) => return Parsed::TooLarge,
+        Ok(httparse::Status::Partial) if buf.len() >= max_header_bytes => {
+            return Parsed::TooLarge;
+        }
         Ok(httparse::Status::Partial) => return Parsed::Need(max_header_bytes),
         Err(_) => return Parsed::Other,
     };
@@ -255,6 +262,7 @@ pub async fn read(rules: &Rules<'_>, stream: &mut TcpStream, buf: &mut BytesMut)
             match take(rules, buf) {
                 Parsed::Whole(r) => return Read::Plain(r),
                 Parsed::Other => return Read::Other,
+                Parsed::TooLarge => return Read::HeadTooLarge,
                 Parsed::Need(n) => want = n,
             }
         }

@@ -22,7 +22,9 @@ fn whole(r: &Rules<'_>, buf: &mut BytesMut) -> Request {
     match take(r, buf) {
         Parsed::Whole(req) => req,
         Parsed::Need(n) => panic!("needs {n} bytes, has {}", buf.len()),
-        Parsed::Other => panic!("not plain: {:?}", String::from_utf8_lossy(buf)),
+        Parsed::Other | Parsed::TooLarge => {
+            panic!("not plain: {:?}", String::from_utf8_lossy(buf))
+        }
     }
 }
 
@@ -157,14 +159,6 @@ fn anything_but_a_plain_request_is_left_to_hyper() {
         ),
         ("query hyper refuses", post("/v1/x?a=<b>", "", "{}")),
         ("fragment", post("/v1/x?a=1#f", "", "{}")),
-        ("whole head over the limit", {
-            post("/v1/x", &format!("X-Long: {}\r\n", "a".repeat(1100)), "{}")
-        }),
-        ("head over the limit", {
-            let mut b = b"POST /v1/x HTTP/1.1\r\nX-Long: ".to_vec();
-            b.extend(std::iter::repeat_n(b'a', 1100));
-            b
-        }),
     ];
     for (what, bytes) in cases {
         let mut buf = BytesMut::from(&bytes[..]);
@@ -173,5 +167,32 @@ fn anything_but_a_plain_request_is_left_to_hyper() {
             "{what} was taken as plain"
         );
         assert_eq!(&buf[..], &bytes[..], "{what}: bytes were taken out");
+    }
+}
+
+/// A head over the limit, whole or still coming, is refused as too large
+/// (answered 431 here), not handed on.
+#[test]
+fn a_head_over_the_limit_is_too_large_whole_or_not() {
+    let r = rules(KEYS);
+    let pad = format!("x-pad: {}\r\n", "a".repeat(r.max_header_bytes));
+    let mut whole_head = BytesMut::from(&post("/v1/chat/completions", &pad, "{}")[..]);
+    assert!(matches!(take(&r, &mut whole_head), Parsed::TooLarge));
+    let mut part = BytesMut::from(&post("/v1/chat/completions", &pad, "{}")[..r.max_header_bytes]);
+    assert!(matches!(take(&r, &mut part), Parsed::TooLarge));
+    let mut short = BytesMut::from(&post("/v1/chat/completions", "", "{}")[..20]);
+    assert!(matches!(take(&r, &mut short), Parsed::Need(_)));
+    // Any path: the limit is the connection's, not the plain path's.
+    for bytes in [
+        post("/v1/x", &format!("X-Long: {}\r\n", "a".repeat(1100)), "{}"),
+        {
+            let mut b = b"POST /v1/x HTTP/1.1\r\nX-Long: ".to_vec();
+            b.extend(std::iter::repeat_n(b'a', 1100));
+            b
+        },
+    ] {
+        let mut buf = BytesMut::from(&bytes[..]);
+        assert!(matches!(take(&r, &mut buf), Parsed::TooLarge));
+        assert_eq!(&buf[..], &bytes[..], "bytes were taken out");
     }
 }
