@@ -63,7 +63,9 @@ impl Models {
             // stopped. Accepted, it started the engine again (a cold start,
             // its GPU memory taken back) to put it to sleep.
             Command::Sleep(_) | Command::Suspend
-                if before.state == State::Stopping && before.intent.desired == Desired::Stopped =>
+                if before.state == State::Stopping
+                    && before.intent.desired == Desired::Stopped
+                    && !before.retiring =>
             {
                 return Err(OpError::Refused(format!(
                     "{} is stopping, to stay stopped: start it first",
