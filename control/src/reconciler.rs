@@ -694,10 +694,13 @@ impl ModelState {
         }
     }
 
-    /// Requests in flight: all proxies plus the engine's gauge (saturating:
-    /// the counts come from the wire as they are).
+    /// Requests in flight: the larger of what the proxies count and the
+    /// engine's gauge. A request forwarded by a proxy is in both (their
+    /// sum, shown before, was twice the real load); the gauge alone sees
+    /// requests sent to the engine directly, the proxies alone those on
+    /// their way to it. Zero exactly when both are.
     pub fn in_flight(&self) -> u32 {
-        self.proxies_in_flight().saturating_add(self.engine_running)
+        self.proxies_in_flight().max(self.engine_running)
     }
 
     /// Requests in flight through the proxies (saturating).

@@ -426,3 +426,35 @@ fn huge_in_flight_reports_do_not_overflow() {
     });
     assert_eq!(s.m.held(), u32::MAX);
 }
+
+/// A request a proxy forwards is counted by the proxy and by the engine's
+/// gauge: the model's in-flight count is the larger of the two, not their
+/// sum (which showed twice the real load in `siesta get`, Watch and the
+/// metrics). Either alone still counts: requests sent to the engine
+/// directly, or on their way to it.
+#[test]
+fn a_forwarded_request_is_counted_once() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    let report = |in_flight| Event::Activity {
+        proxy: "p".into(),
+        in_flight,
+        held: 0,
+        active: true,
+        last_finished: None,
+    };
+    s.ev(report(3));
+    s.ev(Event::EngineMetrics { running: 3 });
+    assert_eq!(s.m.in_flight(), 3);
+    s.ev(report(0));
+    assert_eq!(
+        s.m.in_flight(),
+        3,
+        "the engine's own count, direct requests"
+    );
+    s.ev(Event::EngineMetrics { running: 0 });
+    s.ev(report(1));
+    assert_eq!(s.m.in_flight(), 1, "on its way to the engine");
+    s.ev(report(0));
+    assert_eq!(s.m.in_flight(), 0);
+}
