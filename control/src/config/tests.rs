@@ -421,3 +421,24 @@ fn a_zero_hold_limit_is_refused_not_shown_and_ignored() {
         (1, Duration::from_secs(1))
     );
 }
+
+/// A TOML syntax error names the piece of the line it is about: toml's
+/// own message for a key or table given twice is only "duplicate key".
+#[test]
+fn a_key_or_table_given_twice_is_named() {
+    let err = Config::parse(
+        "[[model]]\nname = \"a\"\nmodel = \"x\"\nname = \"b\"\n",
+        "d.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("d.toml: line 4: duplicate key (`name`)"),
+        "{err}"
+    );
+    let err = Config::parse("[control]\n[control]\n", "d.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("d.toml: line 2: "), "{err}");
+    assert!(err.contains("control"), "{err}");
+}

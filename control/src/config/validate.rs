@@ -18,7 +18,19 @@ pub(super) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
                     format!("line {line}")
                 })
                 .unwrap_or_default();
-            p.push(at, e.message().replace('\n', " "));
+            // What the error is about, when it is a short piece of one line
+            // (toml says only "duplicate key": this names it).
+            let what = e
+                .span()
+                .and_then(|s| text.get(s))
+                .map(str::trim)
+                .filter(|w| !w.is_empty() && w.len() <= 80 && !w.contains('\n'))
+                .map(|w| format!(" (`{w}`)"))
+                .unwrap_or_default();
+            p.push(
+                at,
+                format!("{}{what}", e.message().trim_end().replace('\n', " ")),
+            );
             return Err(ConfigError {
                 origin: origin.to_string(),
                 problems: p.0,
