@@ -42,6 +42,23 @@ impl ShedReason {
     }
 }
 
+/// The longest piece of a client's input an error repeats.
+const SHOWN: usize = 256;
+
+/// `input` as an error repeats it: whole when short, else its first
+/// [`SHOWN`] bytes (on a character boundary) and how long it was. A 100 KB
+/// `model` was sent back whole in the 404.
+pub fn shown(input: &str) -> String {
+    if input.len() <= SHOWN {
+        return input.to_owned();
+    }
+    let mut end = SHOWN;
+    while !input.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes)", &input[..end], input.len())
+}
+
 /// An error answered by the proxy itself.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
@@ -206,8 +223,19 @@ mod tests {
 
     #[test]
     fn unknown_model_names_it() {
-        let e = ApiError::UnknownModel("llama-9".into());
+        let e = ApiError::UnknownModel(shown("llama-9"));
         assert_eq!(e.status(), StatusCode::NOT_FOUND);
-        assert!(e.to_string().contains("llama-9"));
+        assert!(e.to_string().contains("`llama-9`"));
+    }
+
+    /// A long name is repeated in part, with its length; never cut inside
+    /// a character.
+    #[test]
+    fn a_long_input_is_shown_in_part() {
+        let long = "é".repeat(50_000);
+        let s = shown(&long);
+        assert!(s.len() < 300, "{}", s.len());
+        assert!(s.ends_with("… (100000 bytes)"), "{s}");
+        assert_eq!(shown("m"), "m");
     }
 }

@@ -91,7 +91,12 @@ pub async fn handle_admin(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
             return r;
         }
     }
-    ApiError::NoRoute(format!("{} {}", req.method(), req.uri().path())).into_response()
+    ApiError::NoRoute(crate::errors::shown(&format!(
+        "{} {}",
+        req.method(),
+        req.uri().path()
+    )))
+    .into_response()
 }
 
 /// What the waiting room hands on with a request that waited there
@@ -130,7 +135,7 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
         } else if let Some(id) = path.strip_prefix("/v1/models/") {
             (no_model(), models::one(&shared, id))
         } else {
-            let e = ApiError::NoRoute(format!("GET {path}"));
+            let e = ApiError::NoRoute(crate::errors::shown(&format!("GET {path}")));
             (no_model(), e.into_response())
         }
     } else if req.method() == Method::POST && forwardable_path(path) {
@@ -145,7 +150,7 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
     {
         return r;
     } else {
-        let e = ApiError::NoRoute(format!("{} {path}", req.method()));
+        let e = ApiError::NoRoute(crate::errors::shown(&format!("{} {path}", req.method())));
         (no_model(), answered_unread(&req, e.into_response()))
     };
     if page {

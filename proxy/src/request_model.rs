@@ -82,7 +82,7 @@ pub fn route_for<'v>(view: &'v View, name: &str) -> Result<&'v Arc<ModelRoute>, 
         return view
             .by_name
             .get(name)
-            .ok_or_else(|| ApiError::UnknownModel(name.to_owned()));
+            .ok_or_else(|| ApiError::UnknownModel(crate::errors::shown(name)));
     }
     match &view.models[..] {
         [one] => Ok(one),

@@ -51,6 +51,6 @@ pub fn one(shared: &Shared, id: &str) -> Response<ProxyBody> {
     let view = shared.table.view();
     match view.by_name.get(id) {
         Some(r) => json_response(StatusCode::OK, entry(r, id).to_string()),
-        None => ApiError::UnknownModel(id.to_owned()).into_response(),
+        None => ApiError::UnknownModel(crate::errors::shown(id)).into_response(),
     }
 }
