@@ -477,6 +477,34 @@ mod tests {
         assert_eq!(n, 0);
     }
 
+    /// A listener standing for an engine, and a connection to it whose
+    /// `--upstream-timeout` is `quiet`.
+    async fn engine_and_conn(
+        quiet: Duration,
+    ) -> (tokio::net::TcpListener, Box<conn::UpstreamConn>) {
+        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a: Authority = engine.local_addr().unwrap().to_string().parse().unwrap();
+        let limits = pool::EngineLimits {
+            idle_timeout: Duration::from_secs(4),
+            concurrency: 4,
+            quiet,
+        };
+        let pool = EnginePool::new(&a, limits, 1, &tokio::runtime::Handle::current());
+        let conn = conn::UpstreamConn::connect(&pool).await.unwrap();
+        (engine, conn)
+    }
+
+    /// The head of an upload of `len` bytes.
+    fn upload(len: usize) -> RequestHead<'static> {
+        RequestHead {
+            method: &http::Method::POST,
+            target: "/v1/audio/transcriptions",
+            host: b"e",
+            content_length: len,
+            strip_authorization: false,
+        }
+    }
+
     /// `--upstream-timeout` while a large body (over 16 KiB: written while
     /// the answer is read) goes out: an engine that accepts but neither
     /// reads nor answers (its API server's event loop stuck, a stopped
@@ -485,24 +513,10 @@ mod tests {
     /// model's in-flight count.
     #[tokio::test]
     async fn an_engine_that_never_reads_a_large_body_has_the_request_ended() {
-        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let a: Authority = engine.local_addr().unwrap().to_string().parse().unwrap();
-        let limits = pool::EngineLimits {
-            idle_timeout: Duration::from_secs(4),
-            concurrency: 4,
-            quiet: Duration::from_millis(300),
-        };
-        let pool = EnginePool::new(&a, limits, 1, &tokio::runtime::Handle::current());
-        let mut conn = conn::UpstreamConn::connect(&pool).await.unwrap();
+        let (engine, mut conn) = engine_and_conn(Duration::from_millis(300)).await;
         let (_engine_side, _) = engine.accept().await.unwrap(); // never read
         let body = Bytes::from(vec![b'x'; 32 * 1024 * 1024]);
-        let head = RequestHead {
-            method: &http::Method::POST,
-            target: "/v1/audio/transcriptions",
-            host: b"e",
-            content_length: body.len(),
-            strip_authorization: false,
-        };
+        let head = upload(body.len());
         let r = tokio::time::timeout(
             Duration::from_secs(60),
             conn.send(&head, ClientHeaders::Lines(b""), &body),
@@ -524,16 +538,8 @@ mod tests {
     #[tokio::test]
     async fn a_large_body_read_slowly_is_not_timed_out() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let engine = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let a: Authority = engine.local_addr().unwrap().to_string().parse().unwrap();
         let quiet = Duration::from_secs(1);
-        let limits = pool::EngineLimits {
-            idle_timeout: Duration::from_secs(4),
-            concurrency: 4,
-            quiet,
-        };
-        let pool = EnginePool::new(&a, limits, 1, &tokio::runtime::Handle::current());
-        let mut conn = conn::UpstreamConn::connect(&pool).await.unwrap();
+        let (engine, mut conn) = engine_and_conn(quiet).await;
         let body = Bytes::from(vec![b'x'; 40 * 1024 * 1024]);
         let total = body.len();
         let reader = tokio::spawn(async move {
@@ -555,13 +561,7 @@ mod tests {
                 .unwrap();
             slow
         });
-        let head = RequestHead {
-            method: &http::Method::POST,
-            target: "/v1/audio/transcriptions",
-            host: b"e",
-            content_length: body.len(),
-            strip_authorization: false,
-        };
+        let head = upload(body.len());
         let answer = tokio::time::timeout(
             Duration::from_secs(120),
             conn.send(&head, ClientHeaders::Lines(b""), &body),

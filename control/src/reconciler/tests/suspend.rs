@@ -312,19 +312,7 @@ fn a_suspend_that_waits_for_a_start_counts_its_time_from_when_it_began() {
 /// stayed in force: shown pinned, it stayed suspended until a request.
 #[test]
 fn a_pinned_model_whose_resume_found_no_room_asks_again() {
-    let now = Instant::now();
-    let mut settings = settings(false);
-    settings.tiers = vec![IdleTier {
-        after: secs(10),
-        action: IdleAction::Suspend,
-    }];
-    let mut s = Sim {
-        m: ModelState::new(settings, Preload::Awake, now),
-        now,
-        fx: vec![],
-    };
-    s.ev(Event::Tick);
-    s.boot();
+    let mut s = sim_suspend_tier(false);
     s.advance(secs(11));
     s.now += secs(2);
     s.ev(Event::SuspendDone { epoch: s.m.epoch });
