@@ -144,7 +144,9 @@ impl UpstreamConn {
         if body.len() <= COPY_BODY {
             self.write.extend_from_slice(body);
             self.io.write_all(&self.write).await?;
-        } else if let Some(early) = self.write_reading(head.method, body).await? {
+        // Boxed: its timer and state would otherwise make every request's
+        // future larger (it is boxed per request), for the rare large body.
+        } else if let Some(early) = Box::pin(self.write_reading(head.method, body)).await? {
             return Ok(early);
         }
         loop {

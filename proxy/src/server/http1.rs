@@ -89,7 +89,8 @@ pub async fn serve(
             Read::Other => return End::Hyper(buf.freeze()),
             Read::Closed => return End::Closed,
             Read::HeadTooLarge => {
-                refuse_head(shared, stream, limits).await;
+                // Boxed: its buffer is not carried by every connection.
+                Box::pin(refuse_head(shared, stream, limits)).await;
                 return End::Closed;
             }
         };
