@@ -323,7 +323,8 @@ impl RouteTable {
                 } else {
                     s.state_since_unix_ms.max(1)
                 };
-                self.activity.counters(id, &name).set_fence(fence);
+                let counters = self.activity.counters(id, &name);
+                counters.set_fence(fence);
                 for a in &s.aliases {
                     if !aliases.contains(a) {
                         aliases.push(a.clone());
@@ -339,9 +340,12 @@ impl RouteTable {
                         ep.served_model_name.clone()
                     };
                     let key = ((*id).clone(), ep.url.clone(), served);
+                    // Kept unless its counters are no longer the model's
+                    // (its address joined a group of one process since).
                     let up = st
                         .upstreams
                         .get(&key)
+                        .filter(|up| Arc::ptr_eq(&up.activity, &counters))
                         .cloned()
                         .or_else(|| new_upstream(&key, &name, &self.activity).map(Arc::new));
                     if let Some(up) = up {

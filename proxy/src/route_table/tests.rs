@@ -215,6 +215,37 @@ fn two_addresses_of_one_process_keep_one_fence_and_one_in_flight_count() {
     assert_eq!((m.fenced_since_unix_ms, m.in_flight), (1234, 0), "{m:?}");
 }
 
+/// An address that synced and counted alone, then found to reach the same
+/// process as one synced later: its upstream is made again with the
+/// group's counters, so a request through it is fenced and counted with
+/// the other's. Kept, it held counters the fence no longer reached.
+#[test]
+fn an_address_that_counted_alone_shares_its_twins_counters_once_grouped() {
+    let activity = Arc::new(Activity::default());
+    let t = RouteTable::new(activity.clone());
+    let (a, b): (SourceId, SourceId) = (Arc::from("http://a"), Arc::from("http://b"));
+    let ident = ("ctl".to_owned(), "box".to_owned(), 42);
+    let awake = || status("m", ModelState::Awake, &["http://e:1"]);
+    t.set_identity(&b, ident.clone());
+    t.apply(&b, snapshot(4, vec![awake()]));
+    let alone = t.view().by_name["m"].endpoints[0].clone();
+    assert_eq!(alone.source, b);
+    // `a` syncs behind `b`: `b` keeps counting, through the same endpoint.
+    t.set_identity(&a, ident);
+    t.apply(&a, snapshot(3, vec![awake()]));
+    let up = t.view().by_name["m"].endpoints[0].clone();
+    assert_eq!(up.source, b, "b is furthest along");
+    let model: Arc<str> = Arc::from("m");
+    assert!(Arc::ptr_eq(&up.activity, &activity.counters(&a, &model)));
+    up.activity.start();
+    let mut suspending = status("m", ModelState::Suspending, &[]);
+    suspending.state_since_unix_ms = 77;
+    t.apply(&a, event(5, suspending));
+    assert!(up.activity.fenced());
+    let m = &activity.drain()[&a].models[0];
+    assert_eq!((m.fenced_since_unix_ms, m.in_flight), (77, 1), "{m:?}");
+}
+
 #[test]
 fn suspect_endpoints_are_skipped() {
     let t = table();
