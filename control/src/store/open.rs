@@ -177,7 +177,14 @@ pub(super) fn try_open(path: &Path) -> Result<Opened, StoreError> {
             // says nothing of the file: refused, not moved aside with every
             // intent and engine record in it.
             Err(redb::TableError::Storage(e)) if !storage_says_corrupt(&e) => {
-                return Err(db_err(e.into()));
+                return Err(StoreError::Db {
+                    path: path.into(),
+                    message: format!(
+                        "reading it failed ({e}); it was left as it is, not taken for corrupt: \
+                         check the disk and start again (or move the file aside to start with \
+                         no recorded intents)"
+                    ),
+                });
             }
             Err(e) => {
                 return Ok(Opened::Reject {
