@@ -71,6 +71,16 @@ impl Registry {
     }
 }
 
+/// The admission task ended while the daemon was not shutting down (a
+/// panic in it: a bug, in its log): nothing can be given room any more, so
+/// a start, wake or resume that asks fails instead of taking GPUs that no
+/// one accounted for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "GPU admission is not running (its task ended; the daemon's log says why): restart siesta-control"
+)]
+pub struct AdmissionGone;
+
 /// Settings of the admission task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmissionPolicy {
@@ -98,6 +108,9 @@ pub struct Admission {
     metrics: Arc<AdmissionMetrics>,
     /// Asks are answered only once this is true (see [`Self::start_planning`]).
     planning: Arc<watch::Sender<bool>>,
+    /// The daemon's shutdown: an ask left unanswered then is let through
+    /// (nothing is started any more); at any other time it is refused.
+    shutdown: CancellationToken,
 }
 
 impl std::fmt::Debug for Msg {
@@ -140,13 +153,14 @@ impl Admission {
         let core =
             Core::new(gpus.clone(), registry.clone(), clock, policy).with_metrics(metrics.clone());
         let planning = Arc::new(watch::Sender::new(false));
-        tokio::spawn(run(core, hub, rx, planning.subscribe(), cancel));
+        tokio::spawn(run(core, hub, rx, planning.subscribe(), cancel.clone()));
         Self {
             gpus: Some(gpus),
             tx: Some(tx),
             registry,
             metrics,
             planning,
+            shutdown: cancel,
         }
     }
 
@@ -168,6 +182,7 @@ impl Admission {
             registry: Registry::default(),
             metrics: Arc::default(),
             planning: Arc::new(watch::Sender::new(true)),
+            shutdown: CancellationToken::new(),
         }
     }
 
@@ -224,10 +239,11 @@ impl Admission {
 
     /// Returns once `model` may take its GPUs awake. `waiting` is told what
     /// it waits for while it waits. The caller's deadline bounds the wait:
-    /// drop the future to leave the queue.
-    pub async fn admit(&self, model: &str, waiting: Waiting) {
+    /// drop the future to leave the queue. Refused if the admission task
+    /// has ended outside shutdown.
+    pub async fn admit(&self, model: &str, waiting: Waiting) -> Result<(), AdmissionGone> {
         let Some(tx) = &self.tx else {
-            return;
+            return Ok(());
         };
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -243,17 +259,30 @@ impl Admission {
             yields: Default::default(),
         };
         if tx.send(Msg::Ask(ask)).is_err() {
-            // The task is gone (shutting down): nothing left to protect.
-            return;
+            return self.gone(model);
         }
         let mut guard = CancelOnDrop {
             tx,
             id,
             armed: true,
         };
-        if answered.await.is_ok() {
-            guard.armed = false;
+        match answered.await {
+            Ok(()) => {
+                guard.armed = false;
+                Ok(())
+            }
+            Err(_) => self.gone(model),
         }
+    }
+
+    /// The task is gone without answering: shutting down (nothing is
+    /// started any more, nothing left to protect), or it died.
+    fn gone(&self, model: &str) -> Result<(), AdmissionGone> {
+        if self.shutdown.is_cancelled() {
+            return Ok(());
+        }
+        tracing::error!(model = %model, "{AdmissionGone}");
+        Err(AdmissionGone)
     }
 }
 

@@ -1052,7 +1052,8 @@ async fn nothing_is_admitted_before_every_adopted_engine_is_known() {
     tokio::time::timeout(Duration::from_secs(5), &mut ask)
         .await
         .expect("admitted once there is room")
-        .unwrap();
+        .unwrap()
+        .expect("admitted, not refused");
 }
 
 /// Asleep models keep memory (measured per model; here the whole config's
@@ -1341,4 +1342,71 @@ fn memory_held_by_processes_siesta_does_not_run_is_planned_around() {
     another_process_holds(&w, 0);
     w.plan().unwrap();
     assert_eq!(w.run[1], Run::Waking(true));
+}
+
+/// The admission task used to answer "admitted" to every ask once it had
+/// died (its reply channels dropped): a model then took GPUs no one
+/// accounted for. A task killed by a panic (here: in an evictor it calls)
+/// now refuses the ask that waited on it and every later one, until the
+/// daemon is restarted; a shutdown still lets asks through.
+#[tokio::test(start_paused = true)]
+async fn an_ask_is_refused_once_the_admission_task_has_died() {
+    let w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)])).unwrap();
+    let hub = crate::hub::Hub::new(w.clock, 16, 16);
+    let shutdown = CancellationToken::new();
+    let admission = Admission::start(
+        w.view.clone(),
+        hub.clone(),
+        w.clock,
+        AdmissionPolicy {
+            min_awake: Duration::ZERO,
+            yield_after: None,
+        },
+        shutdown.clone(),
+    );
+    for n in &w.names {
+        admission
+            .registry()
+            .insert(n, Arc::new(|_| panic!("an evictor that panics")));
+    }
+    let status = |i: usize, state: State| {
+        let mut s = w.base.clone();
+        s.name = w.names[i].clone();
+        s.state = state;
+        s.state_since_unix_ms = w.clock.now_ms() - 600_000;
+        if i == 0 {
+            (s.intent.desired, s.intent.reason) = (Desired::Awake, Reason::Demand);
+        }
+        s
+    };
+    hub.publish_model(status(0, State::Asleep));
+    hub.publish_model(status(1, State::Awake));
+    hub.publish_model(status(2, State::Awake));
+    admission.start_planning();
+    // The GPU is full: the ask makes the task evict, and the task dies.
+    let a = admission.clone();
+    let ask = tokio::spawn(async move { a.admit("m0", Box::new(|_| {})).await });
+    let answer = tokio::time::timeout(Duration::from_secs(5), ask)
+        .await
+        .expect("the ask is answered when the task dies")
+        .unwrap();
+    assert_eq!(answer, Err(AdmissionGone), "admitted onto a full GPU");
+    // Later asks too, even where there would be room.
+    hub.publish_model(status(1, State::Asleep));
+    let later = tokio::time::timeout(
+        Duration::from_secs(5),
+        admission.admit("m1", Box::new(|_| {})),
+    )
+    .await
+    .expect("a later ask is answered at once");
+    assert_eq!(later, Err(AdmissionGone));
+    // Shutting down: nothing is started any more, the ask is let through.
+    shutdown.cancel();
+    let during_shutdown = tokio::time::timeout(
+        Duration::from_secs(5),
+        admission.admit("m1", Box::new(|_| {})),
+    )
+    .await
+    .expect("answered during shutdown");
+    assert_eq!(during_shutdown, Ok(()));
 }

@@ -145,7 +145,13 @@ impl Runner {
                         let waiting = Box::new(move |w: Option<String>| {
                             let _ = waiting_tx.send(Msg::WaitingFor(w));
                         });
-                        shared.admission.admit(&name, waiting).await;
+                        if let Err(gone) = shared.admission.admit(&name, waiting).await {
+                            send(Event::WakeFailed {
+                                epoch,
+                                error: gone.to_string(),
+                            });
+                            return;
+                        }
                         hand_over_admission(&tx, epoch).await;
                         // A sleep still draining (one sent to the engine
                         // directly, or siesta's own before a restart) would
@@ -259,7 +265,11 @@ impl Runner {
                 let _ = waiting_tx.send(Msg::WaitingFor(w));
             });
             tokio::select! {
-                _ = shared.admission.admit(&name, waiting) => {}
+                admitted = shared.admission.admit(&name, waiting) => if let Err(gone) = admitted {
+                    let error = gone.to_string();
+                    let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
+                    return;
+                },
                 _ = cancel.cancelled() => return,
             }
             tokio::select! {

@@ -175,7 +175,13 @@ impl Runner {
             let waiting = Box::new(move |w: Option<String>| {
                 let _ = waiting_tx.send(Msg::WaitingFor(w));
             });
-            shared.admission.admit(&name, waiting).await;
+            if let Err(gone) = shared.admission.admit(&name, waiting).await {
+                send(Event::ResumeFailed {
+                    epoch,
+                    error: gone.to_string(),
+                });
+                return;
+            }
             super::effects::hand_over_admission(&tx, epoch).await;
             let pids = shared
                 .store
