@@ -150,6 +150,19 @@ pub fn estimate_ms(m: &pb::ModelStatus) -> u64 {
     }
 }
 
+/// The first progress line without a terminal: where the wake starts from.
+fn first_line(initial: &pb::ModelStatus) -> String {
+    let state = render::state_label(initial);
+    if initial.state() == pb::ModelState::Awake {
+        return format!("{}: {state} already", initial.name);
+    }
+    let estimate = match estimate_ms(initial) {
+        0 => "no calibrated estimate yet".to_owned(),
+        e => format!("usually takes ~{}", render::duration(e)),
+    };
+    format!("{}: waking from {state} ({estimate})", initial.name)
+}
+
 /// How progress is shown on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -180,11 +193,7 @@ impl Progress {
             mode,
         };
         if p.mode == Mode::Lines {
-            let estimate = match p.estimate_ms {
-                0 => "no calibrated estimate yet".to_owned(),
-                e => format!("usually takes ~{}", render::duration(e)),
-            };
-            eprintln!("{}: waking from {} ({estimate})", p.name, p.state);
+            eprintln!("{}", first_line(initial));
         }
         p
     }
@@ -282,6 +291,26 @@ mod tests {
         assert_eq!(estimate_ms(&m), 1000);
         m.state = pb::ModelState::Stopped as i32;
         assert_eq!(estimate_ms(&m), 9000);
+    }
+
+    #[test]
+    fn the_first_line_does_not_say_waking_for_an_awake_model() {
+        let mut m = pb::ModelStatus {
+            name: "chat".into(),
+            state: pb::ModelState::Awake as i32,
+            calibration: Some(pb::Calibration {
+                wake_l1_ms: 1500,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert_eq!(first_line(&m), "chat: awake already");
+        m.state = pb::ModelState::Asleep as i32;
+        m.sleep_level = 1;
+        assert_eq!(
+            first_line(&m),
+            "chat: waking from asleep(l1) (usually takes ~1.5s)"
+        );
     }
 
     #[test]
