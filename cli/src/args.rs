@@ -3,6 +3,7 @@
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
@@ -71,8 +72,8 @@ pub enum Command {
         #[arg(long)]
         wait: bool,
         /// With --wait: stop waiting after this long (the wake goes on). Default: the model's deadline.
-        #[arg(long, requires = "wait")]
-        timeout: Option<humantime::Duration>,
+        #[arg(long, requires = "wait", value_parser = wait_limit)]
+        timeout: Option<Duration>,
         #[command(flatten)]
         out: OutputArg,
     },
@@ -88,8 +89,8 @@ pub enum Command {
         #[arg(long)]
         wait: bool,
         /// With --wait: stop waiting after this long (the sleep goes on). Default: 5m.
-        #[arg(long, requires = "wait")]
-        timeout: Option<humantime::Duration>,
+        #[arg(long, requires = "wait", value_parser = wait_limit)]
+        timeout: Option<Duration>,
         #[command(flatten)]
         out: OutputArg,
     },
@@ -182,9 +183,9 @@ pub enum DiagCommand {
         /// Bytes to copy per pair (default: the control plane's).
         #[arg(long)]
         bytes: Option<u64>,
-        /// Deadline for the whole probe (default: the control plane's).
-        #[arg(long)]
-        timeout: Option<humantime::Duration>,
+        /// Deadline for the whole probe, at most 1h (default: the control plane's `p2p_probe_timeout`).
+        #[arg(long, value_parser = probe_limit)]
+        timeout: Option<Duration>,
         #[command(flatten)]
         out: OutputArg,
     },
@@ -222,10 +223,61 @@ pub struct UpArgs {
     pub addr_file: Option<PathBuf>,
 }
 
+/// The longest probe deadline the control plane takes (its
+/// `PROBE_TIMEOUT_MAX`, the most `p2p_probe_timeout` may be).
+pub const PROBE_TIMEOUT_MAX: Duration = Duration::from_secs(3600);
+
+/// A wait given on the command line: at least 1 ms (a zero, or less than a
+/// millisecond, would travel as 0: "the default", minutes).
+fn wait_limit(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d < Duration::from_millis(1) {
+        return Err("must be at least 1ms (leave the flag out for the default)".into());
+    }
+    Ok(d)
+}
+
+/// A probe deadline: as [`wait_limit`], and at most [`PROBE_TIMEOUT_MAX`].
+fn probe_limit(s: &str) -> Result<Duration, String> {
+    let d = wait_limit(s)?;
+    if d > PROBE_TIMEOUT_MAX {
+        return Err(format!(
+            "must be at most {} (the probe's longest deadline)",
+            humantime::format_duration(PROBE_TIMEOUT_MAX)
+        ));
+    }
+    Ok(d)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    /// A zero wait would travel as "the default" (the model's deadline,
+    /// 20 minutes); a probe deadline over 1h was refused by the daemon as
+    /// `timeout_ms`, exit 1. Both are usage errors, naming the flag.
+    #[test]
+    fn a_zero_wait_and_a_probe_deadline_over_an_hour_are_usage_errors() {
+        for args in [
+            &["siesta", "wake", "m", "--wait", "--timeout", "0s"][..],
+            &["siesta", "wake", "m", "--wait", "--timeout", "500us"],
+            &["siesta", "sleep", "m", "--wait", "--timeout", "0s"],
+            &["siesta", "diag", "p2p", "--timeout", "2h"],
+            &["siesta", "diag", "p2p", "--timeout", "0s"],
+        ] {
+            let err = Cli::try_parse_from(args).unwrap_err();
+            assert_eq!(err.exit_code(), 2, "{args:?}");
+            assert!(err.to_string().contains("--timeout"), "{args:?}: {err}");
+        }
+        let ok = Cli::try_parse_from(["siesta", "diag", "p2p", "--timeout", "1h"]).unwrap();
+        match ok.command {
+            Command::Diag {
+                command: DiagCommand::P2p { timeout, .. },
+            } => assert_eq!(timeout, Some(PROBE_TIMEOUT_MAX)),
+            other => panic!("parsed as {other:?}"),
+        }
+    }
 
     #[test]
     fn clap_definition_is_consistent() {

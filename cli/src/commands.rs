@@ -52,7 +52,7 @@ pub async fn run(cli: Cli) -> Result<(), Failure> {
             wait,
             timeout,
             out,
-        } => wake::run(conn, &model, wait, timeout.map(Into::into), out.format).await,
+        } => wake::run(conn, &model, wait, timeout, out.format).await,
         Command::Sleep {
             model,
             level,
@@ -60,7 +60,7 @@ pub async fn run(cli: Cli) -> Result<(), Failure> {
             timeout,
             out,
         } => {
-            let wait = wait.then(|| timeout.map(Into::into));
+            let wait = wait.then_some(timeout);
             sleep::run(conn, &model, level, wait, out.format).await
         }
         Command::Suspend(m) => {
@@ -88,7 +88,7 @@ pub async fn run(cli: Cli) -> Result<(), Failure> {
                     timeout,
                     out,
                 },
-        } => diag::p2p(conn, bytes, timeout.map(Into::into), out.format).await,
+        } => diag::p2p(conn, bytes, timeout, out.format).await,
         Command::Logs {
             model,
             follow,

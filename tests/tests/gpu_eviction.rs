@@ -495,6 +495,23 @@ async fn a_tp_group_over_a_corrupt_pair_starts_with_p2p_off() {
         tp01.reason
     );
 
+    // A deadline past an hour is refused, naming the field (the CLI
+    // refuses it as a usage error; other clients get this).
+    let refused = c
+        .diag_p2p(pb::DiagP2pRequest {
+            bytes: 0,
+            timeout_ms: 7_200_000,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(
+        refused
+            .message()
+            .contains("timeout_ms: 7200000 ms is more than the probe's longest deadline, 1h"),
+        "{refused:?}"
+    );
+
     // No CUDA driver here: the probe says so, promptly, and the saved
     // verdicts stay. (On a CUDA box it runs; then every pair is reported.)
     let started = std::time::Instant::now();

@@ -10,8 +10,7 @@ use super::print_json;
 use crate::args::Format;
 use crate::client::{Conn, RPC_TIMEOUT};
 
-/// How long to wait for a probe run with the control plane's default deadline.
-const PROBE_WAIT: Duration = Duration::from_secs(600);
+use crate::args::PROBE_TIMEOUT_MAX;
 use crate::failure::Failure;
 use crate::render::{self, Table};
 use crate::view::P2pView;
@@ -29,17 +28,24 @@ pub async fn p2p(
     timeout: Option<Duration>,
     format: Format,
 ) -> Result<(), Failure> {
-    // The probe has its own deadline (default: the control plane's, minutes).
-    let deadline = timeout.map_or(PROBE_WAIT, |t| t + RPC_TIMEOUT);
-    let r = conn
-        .call_within(deadline, |mut c| async move {
-            c.diag_p2p(pb::DiagP2pRequest {
-                bytes: bytes.unwrap_or(0),
-                timeout_ms: timeout.map_or(0, |d| d.as_millis() as u64),
-            })
-            .await
+    let wait = deadline(timeout);
+    // The call's own deadline is this one's: a daemon that cannot be
+    // reached still fails fast (exit 3), one that does not answer in time
+    // was reached, and its probe may still run (exit 1).
+    let call = conn.call_within(Duration::MAX, |mut c| async move {
+        c.diag_p2p(pb::DiagP2pRequest {
+            bytes: bytes.unwrap_or(0),
+            timeout_ms: timeout.map_or(0, |d| d.as_millis() as u64),
         })
-        .await?;
+        .await
+    });
+    let Ok(r) = tokio::time::timeout(wait, call).await else {
+        return Err(Failure::Failed(format!(
+            "the P2P probe gave no answer within {}; `siesta gpus` shows its results if it ends",
+            render::duration(wait.as_millis() as u64)
+        )));
+    };
+    let r = r?;
     // Two GPUs or more and no probe run (none found, no CUDA): failed.
     if r.failed {
         return Err(Failure::Failed(r.message));
@@ -99,4 +105,27 @@ pub async fn p2p(
         );
     }
     Ok(())
+}
+
+/// How long to wait for the probe's answer: its own deadline (the
+/// daemon's `p2p_probe_timeout` when not given, which is at most
+/// [`PROBE_TIMEOUT_MAX`]) and a call's slack.
+fn deadline(timeout: Option<Duration>) -> Duration {
+    timeout.unwrap_or(PROBE_TIMEOUT_MAX) + RPC_TIMEOUT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CLI waited 600 s by default for a probe whose configured
+    /// deadline may be an hour, then called the daemon unreachable.
+    #[test]
+    fn the_wait_outlasts_the_longest_probe_deadline() {
+        assert!(deadline(None) > PROBE_TIMEOUT_MAX);
+        assert_eq!(
+            deadline(Some(Duration::from_secs(60))),
+            Duration::from_secs(60) + RPC_TIMEOUT
+        );
+    }
 }

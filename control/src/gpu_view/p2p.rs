@@ -98,6 +98,16 @@ impl GpuView {
                 failed: false,
             });
         }
+        // One probe at a time, and a second is refused at once: waiting
+        // for the first (up to its deadline, an hour at most) would add
+        // to the second's, past what its caller waits for.
+        let Ok(_one_at_a_time) = self.probing.try_lock() else {
+            return Err(NotProbed::failed(
+                "a P2P probe is already running (the start-up probe or another \
+                 `siesta diag p2p`): run it again once that one has ended"
+                    .into(),
+            ));
+        };
         let Some(bin) = default_probe_bin() else {
             return Err(NotProbed::failed(
                 "P2P not probed: siesta-p2p-probe not found next to siesta-control".into(),
@@ -110,7 +120,6 @@ impl GpuView {
         } else {
             deadline
         };
-        let _one_at_a_time = self.probing.lock().await;
         run_probe(&opts)
             .await
             .map_err(|e| NotProbed::failed(unavailable(&e)))

@@ -175,6 +175,32 @@ async fn diag_p2p_without_a_probe_says_why_and_keeps_results() {
     assert!(view.placed()["tp01"].p2p_disabled);
 }
 
+/// A second probe used to wait for the first, up to its deadline, before
+/// its own began: the CLI gave up first and called the daemon unreachable.
+/// It is refused at once, saying why.
+#[tokio::test]
+async fn a_probe_asked_for_while_one_runs_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    save(dir.path(), &[(0, 1, P2pHealth::Corrupt)]);
+    let cfg = config(dir.path(), "p2p_probe = \"off\"");
+    let view = tokio::task::spawn_blocking(move || GpuView::detect(&cfg, &BTreeMap::new()))
+        .await
+        .unwrap();
+    let running = view.probing.lock().await;
+    let r = tokio::time::timeout(
+        Duration::from_secs(10),
+        view.diag_p2p(0, Duration::from_secs(600), 99),
+    )
+    .await
+    .expect("refused at once, not after the running probe");
+    assert!(r.failed);
+    assert!(r.message.contains("already running"), "{}", r.message);
+    assert_eq!(view.list_gpus(&[]).p2p_probed_unix_ms, 1234);
+    drop(running);
+    let r = view.diag_p2p(0, Duration::from_secs(20), 99).await;
+    assert!(!r.message.contains("already running"), "{}", r.message);
+}
+
 #[test]
 fn a_new_verdict_reaches_the_next_start_without_moving_models() {
     let dir = tempfile::tempdir().unwrap();
