@@ -352,7 +352,7 @@ impl Config {
     /// overrides `listen`); `siesta config check` the file's.
     pub fn check_tokens(&self) -> Result<(), ConfigError> {
         let token = self.token();
-        let problems: Vec<Problem> = [
+        let mut problems: Vec<Problem> = [
             Some(("control.listen", self.control.listen)),
             self.control.web_listen.map(|a| ("control.web_listen", a)),
         ]
@@ -366,12 +366,35 @@ impl Config {
             ),
         })
         .collect();
+        problems.extend(self.unsendable_token());
         if problems.is_empty() {
             return Ok(());
         }
         Err(ConfigError {
             origin: self.origin.clone(),
             problems,
+        })
+    }
+
+    /// A token travels as `authorization: Bearer TOKEN`: one that holds a
+    /// space, a control character or non-ASCII cannot, and every gRPC
+    /// client would be refused. The token itself is not shown (a secret).
+    pub fn unsendable_token(&self) -> Option<Problem> {
+        let token = self.token()?;
+        if token.bytes().all(|b| (0x21..0x7f).contains(&b)) {
+            return None;
+        }
+        let key = if self.control.token.is_some() {
+            "control.token"
+        } else {
+            "SIESTA_TOKEN"
+        };
+        Some(Problem {
+            key: key.into(),
+            message: "holds characters a request header cannot carry (a space, a control \
+                      character or non-ASCII): every client would be refused; use visible \
+                      ASCII only"
+                .into(),
         })
     }
 

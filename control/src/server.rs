@@ -67,6 +67,13 @@ impl Server {
         if crate::config::needs_token(addr, token.as_deref()) {
             return Err(Error::TokenRequired(addr));
         }
+        if let Some(problem) = config.unsendable_token() {
+            return Err(crate::config::ConfigError {
+                origin: config.origin.clone(),
+                problems: vec![problem],
+            }
+            .into());
+        }
         // A `host` no port can be picked on, named by file and key (as
         // `siesta config check` names it) before anything is opened.
         crate::supervisor::check_hosts(&config, |_| true)?;

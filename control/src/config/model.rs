@@ -267,8 +267,9 @@ pub(super) fn read_hold(
         None => max_queue,
     };
     let hold = match r.duration(p, "max_hold") {
-        Some(d) if d.is_zero() => {
-            p.push(r.key("max_hold"), "must be more than 0");
+        // Travels in whole milliseconds, where 0 means "not sent".
+        Some(d) if d.as_millis() == 0 => {
+            p.push(r.key("max_hold"), "must be at least 1ms");
             max_hold
         }
         Some(d) => d,

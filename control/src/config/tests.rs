@@ -402,12 +402,20 @@ fn a_zero_hold_limit_is_refused_not_shown_and_ignored() {
         ),
         ("[defaults]\n", "defaults.max_queue", "max_queue = 0"),
         ("[defaults]\n", "defaults.max_hold", "max_hold = \"0s\""),
+        // Under a millisecond: sent as 0, which the proxy reads as "not
+        // sent" and holds for its own 60 s.
+        ("[defaults]\n", "defaults.max_hold", "max_hold = \"0.5ms\""),
     ] {
         let err = Config::parse(&format!("{table}{value}\n"), "h.toml")
             .unwrap_err()
             .to_string();
+        let want = if key.ends_with("max_hold") {
+            "must be at least 1ms"
+        } else {
+            "must be more than 0"
+        };
         assert!(
-            err.contains(&format!("h.toml: {key}: must be more than 0")),
+            err.contains(&format!("h.toml: {key}: {want}")),
             "{value} in {table:?}: {err}"
         );
     }
@@ -441,4 +449,56 @@ fn a_key_or_table_given_twice_is_named() {
         .to_string();
     assert!(err.contains("d.toml: line 2: "), "{err}");
     assert!(err.contains("control"), "{err}");
+}
+
+/// An attached engine at an https:// URL was accepted, and then every
+/// probe failed (the daemon's engine client and the proxy speak plain
+/// HTTP to engines): a model that could only fail, backing off forever.
+#[test]
+fn an_https_attach_url_is_refused_naming_the_key() {
+    let text = "[[model]]\nname = \"a\"\nlaunch = \"attach\"\nurl = \"https://h:8000\"\n";
+    let err = Config::parse(text, "h.toml").unwrap_err().to_string();
+    assert!(
+        err.contains("h.toml: model[0].url: \"https://h:8000\" is not an http:// URL"),
+        "{err}"
+    );
+    let ok = "[[model]]\nname = \"a\"\nlaunch = \"attach\"\nurl = \"http://h:8000/\"\n";
+    Config::parse(ok, "h.toml").unwrap();
+}
+
+/// An empty `state_dir` put the store and the engines' logs in the
+/// daemon's working directory (`/` under systemd); a relative one, wherever
+/// the daemon happened to be started.
+#[test]
+fn a_state_dir_must_be_an_absolute_path() {
+    for dir in ["", "state", "./state"] {
+        let text = format!("[control]\nstate_dir = {dir:?}\n");
+        let err = Config::parse(&text, "h.toml").unwrap_err().to_string();
+        assert!(
+            err.contains(&format!(
+                "h.toml: control.state_dir: {dir:?} is not an absolute path"
+            )),
+            "{dir:?}: {err}"
+        );
+    }
+    let c = Config::parse("[control]\nstate_dir = \"/var/lib/s\"\n", "h.toml").unwrap();
+    assert_eq!(c.control.state_dir, std::path::Path::new("/var/lib/s"));
+}
+
+/// A token a header cannot carry was accepted, and then every gRPC client
+/// was refused as if its token were wrong. Refused by name, never shown.
+#[test]
+fn a_token_a_header_cannot_carry_is_refused_without_showing_it() {
+    for token in ["pässwort", "two words", "tab\there"] {
+        let text = format!("[control]\ntoken = {token:?}\n");
+        let c = Config::parse(&text, "h.toml").unwrap();
+        let err = c.check_tokens().unwrap_err().to_string();
+        assert!(
+            err.contains("h.toml: control.token: holds characters a request header cannot carry"),
+            "{err}"
+        );
+        assert!(!err.contains(token), "the token shown: {err}");
+    }
+    let c = Config::parse("[control]\ntoken = \"s3cr3t-T0ken_~!\"\n", "h.toml").unwrap();
+    c.check_tokens().unwrap();
 }

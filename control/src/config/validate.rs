@@ -132,7 +132,22 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
             None
         }
     });
-    let state_dir = r.string(p, "state_dir").map(PathBuf::from);
+    // Relative, it would be wherever the daemon was started (`/` under
+    // systemd), which `siesta config check` run elsewhere cannot see.
+    let state_dir = match r.string(p, "state_dir").map(PathBuf::from) {
+        Some(d) if !d.is_absolute() => {
+            p.push(
+                r.key("state_dir"),
+                format!(
+                    "{:?} is not an absolute path (a relative one would depend on the directory \
+                     the daemon is started in)",
+                    d.display().to_string()
+                ),
+            );
+            None
+        }
+        d => d,
+    };
     let cuda_checkpoint = match r.string(p, "cuda_checkpoint") {
         Some(s) if s.is_empty() => {
             p.push(

@@ -120,17 +120,20 @@ pub(super) fn read_launch(
                 );
             }
             match url {
-                Some(u) if u.starts_with("http://") || u.starts_with("https://") => {
-                    Some(Launch::Attach {
-                        url: u.trim_end_matches('/').to_string(),
-                        served_model_name: served
-                            .clone()
-                            .or_else(|| name.clone())
-                            .unwrap_or_default(),
-                    })
-                }
+                // Not https://: neither the daemon's engine client nor the
+                // proxy speaks TLS to engines, so such a model could only fail.
+                Some(u) if u.starts_with("http://") => Some(Launch::Attach {
+                    url: u.trim_end_matches('/').to_string(),
+                    served_model_name: served.clone().or_else(|| name.clone()).unwrap_or_default(),
+                }),
                 Some(u) => {
-                    p.push(r.key("url"), format!("{u:?} is not an http:// URL"));
+                    p.push(
+                        r.key("url"),
+                        format!(
+                            "{u:?} is not an http:// URL (engines are reached in plain HTTP; \
+                             https:// is not supported)"
+                        ),
+                    );
                     None
                 }
                 None => {
