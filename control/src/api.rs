@@ -137,10 +137,7 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::SleepRequest>,
     ) -> Result<Response<pb::OperationResponse>, Status> {
         let r = req.into_inner();
-        let level = match r.level {
-            0 => 1,
-            l => u8::try_from(l).unwrap_or(u8::MAX),
-        };
+        let level = convert::sleep_level(r.level)?;
         let (s, m) = self.models.command(&r.name, Command::Sleep(level)).await?;
         Ok(op(s, m))
     }

@@ -191,6 +191,16 @@ async fn events_carry_revisions_and_resume_after_the_last_one() {
         .await
         .unwrap();
     assert_eq!(r.status(), 404);
+    // An explicit level 0 is no level (it used to sleep at level 1).
+    let r = reqwest::Client::new()
+        .post(format!("{}/api/models/alpha/sleep?level=0", s.web))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    let msg = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains("0 is not a sleep level"), "{msg}");
     let r = reqwest::Client::new()
         .post(format!("{}/api/models/alpha/dance", s.web))
         .send()

@@ -12,6 +12,17 @@ mod gpu;
 pub use gpu::gpu_budget;
 pub use gpu::{gpu_list, model_placement, p2p_diag, placement};
 
+/// `SleepRequest.level` (0: not given, level 1); a value no `u8` holds
+/// is refused as itself, not as another number.
+pub fn sleep_level(level: u32) -> Result<u8, crate::OpError> {
+    match level {
+        0 => Ok(1),
+        l => u8::try_from(l).map_err(|_| {
+            crate::OpError::invalid("level", format!("{l} is not a sleep level (1 or 2)"))
+        }),
+    }
+}
+
 fn state(s: State) -> pb::ModelState {
     match s {
         State::Stopped => pb::ModelState::Stopped,
@@ -186,5 +197,17 @@ pub fn log_line(l: &LogLine) -> pb::LogLine {
         at_unix_ms: l.at_unix_ms,
         stream: l.stream.to_string(),
         line: l.line.clone(),
+    }
+}
+
+#[cfg(test)]
+mod level_tests {
+    /// Level 300 was refused as "255 is not a sleep level".
+    #[test]
+    fn a_sleep_level_is_refused_as_sent() {
+        assert_eq!(super::sleep_level(0).unwrap(), 1);
+        assert_eq!(super::sleep_level(2).unwrap(), 2);
+        let err = super::sleep_level(300).unwrap_err().to_string();
+        assert!(err.contains("300 is not a sleep level"), "{err}");
     }
 }

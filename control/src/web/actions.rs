@@ -109,6 +109,13 @@ async fn operation<B>(web: &Web, req: &Request<B>, name: String, op: &str) -> Re
         }
         "sleep" => {
             let level = match number::<u32>(req.uri(), "level") {
+                // Given, 0 is not "the default" as the gRPC field's 0 is.
+                Ok(Some(0)) => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        "level: 0 is not a sleep level (1 or 2)",
+                    );
+                }
                 Ok(l) => l.unwrap_or(1),
                 Err(msg) => return error(StatusCode::BAD_REQUEST, &msg),
             };
