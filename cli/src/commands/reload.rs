@@ -36,12 +36,7 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
     });
     let r = tokio::time::timeout(RELOAD_TIMEOUT, call)
         .await
-        .map_err(|_| {
-            Failure::Failed(format!(
-                "no answer within {}s: the reload goes on in siesta-control (its log says                  `configuration reloaded` when it is done; `siesta status` shows the models)",
-                RELOAD_TIMEOUT.as_secs()
-            ))
-        })??;
+        .map_err(|_| Failure::Failed(no_answer(RELOAD_TIMEOUT)))??;
     match format {
         Format::Json => print_json(&ReloadView {
             added: r.added,
@@ -80,5 +75,25 @@ pub async fn run(conn: Conn, format: Format) -> Result<(), Failure> {
             }
             Ok(())
         }
+    }
+}
+
+/// What a reload not answered in time says.
+fn no_answer(waited: std::time::Duration) -> String {
+    format!(
+        "no answer within {}s: the reload goes on in siesta-control (its log says \
+         `configuration reloaded` when it is done; `siesta status` shows the models)",
+        waited.as_secs()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    /// The message's line break in the source left 18 spaces in it.
+    #[test]
+    fn the_no_answer_message_reads_as_one_sentence() {
+        let m = super::no_answer(std::time::Duration::from_secs(30));
+        assert!(!m.contains("  "), "{m}");
+        assert!(m.contains("its log says `configuration reloaded`"), "{m}");
     }
 }
