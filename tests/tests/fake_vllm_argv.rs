@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use siesta_tests::{DEADLINE, spawn_fake_vllm, spawn_fake_vllm_nowait};
+use siesta_tests::{
+    DEADLINE, FakeVllm, spawn_fake_vllm, spawn_fake_vllm_env, spawn_fake_vllm_nowait,
+};
 
 /// Runs fake-vllm with `args` and expects it to exit by itself; returns (code, output).
 async fn exits(args: &[&str]) -> (Option<i32>, String) {
@@ -187,4 +189,72 @@ async fn api_server_count_adds_serving_threads_and_headless_is_refused() {
     assert_eq!(code, Some(2), "{out}");
     assert!(out.contains("--api-server-count"), "{out}");
     assert!(!out.contains("Uvicorn running"), "{out}");
+}
+
+/// (status, body) of a completion sent with `auth` as its Authorization header.
+async fn complete_with(fv: &FakeVllm, path: &str, auth: Option<&str>) -> (u16, String) {
+    let mut req = reqwest::Client::new()
+        .post(fv.at(path))
+        .header("content-type", "application/json")
+        .body(r#"{"prompt": "hi", "max_tokens": 2}"#);
+    if let Some(a) = auth {
+        req = req.header("authorization", a);
+    }
+    let r = req.send().await.unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// `--api-key` (or `VLLM_API_KEY`) is not ignored: as vLLM's `AuthenticationMiddleware`,
+/// every `/v1` path answers 401 `{"error":"Unauthorized"}` without one of the keys, while
+/// `/health`, `/metrics` and the dev routes stay open.
+#[tokio::test]
+async fn api_key_guards_every_v1_path_and_nothing_else() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--api-key", "k1", "k2"]).await;
+    let unauthorized = (401, r#"{"error":"Unauthorized"}"#.to_string());
+    assert_eq!(
+        complete_with(&fv, "/v1/completions", None).await,
+        unauthorized
+    );
+    assert_eq!(
+        complete_with(&fv, "/v1/completions", Some("Bearer wrong")).await,
+        unauthorized
+    );
+    assert_eq!(
+        complete_with(&fv, "/v1/nowhere", Some("Bearer wrong")).await,
+        unauthorized,
+        "checked before routing"
+    );
+    assert_eq!(
+        complete_with(&fv, "/v1/completions", Some("Bearer k1"))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(
+        complete_with(&fv, "/v1/completions", Some("bearer k2"))
+            .await
+            .0,
+        200
+    );
+    assert_eq!(fv.get("/v1/models").await.status(), 401);
+    for path in ["/health", "/metrics", "/version", "/is_sleeping"] {
+        assert_eq!(fv.get(path).await.status(), 200, "{path}");
+    }
+    assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
+    assert_eq!(fv.post("/wake_up").await.status(), 200);
+
+    let fv = spawn_fake_vllm_env(&["m"], &[("VLLM_API_KEY", "env-key")]).await;
+    assert_eq!(
+        complete_with(&fv, "/v1/completions", None).await,
+        unauthorized
+    );
+    assert_eq!(
+        complete_with(&fv, "/v1/completions", Some("Bearer env-key"))
+            .await
+            .0,
+        200
+    );
+    // An empty key is no key.
+    let fv = spawn_fake_vllm_env(&["m"], &[("VLLM_API_KEY", "")]).await;
+    assert_eq!(complete_with(&fv, "/v1/completions", None).await.0, 200);
 }

@@ -14,7 +14,6 @@ pub const IGNORED_VALUE_FLAGS: &[&str] = &[
     "allowed-headers",
     "allowed-methods",
     "allowed-origins",
-    "api-key",
     "block-size",
     "chat-template",
     "chat-template-content-format",

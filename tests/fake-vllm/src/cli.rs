@@ -71,6 +71,11 @@ pub struct ServeArgs {
     /// Names the model is served as (default: MODEL).
     #[arg(long, num_args = 1.., value_name = "NAME")]
     pub served_model_name: Vec<String>,
+    /// Keys clients must send as `Authorization: Bearer KEY` on every path under `/v1`
+    /// (else 401 `{"error": "Unauthorized"}`), as vLLM's `AuthenticationMiddleware`; other
+    /// paths (`/health`, `/metrics`, the dev routes) stay open. `VLLM_API_KEY` when not given.
+    #[arg(long, num_args = 1.., value_name = "KEY")]
+    pub api_key: Vec<String>,
     /// Enable the sleep endpoints' engine support (/sleep, /wake_up need it).
     #[arg(long)]
     pub enable_sleep_mode: bool,
@@ -163,6 +168,17 @@ impl ServeArgs {
     /// `--personality openai`.
     pub fn plain_openai(&self) -> bool {
         self.personality == "openai"
+    }
+
+    /// The API keys in force: `--api-key`, else a non-empty `VLLM_API_KEY` (vLLM's
+    /// `args.api_key or [envs.VLLM_API_KEY]`, empty keys dropped).
+    pub fn api_keys(&self) -> Vec<String> {
+        let keys = if self.api_key.is_empty() {
+            std::env::var("VLLM_API_KEY").ok().into_iter().collect()
+        } else {
+            self.api_key.clone()
+        };
+        keys.into_iter().filter(|k| !k.is_empty()).collect()
     }
 
     /// The served names: `--served-model-name`, else the model.

@@ -90,6 +90,8 @@ pub struct App {
     pub created: u64,
     /// `--personality sglang`: memory tags offloaded (`/release_memory_occupation`).
     pub sglang_released: std::sync::atomic::AtomicBool,
+    /// `--api-key` / `VLLM_API_KEY` (vLLM personality only): none, no check.
+    pub api_keys: Vec<String>,
 }
 
 impl App {
@@ -207,6 +209,11 @@ pub async fn serve(
     };
     let memory = memory::from_settings(args.sim.gpu_memory)?;
     let host = args.host.clone();
+    let api_keys = if args.personality == "vllm" {
+        args.api_keys()
+    } else {
+        Vec::new()
+    };
     let gpu = SimGpu::from_args(&args);
     let engine = Engine::new(args, memory, gpu);
     if let Some(pid) = core.as_ref().and_then(EngineCore::pid) {
@@ -218,6 +225,7 @@ pub async fn serve(
         dev_mode: dev::dev_mode_from_env(),
         created: unix_ns() / 1_000_000_000,
         sglang_released: std::sync::atomic::AtomicBool::new(false),
+        api_keys,
     });
     let died = CancellationToken::new();
     tokio::spawn(watch_engine_core(
@@ -474,6 +482,30 @@ fn json_body(headers: &http::HeaderMap) -> bool {
         .is_some_and(|t| t.eq_ignore_ascii_case("application/json"))
 }
 
+/// vLLM's `AuthenticationMiddleware` (`--api-key`): with keys set, a request whose path starts
+/// with `/v1` (`/v1models` too: a plain prefix) needs `Authorization: <scheme> <key>`, the
+/// scheme `bearer` in any case and the key exactly one of them (what follows the first space,
+/// spaces included). OPTIONS and every other path pass: `/health`, `/metrics`, `/version`
+/// and the dev routes (`/sleep`, `/wake_up`, ...) need no key.
+pub(crate) fn authorized(
+    keys: &[String],
+    method: &Method,
+    path: &str,
+    headers: &http::HeaderMap,
+) -> bool {
+    if keys.is_empty() || method == Method::OPTIONS || !path.starts_with("/v1") {
+        return true;
+    }
+    let Some(value) = headers
+        .get(http::header::AUTHORIZATION)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+    else {
+        return false;
+    };
+    let (scheme, param) = value.split_once(' ').unwrap_or((value.as_str(), ""));
+    scheme.eq_ignore_ascii_case("bearer") && keys.iter().any(|k| k == param)
+}
+
 /// Routes one request (and writes uvicorn's access-log line).
 pub(crate) async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAddr) -> Resp {
     let (parts, body) = req.into_parts();
@@ -495,6 +527,11 @@ pub(crate) async fn handle(app: Arc<App>, req: Request<Incoming>, peer: SocketAd
     } else {
         body
     };
+    if !authorized(&app.api_keys, &method, uri.path(), &parts.headers) {
+        // vLLM's `AuthenticationMiddleware`, before any route (and its JSON check) runs.
+        let resp = json(StatusCode::UNAUTHORIZED, &json!({"error": "Unauthorized"}));
+        return access_log(resp, &method, &uri, peer);
+    }
     let vllm_only = matches!(uri.path(), "/version" | "/metrics")
         || (args.plain_openai() && uri.path() == "/ping");
     let generation = matches!(
@@ -571,4 +608,53 @@ fn access_log(resp: Resp, method: &Method, uri: &http::Uri, peer: SocketAddr) ->
         status.canonical_reason().unwrap_or("")
     );
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(auth: Option<&str>) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        if let Some(a) = auth {
+            h.insert(http::header::AUTHORIZATION, a.parse().unwrap());
+        }
+        h
+    }
+
+    /// `AuthenticationMiddleware`: only `/v1...` needs the key; the scheme is any case of
+    /// `bearer`; the key must match exactly.
+    #[test]
+    fn api_keys_guard_v1_paths_only() {
+        let keys = vec!["k1".to_string(), "k 2".to_string()];
+        let post = Method::POST;
+        for (path, auth, ok) in [
+            ("/v1/completions", None, false),
+            ("/v1/completions", Some("Bearer k1"), true),
+            ("/v1/completions", Some("bearer k1"), true),
+            ("/v1/completions", Some("BEARER k 2"), true),
+            ("/v1/completions", Some("Bearer k1 "), false),
+            ("/v1/completions", Some("Basic k1"), false),
+            ("/v1/completions", Some("k1"), false),
+            ("/v1/models", Some("Bearer nope"), false),
+            ("/v1models", None, false),
+            ("/health", None, true),
+            ("/metrics", None, true),
+            ("/sleep", None, true),
+            ("/wake_up", None, true),
+        ] {
+            assert_eq!(
+                authorized(&keys, &post, path, &headers(auth)),
+                ok,
+                "{path} {auth:?}"
+            );
+        }
+        assert!(authorized(
+            &keys,
+            &Method::OPTIONS,
+            "/v1/completions",
+            &headers(None)
+        ));
+        assert!(authorized(&[], &post, "/v1/completions", &headers(None)));
+    }
 }
