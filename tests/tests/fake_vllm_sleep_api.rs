@@ -387,3 +387,57 @@ async fn a_sleep_after_a_partial_wake_depends_on_the_version() {
         assert_eq!(s["kv_cache_asleep"], true, "{version}: {s}");
     }
 }
+
+/// `/reset_prefix_cache` as vLLM 0.33 has it: `{"success": bool}`, false while a running
+/// request holds KV-cache blocks (200 either way), and a utility call that waits behind a
+/// hung wake; 0.24 answers an empty 200.
+#[tokio::test]
+async fn reset_prefix_cache_answers_success_and_waits_behind_a_wake() {
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--tokens-per-second", "20"]).await;
+    assert_eq!(
+        body(fv.post("/reset_prefix_cache").await).await,
+        (200, r#"{"success":true}"#.to_string())
+    );
+    let running = running_request(&fv, 400).await;
+    assert_eq!(
+        body(fv.post("/reset_prefix_cache").await).await,
+        (200, r#"{"success":false}"#.to_string())
+    );
+    // Frozen by `mode=keep`, it still holds its blocks.
+    assert_eq!(fv.post("/sleep?level=1&mode=keep").await.status(), 200);
+    assert_eq!(
+        body(fv.post("/reset_prefix_cache").await).await,
+        (200, r#"{"success":false}"#.to_string())
+    );
+    // Aborted by the default mode, it frees them.
+    assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
+    assert_eq!(running.await.unwrap(), 200);
+    assert_eq!(
+        body(fv.post("/reset_prefix_cache").await).await,
+        (200, r#"{"success":true}"#.to_string())
+    );
+
+    let old = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--imitate-version", "0.24.0"]).await;
+    assert_eq!(
+        body(old.post("/reset_prefix_cache").await).await,
+        (200, String::new())
+    );
+
+    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--hang-on-wake"]).await;
+    assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
+    let url = fv.at("/wake_up");
+    let _wake = tokio::spawn(async move { reqwest::Client::new().post(url).send().await });
+    fv.child
+        .output()
+        .wait_for("this wake never finishes", DEADLINE)
+        .await;
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_millis(800))
+        .build()
+        .unwrap();
+    let r = c.post(fv.at("/reset_prefix_cache")).send().await;
+    assert!(
+        r.is_err_and(|e| e.is_timeout()),
+        "/reset_prefix_cache must wait behind the wake"
+    );
+}

@@ -31,7 +31,7 @@ pub async fn route(app: Arc<App>, method: &Method, uri: &Uri, body: Incoming) ->
         (&Method::POST, "/collective_rpc") => {
             to_the_end(async move { collective_rpc(&app, body).await }).await
         }
-        (&Method::POST, "/reset_prefix_cache") => empty(StatusCode::OK),
+        (&Method::POST, "/reset_prefix_cache") => reset_prefix_cache(&app).await,
         (_, "/sleep" | "/wake_up" | "/is_sleeping" | "/collective_rpc" | "/reset_prefix_cache") => {
             detail(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed")
         }
@@ -171,6 +171,26 @@ async fn wake_up(app: &App, q: &[(String, String)]) -> Resp {
         ),
         Ok(_) => empty(StatusCode::OK),
         Err(e) => engine_error(&e),
+    }
+}
+
+/// `POST /reset_prefix_cache`: an engine-core utility call (it waits behind a running wake
+/// or RPC, as `/is_sleeping` does) that fails while requests hold KV-cache blocks. 0.33
+/// answers `{"success": bool}` (200 either way: a failed reset is no error); older versions
+/// an empty 200 whatever happened.
+async fn reset_prefix_cache(app: &App) -> Resp {
+    tracing::info!("Resetting prefix cache...");
+    let success = app.engine.reset_prefix_cache().await;
+    if !success {
+        tracing::warn!(
+            "Failed to reset prefix cache because some blocks ({} requests running) are not freed yet",
+            app.engine.running.load(std::sync::atomic::Ordering::SeqCst)
+        );
+    }
+    if app.engine.version().json_sleep_bodies() {
+        json(StatusCode::OK, &json!({"success": success}))
+    } else {
+        empty(StatusCode::OK)
     }
 }
 

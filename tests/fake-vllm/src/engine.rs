@@ -561,6 +561,14 @@ impl Engine {
             .unwrap_or_else(|e| Err(MemoryError::Device(format!("memory task failed: {e}"))))
     }
 
+    /// `reset_prefix_cache` (a utility call, one at a time with sleeps, wakes and RPCs): false
+    /// while running requests (a frozen `mode=keep` one too) hold KV-cache blocks, as the
+    /// block pool refuses to reset then.
+    pub async fn reset_prefix_cache(&self) -> bool {
+        let _op = self.op().await;
+        self.running.load(Ordering::SeqCst) == 0
+    }
+
     /// `collective_rpc reload_weights`.
     pub async fn reload_weights(&self) -> Result<(), EngineError> {
         let _op = self.op().await;
