@@ -245,6 +245,42 @@ fn disable_log_stats_is_refused_for_process_models() {
     assert!(Config::parse(ok, "m.toml").is_ok());
 }
 
+/// A vLLM engine with an API key refused (401) every request the proxy
+/// forwarded, while its health and sleep routes, which need no key, made it
+/// look fine; one serving only HTTPS, or no HTTP at all, could never be
+/// reached. Each is refused, naming the key.
+#[test]
+fn engine_flags_that_make_it_unreachable_for_siesta_are_refused() {
+    for (args, env, key, says) in [
+        (r#"["--api-key", "k"]"#, "", "model[0].args", "401"),
+        (r#"["--api_key=k"]"#, "", "model[0].args", "401"),
+        (
+            "[]",
+            "VLLM_API_KEY = \"k\"",
+            "model[0].env.VLLM_API_KEY",
+            "401",
+        ),
+        (
+            r#"["--ssl-keyfile", "/k.pem"]"#,
+            "",
+            "model[0].args",
+            "HTTPS",
+        ),
+        (r#"["--ssl-certfile=/c.pem"]"#, "", "model[0].args", "HTTPS"),
+        (r#"["--headless"]"#, "", "model[0].args", "no HTTP"),
+    ] {
+        let text = format!(
+            "[[model]]\nname = \"chat\"\nmodel = \"m\"\nargs = {args}\n[model.env]\n{env}\n"
+        );
+        let err = Config::parse(&text, "m.toml").unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("m.toml: {key}: ")),
+            "{args} {env}: {err}"
+        );
+        assert!(err.contains(says), "{args} {env}: {err}");
+    }
+}
+
 #[test]
 fn engine_idle_timeout_is_configurable() {
     let c = Config::parse("", "empty.toml").unwrap();

@@ -175,10 +175,32 @@ pub(super) fn check_args(p: &mut Problems, key: &str, engine: EngineKind, args: 
                 key,
                 format!("{written} turns off the sleep mode siesta starts vLLM with; remove it"),
             ),
+            "--api-key" => p.push(key, VLLM_API_KEY_REFUSED),
+            // siesta probes, drives and forwards to engines in plain HTTP.
+            "--ssl-keyfile" | "--ssl-certfile" => p.push(
+                key,
+                format!(
+                    "{written} makes vLLM speak only HTTPS, and siesta reaches its engines in \
+                     plain HTTP (on `host`); remove it"
+                ),
+            ),
+            "--headless" => p.push(
+                key,
+                "--headless serves no HTTP at all: siesta could not probe, wake or forward to it; remove it",
+            ),
             _ => {}
         }
     }
 }
+
+/// vLLM with an API key answers 401 on every `/v1` path without it, and
+/// siesta-proxy forwards no key of its own (with its own `--api-key` it
+/// takes the client's off): every request the proxy accepts would be
+/// refused. (Its health, metrics and sleep routes stay open, so the model
+/// looks healthy.)
+const VLLM_API_KEY_REFUSED: &str = "an engine API key makes vLLM refuse (401) every request \
+     siesta-proxy forwards, which carries no engine key: keep the engine on a private `host` \
+     and give clients keys with siesta-proxy's --api-key instead; remove it";
 
 /// Environment siesta sets for a process engine itself: placement's GPUs
 /// (when it has any), and vLLM's dev mode (its sleep routes).
@@ -198,6 +220,9 @@ pub(super) fn check_env(
                 );
             }
         }
+    }
+    if engine == EngineKind::Vllm && env.contains_key("VLLM_API_KEY") {
+        p.push(format!("{key}.VLLM_API_KEY"), VLLM_API_KEY_REFUSED);
     }
     if engine == EngineKind::Vllm && env.get("VLLM_SERVER_DEV_MODE").is_some_and(|v| v != "1") {
         p.push(
