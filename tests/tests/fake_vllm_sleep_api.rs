@@ -201,18 +201,7 @@ async fn is_sleeping_waits_behind_reload_weights_and_a_hung_wake() {
         "/is_sleeping answered after {waited:?}, during a 1 s reload"
     );
 
-    let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--hang-on-wake"]).await;
-    assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
-    let url = fv.at("/wake_up");
-    let _wake = tokio::spawn(async move { reqwest::Client::new().post(url).send().await });
-    fv.child
-        .output()
-        .wait_for("this wake never finishes", DEADLINE)
-        .await;
-    let c = reqwest::Client::builder()
-        .timeout(Duration::from_millis(800))
-        .build()
-        .unwrap();
+    let (fv, c) = in_a_wake_that_never_finishes().await;
     let r = c.get(fv.at("/is_sleeping")).send().await;
     assert!(r.is_err_and(|e| e.is_timeout()), "/is_sleeping must hang");
 }
@@ -423,10 +412,21 @@ async fn reset_prefix_cache_answers_success_and_waits_behind_a_wake() {
         (200, String::new())
     );
 
+    let (fv, c) = in_a_wake_that_never_finishes().await;
+    let r = c.post(fv.at("/reset_prefix_cache")).send().await;
+    assert!(
+        r.is_err_and(|e| e.is_timeout()),
+        "/reset_prefix_cache must wait behind the wake"
+    );
+}
+
+/// An engine asleep at level 1 whose wake, sent, never finishes, and a
+/// client that gives up after 800 ms (what is asked of it must hang).
+async fn in_a_wake_that_never_finishes() -> (FakeVllm, reqwest::Client) {
     let fv = spawn_fake_vllm(&["m", "--enable-sleep-mode", "--hang-on-wake"]).await;
     assert_eq!(fv.post("/sleep?level=1").await.status(), 200);
     let url = fv.at("/wake_up");
-    let _wake = tokio::spawn(async move { reqwest::Client::new().post(url).send().await });
+    tokio::spawn(async move { reqwest::Client::new().post(url).send().await });
     fv.child
         .output()
         .wait_for("this wake never finishes", DEADLINE)
@@ -435,9 +435,5 @@ async fn reset_prefix_cache_answers_success_and_waits_behind_a_wake() {
         .timeout(Duration::from_millis(800))
         .build()
         .unwrap();
-    let r = c.post(fv.at("/reset_prefix_cache")).send().await;
-    assert!(
-        r.is_err_and(|e| e.is_timeout()),
-        "/reset_prefix_cache must wait behind the wake"
-    );
+    (fv, c)
 }

@@ -993,6 +993,34 @@ fn admissions_and_evictions_are_counted() {
     }
 }
 
+/// The admission task over `w`'s GPUs, planning on `hub`, no `min_awake`
+/// and no turns.
+fn started(w: &World, hub: &Arc<crate::hub::Hub>, cancel: CancellationToken) -> Admission {
+    Admission::start(
+        w.view.clone(),
+        hub.clone(),
+        w.clock,
+        AdmissionPolicy {
+            min_awake: Duration::ZERO,
+            yield_after: None,
+        },
+        cancel,
+    )
+}
+
+/// Model `i` as found after a restart, in `state` for ten minutes; m0
+/// wanted awake by a request.
+fn adopted(w: &World, i: usize, state: State) -> ModelStatus {
+    let mut s = w.base.clone();
+    s.name = w.names[i].clone();
+    s.state = state;
+    s.state_since_unix_ms = w.clock.now_ms() - 600_000;
+    if i == 0 {
+        (s.intent.desired, s.intent.reason) = (Desired::Awake, Reason::Demand);
+    }
+    s
+}
+
 /// The overcommit of a chaos run (control killed with two models awake and
 /// a third's wake wanted, then restarted): the third's task asked for room
 /// before the adopted engines' states were published, saw a free GPU and
@@ -1003,16 +1031,7 @@ fn admissions_and_evictions_are_counted() {
 async fn nothing_is_admitted_before_every_adopted_engine_is_known() {
     let w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)])).unwrap();
     let hub = crate::hub::Hub::new(w.clock, 16, 16);
-    let admission = Admission::start(
-        w.view.clone(),
-        hub.clone(),
-        w.clock,
-        AdmissionPolicy {
-            min_awake: Duration::ZERO,
-            yield_after: None,
-        },
-        CancellationToken::new(),
-    );
+    let admission = started(&w, &hub, CancellationToken::new());
     let evicted = Arc::new(Mutex::new(Vec::<String>::new()));
     for n in &w.names {
         let (ev, n2) = (evicted.clone(), n.clone());
@@ -1020,16 +1039,7 @@ async fn nothing_is_admitted_before_every_adopted_engine_is_known() {
             .registry()
             .insert(n, Arc::new(move |_| ev.lock().unwrap().push(n2.clone())));
     }
-    let status = |i: usize, state: State| {
-        let mut s = w.base.clone();
-        s.name = w.names[i].clone();
-        s.state = state;
-        s.state_since_unix_ms = w.clock.now_ms() - 600_000;
-        if i == 0 {
-            (s.intent.desired, s.intent.reason) = (Desired::Awake, Reason::Demand);
-        }
-        s
-    };
+    let status = |i: usize, state: State| adopted(&w, i, state);
     // m0 is adopted asleep with a wake wanted, and asks at once.
     hub.publish_model(status(0, State::Asleep));
     let a = admission.clone();
@@ -1354,31 +1364,13 @@ async fn an_ask_is_refused_once_the_admission_task_has_died() {
     let w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)])).unwrap();
     let hub = crate::hub::Hub::new(w.clock, 16, 16);
     let shutdown = CancellationToken::new();
-    let admission = Admission::start(
-        w.view.clone(),
-        hub.clone(),
-        w.clock,
-        AdmissionPolicy {
-            min_awake: Duration::ZERO,
-            yield_after: None,
-        },
-        shutdown.clone(),
-    );
+    let admission = started(&w, &hub, shutdown.clone());
     for n in &w.names {
         admission
             .registry()
             .insert(n, Arc::new(|_| panic!("an evictor that panics")));
     }
-    let status = |i: usize, state: State| {
-        let mut s = w.base.clone();
-        s.name = w.names[i].clone();
-        s.state = state;
-        s.state_since_unix_ms = w.clock.now_ms() - 600_000;
-        if i == 0 {
-            (s.intent.desired, s.intent.reason) = (Desired::Awake, Reason::Demand);
-        }
-        s
-    };
+    let status = |i: usize, state: State| adopted(&w, i, state);
     hub.publish_model(status(0, State::Asleep));
     hub.publish_model(status(1, State::Awake));
     hub.publish_model(status(2, State::Awake));

@@ -159,14 +159,20 @@ fn an_unreadable_file_or_a_failed_start_probe_is_not_fatal() {
     assert_eq!(view.list_gpus(&[]).p2p_probed_unix_ms, 1234);
 }
 
+/// Two GPUs whose saved verdict says 0→1 is corrupt, probed at 1234, with
+/// no probe at start.
+async fn probed_corrupt_0_1(dir: &std::path::Path) -> GpuView {
+    save(dir, &[(0, 1, P2pHealth::Corrupt)]);
+    let cfg = config(dir, "p2p_probe = \"off\"");
+    tokio::task::spawn_blocking(move || GpuView::detect(&cfg, &BTreeMap::new()))
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn diag_p2p_without_a_probe_says_why_and_keeps_results() {
     let dir = tempfile::tempdir().unwrap();
-    save(dir.path(), &[(0, 1, P2pHealth::Corrupt)]);
-    let cfg = config(dir.path(), "p2p_probe = \"off\"");
-    let view = tokio::task::spawn_blocking(move || GpuView::detect(&cfg, &BTreeMap::new()))
-        .await
-        .unwrap();
+    let view = probed_corrupt_0_1(dir.path()).await;
     let r = view.diag_p2p(0, Duration::from_secs(20), 99).await;
     assert!(r.message.contains("P2P not probed"), "{}", r.message);
     assert!(r.failed, "two GPUs and no probe run: failed");
@@ -181,11 +187,7 @@ async fn diag_p2p_without_a_probe_says_why_and_keeps_results() {
 #[tokio::test]
 async fn a_probe_asked_for_while_one_runs_is_refused_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    save(dir.path(), &[(0, 1, P2pHealth::Corrupt)]);
-    let cfg = config(dir.path(), "p2p_probe = \"off\"");
-    let view = tokio::task::spawn_blocking(move || GpuView::detect(&cfg, &BTreeMap::new()))
-        .await
-        .unwrap();
+    let view = probed_corrupt_0_1(dir.path()).await;
     let running = view.probing.lock().await;
     let r = tokio::time::timeout(
         Duration::from_secs(10),
