@@ -25,6 +25,11 @@ use tokio::time::{Duration, Instant};
 /// 10 s at most (it was 30 s).
 pub const PROXY_STALE: Duration = Duration::from_secs(10);
 
+/// The longest a proxy's report of a finished request is taken to lag
+/// behind it (reports go out every 100 ms): an earlier `last_finished` is
+/// the proxy's clock running behind, not an idle engine.
+pub const REPORT_LAG: Duration = Duration::from_secs(2);
+
 /// What one proxy last reported of a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProxyLoad {
@@ -602,6 +607,9 @@ pub struct ModelState {
     pub restarts: u32,
     /// When the transition under way started (for calibration).
     pub transition_start: Instant,
+    /// The start under way is an engine adopted before it served: when it
+    /// was spawned is not known, so its start time is not a sample.
+    pub start_time_unknown: bool,
     pub calibration: Calibration,
     /// Removed or changed by a reload: stopping for good (answers under
     /// way finish first); demand no longer wakes it.
@@ -684,6 +692,7 @@ impl ModelState {
             exited_gen: None,
             restarts: 0,
             transition_start: now,
+            start_time_unknown: false,
             calibration: Calibration::default(),
             retiring: false,
             yields_given_up: 0,

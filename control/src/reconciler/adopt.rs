@@ -37,12 +37,25 @@ pub fn adopt(
     // engine was ready before this daemon started. A tier overdue by now
     // waits until its requests in flight are known.
     m.tiers_after = Some(now + PROXY_STALE);
+    // What `step` records when a phase begins, recorded for the phase the
+    // engine was found in: its sleep level, and (asleep) what it holds on
+    // its GPUs. The measured residual lives in memory only: without this,
+    // an engine whose sleep frees little (no sleep mode) was counted at the
+    // default residual after a restart, and a neighbour admitted beside it.
     match observed {
-        Observed::Awake => set_phase(m, Phase::Awake, now),
-        Observed::Asleep(level) => set_phase(m, Phase::Asleep { level }, now),
+        Observed::Awake => {
+            set_phase(m, Phase::Awake, now);
+            fx.push(Effect::RecordSleepLevel(0));
+        }
+        Observed::Asleep(level) => {
+            set_phase(m, Phase::Asleep { level }, now);
+            fx.push(Effect::RecordSleepLevel(level));
+            fx.push(Effect::MeasureResidual);
+        }
         Observed::Suspended(under) => set_phase(m, Phase::Suspended { under }, now),
         Observed::NotServing if m.intent.desired == Desired::Stopped => terminate(m, now, &mut fx),
         Observed::NotServing => {
+            m.start_time_unknown = true;
             let deadline = now + m.settings.timeouts.start;
             set_phase(
                 m,
@@ -164,6 +177,52 @@ mod tests {
         assert!(matches!(m.phase, Phase::Waking { from_level: 2, .. }));
         assert!(!fx.iter().any(|f| matches!(f, Effect::Spawn { .. })));
         assert_eq!((m.pid, m.proc_gen), (Some(4242), 7));
+    }
+
+    /// An engine adopted asleep was never measured (the residual lives
+    /// in memory only) nor its level recorded: one whose sleep frees little
+    /// was counted at the default residual after a restart.
+    #[test]
+    fn an_engine_adopted_asleep_is_measured_and_its_level_recorded() {
+        let now = Instant::now();
+        let mut m = fresh(Desired::Asleep(1));
+        let fx = adopt(&mut m, 1, 10, Observed::Asleep(1), now);
+        let (m, more) = step(m, Event::Tick, now);
+        assert_eq!(m.phase, Phase::Asleep { level: 1 });
+        let all: Vec<_> = fx.iter().chain(&more).collect();
+        assert!(all.contains(&&Effect::MeasureResidual), "{all:?}");
+        assert!(all.contains(&&Effect::RecordSleepLevel(1)), "{all:?}");
+        let mut m = fresh(Desired::Awake);
+        let fx = adopt(&mut m, 1, 10, Observed::Awake, now);
+        assert!(fx.contains(&Effect::RecordSleepLevel(0)), "{fx:?}");
+        assert!(!fx.contains(&Effect::MeasureResidual), "{fx:?}");
+    }
+
+    /// An engine adopted before it served: the time from its adoption to
+    /// its first answer was taken as its start time (0.8 s for a start of a
+    /// minute), and saved.
+    #[test]
+    fn an_engine_adopted_mid_start_gives_no_start_time() {
+        let now = Instant::now();
+        let mut m = fresh(Desired::Awake);
+        adopt(&mut m, 1, 10, Observed::NotServing, now);
+        let epoch = m.epoch;
+        let ready = Event::HealthOk {
+            epoch,
+            asleep: None,
+        };
+        let (m, fx) = step(m, ready, now + Duration::from_secs(1));
+        assert_eq!(m.phase, Phase::Awake);
+        assert_eq!(m.calibration.start.samples, 0, "{fx:?}");
+        assert!(!fx.contains(&Effect::PersistCalibration), "{fx:?}");
+        assert!(
+            fx.iter().any(
+                |f| matches!(f, Effect::Log(l) if l.contains("1.0 s after its adoption: serving"))
+            ),
+            "{fx:?}"
+        );
+        // Its next start is one siesta spawned: timed.
+        assert!(!m.start_time_unknown);
     }
 
     #[test]

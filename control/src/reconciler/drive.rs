@@ -293,6 +293,7 @@ fn unreaped(pid: u32) -> String {
 
 pub(super) fn start(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     m.transition_start = now;
+    m.start_time_unknown = false;
     m.stable_at = None;
     m.engine_running = 0;
     // The previous generation's process is the runner's to reap; its pid

@@ -124,18 +124,24 @@ pub(super) fn health_ok(
 ) {
     if let Phase::Starting { spawned: true, .. } = m.phase {
         let took = now.saturating_duration_since(m.transition_start);
-        if !m.settings.attach {
+        // An engine adopted mid-start began before this daemon did: the
+        // time since its adoption is no start time (a false, short sample
+        // made the proxies' estimates for held requests too short).
+        let known = !std::mem::take(&mut m.start_time_unknown);
+        if !m.settings.attach && known {
             m.calibration.start.add(took);
         }
         // Without it an operator's `siesta logs` showed the spawn
         // and then nothing: when the engine began to serve, and
         // how long its start took, were not to be read anywhere.
+        let after = if known {
+            format!("after {:.1} s", took.as_secs_f64())
+        } else {
+            format!("{:.1} s after its adoption", took.as_secs_f64())
+        };
         fx.push(Effect::Log(match asleep {
-            Some(level) => format!(
-                "ready after {:.1} s, found asleep at level {level}",
-                took.as_secs_f64()
-            ),
-            None => format!("ready after {:.1} s: serving", took.as_secs_f64()),
+            Some(level) => format!("ready {after}, found asleep at level {level}"),
+            None => format!("ready {after}: serving"),
         }));
         // Failures are forgotten once it has stayed up a while
         // (`forget_failures`), not now: an engine that dies soon
