@@ -237,7 +237,14 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 m.proxies.insert(proxy, load);
             }
             if active || in_flight > 0 {
-                let at = last_finished.unwrap_or(now).min(now);
+                // `last_finished` is on the proxy's clock: a proxy whose
+                // clock lags by more than a tier would have put a model
+                // serving steady short requests to sleep. A request reported
+                // as just finished finished within the last report or so
+                // (they go out every 100 ms).
+                let at = last_finished
+                    .unwrap_or(now)
+                    .clamp(now.checked_sub(REPORT_LAG).unwrap_or(now), now);
                 let at = if in_flight > 0 { now } else { at };
                 m.last_activity = Some(m.last_activity.map_or(at, |a| a.max(at)));
             }

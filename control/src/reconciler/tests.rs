@@ -350,6 +350,29 @@ fn never_sleeps_with_requests_in_flight() {
     assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
 }
 
+/// A proxy whose clock lags control's by a minute reports steady short
+/// requests as finished a minute ago: the idle clock took its word, and
+/// the 10 s sleep tier fired while requests kept coming.
+#[test]
+fn a_proxy_whose_clock_lags_does_not_make_a_busy_model_idle() {
+    let mut s = Sim::new(Preload::Awake);
+    s.boot();
+    for _ in 0..12 {
+        s.advance(secs(5));
+        s.ev(Event::Activity {
+            proxy: "p".into(),
+            in_flight: 0,
+            held: 0,
+            active: true,
+            last_finished: Some(s.now - secs(60)),
+        });
+        assert_eq!(s.m.phase, Phase::Awake, "{:?}", s.fx);
+    }
+    // Once the requests stop, the tier fires as before.
+    s.advance(secs(11));
+    assert!(matches!(s.m.phase, Phase::Sleeping { level: 1, .. }));
+}
+
 #[test]
 fn level_2_wake_is_four_calls_in_order() {
     let mut s = Sim::new(Preload::Awake);
