@@ -236,7 +236,12 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 };
                 m.proxies.insert(proxy, load);
             }
-            if active || in_flight > 0 {
+            // Held requests keep the idle clock going too: no tier fires
+            // while any are held, and once they are answered (a failed
+            // wake's 503 with Retry-After) the time they waited is not
+            // idle time that fires a stop tier before the retry they were
+            // promised.
+            if active || in_flight > 0 || held > 0 {
                 // `last_finished` is on the proxy's clock: a proxy whose
                 // clock lags by more than a tier would have put a model
                 // serving steady short requests to sleep. A request reported
@@ -245,7 +250,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
                 let at = last_finished
                     .unwrap_or(now)
                     .clamp(now.checked_sub(REPORT_LAG).unwrap_or(now), now);
-                let at = if in_flight > 0 { now } else { at };
+                let at = if in_flight > 0 || held > 0 { now } else { at };
                 m.last_activity = Some(m.last_activity.map_or(at, |a| a.max(at)));
             }
         }

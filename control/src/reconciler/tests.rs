@@ -1118,6 +1118,69 @@ fn a_wakes_time_counts_only_while_its_calls_run() {
     assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
 }
 
+/// A wake that hung with requests held: they were answered 503 with
+/// Retry-After 1 s when it failed, and at that moment the stop tier fired
+/// (the time held counted as idle), so the retrying clients found the model
+/// stopped and paid a cold start. The idle clock runs from when the held
+/// requests were last held.
+#[test]
+fn a_failed_wakes_held_requests_are_not_idle_time_for_its_stop_tier() {
+    let mut s = Sim::asleep_without_tiers();
+    s.m.settings.tiers = vec![IdleTier {
+        after: secs(3),
+        action: IdleAction::Stop,
+    }];
+    let held = |n| Event::Activity {
+        proxy: "p".into(),
+        in_flight: 0,
+        held: n,
+        active: false,
+        last_finished: None,
+    };
+    s.ev(Event::Demand);
+    s.ev(held(10));
+    s.ev(Event::Admitted { epoch: s.m.epoch });
+    s.ev(Event::WakeBegan {
+        epoch: s.m.epoch,
+        step: 0,
+    });
+    // The engine hangs; the proxy re-reports what it holds every second.
+    while matches!(s.m.phase, Phase::Waking { .. }) {
+        s.advance(secs(1));
+        s.ev(held(10));
+    }
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+    // The hung engine is killed and reaped.
+    s.ev(Event::ChildExited {
+        proc_gen: s.m.proc_gen,
+        status: "signal 9".into(),
+        cause: None,
+    });
+    // The proxy answers them 503 (Retry-After: the retry is due in 1 s).
+    s.advance(Duration::from_millis(100));
+    s.ev(held(0));
+    assert!(
+        matches!(s.m.phase, Phase::Failed { .. }),
+        "the stop tier fired at the failure: {:?}",
+        s.m.phase
+    );
+    assert_eq!(s.m.intent.desired, Desired::Awake);
+    // The retry comes when it said.
+    let Phase::Failed {
+        retry_at: Some(retry),
+        ..
+    } = s.m.phase
+    else {
+        panic!("no retry: {:?}", s.m.phase)
+    };
+    s.advance(retry.saturating_duration_since(s.now));
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. } | Phase::Waking { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
+
 #[test]
 fn a_wakes_calibration_counts_its_calls_not_the_waits_between_them() {
     let mut s = Sim::asleep_without_tiers();

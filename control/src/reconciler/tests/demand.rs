@@ -318,7 +318,9 @@ fn held_requests_start_a_stopped_model_unless_an_operator_stopped_it() {
 }
 
 /// A model with requests held is not idle: no tier fires (a proxy's count
-/// can trail the release of its requests by a report).
+/// can trail the release of its requests by a report), and the time they
+/// were held is not idle time either: the tier comes its whole time after
+/// the last report that held any.
 #[test]
 fn no_tier_fires_while_requests_are_held() {
     let mut s = Sim::new(Preload::Awake);
@@ -330,8 +332,12 @@ fn no_tier_fires_while_requests_are_held() {
     }
     assert_eq!(s.m.phase, Phase::Awake, "L1 is due after 10 s idle");
     assert!(!s.has(|f| matches!(f, Effect::Sleep { .. })));
-    // Released: the overdue tier fires at the report.
     held(&mut s, 0);
+    assert_eq!(s.m.phase, Phase::Awake, "held time taken as idle");
+    // 10 s after the last report that held some, the tier fires.
+    s.advance(secs(8));
+    assert_eq!(s.m.phase, Phase::Awake);
+    s.advance(secs(2));
     assert!(
         matches!(s.m.phase, Phase::Sleeping { level: 1, .. }),
         "{:?}",
