@@ -538,3 +538,21 @@ fn a_token_a_header_cannot_carry_is_refused_without_showing_it() {
     let c = Config::parse("[control]\ntoken = \"s3cr3t-T0ken_~!\"\n", "h.toml").unwrap();
     c.check_tokens().unwrap();
 }
+
+/// Two models named alike, the second with a problem of its own: only that
+/// problem was reported, and the clash only once it was fixed.
+#[test]
+fn a_name_clash_is_reported_with_the_other_problems_of_the_model() {
+    let text = "[[model]]\nname = \"m1\"\nmodel = \"x\"\n\n\
+                [[model]]\nname = \"m1\"\nmodel = \"y\"\ngpus = 1\n\
+                [model.env]\nCUDA_VISIBLE_DEVICES = \"0\"\n";
+    let err = Config::parse(text, "h.toml").unwrap_err().to_string();
+    assert!(
+        err.contains("h.toml: model[1].name: \"m1\" is already used by model[0].name"),
+        "{err}"
+    );
+    assert!(
+        err.contains("h.toml: model[1].env.CUDA_VISIBLE_DEVICES"),
+        "{err}"
+    );
+}

@@ -51,14 +51,26 @@ pub(super) fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
         .into_iter()
         .filter_map(|(path, t)| read_gpu(&mut p, path, t))
         .collect();
-    let indexed: Vec<(usize, ModelConfig)> = r
-        .tables(&mut p, "model")
-        .into_iter()
+    let model_tables = r.tables(&mut p, "model");
+    let indexed: Vec<(usize, ModelConfig)> = model_tables
+        .iter()
         .enumerate()
-        .filter_map(|(i, (path, t))| Some((i, read_model(&mut p, &defaults, &gpus, path, t)?)))
+        .filter_map(|(i, (path, t))| {
+            Some((i, read_model(&mut p, &defaults, &gpus, path.clone(), t)?))
+        })
         .collect();
     r.finish(&mut p);
-    check_names(&mut p, &indexed);
+    // Every model's names, also those of a model with problems of its own
+    // (as written): a clash was shown only once the rest was fixed.
+    let names: Vec<Names> = model_tables
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (_, t))| match indexed.iter().find(|(j, _)| *j == i) {
+            Some((_, m)) => Some((i, m.name.clone(), m.aliases.clone())),
+            None => written_names(t).map(|(n, a)| (i, n, a)),
+        })
+        .collect();
+    check_names(&mut p, &names);
     check_ports(&mut p, &control, &indexed);
     let models: Vec<ModelConfig> = indexed.into_iter().map(|(_, m)| m).collect();
     let mut seen = BTreeSet::new();
@@ -434,11 +446,29 @@ fn read_gpu(p: &mut Problems, path: String, t: &toml::Table) -> Option<GpuConfig
     })
 }
 
-fn check_names(p: &mut Problems, models: &[(usize, ModelConfig)]) {
+/// A model's index, name and aliases.
+type Names = (usize, String, Vec<String>);
+
+/// The name and aliases written in a model's table, where they are strings.
+fn written_names(t: &toml::Table) -> Option<(String, Vec<String>)> {
+    let name = t.get("name")?.as_str()?.to_string();
+    let aliases = t
+        .get("aliases")
+        .and_then(toml::Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    Some((name, aliases))
+}
+
+fn check_names(p: &mut Problems, models: &[Names]) {
     let mut owner: BTreeMap<&str, String> = BTreeMap::new();
-    for (i, m) in models {
-        let names = std::iter::once((format!("model[{i}].name"), m.name.as_str())).chain(
-            m.aliases
+    for (i, name, aliases) in models {
+        let names = std::iter::once((format!("model[{i}].name"), name.as_str())).chain(
+            aliases
                 .iter()
                 .enumerate()
                 .map(move |(j, a)| (format!("model[{i}].aliases[{j}]"), a.as_str())),
@@ -455,20 +485,19 @@ fn check_names(p: &mut Problems, models: &[(usize, ModelConfig)]) {
     // letters, digits and `-` folded to `_`: two such names would write
     // (and `siesta logs` read) one file.
     let mut files: BTreeMap<String, (usize, &str)> = BTreeMap::new();
-    for (i, m) in models {
-        let file = log_file_stem(&m.name);
+    for (i, name, _) in models {
+        let file = log_file_stem(name);
         match files.get(&file) {
-            Some((j, other)) if *other != m.name => p.push(
+            Some((j, other)) if *other != name.as_str() => p.push(
                 format!("model[{i}].name"),
                 format!(
-                    "{:?} would share its engine log files ({file}.stdout.log) with \
-                     model[{j}] ({other:?}); rename one",
-                    m.name
+                    "{name:?} would share its engine log files ({file}.stdout.log) with \
+                     model[{j}] ({other:?}); rename one"
                 ),
             ),
             Some(_) => {}
             None => {
-                files.insert(file, (*i, &m.name));
+                files.insert(file, (*i, name.as_str()));
             }
         }
     }
