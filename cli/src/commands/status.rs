@@ -100,15 +100,20 @@ fn tier_cell(now: i64, m: &pb::ModelStatus) -> String {
     }
 }
 
+/// What holds the model up now, else its last error: a model waiting for
+/// room showed an error from minutes before (kept until a start succeeds)
+/// instead of what it waited for.
 fn error_cell(now: i64, m: &pb::ModelStatus) -> String {
-    let mut text: String = m.last_error.lines().next().unwrap_or("").to_owned();
+    let mut text: String = if m.waiting_for.is_empty() {
+        m.last_error.lines().next().unwrap_or("").to_owned()
+    } else {
+        format!("waiting for {}", m.waiting_for)
+    };
     if text.chars().count() > ERROR_WIDTH {
         text = text.chars().take(ERROR_WIDTH - 1).collect::<String>() + "…";
     }
     if m.retry_at_unix_ms > 0 {
         text = format!("{text} (retry {})", render::until(now, m.retry_at_unix_ms));
-    } else if !m.waiting_for.is_empty() && text.is_empty() {
-        text = format!("waiting for {}", m.waiting_for);
     }
     render::or_dash(text.trim())
 }
@@ -116,6 +121,18 @@ fn error_cell(now: i64, m: &pb::ModelStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_a_model_waits_for_shows_before_an_old_error() {
+        let mut m = pb::ModelStatus {
+            last_error: "wake from level 1 timed out".into(),
+            waiting_for: "room on GPU 0".into(),
+            ..Default::default()
+        };
+        assert_eq!(error_cell(0, &m), "waiting for room on GPU 0");
+        m.waiting_for.clear();
+        assert_eq!(error_cell(0, &m), "wake from level 1 timed out");
+    }
 
     #[test]
     fn table_shows_state_tier_and_error() {
