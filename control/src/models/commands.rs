@@ -220,6 +220,8 @@ pub(super) fn account(before: &ModelStatus, after: &ModelStatus, cmd: Command) -
             before.sleep_level
         ),
         (Command::Suspend, State::Suspended) => "already suspended".into(),
+        // It read "stopping", as if the model were being stopped for good.
+        (Command::Restart, _) => "restarting".into(),
         (Command::Suspend, _) if after.in_flight > 0 && after.state == State::Awake => {
             format!(
                 "will suspend once {} request(s) in flight finish",

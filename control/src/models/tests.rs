@@ -489,6 +489,10 @@ fn a_deeper_sleep_says_it_wakes_the_model_first() {
         account(&asleep, &asleep, Command::Sleep(1)),
         "already asleep at level 1"
     );
+    // A restart said "stopping", as if for good.
+    let mut stopping = asleep.clone();
+    stopping.state = State::Stopping;
+    assert_eq!(account(&asleep, &stopping, Command::Restart), "restarting");
 }
 
 /// `wake --wait` cut short by the control plane stopping says so: it said
