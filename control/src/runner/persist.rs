@@ -119,17 +119,14 @@ impl Runner {
     /// model shown may be up to a second newer than the one recorded).
     pub(super) fn persist_history(&mut self) {
         let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
-        let due = match self.shared.store.get(&self.cfg.name) {
-            None => true,
-            Some(old) => {
-                old.restarts != rec.restarts
-                    || old.idle_floor_unix_ms != rec.idle_floor_unix_ms
-                    || (old.last_activity_unix_ms != rec.last_activity_unix_ms
-                        && (self.state.in_flight() == 0
-                            || rec.last_activity_unix_ms - old.last_activity_unix_ms
-                                >= HISTORY_EVERY_MS))
-            }
-        };
+        // Requests held count as busy too: their reports move the idle
+        // clock every 100 ms, and each write is a commit the status waits for.
+        let busy = self.state.in_flight() > 0 || self.state.held() > 0;
+        let due = self
+            .shared
+            .store
+            .get(&self.cfg.name)
+            .is_none_or(|old| history_due(&old, &rec, busy));
         if due && !self.state.retiring {
             let committed = self.shared.store.set_soon(&self.cfg.name, rec);
             self.unshown.push((committed, STORE_FAILED));
@@ -172,5 +169,47 @@ impl Runner {
     pub(super) fn persist_calibration(&self) {
         let rec = CalibrationRecord::from(&self.state.calibration);
         self.shared.store.set_calibration(&self.cfg.name, &rec);
+    }
+}
+
+/// Whether `rec`'s history must be written over `old`'s: a new restart
+/// count or idle floor at once; a newer last activity at once when the
+/// model is not `busy` (the end of a burst), else once it is
+/// [`HISTORY_EVERY_MS`] newer.
+fn history_due(old: &IntentRecord, rec: &IntentRecord, busy: bool) -> bool {
+    old.restarts != rec.restarts
+        || old.idle_floor_unix_ms != rec.idle_floor_unix_ms
+        || (old.last_activity_unix_ms != rec.last_activity_unix_ms
+            && (!busy || rec.last_activity_unix_ms - old.last_activity_unix_ms >= HISTORY_EVERY_MS))
+}
+
+#[cfg(test)]
+mod history_tests {
+    use super::*;
+
+    /// Held requests move the idle clock at every report (every 100 ms):
+    /// a model with requests held wrote its history, a store commit the
+    /// status waited for, at each one.
+    #[test]
+    fn a_busy_models_activity_is_written_about_once_a_second() {
+        let at = |ms| IntentRecord {
+            desired: "awake".into(),
+            level: 0,
+            reason: "demand".into(),
+            since_unix_ms: 1,
+            until_unix_ms: 0,
+            pinned_until_unix_ms: 0,
+            restarts: 0,
+            last_activity_unix_ms: ms,
+            idle_floor_unix_ms: 1,
+            restart_asked_unix_ms: 0,
+        };
+        let old = at(10_000);
+        assert!(!history_due(&old, &at(10_100), true));
+        assert!(history_due(&old, &at(11_000), true));
+        assert!(history_due(&old, &at(10_100), false), "the end of a burst");
+        let mut restarted = at(10_000);
+        restarted.restarts = 1;
+        assert!(history_due(&old, &restarted, true));
     }
 }
