@@ -1,7 +1,7 @@
 //! Taking over an engine found running at start-up (see `recovery`).
 
 use super::drive::terminate;
-use super::step::set_phase;
+use super::step::{record_phase, set_phase};
 use super::*;
 
 /// What an adopted engine answered.
@@ -37,21 +37,9 @@ pub fn adopt(
     // engine was ready before this daemon started. A tier overdue by now
     // waits until its requests in flight are known.
     m.tiers_after = Some(now + PROXY_STALE);
-    // What `step` records when a phase begins, recorded for the phase the
-    // engine was found in: its sleep level, and (asleep) what it holds on
-    // its GPUs. The measured residual lives in memory only: without this,
-    // an engine whose sleep frees little (no sleep mode) was counted at the
-    // default residual after a restart, and a neighbour admitted beside it.
     match observed {
-        Observed::Awake => {
-            set_phase(m, Phase::Awake, now);
-            fx.push(Effect::RecordSleepLevel(0));
-        }
-        Observed::Asleep(level) => {
-            set_phase(m, Phase::Asleep { level }, now);
-            fx.push(Effect::RecordSleepLevel(level));
-            fx.push(Effect::MeasureResidual);
-        }
+        Observed::Awake => set_phase(m, Phase::Awake, now),
+        Observed::Asleep(level) => set_phase(m, Phase::Asleep { level }, now),
         Observed::Suspended(under) => set_phase(m, Phase::Suspended { under }, now),
         Observed::NotServing if m.intent.desired == Desired::Stopped => terminate(m, now, &mut fx),
         Observed::NotServing => {
@@ -72,6 +60,10 @@ pub fn adopt(
             });
         }
     }
+    // Recorded as `step` records a phase that begins: without it an engine
+    // found asleep was never measured, and one whose sleep frees little (no
+    // sleep mode) was counted at the default residual after a restart.
+    record_phase(m, &mut fx);
     fx
 }
 

@@ -36,24 +36,31 @@ pub fn step(mut m: ModelState, event: Event, now: Instant) -> (ModelState, Vec<E
         fx.push(Effect::PersistCalibration);
     }
     if m.epoch != epoch_before {
-        match m.phase {
-            Phase::Awake => fx.push(Effect::RecordSleepLevel(0)),
-            Phase::Asleep { level } => {
-                fx.push(Effect::RecordSleepLevel(level));
-                fx.push(Effect::MeasureResidual);
-            }
-            // An engine that cannot say whether it sleeps (SGLang) is taken
-            // as asleep from the moment its release is asked: a control
-            // restarted mid-release resumes it rather than sending it
-            // requests.
-            Phase::Sleeping { level, .. } if !m.settings.kind.capabilities().sleep_query => {
-                fx.push(Effect::RecordSleepLevel(level));
-            }
-            _ => {}
-        }
+        record_phase(&m, &mut fx);
     }
     fx.push(Effect::Timer(next_wakeup(&m, now)));
     (m, fx)
+}
+
+/// What is recorded as a phase begins (also for the phase an adopted
+/// engine is found in): its sleep level, and asleep, what it holds on its
+/// GPUs (measured; the measure lives in memory only).
+pub(super) fn record_phase(m: &ModelState, fx: &mut Vec<Effect>) {
+    match m.phase {
+        Phase::Awake => fx.push(Effect::RecordSleepLevel(0)),
+        Phase::Asleep { level } => {
+            fx.push(Effect::RecordSleepLevel(level));
+            fx.push(Effect::MeasureResidual);
+        }
+        // An engine that cannot say whether it sleeps (SGLang) is taken
+        // as asleep from the moment its release is asked: a control
+        // restarted mid-release resumes it rather than sending it
+        // requests.
+        Phase::Sleeping { level, .. } if !m.settings.kind.capabilities().sleep_query => {
+            fx.push(Effect::RecordSleepLevel(level));
+        }
+        _ => {}
+    }
 }
 
 /// An engine up [`STABLE_AFTER`] since it became ready after failures is
