@@ -66,11 +66,18 @@ pub enum Wait {
     Draining,
 }
 
+/// One held request: where its release goes, and when its hold ends.
+#[derive(Debug)]
+struct Waiter {
+    tx: oneshot::Sender<Release>,
+    deadline: Instant,
+}
+
 #[derive(Debug, Default)]
 struct QueueInner {
     /// By arrival (ids grow): in order to release, and a leaver is removed
     /// in O(log n) (100,000 clients may hang up at once).
-    waiters: BTreeMap<u64, oneshot::Sender<Release>>,
+    waiters: BTreeMap<u64, Waiter>,
     next_id: u64,
     /// The wait episode under way (its Demand was or is being sent), if any.
     episode: Option<u64>,
@@ -99,10 +106,37 @@ impl HoldQueue {
         let mut q = self.inner.lock().unwrap();
         q.episode = None;
         let n = q.waiters.len();
-        for (_, tx) in std::mem::take(&mut q.waiters) {
-            let _ = tx.send(f());
+        for (_, w) in std::mem::take(&mut q.waiters) {
+            let _ = w.tx.send(f());
         }
         self.report_held(0);
+        n
+    }
+
+    /// The model failed and waits for its next try: answers now each held
+    /// request [`failed_answer`] does not hold through it (all of them once
+    /// it failed twice in a row), and keeps the others. Returns how many
+    /// were answered.
+    fn answer_failed(&self, route: &ModelRoute, now_ms: i64) -> usize {
+        let mut q = self.inner.lock().unwrap();
+        let now = Instant::now();
+        let answered: Vec<(u64, ApiError)> = q
+            .waiters
+            .iter()
+            .filter_map(|(id, w)| {
+                failed_answer(route, now_ms, hold_left_ms(w.deadline, now)).map(|e| (*id, e))
+            })
+            .collect();
+        let n = answered.len();
+        for (id, e) in answered {
+            if let Some(w) = q.waiters.remove(&id) {
+                let _ = w.tx.send(Release::Fail(e));
+            }
+        }
+        if q.waiters.is_empty() {
+            q.episode = None;
+        }
+        self.report_held(q.waiters.len());
         n
     }
 
@@ -216,6 +250,55 @@ impl Drop for Ticket {
     }
 }
 
+/// Failures in a row that held requests wait through: an engine that
+/// crashed, or a start that failed, once is tried again after its backoff,
+/// and a request whose hold covers that and a start waits for it; a model
+/// that failed again (it keeps failing) has its requests answered at once,
+/// with the time to its next try, not held a whole `max_hold` each.
+pub const HELD_THROUGH_FAILURES: u32 = 1;
+
+/// Milliseconds from `now` until `deadline` (0 once past).
+fn hold_left_ms(deadline: Instant, now: Instant) -> u64 {
+    deadline.saturating_duration_since(now).as_millis() as u64
+}
+
+/// The answer now for a request to `route`, with `hold_left_ms` of its hold
+/// left, if the model failed and waits for its next try and the request is
+/// not held through it ([`HELD_THROUGH_FAILURES`]; its next try and a start
+/// must fit in what is left of the hold). `None`: held as for any model not
+/// awake.
+fn failed_answer(route: &ModelRoute, now_ms: i64, hold_left_ms: u64) -> Option<ApiError> {
+    let status = &route.status;
+    if route.state != ModelState::Failed || status.retry_at_unix_ms <= now_ms {
+        return None;
+    }
+    let wait = (status.retry_at_unix_ms - now_ms) as u64;
+    let est = estimate(route, now_ms).ms;
+    let fits = est <= hold_left_ms;
+    if status.failures <= HELD_THROUGH_FAILURES && fits {
+        return None;
+    }
+    let (name, error) = (&route.name, &status.last_error);
+    let message = if fits {
+        format!(
+            "model `{name}` failed {} times in a row ({error}); next attempt in {wait} ms",
+            status.failures
+        )
+    } else {
+        format!(
+            "model `{name}` failed ({error}); its next attempt in {wait} ms and a start \
+             (about {est} ms together) outlast this request's hold \
+             ({hold_left_ms} ms left of max_hold {} ms)",
+            route.max_hold_ms
+        )
+    };
+    Some(shed(
+        ShedReason::Failed,
+        Some(wait.div_ceil(1000).max(1)),
+        message,
+    ))
+}
+
 /// A model an operator stopped: demand will not wake it, and retrying
 /// cannot help until someone starts it (no Retry-After).
 fn operator_stopped(route: &ModelRoute) -> ApiError {
@@ -284,22 +367,12 @@ impl Holds {
             return Err(operator_stopped(route));
         }
         let now_ms = now_unix_ms();
-        let status = &route.status;
-        if route.state == ModelState::Failed && status.retry_at_unix_ms > now_ms {
-            let wait = (status.retry_at_unix_ms - now_ms) as u64;
-            return Err(shed(
-                ShedReason::Failed,
-                Some(wait.div_ceil(1000).max(1)),
-                format!(
-                    "model `{}` failed ({}); next attempt in {} ms",
-                    route.name, status.last_error, wait
-                ),
-            ));
+        let deadline = held_since + Duration::from_millis(route.max_hold_ms);
+        let hold_left = hold_left_ms(deadline, Instant::now());
+        if let Some(e) = failed_answer(route, now_ms, hold_left) {
+            return Err(e);
         }
         let est = estimate(route, now_ms);
-        let hold_left = Duration::from_millis(route.max_hold_ms)
-            .saturating_sub(held_since.elapsed())
-            .as_millis() as u64;
         let queue = self
             .queues
             .lock()
@@ -364,7 +437,7 @@ impl Holds {
         let id = q.next_id;
         q.next_id += 1;
         let (tx, rx) = oneshot::channel();
-        q.waiters.insert(id, tx);
+        q.waiters.insert(id, Waiter { tx, deadline });
         queue.report_held(q.waiters.len());
         let new_episode = q.episode.is_none().then(|| {
             q.episodes += 1;
@@ -537,18 +610,8 @@ impl Holds {
                     tracing::info!(model = %q.model, answered = n, "stopped by an operator; held requests answered");
                 }
                 Some(r) if r.state == ModelState::Failed && r.status.retry_at_unix_ms > now_ms => {
-                    let wait = (r.status.retry_at_unix_ms - now_ms) as u64;
-                    let msg = format!(
-                        "model `{}` failed ({}); next attempt in {} ms",
-                        r.name, r.status.last_error, wait
-                    );
-                    q.release_all(|| {
-                        Release::Fail(shed(
-                            ShedReason::Failed,
-                            Some(wait.div_ceil(1000).max(1)),
-                            msg.clone(),
-                        ))
-                    });
+                    let n = q.answer_failed(r, now_ms);
+                    tracing::info!(model = %q.model, answered = n, failures = r.status.failures, "model failed; held requests that cannot wait for its next try answered");
                 }
                 Some(_) => {}
             }
@@ -666,5 +729,113 @@ mod tests {
             "{waited:?}"
         );
         assert_eq!(holds.depth("m"), 0);
+    }
+
+    /// `m` failed `failures` times in a row, its next try in `retry_in_ms`,
+    /// a start measured at 10 s, and a hold limit of 60 s.
+    fn failed(failures: u32, retry_in_ms: i64) -> siesta_proto::v1::ModelStatus {
+        let mut s = status("m", ModelState::Failed, &[]);
+        s.failures = failures;
+        s.retry_at_unix_ms = now_unix_ms() + retry_in_ms;
+        s.last_error = "engine exited (signal 9)".into();
+        s.calibration = Some(siesta_proto::v1::Calibration {
+            start_ms: 10_000,
+            start_samples: 1,
+            ..Default::default()
+        });
+        s.hold = Some(HoldPolicy {
+            max_hold_ms: 60_000,
+            ..Default::default()
+        });
+        s
+    }
+
+    fn route(s: siesta_proto::v1::ModelStatus) -> Arc<ModelRoute> {
+        let table = RouteTable::new(Arc::new(Activity::default()));
+        table.apply(&Arc::from("http://c"), snapshot(1, vec![s]));
+        table.view().by_name["m"].clone()
+    }
+
+    /// A first failure is waited through when its next try and a start fit
+    /// in the hold left; a second in a row, or a wait that outlasts the
+    /// hold, is answered at once with the time to the next try.
+    #[test]
+    fn a_first_failure_is_held_through_and_a_second_answered() {
+        let first = route(failed(1, 2_000));
+        // After the routes are made: their next tries are 2 s away or less.
+        let now = now_unix_ms() + 1;
+        assert!(failed_answer(&first, now, 60_000).is_none());
+        // Its next try (2 s) and a start (10 s) do not fit in 11 s.
+        let Some(ApiError::Shed {
+            reason,
+            retry_after_s,
+            message,
+        }) = failed_answer(&first, now, 11_000)
+        else {
+            panic!("a wait past the hold was held");
+        };
+        assert_eq!((reason, retry_after_s), (ShedReason::Failed, Some(2)));
+        assert!(
+            message.contains("outlast this request's hold (11000 ms left"),
+            "{message}"
+        );
+        let again = route(failed(2, 4_000));
+        let now = now_unix_ms() + 1;
+        let Some(ApiError::Shed {
+            retry_after_s,
+            message,
+            ..
+        }) = failed_answer(&again, now, 60_000)
+        else {
+            panic!("a model failing again was held");
+        };
+        assert_eq!(retry_after_s, Some(4));
+        assert!(
+            message.contains("failed 2 times in a row (engine exited (signal 9))"),
+            "{message}"
+        );
+        // A try under way (its time come) is waited for as any start.
+        assert!(failed_answer(&route(failed(5, -1)), now, 60_000).is_none());
+        assert!(failed_answer(&route(status("m", ModelState::Asleep, &[])), now, 0).is_none());
+    }
+
+    /// Requests held when the model fails once stay held (its retry comes
+    /// within their hold); when it fails again they are answered at once,
+    /// 503 with the time to its next try, not at `max_hold`.
+    #[tokio::test]
+    async fn held_requests_wait_through_a_first_failure_and_not_a_second() {
+        let (holds, _) = stale_route(|table, src| {
+            let mut s = failed(0, 0);
+            s.state = ModelState::Asleep as i32;
+            table.apply(src, snapshot(2, vec![s]));
+        });
+        let table = holds.table.clone();
+        let src: SourceId = Arc::from("http://c");
+        let asleep = table.view().by_name["m"].clone();
+        let mut tickets: Vec<Ticket> = (0..3)
+            .map(|_| holds.admit(&asleep, Instant::now()).unwrap())
+            .collect();
+        assert!(table.apply(&src, event(3, failed(1, 2_000))));
+        holds.on_view(&table.view());
+        assert_eq!(
+            holds.depth("m"),
+            3,
+            "a first failure answered held requests"
+        );
+        assert!(table.apply(&src, event(4, failed(2, 4_000))));
+        holds.on_view(&table.view());
+        assert_eq!(holds.depth("m"), 0);
+        for t in &mut tickets {
+            let waited = t.wait(Instant::now() + Duration::from_secs(5), None).await;
+            let Wait::Released(Release::Fail(ApiError::Shed {
+                reason,
+                retry_after_s,
+                ..
+            })) = waited
+            else {
+                panic!("{waited:?}");
+            };
+            assert_eq!((reason, retry_after_s), (ShedReason::Failed, Some(4)));
+        }
     }
 }

@@ -730,6 +730,12 @@ async fn openai_client_chat_streaming_and_embeddings() {
     s.stop().await;
 }
 
+/// An engine that crashes (`--crash-after-requests 1`: its second request
+/// kills it) is restarted after its backoff. A request that comes while it
+/// is down after a first crash is held through the restart and served; once
+/// it crashed twice in a row (it keeps failing), requests are answered at
+/// once, 503 `model_failed` with the time to its next try, and served again
+/// after it.
 #[tokio::test]
 async fn engine_crash_then_served_again() {
     let models = [model_toml(
@@ -740,7 +746,7 @@ async fn engine_crash_then_served_again() {
     )];
     let cfg = config(&models).replace(
         "[defaults]\n",
-        "[defaults]\nbackoff_initial = \"100ms\"\nbackoff_max = \"500ms\"\n",
+        "[defaults]\nbackoff_initial = \"2s\"\nbackoff_max = \"30s\"\n",
     );
     let control = spawn_control_with(&cfg, &["--stop-engines-on-exit"]).await;
     let proxy = spawn_proxy(&[control.url()], &[]).await;
@@ -753,21 +759,40 @@ async fn engine_crash_then_served_again() {
     s.track_engines().await;
     let url = s.url("/v1/chat/completions");
     assert_eq!(post(&url, &chat("chat")).await.status, 200);
-    // This one reaches the engine, which dies with it: it may fail (it was
-    // sent), or, reset by the dying engine unread, be routed again and find
-    // the model failed and backing off (503 with Retry-After).
-    let r = post(&url, &chat("chat")).await;
-    assert!(
-        matches!(r.status, 200 | 502)
-            || (r.status == 503 && r.json()["error"]["code"] == "model_failed"),
-        "{} {}",
-        r.status,
-        r.body
-    );
-    // The engine is gone. Later requests are held until the restarted engine
-    // is awake (refused connections are never an error), or, while the
-    // model is failed and backing off, shed with Retry-After.
+    // Each engine serves one request; the next kills it. Until the model
+    // has failed twice in a row every request is answered 200 (held
+    // through the first restart) or, the one that reached a dying engine,
+    // 502; then 503 `model_failed`.
     let start = Instant::now();
+    let mut served_after_a_crash = 0;
+    let failed = loop {
+        let r = post(&url, &chat("chat")).await;
+        match r.status {
+            200 => served_after_a_crash += 1,
+            502 => {}
+            503 => break r,
+            other => panic!("{other} {}", r.body),
+        }
+        assert!(start.elapsed() < DEADLINE, "never failed twice");
+    };
+    assert!(
+        served_after_a_crash >= 1,
+        "no request held through a first crash"
+    );
+    assert_eq!(
+        failed.json()["error"]["code"],
+        "model_failed",
+        "{}",
+        failed.body
+    );
+    let msg = failed.json()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(msg.contains("failed 2 times in a row"), "{msg}");
+    let wait = failed.retry_after.expect("Retry-After");
+    assert!((1..=4).contains(&wait), "retry in {wait}s");
+    // After the next try it serves again.
     loop {
         let r = post(&url, &chat("chat")).await;
         if r.status == 200 {
@@ -775,8 +800,6 @@ async fn engine_crash_then_served_again() {
         }
         assert_eq!(r.status, 503, "{}", r.body);
         assert_eq!(r.json()["error"]["code"], "model_failed");
-        let wait = r.retry_after.expect("Retry-After");
-        assert!((1..=2).contains(&wait), "retry in {wait}s");
         assert!(start.elapsed() < DEADLINE, "never served again");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

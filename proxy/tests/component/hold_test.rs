@@ -209,19 +209,58 @@ async fn wait_longer_than_max_hold_is_shed_at_once() {
     assert_eq!(r.retry_after(), Some(10));
 }
 
+/// A model that failed twice in a row (it keeps failing) answers at once,
+/// with the time to its next try, and is not woken for it.
 #[tokio::test]
 async fn failed_model_backing_off_gets_retry_after() {
-    let mut m = model("m", ModelState::Failed, &[]);
+    let mut m = held("m", 8, 300_000);
+    m.state = ModelState::Failed as i32;
     m.retry_at_unix_ms = now_ms() + 7_500;
+    m.failures = 2;
     m.last_error = "engine exited".into();
     let c = ScriptedControl::start(vec![m]);
     let p = ready_proxy(vec![c.url()], |_| {}).await;
     let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
     assert_eq!(r.status, 503);
     assert_eq!(r.json()["error"]["code"], "model_failed");
+    let msg = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        msg.contains("failed 2 times in a row (engine exited)"),
+        "{msg}"
+    );
     let ra = r.retry_after().unwrap();
     assert!((7..=8).contains(&ra), "Retry-After {ra}");
     assert!(c.demands().is_empty());
+}
+
+/// An engine that crashed once is tried again after its backoff: a request
+/// that comes meanwhile is held through the retry and served, where it was
+/// answered 503 `model_failed` before (and its client had to come back).
+#[tokio::test]
+async fn a_request_to_a_model_that_failed_once_is_held_through_its_retry() {
+    let e = Engine::start("e").await;
+    let mut m = held("m", 8, 60_000);
+    m.state = ModelState::Failed as i32;
+    m.failures = 1;
+    m.retry_at_unix_ms = now_ms() + 2_000;
+    m.last_error = "engine exited (signal 9)".into();
+    m.calibration = Some(Calibration {
+        start_ms: 1_000,
+        start_samples: 1,
+        ..Default::default()
+    });
+    let c = ScriptedControl::start(vec![m]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("held", || async { held_now(&p, "m").await == 1.0 }).await;
+    wait_until("demand", || async { !c.demands().is_empty() }).await;
+    c.set(model("m", ModelState::Starting, &[]));
+    c.set(model("m", ModelState::Awake, &[&e.url]));
+    let r = t.await.unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(e.count(), 1);
+    assert_eq!(held_now(&p, "m").await, 0.0);
 }
 
 #[tokio::test]
