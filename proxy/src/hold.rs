@@ -8,14 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use siesta_proto::v1::{DemandRequest, DemandResponse, DesiredState, ModelState};
-use tokio::sync::{Semaphore, oneshot, watch};
+use tokio::sync::{Notify, Semaphore, oneshot, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::activity::{Activity, ActivityCounters, now_unix_ms};
 use crate::errors::{ApiError, ShedReason};
 use crate::metrics::{Metrics, ModelLabels};
-use crate::route_table::{ModelRoute, RouteTable, View};
+use crate::route_table::{ModelRoute, RouteTable, SourceId, View};
 use crate::watch_client::{Controls, backoff};
 
 mod estimate;
@@ -42,6 +42,15 @@ pub const SLOT_WAIT_MIN: Duration = Duration::from_secs(5);
 
 /// How often requests shed as `wait_too_long` may ask for a model's wake.
 const SHED_DEMAND_EVERY: Duration = Duration::from_secs(1);
+
+/// While requests are held, their Demand is sent again this often (and at
+/// once when another control plane becomes the best placed to serve the
+/// model): the one that took it may have died since, or failed to wake
+/// its engine, while another that has the model could serve it. Each is
+/// sent to the best placed control plane, the next one when that cannot
+/// be reached. A repeated Demand changes nothing where the model is
+/// already wanted awake.
+pub const DEMAND_REFRESH: Duration = Duration::from_secs(2);
 
 /// What ends a hold.
 #[derive(Debug)]
@@ -84,6 +93,8 @@ struct QueueInner {
     episodes: u64,
     /// When a request shed as `wait_too_long` last asked for the wake.
     shed_demand_at: Option<Instant>,
+    /// The control plane that took the wait episode's latest Demand.
+    asked: Option<SourceId>,
     /// Let go from the map (its model left the view while it was empty):
     /// a waiter put in it would never be seen by a view again.
     removed: bool,
@@ -99,12 +110,16 @@ struct HoldQueue {
     /// Places for this model's released requests between the waiting room
     /// and an engine slot ([`LEAVING_AT_ONCE`]).
     leaving: Arc<Semaphore>,
+    /// Wakes the episode's Demand task before [`DEMAND_REFRESH`]: the
+    /// best placed control plane is no longer the one that took it.
+    ask_again: Notify,
 }
 
 impl HoldQueue {
     fn release_all(&self, mut f: impl FnMut() -> Release) -> usize {
         let mut q = self.inner.lock().unwrap();
         q.episode = None;
+        q.asked = None;
         let n = q.waiters.len();
         for (_, w) in std::mem::take(&mut q.waiters) {
             let _ = w.tx.send(f());
@@ -135,6 +150,7 @@ impl HoldQueue {
         }
         if q.waiters.is_empty() {
             q.episode = None;
+            q.asked = None;
         }
         self.report_held(q.waiters.len());
         n
@@ -154,6 +170,7 @@ impl HoldQueue {
             inner: Mutex::new(QueueInner::default()),
             report: Mutex::new(None),
             leaving: Arc::new(Semaphore::new(LEAVING_AT_ONCE)),
+            ask_again: Notify::new(),
         })
     }
 
@@ -237,6 +254,7 @@ impl Drop for Ticket {
         q.waiters.remove(&self.id);
         if q.waiters.is_empty() {
             q.episode = None;
+            q.asked = None;
         }
         // Under the queue's lock, so reports follow the queue's order.
         self.queue.report_held(q.waiters.len());
@@ -482,11 +500,11 @@ impl Holds {
         model: &str,
         attempt: u32,
         queued: u32,
-    ) -> Option<Result<DemandResponse, tonic::Status>> {
+    ) -> Option<(SourceId, Result<DemandResponse, tonic::Status>)> {
         let view = self.table.view();
         let route = view.by_name.get(model)?;
-        let source = &route.sources[attempt as usize % route.sources.len()];
-        Some(match self.controls.client(source) {
+        let source = route.sources[attempt as usize % route.sources.len()].clone();
+        let res = match self.controls.client(&source) {
             Some(mut client) => {
                 let req = DemandRequest {
                     model: route.name.to_string(),
@@ -499,13 +517,14 @@ impl Holds {
                 }
             }
             None => Err(tonic::Status::unavailable("no client for control plane")),
-        })
+        };
+        Some((source, res))
     }
 
     /// The Demand of a request shed as `wait_too_long`: one attempt (the
     /// next such request tries again).
     async fn demand_for_shed(self: Arc<Self>, model: Arc<str>) {
-        match self.send_demand(&model, 0, 0).await {
+        match self.send_demand(&model, 0, 0).await.map(|(_, r)| r) {
             Some(Ok(resp)) if resp.accepted => {
                 tracing::info!(model = %model, "request shed (the wait outlasts max_hold); wake asked for");
             }
@@ -519,10 +538,13 @@ impl Holds {
         }
     }
 
-    /// Sends one Demand for a wait episode, retrying only while the control
-    /// plane cannot be reached and requests are still waiting.
+    /// Sends a wait episode's Demand, again every [`DEMAND_REFRESH`] and
+    /// when another control plane becomes the best placed, while requests
+    /// are still waiting; one that cannot be reached is retried with backoff
+    /// on the next control plane that has the model.
     async fn demand_episode(self: Arc<Self>, queue: Arc<HoldQueue>, episode: u64) {
         let mut attempt = 0u32;
+        let mut taken = false;
         loop {
             let queued = {
                 let q = queue.inner.lock().unwrap();
@@ -531,13 +553,22 @@ impl Holds {
                 }
                 q.waiters.len() as u32
             };
-            let Some(res) = self.send_demand(&queue.model, attempt, queued).await else {
+            let Some((source, res)) = self.send_demand(&queue.model, attempt, queued).await else {
                 return;
             };
-            match res {
+            let next = match res {
                 Ok(resp) if resp.accepted => {
-                    tracing::info!(model = %queue.model, queued, "requests held; demand accepted");
-                    return;
+                    if !taken {
+                        tracing::info!(model = %queue.model, queued, control = %source, "requests held; demand accepted");
+                    }
+                    taken = true;
+                    attempt = 0;
+                    let mut q = queue.inner.lock().unwrap();
+                    if q.episode != Some(episode) {
+                        return;
+                    }
+                    q.asked = Some(source);
+                    DEMAND_REFRESH
                 }
                 Ok(resp) => {
                     tracing::info!(model = %queue.model, message = %resp.message, "demand refused");
@@ -555,11 +586,13 @@ impl Holds {
                 Err(status) => {
                     attempt += 1;
                     tracing::debug!(model = %queue.model, error = %status, attempt, "demand failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff(attempt)) => {}
-                        _ = self.shutdown.cancelled() => return,
-                    }
+                    backoff(attempt)
                 }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(next) => {}
+                _ = queue.ask_again.notified() => {}
+                _ = self.shutdown.cancelled() => return,
             }
         }
     }
@@ -613,7 +646,13 @@ impl Holds {
                     let n = q.answer_failed(r, now_ms);
                     tracing::info!(model = %q.model, answered = n, failures = r.status.failures, "model failed; held requests that cannot wait for its next try answered");
                 }
-                Some(_) => {}
+                Some(r) => {
+                    let asked = q.inner.lock().unwrap().asked.clone();
+                    if asked.is_some_and(|a| r.sources.first() != Some(&a)) {
+                        tracing::info!(model = %q.model, best = ?r.sources.first(), "another control plane is best placed for held requests; asking it");
+                        q.ask_again.notify_one();
+                    }
+                }
             }
         }
     }

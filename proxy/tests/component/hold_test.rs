@@ -429,3 +429,54 @@ async fn the_last_report_of_a_stopping_proxy_clears_what_it_held() {
     assert!(matches!(stopped, Ok(Ok(Ok(())))), "{stopped:?}");
     assert_eq!(reported_held(&c), Some((0, 0)), "{:#?}", c.reports());
 }
+
+/// `m` asleep at `level` on a control plane, held up to a minute.
+fn asleep_at(level: u32) -> siesta_proto::v1::ModelStatus {
+    let mut m = held("m", 8, 60_000);
+    m.sleep_level = level;
+    m
+}
+
+/// Two control planes have `m` asleep; the Demand goes to the best placed
+/// (level 1). When that one fails to wake it, the held requests' Demand
+/// goes to the other at once, which serves them. Before, a wait episode
+/// asked one control plane once, and under steady traffic never another.
+#[tokio::test]
+async fn a_held_wait_asks_another_control_plane_when_the_one_asked_fails() {
+    let e = Engine::start("b").await;
+    let a = ScriptedControl::start(vec![asleep_at(1)]);
+    let b = ScriptedControl::start(vec![asleep_at(2)]);
+    let p = ready_proxy(vec![a.url(), b.url()], |_| {}).await;
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("demand at a", || async { a.demands().len() == 1 }).await;
+    assert!(b.demands().is_empty(), "b is not the best placed yet");
+    let mut failed = asleep_at(1);
+    failed.state = ModelState::Failed as i32;
+    failed.failures = 3;
+    failed.retry_at_unix_ms = now_ms() + 60_000;
+    a.set(failed);
+    wait_until("demand at b", || async { !b.demands().is_empty() }).await;
+    b.set(model("m", ModelState::Awake, &[&e.url]));
+    let r = t.await.unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
+
+/// The same when the control plane asked dies with the model asleep in
+/// its last view (its state frozen there, still the best placed): the
+/// Demand sent again finds it gone and goes to the other.
+#[tokio::test]
+async fn a_held_wait_asks_another_control_plane_when_the_one_asked_dies() {
+    let e = Engine::start("b").await;
+    let mut a = ScriptedControl::start(vec![asleep_at(1)]);
+    let b = ScriptedControl::start(vec![asleep_at(2)]);
+    let p = ready_proxy(vec![a.url(), b.url()], |_| {}).await;
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("m")).await });
+    wait_until("demand at a", || async { a.demands().len() == 1 }).await;
+    a.kill();
+    wait_until("demand at b", || async { !b.demands().is_empty() }).await;
+    b.set(model("m", ModelState::Awake, &[&e.url]));
+    let r = t.await.unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
