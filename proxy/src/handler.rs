@@ -127,7 +127,7 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
             let resp = ApiError::Unauthorized.into_response();
             (no_model(), answered_unread(&req, resp))
         } else if path.starts_with("/v1/models")
-            && let Err(e) = ready_view(&shared).await
+            && let Err(e) = ready_view(&shared, None).await
         {
             (no_model(), e.into_response())
         } else if path == "/v1/models" || path == "/v1/models/" {
@@ -237,7 +237,7 @@ async fn routed(
         Ok(f) => f,
         Err(e) => return (no_model(), e.into_response()),
     };
-    let view = match ready_view(shared).await {
+    let view = match ready_view(shared, Some(&field.name)).await {
         Ok(v) => v,
         Err(e) => return (no_model(), e.into_response()),
     };
@@ -279,26 +279,42 @@ async fn routed(
 
 /// The route table once this proxy knows the models: at once after its
 /// first snapshot, else when it comes (up to `first_snapshot_wait`; then
-/// 503 with Retry-After, not a 404 for a model it cannot know yet).
-async fn ready_view(shared: &Shared) -> Result<Arc<View>, ApiError> {
+/// 503 with Retry-After, not a 404 for a model it cannot know yet). In the
+/// proxy's first `first_snapshot_wait`, a request for a model no snapshot
+/// has named (`None`: the list of models) also waits for every control
+/// plane address watched to send its first: with `--control A,B`, A's
+/// snapshot alone made a model only B has a 404.
+async fn ready_view(shared: &Shared, model: Option<&str>) -> Result<Arc<View>, ApiError> {
+    let known =
+        |v: &View| v.ready && (!v.unsynced || model.is_some_and(|m| route_for(v, m).is_ok()));
     let view = shared.table.view();
-    if view.ready {
+    if known(&view) {
         return Ok(view);
     }
     let mut rx = shared.table.subscribe();
-    let first = async { rx.wait_for(|v| v.ready).await.map(|v| v.clone()) };
-    match tokio::time::timeout(shared.first_snapshot_wait, first).await {
+    if !view.ready {
+        let first = async { rx.wait_for(|v| v.ready).await.map(|v| v.clone()) };
+        if !matches!(
+            tokio::time::timeout(shared.first_snapshot_wait, first).await,
+            Ok(Ok(_))
+        ) {
+            return Err(ApiError::Shed {
+                reason: ShedReason::NotReady,
+                retry_after_s: Some(1),
+                message: format!(
+                    "this proxy has not heard from any control plane yet (waited {} ms), so it \
+                     knows no model; retry, and if this lasts check that siesta-control runs and \
+                     is reachable at this proxy's --control address (until then the admin /readyz is 503)",
+                    shared.first_snapshot_wait.as_millis()
+                ),
+            });
+        }
+    }
+    let all = async { rx.wait_for(|v| known(v)).await.map(|v| v.clone()) };
+    let by = shared.table.created() + shared.first_snapshot_wait;
+    match tokio::time::timeout_at(by, all).await {
         Ok(Ok(view)) => Ok(view),
-        _ => Err(ApiError::Shed {
-            reason: ShedReason::NotReady,
-            retry_after_s: Some(1),
-            message: format!(
-                "this proxy has not heard from any control plane yet (waited {} ms), so it \
-                 knows no model; retry, and if this lasts check that siesta-control runs and \
-                 is reachable at this proxy's --control address (until then the admin /readyz is 503)",
-                shared.first_snapshot_wait.as_millis()
-            ),
-        }),
+        _ => Ok(shared.table.view()),
     }
 }
 

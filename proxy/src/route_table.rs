@@ -129,6 +129,9 @@ impl ModelRoute {
 pub struct View {
     /// At least one snapshot has been applied.
     pub ready: bool,
+    /// A watched control plane address has sent no snapshot yet: a model
+    /// only it has is not in the view, though it exists.
+    pub unsynced: bool,
     /// Names and aliases to routes. Looked up twice per request with the
     /// client's model name: foldhash, not SipHash (the keys come from the
     /// control planes, so no client can crowd one bucket).
@@ -159,6 +162,8 @@ pub struct RouteTable {
     state: Mutex<TableState>,
     view: watch::Sender<Arc<View>>,
     activity: Arc<Activity>,
+    /// When the proxy started (its first snapshots are due).
+    created: tokio::time::Instant,
 }
 
 fn rank(s: &ModelStatus) -> u32 {
@@ -186,6 +191,22 @@ impl RouteTable {
             state: Mutex::new(TableState::default()),
             view,
             activity,
+            created: tokio::time::Instant::now(),
+        }
+    }
+
+    /// When the table was made, at the proxy's start.
+    pub fn created(&self) -> tokio::time::Instant {
+        self.created
+    }
+
+    /// `source` is watched from now on: until its first snapshot the view
+    /// says so ([`View::unsynced`]).
+    pub fn expect(&self, source: &SourceId) {
+        let mut st = self.state.lock().unwrap();
+        if !st.sources.contains_key(source) {
+            st.sources.insert(source.clone(), SourceState::default());
+            self.rebuild(&mut st);
         }
     }
 
@@ -263,6 +284,7 @@ impl RouteTable {
 
     fn rebuild(&self, st: &mut TableState) {
         let ready = st.sources.values().any(|s| s.synced);
+        let unsynced = st.sources.values().any(|s| !s.synced);
         // Group statuses by model name over all control planes.
         let mut grouped: BTreeMap<&str, Vec<(&SourceId, &ModelStatus)>> = BTreeMap::new();
         // Of the addresses that reach one control plane process, the one
@@ -392,6 +414,7 @@ impl RouteTable {
         st.upstreams = upstreams;
         self.view.send_replace(Arc::new(View {
             ready,
+            unsynced,
             by_name,
             models,
         }));

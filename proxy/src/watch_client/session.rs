@@ -33,6 +33,8 @@ pub(super) async fn watch_source(
             return;
         }
     };
+    // Until its first snapshot, a model only it has is not a 404 yet.
+    ctx.table.expect(&source);
     let mut attempt = 0u32;
     let mut incarnation: Option<(String, i64)> = None;
     loop {

@@ -268,3 +268,40 @@ async fn before_the_first_snapshot_requests_wait_for_it_instead_of_404() {
     let r = get(&p.url("/v1/models")).await;
     assert_eq!(r.status, 503, "an empty list would say no model exists");
 }
+
+/// Client connections this proxy accepted, over its serving threads.
+async fn accepted(p: &TestProxy) -> f64 {
+    p.metrics()
+        .await
+        .lines()
+        .filter(|l| l.starts_with("siesta_proxy_connections_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// With `--control A,B`, a request for a model only B has, sent after A's
+/// snapshot made the proxy ready and before B's came (B not up yet), waits
+/// for B's snapshot and is served: before, it was answered 404 "does not
+/// exist".
+#[tokio::test]
+async fn a_model_of_a_control_plane_not_synced_yet_is_not_a_404_at_start() {
+    let e = Engine::start("b").await;
+    let a = ScriptedControl::start(vec![model("only_a", ModelState::Awake, &[&e.url])]);
+    // B's address, with nothing serving there yet.
+    let mut b = ScriptedControl::start(vec![model("only_b", ModelState::Awake, &[&e.url])]);
+    b.kill();
+    let p = ready_proxy(vec![a.url(), b.url()], |cfg| {
+        cfg.first_snapshot_wait = Duration::from_secs(60)
+    })
+    .await;
+    let before = accepted(&p).await;
+    let url = p.url("/v1/chat/completions");
+    let t = tokio::spawn(async move { post(&url, &chat("only_b")).await });
+    wait_until("the request taken", || async {
+        accepted(&p).await > before
+    })
+    .await;
+    b.restart();
+    let r = t.await.unwrap();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+}
