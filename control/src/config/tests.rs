@@ -335,6 +335,24 @@ fn yield_after_is_a_duration_or_off() {
     }
 }
 
+/// A `min_awake` that outlasts half of a wake's wait for room is refused:
+/// every wake onto its model's GPUs would give up ("no room") after each
+/// wake of it.
+#[test]
+fn min_awake_leaves_a_wake_room_to_come() {
+    let c = Config::parse("[control]\nmin_awake = \"149s\"\n", "y.toml").unwrap();
+    assert_eq!(c.control.min_awake, Duration::from_secs(149));
+    for bad in ["\"150s\"", "\"6m\""] {
+        let err = Config::parse(&format!("[control]\nmin_awake = {bad}\n"), "y.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("y.toml: control.min_awake: must be less than 150 s"),
+            "{bad}: {err}"
+        );
+    }
+}
+
 #[test]
 fn web_listen_is_off_by_default_and_checked() {
     let c = Config::parse("", "empty.toml").unwrap();

@@ -177,9 +177,26 @@ fn read_control(p: &mut Problems, t: &toml::Table) -> ControlConfig {
     let asleep_residual = r
         .raw("asleep_residual")
         .and_then(|v| size_value(p, &residual_key, v));
-    let min_awake = r
-        .duration(p, "min_awake")
-        .unwrap_or(super::DEFAULT_MIN_AWAKE);
+    let min_awake = match r.duration(p, "min_awake") {
+        // A wake waits at most ROOM_WAIT for room, and a model woken less
+        // than `min_awake` ago is neither put to sleep nor made to yield
+        // for it: half of that leaves the wake its chance.
+        Some(d) if d >= super::ROOM_WAIT / 2 => {
+            let key = r.key("min_awake");
+            p.push(
+                key,
+                format!(
+                    "must be less than {} s (a model woken that recently is never put to sleep \
+                     for another, and a wake waits at most {} s for room: every wake onto its \
+                     GPUs would give up)",
+                    (super::ROOM_WAIT / 2).as_secs(),
+                    super::ROOM_WAIT.as_secs()
+                ),
+            );
+            super::DEFAULT_MIN_AWAKE
+        }
+        d => d.unwrap_or(super::DEFAULT_MIN_AWAKE),
+    };
     let yield_after = read_yield_after(p, &mut r);
     let engine_idle_timeout = match r.duration(p, "engine_idle_timeout") {
         Some(d) if d.is_zero() => {
