@@ -122,10 +122,13 @@ pub(super) fn fail(m: &mut ModelState, error: String, now: Instant, fx: &mut Vec
     }
     fx.push(Effect::ReleaseStartLock);
     let retry_at = (m.intent.desired != Desired::Stopped).then(|| now + m.backoff());
+    let retry = match retry_at {
+        Some(t) => format!("retry in {:.1} s", (t - now).as_secs_f64()),
+        None => "no retry (stopped)".to_string(),
+    };
     fx.push(Effect::Log(format!(
-        "failed ({} in a row): {error}; retry in {:?}",
-        m.failures,
-        retry_at.map(|t| t - now)
+        "failed ({} in a row): {error}; {retry}",
+        m.failures
     )));
     m.last_error = Some(error);
     // A process of its generation still there (SIGKILLed just now, or one

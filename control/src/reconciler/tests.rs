@@ -819,6 +819,12 @@ fn crash_goes_failed_then_restarts() {
         }
     ));
     assert!(s.m.last_error.as_deref().unwrap().contains("exit 1"));
+    // In seconds, not `Some(1s)`.
+    assert!(
+        s.has(|f| matches!(f, Effect::Log(l) if l.ends_with("; retry in 1.0 s"))),
+        "{:?}",
+        s.fx
+    );
     s.advance(secs(1));
     assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
     // An exit of the old process is ignored.
