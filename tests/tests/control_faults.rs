@@ -160,3 +160,22 @@ async fn start_that_never_finishes_fails_with_backoff() {
     let s = wait_state(&mut c, "chat", pb::ModelState::Stopped, LONG).await;
     assert_eq!(s.retry_at_unix_ms, 0);
 }
+
+/// An engine whose command line vLLM refuses (a flag it does not know)
+/// exits 2 after argparse's refusal: the model's `last_error` says which
+/// flag, where it said only `exit status: 2` and the reason was in the
+/// engine's log alone.
+#[tokio::test]
+async fn a_refused_command_line_is_named_in_last_error() {
+    let model = fake_model("chat", "awake", &["--no-such-flag"], "");
+    let ctl = start(&config(&model)).await;
+    let mut c = ctl.client().await;
+    let failed = wait_state(&mut c, "chat", pb::ModelState::Failed, LONG).await;
+    assert!(
+        failed
+            .last_error
+            .contains("vllm serve: error: unrecognized arguments: --no-such-flag"),
+        "{}",
+        failed.last_error
+    );
+}

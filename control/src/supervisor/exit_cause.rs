@@ -13,6 +13,9 @@
 //! exception (`... can cause fd limit errors like OSError: ...`) are skipped.
 //! vLLM's logger writes to stdout and uncaught tracebacks go to stderr, so
 //! both files are read: a root cause in either wins over a wrapper.
+//! An engine that refuses its command line exits 2 after argparse's
+//! `vllm serve: error: unrecognized arguments: --foo` (SGLang's the same
+//! with its own program name): that line is the cause too.
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
@@ -80,8 +83,18 @@ fn pick(text: &str) -> Option<Found> {
 }
 
 /// Where the first exception name followed by `: ` starts in `line`
-/// (`ValueError: `, `torch.OutOfMemoryError: `, `CustomException: `).
+/// (`ValueError: `, `torch.OutOfMemoryError: `, `CustomException: `), or 0
+/// for argparse's refusal (`PROG: error: MESSAGE`, PROG a program name).
 fn exception_at(line: &str) -> Option<usize> {
+    if let Some(end) = line.find(": error: ")
+        && end > 0
+        && end <= 60
+        && line[..end]
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || " _-./".contains(c))
+    {
+        return Some(0);
+    }
     ["Error: ", "Exception: "]
         .iter()
         .filter_map(|suffix| {
@@ -146,6 +159,27 @@ ValueError: Free memory on device cuda:0 (2.0/139.8 GiB) on startup is less than
             line(text).as_deref(),
             Some("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.")
         );
+    }
+
+    /// A flag vLLM does not know: argparse's usage and refusal on stderr,
+    /// exit status 2 (fake-vllm prints the same).
+    #[test]
+    fn a_refused_command_line_is_the_cause() {
+        let text = "usage: vllm serve [model_tag] [options]\n\
+                    vllm serve: error: unrecognized arguments: --no-such-flag\n";
+        assert_eq!(
+            line(text).as_deref(),
+            Some("vllm serve: error: unrecognized arguments: --no-such-flag")
+        );
+        let sglang = "usage: launch_server.py [-h] --model-path MODEL_PATH\n\
+                      launch_server.py: error: the following arguments are required: --model-path\n";
+        assert_eq!(
+            line(sglang).as_deref(),
+            Some("launch_server.py: error: the following arguments are required: --model-path")
+        );
+        // Not a program's refusal: a log line that says "error: " later on.
+        let log = "(APIServer pid=1) INFO 12-02 [api_server.py:1] request failed: error: x\n";
+        assert_eq!(line(log), None);
     }
 
     #[test]
