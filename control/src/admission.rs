@@ -81,6 +81,18 @@ impl Registry {
 )]
 pub struct AdmissionGone;
 
+/// Why an ask was not answered with room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum NotAdmitted {
+    /// The task died outside shutdown: the start, wake or resume fails.
+    #[error(transparent)]
+    Gone(#[from] AdmissionGone),
+    /// The daemon is shutting down: nothing is started, woken or resumed
+    /// any more (no engine call, no failure recorded: the op just ends).
+    #[error("siesta-control is shutting down")]
+    ShuttingDown,
+}
+
 /// Settings of the admission task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmissionPolicy {
@@ -240,8 +252,9 @@ impl Admission {
     /// Returns once `model` may take its GPUs awake. `waiting` is told what
     /// it waits for while it waits. The caller's deadline bounds the wait:
     /// drop the future to leave the queue. Refused if the admission task
-    /// has ended outside shutdown.
-    pub async fn admit(&self, model: &str, waiting: Waiting) -> Result<(), AdmissionGone> {
+    /// has ended: [`NotAdmitted::Gone`] outside shutdown, else
+    /// [`NotAdmitted::ShuttingDown`].
+    pub async fn admit(&self, model: &str, waiting: Waiting) -> Result<(), NotAdmitted> {
         let Some(tx) = &self.tx else {
             return Ok(());
         };
@@ -276,13 +289,15 @@ impl Admission {
     }
 
     /// The task is gone without answering: shutting down (nothing is
-    /// started any more, nothing left to protect), or it died.
-    fn gone(&self, model: &str) -> Result<(), AdmissionGone> {
+    /// started any more: a wake that waited for room and went on would
+    /// reach its engine beside the neighbours it waited for), or it died.
+    fn gone(&self, model: &str) -> Result<(), NotAdmitted> {
         if self.shutdown.is_cancelled() {
-            return Ok(());
+            tracing::debug!(model = %model, "not admitted: shutting down");
+            return Err(NotAdmitted::ShuttingDown);
         }
         tracing::error!(model = %model, "{AdmissionGone}");
-        Err(AdmissionGone)
+        Err(AdmissionGone.into())
     }
 }
 

@@ -1382,7 +1382,11 @@ async fn an_ask_is_refused_once_the_admission_task_has_died() {
         .await
         .expect("the ask is answered when the task dies")
         .unwrap();
-    assert_eq!(answer, Err(AdmissionGone), "admitted onto a full GPU");
+    assert_eq!(
+        answer,
+        Err(AdmissionGone.into()),
+        "admitted onto a full GPU"
+    );
     // Later asks too, even where there would be room.
     hub.publish_model(status(1, State::Asleep));
     let later = tokio::time::timeout(
@@ -1391,8 +1395,8 @@ async fn an_ask_is_refused_once_the_admission_task_has_died() {
     )
     .await
     .expect("a later ask is answered at once");
-    assert_eq!(later, Err(AdmissionGone));
-    // Shutting down: nothing is started any more, the ask is let through.
+    assert_eq!(later, Err(AdmissionGone.into()));
+    // Shutting down: nothing is started any more, and the ask says so.
     shutdown.cancel();
     let during_shutdown = tokio::time::timeout(
         Duration::from_secs(5),
@@ -1400,5 +1404,37 @@ async fn an_ask_is_refused_once_the_admission_task_has_died() {
     )
     .await
     .expect("answered during shutdown");
-    assert_eq!(during_shutdown, Ok(()));
+    assert_eq!(during_shutdown, Err(NotAdmitted::ShuttingDown));
+}
+
+/// A wake waiting for room when the daemon shuts down is not let through
+/// (its engine woken beside the neighbours it waited for, out of memory,
+/// and the next daemon adopting both awake on one GPU): it is told the
+/// daemon is shutting down. Before, the ended task's dropped answer read
+/// as room.
+#[tokio::test(start_paused = true)]
+async fn a_wake_waiting_for_room_is_not_let_through_at_shutdown() {
+    let w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)])).unwrap();
+    let hub = crate::hub::Hub::new(w.clock, 16, 16);
+    let shutdown = CancellationToken::new();
+    let admission = started(&w, &hub, shutdown.clone());
+    for n in &w.names {
+        // Asked to make room, they never do.
+        admission.registry().insert(n, Arc::new(|_| {}));
+    }
+    let status = |i: usize, state: State| adopted(&w, i, state);
+    hub.publish_model(status(0, State::Asleep));
+    hub.publish_model(status(1, State::Awake));
+    hub.publish_model(status(2, State::Awake));
+    admission.start_planning();
+    let a = admission.clone();
+    let mut ask = tokio::spawn(async move { a.admit("m0", Box::new(|_| {})).await });
+    let waiting = tokio::time::timeout(Duration::from_secs(5), &mut ask).await;
+    assert!(waiting.is_err(), "admitted onto a full GPU");
+    shutdown.cancel();
+    let answer = tokio::time::timeout(Duration::from_secs(5), ask)
+        .await
+        .expect("answered at shutdown")
+        .unwrap();
+    assert_eq!(answer, Err(NotAdmitted::ShuttingDown));
 }

@@ -4,6 +4,7 @@
 use super::probe::{PROBE_TIMEOUT, sleep_level};
 use super::turns::{hold_off_sleeps, hold_off_starts, sleep_turns, to_the_end};
 use super::{Msg, Runner};
+use crate::admission::NotAdmitted;
 use crate::config::Launch;
 use crate::reconciler::{Effect, Event};
 use crate::store::EngineRecord;
@@ -145,12 +146,17 @@ impl Runner {
                         let waiting = Box::new(move |w: Option<String>| {
                             let _ = waiting_tx.send(Msg::WaitingFor(w));
                         });
-                        if let Err(gone) = shared.admission.admit(&name, waiting).await {
-                            send(Event::WakeFailed {
-                                epoch,
-                                error: gone.to_string(),
-                            });
-                            return;
+                        match shared.admission.admit(&name, waiting).await {
+                            Ok(()) => {}
+                            // No engine call: the daemon is going.
+                            Err(NotAdmitted::ShuttingDown) => return,
+                            Err(gone) => {
+                                send(Event::WakeFailed {
+                                    epoch,
+                                    error: gone.to_string(),
+                                });
+                                return;
+                            }
                         }
                         hand_over_admission(&tx, epoch).await;
                         // A sleep still draining (one sent to the engine
@@ -265,10 +271,14 @@ impl Runner {
                 let _ = waiting_tx.send(Msg::WaitingFor(w));
             });
             tokio::select! {
-                admitted = shared.admission.admit(&name, waiting) => if let Err(gone) = admitted {
-                    let error = gone.to_string();
-                    let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
-                    return;
+                admitted = shared.admission.admit(&name, waiting) => match admitted {
+                    Ok(()) => {}
+                    Err(NotAdmitted::ShuttingDown) => return,
+                    Err(gone) => {
+                        let error = gone.to_string();
+                        let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
+                        return;
+                    }
                 },
                 _ = cancel.cancelled() => return,
             }

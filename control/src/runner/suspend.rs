@@ -5,6 +5,7 @@
 //! after admission finds room on its GPUs.
 
 use super::{Msg, Runner};
+use crate::admission::NotAdmitted;
 use crate::checkpoint::{self, Op};
 use crate::fence::FENCE_TIMEOUT;
 use crate::reconciler::{Event, SUSPEND_TIMEOUT};
@@ -175,12 +176,17 @@ impl Runner {
             let waiting = Box::new(move |w: Option<String>| {
                 let _ = waiting_tx.send(Msg::WaitingFor(w));
             });
-            if let Err(gone) = shared.admission.admit(&name, waiting).await {
-                send(Event::ResumeFailed {
-                    epoch,
-                    error: gone.to_string(),
-                });
-                return;
+            match shared.admission.admit(&name, waiting).await {
+                Ok(()) => {}
+                // No restore: the daemon is going.
+                Err(NotAdmitted::ShuttingDown) => return,
+                Err(gone) => {
+                    send(Event::ResumeFailed {
+                        epoch,
+                        error: gone.to_string(),
+                    });
+                    return;
+                }
             }
             super::effects::hand_over_admission(&tx, epoch).await;
             let pids = shared
