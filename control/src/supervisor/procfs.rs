@@ -1,5 +1,24 @@
 //! What `/proc` says about a process: its start time (to tell a reused pid
 //! apart), whether it lives, and which process carries an engine tag.
+//!
+//! Reading another process's environment takes its memory map's lock in
+//! the kernel: a process stuck in the GPU driver (an Xid fault, a worker
+//! orphaned mid-call) can hold it for good, and the read with it. Those
+//! reads run on a thread of their own and are waited for at most
+//! [`ENVIRON_WAIT`]; a process whose read did not answer is not read again
+//! (its environment is unknown: callers count it as not siesta's), so a
+//! stuck process costs one parked thread, not admission or the placement
+//! publisher stuck behind it.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+/// Longest wait for one process's environment.
+pub const ENVIRON_WAIT: Duration = Duration::from_millis(500);
+
+/// Processes (pid, start time) whose environment read did not answer.
+static STUCK: Mutex<Option<HashSet<(u32, u64)>>> = Mutex::new(None);
 
 /// Fields of `/proc/PID/stat` after the command name.
 fn stat_fields(pid: u32) -> Option<Vec<String>> {
@@ -60,18 +79,25 @@ pub fn pids_with_env(key: &str, value: &str) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/environ"))
-                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+    let keys: Vec<(u32, u64)> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| Some((pid, start_time(pid)?)))
+        .collect();
+    let envs = environs(keys.clone());
+    keys.into_iter()
+        .zip(envs)
+        .filter(|(_, env)| {
+            env.as_ref()
+                .is_some_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
         })
+        .map(|((pid, _), _)| pid)
         .filter(|pid| alive(*pid, None))
         .collect()
 }
 
 /// The value of `key` in the environment `pid` started with.
 pub fn env_value(pid: u32, key: &str) -> Option<String> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let env = environ(pid)?;
     let prefix = format!("{key}=");
     env.split(|b| *b == 0)
         .find_map(|kv| kv.strip_prefix(prefix.as_bytes()))
@@ -81,14 +107,126 @@ pub fn env_value(pid: u32, key: &str) -> Option<String> {
 /// Whether `pid`'s environment holds `key=value`; None when it cannot be
 /// read (the process is gone, or another user's).
 pub fn carries_env(pid: u32, key: &str, value: &str) -> Option<bool> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let env = environ(pid)?;
     let needle = format!("{key}={value}");
     Some(env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+}
+
+/// The environment `pid` started with; None when it cannot be read (gone,
+/// another user's) or did not answer within [`ENVIRON_WAIT`].
+fn environ(pid: u32) -> Option<Vec<u8>> {
+    let key = (pid, start_time(pid)?);
+    environs(vec![key]).pop().flatten()
+}
+
+/// The environments of `keys` (pid, start time), in order.
+fn environs(keys: Vec<(u32, u64)>) -> Vec<Option<Vec<u8>>> {
+    bounded(
+        keys,
+        ENVIRON_WAIT,
+        Arc::new(|pid| std::fs::read(format!("/proc/{pid}/environ"))),
+    )
+}
+
+/// `read` of each key in turn on one thread of its own, each waited for at
+/// most `wait`. A key whose read did not answer in time is marked and not
+/// read again, and the keys after it are read on a new thread.
+fn bounded(
+    keys: Vec<(u32, u64)>,
+    wait: Duration,
+    read: Arc<dyn Fn(u32) -> std::io::Result<Vec<u8>> + Send + Sync>,
+) -> Vec<Option<Vec<u8>>> {
+    let mut out: Vec<Option<Vec<u8>>> = Vec::with_capacity(keys.len());
+    while out.len() < keys.len() {
+        let rest: Vec<(u32, u64)> = keys[out.len()..].to_vec();
+        let stuck = STUCK.lock().unwrap().clone().unwrap_or_default();
+        let (tx, rx) = mpsc::channel();
+        let reader = read.clone();
+        let todo = rest.clone();
+        let spawned = std::thread::Builder::new()
+            .name("siesta-procfs".into())
+            .spawn(move || {
+                for key in todo {
+                    let env = if stuck.contains(&key) {
+                        None
+                    } else {
+                        reader(key.0).ok()
+                    };
+                    if tx.send(env).is_err() {
+                        return;
+                    }
+                }
+            });
+        if spawned.is_err() {
+            out.resize(keys.len(), None);
+            break;
+        }
+        for key in rest {
+            match rx.recv_timeout(wait) {
+                Ok(env) => out.push(env),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    tracing::warn!(
+                        pid = key.0,
+                        waited = ?wait,
+                        "reading the process's environment in /proc did not answer (stuck in \
+                         the kernel, e.g. in the GPU driver): its memory counts as another \
+                         program's, and it is not read again"
+                    );
+                    STUCK
+                        .lock()
+                        .unwrap()
+                        .get_or_insert_with(HashSet::new)
+                        .insert(key);
+                    out.push(None);
+                    break;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    out.push(None);
+                    break;
+                }
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A read that never answers (a process stuck in the driver holds its
+    /// memory map's lock) is given up after the wait; the processes after
+    /// it are still read, and that one is not read again.
+    #[test]
+    fn a_read_that_never_answers_is_given_up_and_not_tried_again() {
+        let stuck_pid = u32::MAX - 7;
+        let keys = vec![(1, 1), (stuck_pid, 42), (3, 3)];
+        let (never_tx, never) = mpsc::channel::<()>();
+        let never = Mutex::new(never);
+        let reads = Arc::new(Mutex::new(Vec::new()));
+        let seen = reads.clone();
+        let read = Arc::new(move |pid: u32| {
+            seen.lock().unwrap().push(pid);
+            if pid == stuck_pid {
+                let _ = never.lock().unwrap().recv();
+            }
+            Ok(format!("PID={pid}").into_bytes())
+        });
+        let got = bounded(keys.clone(), Duration::from_millis(50), read.clone());
+        assert_eq!(
+            got,
+            vec![Some(b"PID=1".to_vec()), None, Some(b"PID=3".to_vec())]
+        );
+        reads.lock().unwrap().clear();
+        let again = bounded(keys, Duration::from_secs(3600), read);
+        assert_eq!(again[1], None);
+        assert_eq!(
+            *reads.lock().unwrap(),
+            vec![1, 3],
+            "the stuck one read again"
+        );
+        drop(never_tx);
+    }
 
     #[test]
     fn own_process_has_a_stable_start_time() {
