@@ -756,6 +756,43 @@ fn backoff_doubles_and_is_capped() {
     assert_eq!(s.m.failures, 0);
 }
 
+/// An operator's start (or wake, or restart) is a fresh attempt: the
+/// failures before it are forgotten, and a failure after it is retried
+/// after `backoff_initial`, not after the cap the earlier ones reached.
+#[test]
+fn an_operators_start_forgets_the_failures_before_it() {
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    let fail = |s: &mut Sim| {
+        s.ev(Event::SpawnFailed {
+            proc_gen: s.m.proc_gen,
+            error: "nope".into(),
+        });
+        let Phase::Failed {
+            retry_at: Some(t), ..
+        } = s.m.phase
+        else {
+            panic!("{:?}", s.m.phase)
+        };
+        (t - s.now).as_secs()
+    };
+    for _ in 0..5 {
+        let wait = fail(&mut s);
+        s.advance(secs(wait));
+    }
+    assert_eq!(s.m.failures, 5);
+    s.ev(Event::Command(Command::Stop));
+    s.ev(Event::Command(Command::Start));
+    assert_eq!(s.m.failures, 0);
+    s.advance(secs(0));
+    assert!(
+        matches!(s.m.phase, Phase::Starting { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    assert_eq!(fail(&mut s), 1, "backed off as the sixth failure in a row");
+}
+
 /// An engine that dies soon after it became ready (out of memory on its
 /// first request) backs off like one that never came up; its failures are
 /// forgotten only once it has stayed up a while. (They were forgotten when

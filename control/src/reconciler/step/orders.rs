@@ -51,6 +51,8 @@ pub(super) fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut V
             set_intent(m, Desired::Awake, Reason::Operator, now);
             m.intent.since = now;
             m.idle_floor = now;
+            // A fresh attempt: a failure after it backs off from the start.
+            m.failures = 0;
             retry_now(m, now);
             call_off_yield(m, "woken by an operator", now, fx);
         }
@@ -88,6 +90,7 @@ pub(super) fn command(m: &mut ModelState, cmd: Command, now: Instant, fx: &mut V
         Command::Restart => {
             set_intent(m, Desired::Awake, Reason::Operator, now);
             m.idle_floor = now;
+            m.failures = 0;
             retry_now(m, now);
             let running = matches!(
                 m.phase,
