@@ -66,6 +66,13 @@ pub enum ApiError {
         "no route for {0}: this proxy serves POST /v1/... requests with a `model` field and GET /v1/models"
     )]
     NoRoute(String),
+    /// A path served here, asked with a method it does not take.
+    #[error("{method} is not allowed on {path}: it takes {allow}")]
+    MethodNotAllowed {
+        method: String,
+        path: String,
+        allow: &'static str,
+    },
     #[error(
         "The model `{0}` does not exist. GET /v1/models lists the models and aliases served here."
     )]
@@ -118,6 +125,7 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::NoRoute(_) | ApiError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::MissingModel
             | ApiError::ModelRequired(_)
             | ApiError::InvalidModel
@@ -138,6 +146,7 @@ impl ApiError {
     fn kind_and_code(&self) -> (&'static str, &'static str) {
         match self {
             ApiError::NoRoute(_) => ("invalid_request_error", "not_found"),
+            ApiError::MethodNotAllowed { .. } => ("invalid_request_error", "method_not_allowed"),
             ApiError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             ApiError::MissingModel | ApiError::ModelRequired(_) => {
                 ("invalid_request_error", "missing_model")
@@ -182,6 +191,9 @@ impl ApiError {
         }
         if status == StatusCode::UNAUTHORIZED {
             h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let ApiError::MethodNotAllowed { allow, .. } = self {
+            h.insert(header::ALLOW, HeaderValue::from_static(allow));
         }
         resp
     }

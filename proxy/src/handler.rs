@@ -119,7 +119,8 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
     let answered_unread = |req: &Request<Incoming>, resp| {
         closing_if(!req.body().is_end_stream(), req.version(), resp)
     };
-    let (model, mut resp) = if req.method() == Method::GET {
+    // HEAD as GET: hyper sends the head alone.
+    let (model, mut resp) = if req.method() == Method::GET || req.method() == Method::HEAD {
         if let Some(r) = health(&shared, path) {
             return r;
         }
@@ -134,8 +135,15 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
             (no_model(), models::list(&shared))
         } else if let Some(id) = path.strip_prefix("/v1/models/") {
             (no_model(), models::one(&shared, id))
+        } else if let Some(allow) = methods_of(path) {
+            let e = ApiError::MethodNotAllowed {
+                method: req.method().to_string(),
+                path: crate::errors::shown(path),
+                allow,
+            };
+            (no_model(), e.into_response())
         } else {
-            let e = ApiError::NoRoute(crate::errors::shown(&format!("GET {path}")));
+            let e = ApiError::NoRoute(crate::errors::shown(&format!("{} {path}", req.method())));
             (no_model(), e.into_response())
         }
     } else if req.method() == Method::POST && forwardable_path(path) {
@@ -149,6 +157,14 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
         && let Some(r) = cors::preflight(req.headers())
     {
         return r;
+    } else if let Some(allow) = methods_of(path) {
+        // As vLLM's router answers a method a route does not take.
+        let e = ApiError::MethodNotAllowed {
+            method: req.method().to_string(),
+            path: crate::errors::shown(path),
+            allow,
+        };
+        (no_model(), answered_unread(&req, e.into_response()))
     } else {
         let e = ApiError::NoRoute(crate::errors::shown(&format!("{} {path}", req.method())));
         (no_model(), answered_unread(&req, e.into_response()))
@@ -158,6 +174,19 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
     }
     shared.metrics.request(&model, resp.status());
     resp
+}
+
+/// The methods a path served here takes (`Allow`), if it is one: the model
+/// list and the probes are read, vLLM's model routes take a POST (another
+/// `/v1` path is forwarded by POST too, but the engine may not have it).
+fn methods_of(path: &str) -> Option<&'static str> {
+    if matches!(path, "/healthz" | "/readyz") || path.starts_with("/v1/models") {
+        Some("GET, HEAD")
+    } else if crate::request_model::known_post_route(path) {
+        Some("POST")
+    } else {
+        None
+    }
 }
 
 /// An answer given before the request's body was read to its end: hyper

@@ -61,6 +61,13 @@ const VLLM_JSON_ONLY: &[&str] = &[
     "/v1/score",
 ];
 
+/// Whether `path` is one of the model routes vLLM serves (by POST): asked
+/// with another method, it is a 405, as vLLM's router answers it.
+pub fn known_post_route(path: &str) -> bool {
+    VLLM_JSON_ONLY.contains(&path)
+        || matches!(path, "/v1/audio/transcriptions" | "/v1/audio/translations")
+}
+
 /// The 400 a vLLM engine would answer `field`'s request to `target` with
 /// for its `Content-Type`: answered here, so a model is not woken (or
 /// started) for a request it refuses before reading it. Other engine kinds

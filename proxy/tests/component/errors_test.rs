@@ -73,7 +73,7 @@ async fn errors_are_openai_shaped_and_admin_paths_unreachable() {
         assert_eq!(r.status, 404, "GET {path}");
     }
     let r = get(&p.url("/v1/chat/completions")).await;
-    assert_eq!(r.status, 404);
+    assert_eq!(r.status, 405);
     assert_eq!(
         e.count(),
         0,
@@ -161,7 +161,8 @@ async fn browser_cors_preflights_are_answered_as_vllm_answers_them() {
         );
         assert_eq!(r.headers["access-control-max-age"], "600", "{path}");
     }
-    // Not a preflight: as before.
+    // Not a preflight: a method the path does not take, as vLLM's router
+    // answers it.
     let r = reply(
         send(
             Method::OPTIONS,
@@ -172,7 +173,8 @@ async fn browser_cors_preflights_are_answered_as_vllm_answers_them() {
         .await,
     )
     .await;
-    assert_eq!(r.status, 404);
+    assert_eq!(r.status, 405);
+    assert_eq!(r.headers["allow"], "POST");
     // The proxy's own answers to a page: readable by it.
     let key = ("authorization", "Bearer k");
     let r = reply(
@@ -495,4 +497,34 @@ async fn headers_too_large_are_answered_openai_shaped() {
     );
     assert!(answer.contains("--max-header-bytes"), "{answer}");
     assert_eq!(e.count(), 0);
+}
+
+/// `HEAD` is answered as `GET` without the body (load balancers probe with
+/// it), and a path served here asked with a method it does not take (a
+/// plain `OPTIONS` too) is a 405 naming the methods it takes, as vLLM's
+/// router answers it (it was a 404 "no route", as for a path that does not
+/// exist).
+#[tokio::test]
+async fn methods_a_path_does_not_take_are_405_and_head_is_get() {
+    let e = Engine::start("e").await;
+    let c = ScriptedControl::start(vec![model("m", ModelState::Awake, &[&e.url])]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let head = reply(send(Method::HEAD, &p.url("/v1/models"), &[], Bytes::new()).await).await;
+    assert_eq!(head.status, 200);
+    assert!(head.body.is_empty(), "{:?}", head.body);
+    assert_eq!(head.headers["content-type"], "application/json");
+    let ready = reply(send(Method::HEAD, &p.url("/readyz"), &[], Bytes::new()).await).await;
+    assert_eq!(ready.status, 200);
+    let options = reply(send(Method::OPTIONS, &p.url("/v1/models"), &[], Bytes::new()).await).await;
+    assert_eq!(options.status, 405);
+    assert_eq!(options.headers["allow"], "GET, HEAD");
+    let get_chat = get(&p.url("/v1/chat/completions")).await;
+    assert_eq!(get_chat.status, 405);
+    assert_eq!(get_chat.headers["allow"], "POST");
+    assert_eq!(get_chat.json()["error"]["code"], "method_not_allowed");
+    let delete = reply(send(Method::DELETE, &p.url("/v1/models"), &[], Bytes::new()).await).await;
+    assert_eq!(delete.status, 405);
+    assert_eq!(delete.headers["allow"], "GET, HEAD");
+    assert_eq!(get(&p.url("/nowhere")).await.status, 404);
+    assert_eq!(e.count(), 0, "nothing reached the engine");
 }

@@ -269,16 +269,6 @@ async fn before_the_first_snapshot_requests_wait_for_it_instead_of_404() {
     assert_eq!(r.status, 503, "an empty list would say no model exists");
 }
 
-/// Client connections this proxy accepted, over its serving threads.
-async fn accepted(p: &TestProxy) -> f64 {
-    p.metrics()
-        .await
-        .lines()
-        .filter(|l| l.starts_with("siesta_proxy_connections_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// With `--control A,B`, a request for a model only B has, sent after A's
 /// snapshot made the proxy ready and before B's came (B not up yet), waits
 /// for B's snapshot and is served: before, it was answered 404 "does not
