@@ -20,6 +20,8 @@
 #![allow(clippy::result_large_err)]
 
 #[cfg(test)]
+mod damage_tests;
+#[cfg(test)]
 pub(crate) mod faults;
 mod open;
 mod records;

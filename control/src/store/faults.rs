@@ -35,18 +35,12 @@ pub(crate) fn fail_next_write(path: &Path) {
     switch(path).store(1, Ordering::SeqCst);
 }
 
-/// `Database::create`, through a backend that can be made to fail.
-pub(super) fn create(path: &Path) -> Result<redb::Database, redb::DatabaseError> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(path)?;
-    redb::Builder::new().create_with_backend(Faulty {
-        inner: FileBackend::new(file)?,
+/// The store file at `path` (its `FileBackend`), made to fail on demand.
+pub(super) fn faulty(path: &Path, inner: FileBackend) -> impl StorageBackend {
+    Faulty {
+        inner,
         full: switch(path),
-    })
+    }
 }
 
 #[derive(Debug)]

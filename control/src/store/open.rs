@@ -6,7 +6,8 @@
 #![allow(clippy::result_large_err)]
 
 use super::{CALIBRATION, ENGINES, INTENTS, META, SCHEMA_VERSION, StoreError};
-use redb::{Database, ReadTransaction, ReadableTableMetadata, WriteTransaction};
+use redb::backends::FileBackend;
+use redb::{Database, ReadTransaction, ReadableTableMetadata, StorageBackend, WriteTransaction};
 use std::path::{Path, PathBuf};
 use std::sync::RwLock;
 
@@ -135,10 +136,36 @@ fn storage_says_corrupt(e: &redb::StorageError) -> bool {
     }
 }
 
+/// [`open_checked`], a panic in it taken for damage: redb asserts on
+/// some damaged files instead of returning an error (a file shorter than
+/// its header says is checked for before, [`damage`]; this is for the
+/// rest), and a panic here stopped the daemon at every start.
 pub(super) fn try_open(path: &Path) -> Result<Opened, StoreError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| open_checked(path))).unwrap_or_else(
+        |panic| {
+            let what = panic
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("a panic");
+            Ok(Opened::Reject {
+                why: "corrupt",
+                detail: format!("redb failed an assertion reading it: {what}"),
+            })
+        },
+    )
+}
+
+fn open_checked(path: &Path) -> Result<Opened, StoreError> {
     use redb::{DatabaseError, StorageError};
     let db = match create(path) {
-        Ok(db) => db,
+        Ok(Created::Db(db)) => db,
+        Ok(Created::Damaged(detail)) => {
+            return Ok(Opened::Reject {
+                why: "corrupt",
+                detail,
+            });
+        }
         Err(DatabaseError::DatabaseAlreadyOpen) => return Err(StoreError::InUse(path.into())),
         Err(DatabaseError::UpgradeRequired(v)) => {
             return Ok(Opened::Reject {
@@ -223,12 +250,71 @@ pub(super) fn try_open(path: &Path) -> Result<Opened, StoreError> {
     }
 }
 
-/// `Database::create` (under test, through a file that can be made full).
-fn create(path: &Path) -> Result<Database, redb::DatabaseError> {
+enum Created {
+    Db(Database),
+    /// Damaged in a way redb would not report: why.
+    Damaged(String),
+}
+
+/// `Database::create`, the file first checked for damage ([`damage`]) once
+/// it is locked (redb's backend takes the lock: the header of a store that
+/// another process writes may be mid-commit). Under test, through a file
+/// that can be made full.
+fn create(path: &Path) -> Result<Created, redb::DatabaseError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?;
+    let backend = FileBackend::new(file)?;
+    if let Some(why) = damage(&backend)? {
+        return Ok(Created::Damaged(why));
+    }
     #[cfg(test)]
-    return super::faults::create(path);
-    #[cfg(not(test))]
-    Database::create(path)
+    let backend = super::faults::faulty(path, backend);
+    Ok(Created::Db(
+        redb::Builder::new().create_with_backend(backend)?,
+    ))
+}
+
+/// redb's magic number, at the start of its file.
+const MAGIC: [u8; 9] = *b"redb\x1a\x0a\xa9\x0d\x0a";
+/// The part of redb's header read here: the magic number, a flags byte,
+/// padding, then (little-endian u32s) the page size, and the pages of a
+/// region's header and data, full regions and data pages of the trailing
+/// region, which give the file's length.
+const HEADER: usize = 32;
+
+/// How the file is damaged, where redb would panic on it: shorter than its
+/// header says (truncated), which redb asserts against.
+fn damage(file: &FileBackend) -> std::io::Result<Option<String>> {
+    let len = file.len()?;
+    if len < HEADER as u64 {
+        return Ok(None);
+    }
+    let header = file.read(0, HEADER)?;
+    Ok(header_len(&header)
+        .filter(|&says| len < says)
+        .map(|says| format!("truncated: {len} bytes, its header says {says}")))
+}
+
+/// The file's length as its header says (redb 2's layout: one page of
+/// header, then each region's header and data pages); `None` when it is
+/// not redb's header (redb says what is wrong with it).
+fn header_len(h: &[u8]) -> Option<u64> {
+    if h.len() < HEADER || h[..MAGIC.len()] != MAGIC {
+        return None;
+    }
+    let u = |at: usize| u64::from(u32::from_le_bytes(h[at..at + 4].try_into().unwrap()));
+    let (page, region_header, region_data, full, trailing) = (u(12), u(16), u(20), u(24), u(28));
+    let region = region_header.checked_add(region_data)?.checked_mul(page)?;
+    let trailing = match trailing {
+        0 => 0,
+        n => region_header.checked_add(n)?.checked_mul(page)?,
+    };
+    page.checked_add(full.checked_mul(region)?)?
+        .checked_add(trailing)
 }
 
 pub(super) fn unix_secs() -> u64 {

@@ -26,7 +26,7 @@ fn remove_b_if_tagged_t(
     s.writes.submit_if((ENGINES, "b"), ours, committed, delete)
 }
 
-fn engine(pid: u32, proc_gen: u64) -> EngineRecord {
+pub(super) fn engine(pid: u32, proc_gen: u64) -> EngineRecord {
     EngineRecord {
         pid,
         pgid: pid,
@@ -311,7 +311,7 @@ async fn writes_work_from_workers_blocking_threads_and_block_on() {
     assert_eq!(s.engines().len(), 3);
 }
 
-fn intent(since_unix_ms: i64) -> IntentRecord {
+pub(super) fn intent(since_unix_ms: i64) -> IntentRecord {
     IntentRecord {
         desired: "awake".into(),
         level: 0,
