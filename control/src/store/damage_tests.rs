@@ -1,5 +1,5 @@
-//! A store file found damaged at open (truncated, or one redb panics on)
-//! is moved aside and reported, as a corrupt one is: never a panic, never a silent reset.
+//! A store file found damaged at open (truncated, emptied, or one redb
+//! panics on) is moved aside and reported, as a corrupt one is: never a panic, never a silent reset.
 
 use super::tests::intent;
 use super::*;
@@ -92,4 +92,16 @@ fn a_store_redb_panics_on_is_moved_aside() {
     std::fs::write(&path, &bytes).unwrap();
     let log = moved_aside_as_corrupt(dir.path(), &bytes);
     assert!(log.contains("redb failed an assertion"), "{log}");
+}
+
+/// An empty store file (a file system that lost its data, a copy that
+/// failed) is moved aside and reported, not taken for a new store: every
+/// intent in it was lost without a word.
+#[test]
+fn an_empty_store_file_is_reported_not_taken_for_a_new_store() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = a_written_store(dir.path());
+    std::fs::write(&path, b"").unwrap();
+    let log = moved_aside_as_corrupt(dir.path(), b"");
+    assert!(log.contains("empty"), "{log}");
 }

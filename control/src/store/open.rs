@@ -261,6 +261,7 @@ enum Created {
 /// another process writes may be mid-commit). Under test, through a file
 /// that can be made full.
 fn create(path: &Path) -> Result<Created, redb::DatabaseError> {
+    let existed = path.try_exists()?;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -268,7 +269,7 @@ fn create(path: &Path) -> Result<Created, redb::DatabaseError> {
         .truncate(false)
         .open(path)?;
     let backend = FileBackend::new(file)?;
-    if let Some(why) = damage(&backend)? {
+    if let Some(why) = damage(&backend, existed)? {
         return Ok(Created::Damaged(why));
     }
     #[cfg(test)]
@@ -286,10 +287,19 @@ const MAGIC: [u8; 9] = *b"redb\x1a\x0a\xa9\x0d\x0a";
 /// region, which give the file's length.
 const HEADER: usize = 32;
 
-/// How the file is damaged, where redb would panic on it: shorter than its
-/// header says (truncated), which redb asserts against.
-fn damage(file: &FileBackend) -> std::io::Result<Option<String>> {
+/// How the file is damaged, where redb would panic on it or take it for
+/// a new store: shorter than its header says (truncated), which redb
+/// asserts against; empty though it `existed` before this open, which redb
+/// would initialise as a new store, every intent in it lost unsaid.
+fn damage(file: &FileBackend, existed: bool) -> std::io::Result<Option<String>> {
     let len = file.len()?;
+    if existed && len == 0 {
+        return Ok(Some(
+            "empty (0 bytes): what it held is lost (a file system that lost its data, a copy \
+             or a first start cut short), not taken for a new store"
+                .into(),
+        ));
+    }
     if len < HEADER as u64 {
         return Ok(None);
     }
