@@ -4,7 +4,10 @@
 //! (`writer.rs`); a caller that acts on a write waits until it is durable
 //! (the blocking setters, or [`Committed::wait`]); reads see queued writes.
 //! After a failed write (a full disk) the writer reopens the file, which
-//! redb requires before it writes again (`open.rs`, [`open::Db`]).
+//! redb requires before it writes again (`db.rs`, [`db::Db`]), and keeps
+//! the failed writes (the newest per key) queued, read back and tried
+//! again until they commit: the store ends at the latest record of every
+//! key without another write.
 //!
 //! Tables (keys are model names unless said otherwise; values JSON):
 //! - `meta`: `schema_version` → [`SCHEMA_VERSION`].
@@ -19,22 +22,28 @@
 // redb's own error type is large; it only travels inside this module.
 #![allow(clippy::result_large_err)]
 
+mod committed;
 #[cfg(test)]
 mod damage_tests;
+mod db;
 #[cfg(test)]
 pub(crate) mod faults;
+#[cfg(test)]
+mod full_disk_tests;
 mod open;
+mod ops;
 mod records;
 #[cfg(test)]
 mod tests;
 mod writer;
 
-use open::{Db, Opened, io, try_open, unix_secs};
+use db::Db;
+use open::{Opened, io, try_open, unix_secs};
 pub use records::{CalibrationRecord, EngineRecord, IntentRecord};
 pub use writer::Committed;
 use writer::{Op, Table, Writes};
 
-use redb::{ReadableTable, TableDefinition};
+use redb::TableDefinition;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
@@ -161,40 +170,30 @@ impl Store {
 
     /// What the file holds at `table`/`key` (not what is queued).
     fn read_committed(&self, table: Table, key: &str) -> Option<Vec<u8>> {
-        let result: Result<Option<Vec<u8>>, redb::Error> = (|| {
-            let tx = self.db.begin_read()?;
-            let t = tx.open_table(table)?;
-            Ok(t.get(key)?.map(|v| v.value().to_vec()))
-        })();
-        result.unwrap_or_else(|e| {
+        self.db.get(table, key).unwrap_or_else(|e| {
             tracing::error!(path = %self.path.display(), table = %table, key, error = %e, "state store read failed");
             None
         })
     }
 
+    /// Every record of `table`: the file's, with what is queued over it.
     fn read_all<T: DeserializeOwned>(&self, table: Table) -> Vec<(String, T)> {
-        // What is queued lands first (rare: these are read at start-up and
-        // by commands, not by the model tasks).
-        self.writes.submit(Vec::new()).wait_blocking();
-        let result: Result<Vec<(String, T)>, redb::Error> = (|| {
-            let tx = self.db.begin_read()?;
-            let t = tx.open_table(table)?;
-            let mut out = Vec::new();
-            for entry in t.iter()? {
-                let (k, v) = entry?;
-                match serde_json::from_slice(v.value()) {
-                    Ok(rec) => out.push((k.value().to_string(), rec)),
+        match self.writes.overlaid(table, || self.db.all(table)) {
+            Ok(all) => all
+                .into_iter()
+                .filter_map(|(k, v): (String, Vec<u8>)| match serde_json::from_slice(&v) {
+                    Ok(rec) => Some((k, rec)),
                     Err(e) => {
-                        tracing::error!(table = %table, key = k.value(), error = %e, "unreadable record skipped")
+                        tracing::error!(table = %table, key = k, error = %e, "unreadable record skipped");
+                        None
                     }
-                }
+                })
+                .collect(),
+            Err(e) => {
+                tracing::error!(path = %self.path.display(), table = %table, error = %e, "state store read failed");
+                Vec::new()
             }
-            Ok(out)
-        })();
-        result.unwrap_or_else(|e| {
-            tracing::error!(path = %self.path.display(), table = %table, error = %e, "state store read failed");
-            Vec::new()
-        })
+        }
     }
 
     /// Queues `key`'s new value in `table`.

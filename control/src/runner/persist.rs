@@ -16,11 +16,12 @@ use tokio::time::Instant;
 /// often (every proxy report moves it).
 const HISTORY_EVERY_MS: i64 = 1000;
 /// What a model's log says when its record could not be written (the
-/// daemon's log names the file and redb's error; siesta tries again at
-/// the next write, on the file reopened).
+/// daemon's log names the file and redb's error; the store keeps the
+/// record queued and writes it once it can, tried every second).
 const STORE_FAILED: &str = "state store write failed (is state_dir full, read-only or not \
-     answering? the daemon's log names the file): this intent and history would not survive a \
-     restart";
+     answering? the daemon's log names the file): this intent and history are not durable yet; \
+     siesta writes them once state_dir can be written again, and a restart before that would \
+     lose them";
 /// The same, of a suspend.
 pub(super) const SUSPEND_NOT_RECORDED: &str = "cannot record the suspend in the state store \
      (is state_dir full, read-only or not answering? the daemon's log names the file): a \

@@ -1,110 +1,14 @@
 //! Opening the redb file: what is fatal (an unusable directory, a store in
-//! use), what is moved aside (corrupt, incompatible), what is initialised;
-//! and reopening it after a failed write ([`Db`]).
+//! use), what is moved aside (corrupt, incompatible, truncated, emptied),
+//! what is initialised.
 
 // redb's own error type is large; it only travels inside this module.
 #![allow(clippy::result_large_err)]
 
 use super::{CALIBRATION, ENGINES, INTENTS, META, SCHEMA_VERSION, StoreError};
 use redb::backends::FileBackend;
-use redb::{Database, ReadTransaction, ReadableTableMetadata, StorageBackend, WriteTransaction};
-use std::path::{Path, PathBuf};
-use std::sync::RwLock;
-
-/// The open store file. After an I/O error (a disk full for a moment)
-/// redb refuses every later write until the file is reopened ("Previous
-/// I/O error occurred"): the writer reopens it ([`Db::reopen`]), and reads
-/// go on meanwhile from what is open.
-pub(super) struct Db {
-    path: PathBuf,
-    open: RwLock<Option<Database>>,
-}
-
-impl Db {
-    pub(super) fn new(path: PathBuf, db: Database) -> Db {
-        Db {
-            path,
-            open: RwLock::new(Some(db)),
-        }
-    }
-
-    pub(super) fn path(&self) -> &Path {
-        &self.path
-    }
-
-    pub(super) fn begin_read(&self) -> Result<ReadTransaction, redb::Error> {
-        self.with_open(|db| Ok(db.begin_read()?))
-    }
-
-    pub(super) fn begin_write(&self) -> Result<WriteTransaction, redb::Error> {
-        self.with_open(|db| Ok(db.begin_write()?))
-    }
-
-    fn with_open<T>(
-        &self,
-        f: impl FnOnce(&Database) -> Result<T, redb::Error>,
-    ) -> Result<T, redb::Error> {
-        let open = self
-            .open
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        f(open.as_ref().ok_or_else(closed)?)
-    }
-
-    /// Closes the file and opens it again (redb repairs what a failed
-    /// commit left); false, and closed until the next try, when it cannot.
-    /// Only the writer calls it.
-    pub(super) fn reopen(&self) -> bool {
-        let mut open = self
-            .open
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        // Closed first: the file is locked while open, and while a read
-        // begun before is still under way (for microseconds).
-        *open = None;
-        let mut tries = 0;
-        let opened = loop {
-            match try_open(&self.path) {
-                Err(StoreError::InUse(_)) if tries < 100 => {
-                    tries += 1;
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
-                r => break r,
-            }
-        };
-        match opened {
-            Ok(Opened::Ok(db)) => {
-                tracing::warn!(path = %self.path.display(), "state store reopened after a failed write");
-                *open = Some(db);
-                true
-            }
-            Ok(Opened::Reject { detail, .. }) => {
-                tracing::error!(path = %self.path.display(), %detail,
-                    "state store cannot be reopened after a failed write (tried again at the next write)");
-                false
-            }
-            Err(e) => {
-                tracing::error!(error = %e,
-                    "state store cannot be reopened after a failed write (tried again at the next write)");
-                false
-            }
-        }
-    }
-
-    /// Whether the file is open (not after a reopen that failed).
-    pub(super) fn is_open(&self) -> bool {
-        self.open
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .is_some()
-    }
-}
-
-fn closed() -> redb::Error {
-    redb::Error::Io(std::io::Error::other(
-        "closed after a failed write; reopened at the next write",
-    ))
-}
+use redb::{Database, ReadableTableMetadata, StorageBackend};
+use std::path::Path;
 
 pub(super) enum Opened {
     Ok(Database),

@@ -422,54 +422,6 @@ fn engine_records_without_gpus_load_and_are_not_kept() {
     assert_eq!(store.engine("new").unwrap().gpus, [1, 2]);
 }
 
-/// A disk full for one write (ENOSPC) loses nothing: the round is tried
-/// again on the reopened file. Full for a while: the writes of that time
-/// fail and say so, and once there is room again the store writes as
-/// before. redb
-/// refuses every write after an I/O error until the file is reopened
-/// ("Previous I/O error occurred"): without the reopen, no engine could
-/// be recorded, so none started, until siesta-control was restarted.
-#[test]
-fn a_store_that_could_not_write_for_a_while_writes_again() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = Store::open(dir.path()).unwrap();
-    assert!(s.set_engine("a", &engine(1, 1)));
-    let file = dir.path().join(FILE_NAME);
-    // Full for one write: the round is tried again on the reopened file,
-    // and nothing is lost.
-    faults::fail_next_write(&file);
-    assert!(
-        s.set_engine("e", &engine(5, 1)),
-        "lost to a moment's full disk"
-    );
-    faults::disk_full(&file, true);
-    assert!(!s.set_engine("b", &engine(2, 1)), "written on a full disk");
-    assert!(!s.set("c", intent(3)), "written on a full disk");
-    faults::disk_full(&file, false);
-    // Readable again without a write (the writer tries the file again
-    // while it is closed).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while s.engine("a").is_none() {
-        assert!(std::time::Instant::now() < deadline, "not readable again");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    assert!(
-        s.set_engine("d", &engine(4, 1)),
-        "not written once there is room"
-    );
-    assert!(s.set("c", intent(3)));
-    assert_eq!(s.engine("a"), Some(engine(1, 1)));
-    assert_eq!(s.engine("d"), Some(engine(4, 1)));
-    drop(s);
-    let s = Store::open(dir.path()).unwrap();
-    assert!(s.moved_aside().is_none());
-    assert_eq!(s.engine("a"), Some(engine(1, 1)));
-    assert_eq!(s.engine("b"), None);
-    assert_eq!(s.engine("d"), Some(engine(4, 1)));
-    assert_eq!(s.engine("e"), Some(engine(5, 1)));
-    assert_eq!(s.get("c"), Some(intent(3)));
-}
-
 /// A conditional write (an engine's exit removing its own record) reads
 /// the file outside the queue's lock, and sees a round that commits the
 /// same key between that read and the queueing: the record of a newer

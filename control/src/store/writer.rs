@@ -17,68 +17,31 @@
 //! Reads see queued writes (`latest`): a record written and then read is
 //! the one written, committed or not. The writes of one round succeed or
 //! fail together (redb's errors are the disk's or the file's, not one
-//! record's); every waiter of a failed round is told false.
+//! record's); every waiter of a failed round is told false, and its writes
+//! stay queued (read back, the newest per key) until a later round commits
+//! them, one tried every second unasked: the file ends at the latest record
+//! of every key once the disk has room, without another write.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex};
+#[cfg(test)]
 use std::time::Duration;
 
 use super::Db;
+pub use super::committed::Committed;
 use futures::channel::oneshot;
-use redb::{TableDefinition, TableHandle};
 
-pub(super) type Table = TableDefinition<'static, &'static str, &'static [u8]>;
+use super::ops::newest_per_key;
+pub(super) use super::ops::{Op, Table};
 
-/// How often a store closed by a failed reopen is tried again while
-/// nothing is written.
+/// How often a store closed by a failed reopen, or the writes a failed
+/// round left, are tried again while nothing is written.
 const REOPEN_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// One change to one key.
-#[derive(Clone)]
-pub(super) enum Op {
-    Put {
-        table: Table,
-        key: String,
-        value: Vec<u8>,
-    },
-    Delete {
-        tables: Vec<Table>,
-        key: String,
-    },
-}
-
-impl Op {
-    /// What this change leaves at `table`/`key`: `Some(None)` deleted,
-    /// `Some(Some(bytes))` written, `None` untouched.
-    fn leaves(&self, table: Table, key: &str) -> Option<Option<&[u8]>> {
-        match self {
-            Op::Put {
-                table: t,
-                key: k,
-                value,
-            } if t.name() == table.name() && k == key => Some(Some(value)),
-            Op::Delete { tables, key: k }
-                if k == key && tables.iter().any(|t| t.name() == table.name()) =>
-            {
-                Some(None)
-            }
-            _ => None,
-        }
-    }
-
-    fn describe(&self) -> String {
-        match self {
-            Op::Put { table, key, .. } => format!("{}/{key}", table.name()),
-            Op::Delete { tables, key } => {
-                let names: Vec<&str> = tables.iter().map(|t| t.name()).collect();
-                format!("delete {}/{key}", names.join("+"))
-            }
-        }
-    }
-}
 
 #[derive(Default)]
 struct Queue {
-    /// Queued since the writer last took them, in order.
+    /// Queued since the writer last took them, in order; at their front,
+    /// what failed rounds left (the newest per key), until a round commits.
     ops: Vec<Op>,
     /// Being committed now (still what reads see, until committed).
     committing: Arc<Vec<Op>>,
@@ -101,85 +64,10 @@ pub(super) struct Writes {
     /// Held by a test: the writer takes nothing from the queue meanwhile.
     #[cfg(test)]
     paused: Mutex<()>,
-}
-
-/// A queued write: durable once [`Committed::wait`] says true.
-#[derive(Debug)]
-#[must_use = "a write not waited for may not be durable yet; drop it to not wait"]
-pub struct Committed(Option<oneshot::Receiver<bool>>);
-
-impl Committed {
-    /// Nothing was queued (the record was already there): durable.
-    pub(super) fn already() -> Committed {
-        Committed(None)
-    }
-
-    /// A write that could not be queued (its record not encodable).
-    pub(super) fn failed() -> Committed {
-        let (_, rx) = oneshot::channel();
-        Committed(Some(rx))
-    }
-
+    /// Told at the end of every round, for the tests.
     #[cfg(test)]
-    pub(super) fn is_already(&self) -> bool {
-        self.0.is_none()
-    }
-
-    /// True once durable; false when the commit failed (logged), or did not
-    /// end within [`COMMIT_WAIT`]. On a
-    /// current-thread runtime the thread blocks for it instead (a
-    /// millisecond, as every write did before): the wait is on another
-    /// thread, which such a runtime takes for idleness, and under paused
-    /// time (the model tasks' tests) its clock would jump to the next timer
-    /// while the write is under way.
-    pub async fn wait(self) -> bool {
-        self.wait_within(COMMIT_WAIT).await
-    }
-
-    /// [`Self::wait`], giving up (false) after `limit` on a multi-threaded
-    /// runtime: the write stays queued and lands when the disk answers.
-    pub(super) async fn wait_within(self, limit: Duration) -> bool {
-        let Some(rx) = self.0 else {
-            return true;
-        };
-        let current_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread);
-        if current_thread {
-            return futures::executor::block_on(rx).unwrap_or(false);
-        }
-        match tokio::time::timeout(limit, rx).await {
-            Ok(done) => done.unwrap_or(false),
-            Err(_) => {
-                tracing::error!(
-                    waited = ?limit,
-                    "state store: a write not committed in time (does state_dir's disk answer?); \
-                     going on without waiting for it (it stays queued)"
-                );
-                false
-            }
-        }
-    }
-
-    /// The same, blocking the thread (outside a task, or rare writes: on a
-    /// multi-threaded runtime the worker's place is handed on meanwhile).
-    pub fn wait_blocking(self) -> bool {
-        let Some(rx) = self.0 else {
-            return true;
-        };
-        let wait = || futures::executor::block_on(rx).unwrap_or(false);
-        match tokio::runtime::Handle::try_current() {
-            Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
-                tokio::task::block_in_place(wait)
-            }
-            _ => wait(),
-        }
-    }
+    round_ended: Condvar,
 }
-
-/// How long a task waits for its write's commit: a disk that stops answering
-/// (a hung network mount) would stop a model's task for as long, deadlines
-/// and all; after this it goes on as after a failed write, saying so.
-pub const COMMIT_WAIT: Duration = Duration::from_secs(30);
 
 /// How many times [`Writes::submit_if`] reads the file outside the queue's
 /// lock before it reads it under the lock.
@@ -267,37 +155,55 @@ impl Writes {
     }
 
     /// The writer thread's loop: every round commits all that was queued
-    /// since the last one in one transaction.
+    /// since the last one in one transaction. A round that fails leaves
+    /// its writes queued, ahead of those queued since and the newest per
+    /// key ([`newest_per_key`]): they are read back, tried again with the
+    /// next write or every [`REOPEN_EVERY`] unasked, and once before the
+    /// writer ends. (They were dropped before: after a full disk the file
+    /// kept the record from before until the model wrote again.)
     pub(super) fn run(&self, db: &Db) {
         // However the writer ends (a panic in redb included), the queue
         // closes and whoever waits, or writes later, is told false: no
         // model task waits for ever on a writer that is gone.
         let _closes = CloseOnExit(self);
+        let mut tried_at_close = false;
         loop {
             let (ops, waiters) = {
                 let mut q = self.queue.lock().unwrap();
-                while q.waiters.is_empty() && !q.closed {
-                    if db.is_open() {
+                loop {
+                    if !q.waiters.is_empty() {
+                        break;
+                    }
+                    if q.closed {
+                        if q.ops.is_empty() || tried_at_close {
+                            return;
+                        }
+                        tried_at_close = true;
+                        break;
+                    }
+                    if db.is_open() && q.ops.is_empty() {
                         q = self.wake.wait(q).unwrap();
                         continue;
                     }
-                    // Closed by a reopen that failed (the disk still full):
-                    // reads fail meanwhile, so it is tried again unasked.
-                    q = self.wake.wait_timeout(q, REOPEN_EVERY).unwrap().0;
-                    if q.waiters.is_empty() && !q.closed {
-                        drop(q);
-                        db.reopen();
-                        q = self.queue.lock().unwrap();
+                    // Writes of a failed round left, or closed by a reopen
+                    // that failed (the disk still full): tried again unasked.
+                    let (next, waited) = self.wake.wait_timeout(q, REOPEN_EVERY).unwrap();
+                    q = next;
+                    if !waited.timed_out() || !q.waiters.is_empty() || q.closed {
+                        continue;
                     }
+                    if !q.ops.is_empty() {
+                        break;
+                    }
+                    drop(q);
+                    db.reopen();
+                    q = self.queue.lock().unwrap();
                 }
                 #[cfg(test)]
                 {
                     drop(q);
                     drop(self.pause());
                     q = self.queue.lock().unwrap();
-                }
-                if q.waiters.is_empty() {
-                    return;
                 }
                 let ops = Arc::new(std::mem::take(&mut q.ops));
                 q.committing = ops.clone();
@@ -319,11 +225,70 @@ impl Writes {
                 let mut q = self.queue.lock().unwrap();
                 q.committing = Arc::default();
                 q.rounds += 1;
+                if !ok {
+                    // Under the same hold of the lock: no read sees them gone.
+                    let mut kept = Arc::unwrap_or_clone(ops);
+                    kept.append(&mut q.ops);
+                    q.ops = newest_per_key(kept);
+                }
+                #[cfg(test)]
+                self.round_ended.notify_all();
             }
             for w in waiters {
                 let _ = w.send(ok);
             }
         }
+    }
+
+    /// What `table` holds: `file()` (what the file holds), with what is
+    /// committing and queued applied over it. The file is read outside the
+    /// queue's lock and stands if no round ended meanwhile (one that did
+    /// may have taken writes off the queue that the read did not see):
+    /// read again otherwise, at most [`READS_OUTSIDE`] times, then under
+    /// the lock, as in [`Writes::submit_if`].
+    pub(super) fn overlaid<E>(
+        &self,
+        table: Table,
+        file: impl Fn() -> Result<BTreeMap<String, Vec<u8>>, E>,
+    ) -> Result<BTreeMap<String, Vec<u8>>, E> {
+        let mut reads = 0;
+        loop {
+            let rounds = self.queue.lock().unwrap().rounds;
+            let (q, mut all) = if reads == READS_OUTSIDE {
+                let q = self.queue.lock().unwrap();
+                let all = file()?;
+                (q, all)
+            } else {
+                reads += 1;
+                let all = file()?;
+                let q = self.queue.lock().unwrap();
+                if q.rounds != rounds {
+                    continue;
+                }
+                (q, all)
+            };
+            for op in q.committing.iter().chain(&q.ops) {
+                op.apply(table, &mut all);
+            }
+            return Ok(all);
+        }
+    }
+
+    /// Waits until nothing is queued or committing (false after `limit`).
+    #[cfg(test)]
+    pub(super) fn wait_until_written(&self, limit: Duration) -> bool {
+        let q = self.queue.lock().unwrap();
+        let (_q, waited) = self
+            .round_ended
+            .wait_timeout_while(q, limit, |q| !q.ops.is_empty() || !q.committing.is_empty())
+            .unwrap();
+        !waited.timed_out()
+    }
+
+    /// How many writes are queued (failed ones kept included).
+    #[cfg(test)]
+    pub(super) fn queued(&self) -> usize {
+        self.queue.lock().unwrap().ops.len()
     }
 }
 
@@ -345,6 +310,11 @@ impl Drop for CloseOnExit<'_> {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         q.closed = true;
+        if !q.ops.is_empty() {
+            let what: Vec<String> = q.ops.iter().take(8).map(Op::describe).collect();
+            tracing::error!(writes = q.ops.len(), first = %what.join(", "),
+                "state store: writes that failed could not be written before the writer ended (lost)");
+        }
         q.ops.clear();
         q.committing = Arc::default();
         q.rounds += 1;
@@ -354,7 +324,8 @@ impl Drop for CloseOnExit<'_> {
 
 /// Commits `ops`; after a failure reopens the file and tries once more (a
 /// disk full for a moment loses nothing; one still full fails this round,
-/// and the next round tries again on a reopened file).
+/// its writes stay queued, and the next round tries again on a reopened
+/// file).
 fn commit_or_reopen(db: &Db, ops: &[Op]) -> bool {
     if db.is_open() && commit(db, ops) {
         return true;
