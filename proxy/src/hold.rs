@@ -43,14 +43,31 @@ pub const SLOT_WAIT_MIN: Duration = Duration::from_secs(5);
 /// How often requests shed as `wait_too_long` may ask for a model's wake.
 const SHED_DEMAND_EVERY: Duration = Duration::from_secs(1);
 
-/// While requests are held, their Demand is sent again this often (and at
-/// once when another control plane becomes the best placed to serve the
-/// model): the one that took it may have died since, or failed to wake
-/// its engine, while another that has the model could serve it. Each is
-/// sent to the best placed control plane, the next one when that cannot
-/// be reached. A repeated Demand changes nothing where the model is
-/// already wanted awake.
+/// While requests are held, whether their Demand should go elsewhere is
+/// checked this often, and at once when the view changes: it is sent again
+/// when the control plane that took it has lost its Watch stream (died,
+/// its model frozen in its last view) or another has become the best
+/// placed to serve the model (the one asked failed to wake it), to the
+/// best placed one whose stream is up. Never again to the one that took
+/// it while it is up and best placed: an operator's sleep or stop given
+/// since would be overridden by the repeat.
 pub const DEMAND_REFRESH: Duration = Duration::from_secs(2);
+
+/// Where `route`'s Demand goes on `attempt` (0 first): the control planes
+/// whose Watch stream is up, best placed first, in turn; all of them when
+/// none is.
+fn demand_target(route: &ModelRoute, view: &View, attempt: u32) -> SourceId {
+    let up: Vec<&SourceId> = route
+        .sources
+        .iter()
+        .filter(|s| !view.lost.contains(*s))
+        .collect();
+    if up.is_empty() {
+        route.sources[attempt as usize % route.sources.len()].clone()
+    } else {
+        up[attempt as usize % up.len()].clone()
+    }
+}
 
 /// What ends a hold.
 #[derive(Debug)]
@@ -492,18 +509,24 @@ impl Holds {
         })
     }
 
-    /// One Demand RPC for `model` (None: the model is gone). A later
-    /// `attempt` goes to another control plane that has the model, for
-    /// when the best one cannot be reached.
+    /// One Demand RPC for `model` (None: the model is gone) to
+    /// [`demand_target`], unless that is `skip` (it took the Demand
+    /// already: `Some((target, None))`). A later `attempt` goes to another
+    /// control plane that has the model, for when the best one cannot be
+    /// reached.
     async fn send_demand(
         &self,
         model: &str,
         attempt: u32,
         queued: u32,
-    ) -> Option<(SourceId, Result<DemandResponse, tonic::Status>)> {
+        skip: Option<&SourceId>,
+    ) -> Option<(SourceId, Option<Result<DemandResponse, tonic::Status>>)> {
         let view = self.table.view();
         let route = view.by_name.get(model)?;
-        let source = route.sources[attempt as usize % route.sources.len()].clone();
+        let source = demand_target(route, &view, attempt);
+        if skip == Some(&source) {
+            return Some((source, None));
+        }
         let res = match self.controls.client(&source) {
             Some(mut client) => {
                 let req = DemandRequest {
@@ -518,13 +541,17 @@ impl Holds {
             }
             None => Err(tonic::Status::unavailable("no client for control plane")),
         };
-        Some((source, res))
+        Some((source, Some(res)))
     }
 
     /// The Demand of a request shed as `wait_too_long`: one attempt (the
     /// next such request tries again).
     async fn demand_for_shed(self: Arc<Self>, model: Arc<str>) {
-        match self.send_demand(&model, 0, 0).await.map(|(_, r)| r) {
+        match self
+            .send_demand(&model, 0, 0, None)
+            .await
+            .and_then(|(_, r)| r)
+        {
             Some(Ok(resp)) if resp.accepted => {
                 tracing::info!(model = %model, "request shed (the wait outlasts max_hold); wake asked for");
             }
@@ -546,48 +573,55 @@ impl Holds {
         let mut attempt = 0u32;
         let mut taken = false;
         loop {
-            let queued = {
+            let (queued, asked) = {
                 let q = queue.inner.lock().unwrap();
                 if q.episode != Some(episode) || q.waiters.is_empty() {
                     return;
                 }
-                q.waiters.len() as u32
+                (q.waiters.len() as u32, q.asked.clone())
             };
-            let Some((source, res)) = self.send_demand(&queue.model, attempt, queued).await else {
+            let sent = self
+                .send_demand(&queue.model, attempt, queued, asked.as_ref())
+                .await;
+            let Some((source, res)) = sent else {
                 return;
             };
             let next = match res {
-                Ok(resp) if resp.accepted => {
-                    if !taken {
-                        tracing::info!(model = %queue.model, queued, control = %source, "requests held; demand accepted");
+                // It took it and is still the one to ask.
+                None => DEMAND_REFRESH,
+                Some(res) => match res {
+                    Ok(resp) if resp.accepted => {
+                        if !taken {
+                            tracing::info!(model = %queue.model, queued, control = %source, "requests held; demand accepted");
+                        }
+                        taken = true;
+                        attempt = 0;
+                        let mut q = queue.inner.lock().unwrap();
+                        if q.episode != Some(episode) {
+                            return;
+                        }
+                        q.asked = Some(source);
+                        DEMAND_REFRESH
                     }
-                    taken = true;
-                    attempt = 0;
-                    let mut q = queue.inner.lock().unwrap();
-                    if q.episode != Some(episode) {
+                    Ok(resp) => {
+                        tracing::info!(model = %queue.model, message = %resp.message, "demand refused");
+                        let msg = format!(
+                            "model `{}` will not be woken: {}",
+                            queue.model, resp.message
+                        );
+                        if queue.inner.lock().unwrap().episode == Some(episode) {
+                            queue.release_all(|| {
+                                Release::Fail(shed(ShedReason::Refused, None, msg.clone()))
+                            });
+                        }
                         return;
                     }
-                    q.asked = Some(source);
-                    DEMAND_REFRESH
-                }
-                Ok(resp) => {
-                    tracing::info!(model = %queue.model, message = %resp.message, "demand refused");
-                    let msg = format!(
-                        "model `{}` will not be woken: {}",
-                        queue.model, resp.message
-                    );
-                    if queue.inner.lock().unwrap().episode == Some(episode) {
-                        queue.release_all(|| {
-                            Release::Fail(shed(ShedReason::Refused, None, msg.clone()))
-                        });
+                    Err(status) => {
+                        attempt += 1;
+                        tracing::debug!(model = %queue.model, error = %status, attempt, "demand failed; retrying");
+                        backoff(attempt)
                     }
-                    return;
-                }
-                Err(status) => {
-                    attempt += 1;
-                    tracing::debug!(model = %queue.model, error = %status, attempt, "demand failed; retrying");
-                    backoff(attempt)
-                }
+                },
             };
             tokio::select! {
                 _ = tokio::time::sleep(next) => {}
@@ -648,8 +682,9 @@ impl Holds {
                 }
                 Some(r) => {
                     let asked = q.inner.lock().unwrap().asked.clone();
-                    if asked.is_some_and(|a| r.sources.first() != Some(&a)) {
-                        tracing::info!(model = %q.model, best = ?r.sources.first(), "another control plane is best placed for held requests; asking it");
+                    let target = demand_target(r, view, 0);
+                    if asked.is_some_and(|a| a != target) {
+                        tracing::info!(model = %q.model, control = %target, "the control plane that took held requests' demand is gone or no longer best placed; asking another");
                         q.ask_again.notify_one();
                     }
                 }

@@ -132,6 +132,9 @@ pub struct View {
     /// A watched control plane address has sent no snapshot yet: a model
     /// only it has is not in the view, though it exists.
     pub unsynced: bool,
+    /// Control plane addresses whose Watch stream is down (their models
+    /// are routed from their last table meanwhile).
+    pub lost: std::collections::BTreeSet<SourceId>,
     /// Names and aliases to routes. Looked up twice per request with the
     /// client's model name: foldhash, not SipHash (the keys come from the
     /// control planes, so no client can crowd one bucket).
@@ -145,6 +148,8 @@ struct SourceState {
     models: BTreeMap<String, ModelStatus>,
     revision: u64,
     synced: bool,
+    /// Its Watch stream is down (it was up before).
+    lost: bool,
     /// (`--control` value, control_id, started_unix_ms): two addresses of one
     /// name that reach the same process count once.
     identity: Option<(String, String, i64)>,
@@ -274,6 +279,16 @@ impl RouteTable {
         st.sources.get(source).is_some_and(|s| s.synced)
     }
 
+    /// Records whether `source`'s Watch stream is down.
+    pub fn set_lost(&self, source: &SourceId, lost: bool) {
+        let mut st = self.state.lock().unwrap();
+        let src = st.sources.entry(source.clone()).or_default();
+        if src.lost != lost {
+            src.lost = lost;
+            self.rebuild(&mut st);
+        }
+    }
+
     /// Forgets a control plane (its address left DNS).
     pub fn remove_source(&self, source: &SourceId) {
         let mut st = self.state.lock().unwrap();
@@ -285,6 +300,12 @@ impl RouteTable {
     fn rebuild(&self, st: &mut TableState) {
         let ready = st.sources.values().any(|s| s.synced);
         let unsynced = st.sources.values().any(|s| !s.synced);
+        let lost = st
+            .sources
+            .iter()
+            .filter(|(_, s)| s.lost)
+            .map(|(id, _)| id.clone())
+            .collect();
         // Group statuses by model name over all control planes.
         let mut grouped: BTreeMap<&str, Vec<(&SourceId, &ModelStatus)>> = BTreeMap::new();
         // Of the addresses that reach one control plane process, the one
@@ -415,6 +436,7 @@ impl RouteTable {
         self.view.send_replace(Arc::new(View {
             ready,
             unsynced,
+            lost,
             by_name,
             models,
         }));

@@ -50,6 +50,7 @@ pub(super) async fn watch_source(
             r = session => r,
             _ = shutdown.cancelled() => break,
         };
+        ctx.table.set_lost(&source, true);
         let reason = match &res {
             Ok(()) => "ended",
             Err(s) if s.code() == tonic::Code::DeadlineExceeded => "silent",
@@ -129,6 +130,7 @@ async fn watch_once(
         let Some(ev) = ev else { return Ok(()) };
         if patience.first() {
             *attempt = 0;
+            ctx.table.set_lost(source, false);
             tracing::info!(control = %source, since_revision = since, "watching control plane");
         }
         if !patience.heard(&ev) {
