@@ -299,9 +299,20 @@ async fn run_resolving<F, Fut>(
     }
 }
 
-/// Jittered exponential backoff: 100 ms doubling to 5 s, times 0.5–1.0.
+/// Longest wait before a control plane is called again (before jitter).
+/// Held requests wait for the `awake` event, which only a Watch stream
+/// brings: with 5 s, a proxy reconnected up to 5 s after a restarted
+/// control plane was serving again (its held requests 3.5 s later than
+/// the other replica's, in a test of two). One call a second per proxy is
+/// nothing to a control plane.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Jittered exponential backoff: 100 ms doubling to [`BACKOFF_MAX`], times
+/// 0.5–1.0.
 pub fn backoff(attempt: u32) -> Duration {
-    let base = 100u64.saturating_mul(1u64 << attempt.min(6)).min(5_000);
+    let base = 100u64
+        .saturating_mul(1u64 << attempt.min(6))
+        .min(BACKOFF_MAX.as_millis() as u64);
     let jitter: f64 = rand::Rng::random_range(&mut rand::rng(), 0.5..=1.0);
     Duration::from_millis((base as f64 * jitter) as u64)
 }
@@ -311,6 +322,19 @@ use session::watch_source;
 
 #[cfg(test)]
 mod tests {
+
+    /// The backoff grows from 50–100 ms and never waits past a second.
+    #[test]
+    fn backoff_grows_and_is_capped_at_a_second() {
+        for _ in 0..100 {
+            let first = backoff(0);
+            assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100));
+            for attempt in [4, 10, 1000, u32::MAX] {
+                let b = backoff(attempt);
+                assert!(b >= BACKOFF_MAX / 2 && b <= BACKOFF_MAX, "{attempt}: {b:?}");
+            }
+        }
+    }
     use siesta_proto::v1::{ModelState, WatchEvent};
 
     use super::*;
