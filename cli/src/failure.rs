@@ -80,6 +80,18 @@ impl Failure {
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            // A port that takes the connection and then says nothing is a
+            // daemon stopped (SIGSTOP) or stuck, not one that is down.
+            Failure::Unreachable { url, reason }
+                if reason.contains("timed out") || reason.starts_with("no answer") =>
+            {
+                write!(
+                    f,
+                    "cannot reach siesta-control at {url}: {reason} — is it running, and \
+                     answering? (one stopped with SIGSTOP, or stuck, takes connections and \
+                     answers nothing)"
+                )
+            }
             Failure::Unreachable { url, reason } => {
                 write!(
                     f,
@@ -199,6 +211,16 @@ mod tests {
         let slow = Failure::status(url, &no_answer("Watch"));
         assert_eq!(slow.exit_code(), 3);
         assert!(slow.to_string().contains("no answer to Watch"), "{slow}");
+        assert!(slow.to_string().contains("stopped with SIGSTOP"), "{slow}");
+        let timed_out =
+            tonic::Status::from_error(Box::new(io::Error::from(io::ErrorKind::TimedOut)));
+        let f = Failure::status(url, &timed_out);
+        assert_eq!(
+            f.to_string(),
+            "cannot reach siesta-control at http://x:1: timed out — is it running, and \
+             answering? (one stopped with SIGSTOP, or stuck, takes connections and answers \
+             nothing)"
+        );
     }
 
     #[test]
