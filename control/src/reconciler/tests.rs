@@ -724,6 +724,21 @@ fn an_attached_engine_found_serving_waits_for_reports_before_an_overdue_tier() {
     );
 }
 
+/// The spawn under way fails; returns the backoff before the next try.
+fn spawn_fails(s: &mut Sim) -> Duration {
+    s.ev(Event::SpawnFailed {
+        proc_gen: s.m.proc_gen,
+        error: "nope".into(),
+    });
+    let Phase::Failed {
+        retry_at: Some(t), ..
+    } = s.m.phase
+    else {
+        panic!("{:?}", s.m.phase)
+    };
+    t - s.now
+}
+
 #[test]
 fn backoff_doubles_and_is_capped() {
     let mut s = Sim::new(Preload::Awake);
@@ -731,18 +746,9 @@ fn backoff_doubles_and_is_capped() {
     s.m.settings.tiers.clear();
     let mut delays = vec![];
     for _ in 0..6 {
-        s.ev(Event::SpawnFailed {
-            proc_gen: s.m.proc_gen,
-            error: "nope".into(),
-        });
-        let Phase::Failed {
-            retry_at: Some(t), ..
-        } = s.m.phase
-        else {
-            panic!("{:?}", s.m.phase)
-        };
-        delays.push((t - s.now).as_secs());
-        s.advance(t - s.now);
+        let wait = spawn_fails(&mut s);
+        delays.push(wait.as_secs());
+        s.advance(wait);
         assert!(matches!(s.m.phase, Phase::Starting { .. }));
     }
     assert_eq!(delays, [1, 2, 4, 8, 8, 8]);
@@ -763,22 +769,9 @@ fn backoff_doubles_and_is_capped() {
 fn an_operators_start_forgets_the_failures_before_it() {
     let mut s = Sim::new(Preload::Awake);
     s.m.settings.tiers.clear();
-    let fail = |s: &mut Sim| {
-        s.ev(Event::SpawnFailed {
-            proc_gen: s.m.proc_gen,
-            error: "nope".into(),
-        });
-        let Phase::Failed {
-            retry_at: Some(t), ..
-        } = s.m.phase
-        else {
-            panic!("{:?}", s.m.phase)
-        };
-        (t - s.now).as_secs()
-    };
     for _ in 0..5 {
-        let wait = fail(&mut s);
-        s.advance(secs(wait));
+        let wait = spawn_fails(&mut s);
+        s.advance(wait);
     }
     assert_eq!(s.m.failures, 5);
     s.ev(Event::Command(Command::Stop));
@@ -790,7 +783,11 @@ fn an_operators_start_forgets_the_failures_before_it() {
         "{:?}",
         s.m.phase
     );
-    assert_eq!(fail(&mut s), 1, "backed off as the sixth failure in a row");
+    assert_eq!(
+        spawn_fails(&mut s),
+        secs(1),
+        "backed off as the sixth failure in a row"
+    );
 }
 
 /// An engine that dies soon after it became ready (out of memory on its
