@@ -155,6 +155,9 @@ pub struct Activity {
     counters: Mutex<HashMap<CounterKey, Arc<ActivityCounters>>>,
     failures: Mutex<Vec<(SourceId, EndpointFailure)>>,
     groups: Arc<Groups>,
+    /// Control plane addresses forgotten since the last round: their
+    /// senders are ended ([`Activity::run`]).
+    forgotten: Mutex<Vec<SourceId>>,
 }
 
 /// Addresses that reach one control plane process (a dual-stack name:
@@ -244,6 +247,28 @@ impl Activity {
         *held = map;
     }
 
+    /// Forgets a control plane address (it left DNS, its models served
+    /// elsewhere or given up): its counters and its report sender. Kept,
+    /// they grew by a set per model for every address a control plane pod
+    /// ever had, and every round walked them all.
+    pub fn forget(&self, source: &SourceId) {
+        self.counters
+            .lock()
+            .unwrap()
+            .retain(|(src, _), _| src != source);
+        self.failures
+            .lock()
+            .unwrap()
+            .retain(|(src, _)| src != source);
+        self.forgotten.lock().unwrap().push(source.clone());
+    }
+
+    /// How many sets of counters are kept (for tests).
+    #[cfg(test)]
+    pub(crate) fn counter_sets(&self) -> usize {
+        self.counters.lock().unwrap().len()
+    }
+
     /// The groups of addresses of one control plane process.
     #[cfg(test)]
     pub(crate) fn groups(&self) -> &Groups {
@@ -309,6 +334,9 @@ impl Activity {
             for (src, mut req) in batches {
                 req.proxy_id = proxy_id.clone();
                 outboxes.post(&controls, src, req);
+            }
+            for src in std::mem::take(&mut *self.forgotten.lock().unwrap()) {
+                outboxes.end(&src);
             }
             if last {
                 outboxes.close().await;

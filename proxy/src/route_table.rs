@@ -289,11 +289,13 @@ impl RouteTable {
         }
     }
 
-    /// Forgets a control plane (its address left DNS).
+    /// Forgets a control plane (its address left DNS), its activity
+    /// counters with it.
     pub fn remove_source(&self, source: &SourceId) {
         let mut st = self.state.lock().unwrap();
         if st.sources.remove(source).is_some() {
             self.rebuild(&mut st);
+            self.activity.forget(source);
         }
     }
 

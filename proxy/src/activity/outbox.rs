@@ -80,6 +80,21 @@ impl Outboxes {
         outbox.notify.notify_one();
     }
 
+    /// Ends `src`'s sender once what waits there is sent (or cannot be:
+    /// a forgotten address has no client), and forgets it.
+    pub fn end(&mut self, src: &SourceId) {
+        if let Some((outbox, _)) = self.boxes.remove(src) {
+            outbox.slot.lock().unwrap().closing = true;
+            outbox.notify.notify_one();
+        }
+    }
+
+    /// How many senders there are (for tests).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.boxes.len()
+    }
+
     /// Sends what waits, in order, and ends the senders.
     pub async fn close(self) {
         for (outbox, _) in self.boxes.values() {
@@ -278,6 +293,31 @@ mod tests {
         out.close().await;
         assert_eq!(*seen.held.lock().unwrap(), [10, 0]);
         assert_eq!(seen.most.load(Ordering::SeqCst), 1);
+    }
+
+    /// A forgotten control plane's sender is ended and let go once what
+    /// waited there is sent: one sender (and task) per address ever seen
+    /// piled up before.
+    #[tokio::test]
+    async fn an_ended_sender_sends_what_waits_and_is_let_go() {
+        let (url, seen) = slow_control().await;
+        let controls = Arc::new(Controls::new(None).unwrap());
+        controls.connect(&url).unwrap();
+        let mut out = Outboxes::default();
+        out.post(&controls, url.clone(), report(4));
+        let (_, task) = out.boxes.get(&url).unwrap();
+        let task = task.abort_handle();
+        out.end(&url);
+        assert_eq!(out.len(), 0);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while !task.is_finished() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the sender never ended"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(*seen.held.lock().unwrap(), [4]);
     }
 
     /// A report the control plane did not take goes again, merged into

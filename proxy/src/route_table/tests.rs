@@ -110,6 +110,27 @@ fn union_over_control_planes_with_aliases_and_stable_upstreams() {
     assert_eq!(t.view().by_name["m"].endpoints.len(), 1);
 }
 
+/// A control plane address forgotten (it left DNS) takes its activity
+/// counters with it: kept, a set per model piled up for every address a
+/// control plane pod ever had, each walked ten times a second.
+#[test]
+fn a_forgotten_address_takes_its_activity_counters_with_it() {
+    let activity = Arc::new(Activity::default());
+    let t = RouteTable::new(activity.clone());
+    let (a, b): (SourceId, SourceId) = (Arc::from("http://a"), Arc::from("http://b"));
+    let models = |n: usize| {
+        (0..n)
+            .map(|i| status(&format!("m{i}"), ModelState::Asleep, &[]))
+            .collect()
+    };
+    t.apply(&a, snapshot(1, models(3)));
+    t.apply(&b, snapshot(1, models(2)));
+    assert_eq!(activity.counter_sets(), 5);
+    t.remove_source(&a);
+    assert_eq!(activity.counter_sets(), 2, "a's counters were kept");
+    assert_eq!(*t.view().by_name["m0"].sources, [b]);
+}
+
 #[test]
 fn best_source_leads_and_same_process_counts_once() {
     let t = table();
