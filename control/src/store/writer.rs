@@ -167,6 +167,9 @@ impl Writes {
         // model task waits for ever on a writer that is gone.
         let _closes = CloseOnExit(self);
         let mut tried_at_close = false;
+        // A round failed since the last commit: the next one that commits
+        // says so (the errors stopping is no sign an operator can read).
+        let mut failing = false;
         loop {
             let (ops, waiters) = {
                 let mut q = self.queue.lock().unwrap();
@@ -221,6 +224,13 @@ impl Writes {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 commit_or_reopen(db, &ops)
             };
+            if !ok {
+                failing = true;
+            } else if failing && !ops.is_empty() {
+                failing = false;
+                tracing::info!(path = %db.path().display(), writes = ops.len(),
+                    "state store writes that had failed are written now (durable)");
+            }
             {
                 let mut q = self.queue.lock().unwrap();
                 q.committing = Arc::default();
