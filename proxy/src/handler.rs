@@ -135,16 +135,8 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
             (no_model(), models::list(&shared))
         } else if let Some(id) = path.strip_prefix("/v1/models/") {
             (no_model(), models::one(&shared, id))
-        } else if let Some(allow) = methods_of(path) {
-            let e = ApiError::MethodNotAllowed {
-                method: req.method().to_string(),
-                path: crate::errors::shown(path),
-                allow,
-            };
-            (no_model(), e.into_response())
         } else {
-            let e = ApiError::NoRoute(crate::errors::shown(&format!("{} {path}", req.method())));
-            (no_model(), e.into_response())
+            (no_model(), not_served(req.method(), path).into_response())
         }
     } else if req.method() == Method::POST && forwardable_path(path) {
         if authorized(&shared, &req) {
@@ -157,16 +149,8 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
         && let Some(r) = cors::preflight(req.headers())
     {
         return r;
-    } else if let Some(allow) = methods_of(path) {
-        // As vLLM's router answers a method a route does not take.
-        let e = ApiError::MethodNotAllowed {
-            method: req.method().to_string(),
-            path: crate::errors::shown(path),
-            allow,
-        };
-        (no_model(), answered_unread(&req, e.into_response()))
     } else {
-        let e = ApiError::NoRoute(crate::errors::shown(&format!("{} {path}", req.method())));
+        let e = not_served(req.method(), path);
         (no_model(), answered_unread(&req, e.into_response()))
     };
     if page {
@@ -176,16 +160,23 @@ pub async fn handle_main(shared: Arc<Shared>, req: Request<Incoming>) -> Respons
     resp
 }
 
-/// The methods a path served here takes (`Allow`), if it is one: the model
-/// list and the probes are read, vLLM's model routes take a POST (another
-/// `/v1` path is forwarded by POST too, but the engine may not have it).
-fn methods_of(path: &str) -> Option<&'static str> {
-    if matches!(path, "/healthz" | "/readyz") || path.starts_with("/v1/models") {
-        Some("GET, HEAD")
+/// A request this proxy serves no answer to: a path served here asked with
+/// a method it does not take is a 405 naming those it takes, as vLLM's
+/// router answers it (the model list and the probes are read, vLLM's model
+/// routes take a POST; another `/v1` path is forwarded by POST too, but the
+/// engine may not have it); any other path is a 404.
+fn not_served(method: &Method, path: &str) -> ApiError {
+    let allow = if matches!(path, "/healthz" | "/readyz") || path.starts_with("/v1/models") {
+        "GET, HEAD"
     } else if crate::request_model::known_post_route(path) {
-        Some("POST")
+        "POST"
     } else {
-        None
+        return ApiError::NoRoute(crate::errors::shown(&format!("{method} {path}")));
+    };
+    ApiError::MethodNotAllowed {
+        method: method.to_string(),
+        path: crate::errors::shown(path),
+        allow,
     }
 }
 

@@ -290,7 +290,7 @@ impl Drop for Ticket {
 /// and a request whose hold covers that and a start waits for it; a model
 /// that failed again (it keeps failing) has its requests answered at once,
 /// with the time to its next try, not held a whole `max_hold` each.
-pub const HELD_THROUGH_FAILURES: u32 = 1;
+const HELD_THROUGH_FAILURES: u32 = 1;
 
 /// Milliseconds from `now` until `deadline` (0 once past).
 fn hold_left_ms(deadline: Instant, now: Instant) -> u64 {
@@ -589,39 +589,37 @@ impl Holds {
             let next = match res {
                 // It took it and is still the one to ask.
                 None => DEMAND_REFRESH,
-                Some(res) => match res {
-                    Ok(resp) if resp.accepted => {
-                        if !taken {
-                            tracing::info!(model = %queue.model, queued, control = %source, "requests held; demand accepted");
-                        }
-                        taken = true;
-                        attempt = 0;
-                        let mut q = queue.inner.lock().unwrap();
-                        if q.episode != Some(episode) {
-                            return;
-                        }
-                        q.asked = Some(source);
-                        DEMAND_REFRESH
+                Some(Ok(resp)) if resp.accepted => {
+                    if !taken {
+                        tracing::info!(model = %queue.model, queued, control = %source, "requests held; demand accepted");
                     }
-                    Ok(resp) => {
-                        tracing::info!(model = %queue.model, message = %resp.message, "demand refused");
-                        let msg = format!(
-                            "model `{}` will not be woken: {}",
-                            queue.model, resp.message
-                        );
-                        if queue.inner.lock().unwrap().episode == Some(episode) {
-                            queue.release_all(|| {
-                                Release::Fail(shed(ShedReason::Refused, None, msg.clone()))
-                            });
-                        }
+                    taken = true;
+                    attempt = 0;
+                    let mut q = queue.inner.lock().unwrap();
+                    if q.episode != Some(episode) {
                         return;
                     }
-                    Err(status) => {
-                        attempt += 1;
-                        tracing::debug!(model = %queue.model, error = %status, attempt, "demand failed; retrying");
-                        backoff(attempt)
+                    q.asked = Some(source);
+                    DEMAND_REFRESH
+                }
+                Some(Ok(resp)) => {
+                    tracing::info!(model = %queue.model, message = %resp.message, "demand refused");
+                    let msg = format!(
+                        "model `{}` will not be woken: {}",
+                        queue.model, resp.message
+                    );
+                    if queue.inner.lock().unwrap().episode == Some(episode) {
+                        queue.release_all(|| {
+                            Release::Fail(shed(ShedReason::Refused, None, msg.clone()))
+                        });
                     }
-                },
+                    return;
+                }
+                Some(Err(status)) => {
+                    attempt += 1;
+                    tracing::debug!(model = %queue.model, error = %status, attempt, "demand failed; retrying");
+                    backoff(attempt)
+                }
             };
             tokio::select! {
                 _ = tokio::time::sleep(next) => {}

@@ -279,11 +279,13 @@ impl RouteTable {
         st.sources.get(source).is_some_and(|s| s.synced)
     }
 
-    /// Records whether `source`'s Watch stream is down.
+    /// Records whether `source`'s Watch stream is down (a source already
+    /// forgotten stays forgotten).
     pub fn set_lost(&self, source: &SourceId, lost: bool) {
         let mut st = self.state.lock().unwrap();
-        let src = st.sources.entry(source.clone()).or_default();
-        if src.lost != lost {
+        if let Some(src) = st.sources.get_mut(source)
+            && src.lost != lost
+        {
             src.lost = lost;
             self.rebuild(&mut st);
         }

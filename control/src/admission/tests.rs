@@ -1354,27 +1354,33 @@ fn memory_held_by_processes_siesta_does_not_run_is_planned_around() {
     assert_eq!(w.run[1], Run::Waking(true));
 }
 
-/// The admission task used to answer "admitted" to every ask once it had
-/// died (its reply channels dropped): a model then took GPUs no one
-/// accounted for. A task killed by a panic (here: in an evictor it calls)
-/// now refuses the ask that waited on it and every later one, until the
-/// daemon is restarted; a shutdown still lets asks through.
-#[tokio::test(start_paused = true)]
-async fn an_ask_is_refused_once_the_admission_task_has_died() {
+/// Three models of 0.45 on one GPU, adopted after a restart: m0 asleep,
+/// m1 and m2 awake (the GPU full), planning started; asked to make room,
+/// each calls `evict`.
+fn full_gpu(evict: fn()) -> (World, Arc<crate::hub::Hub>, Admission, CancellationToken) {
     let w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)])).unwrap();
     let hub = crate::hub::Hub::new(w.clock, 16, 16);
     let shutdown = CancellationToken::new();
     let admission = started(&w, &hub, shutdown.clone());
     for n in &w.names {
-        admission
-            .registry()
-            .insert(n, Arc::new(|_| panic!("an evictor that panics")));
+        admission.registry().insert(n, Arc::new(move |_| evict()));
     }
-    let status = |i: usize, state: State| adopted(&w, i, state);
-    hub.publish_model(status(0, State::Asleep));
-    hub.publish_model(status(1, State::Awake));
-    hub.publish_model(status(2, State::Awake));
+    hub.publish_model(adopted(&w, 0, State::Asleep));
+    hub.publish_model(adopted(&w, 1, State::Awake));
+    hub.publish_model(adopted(&w, 2, State::Awake));
     admission.start_planning();
+    (w, hub, admission, shutdown)
+}
+
+/// The admission task used to answer "admitted" to every ask once it had
+/// died (its reply channels dropped): a model then took GPUs no one
+/// accounted for. A task killed by a panic (here: in an evictor it calls)
+/// now refuses the ask that waited on it and every later one, until the
+/// daemon is restarted; at shutdown an ask is told so.
+#[tokio::test(start_paused = true)]
+async fn an_ask_is_refused_once_the_admission_task_has_died() {
+    let (w, hub, admission, shutdown) = full_gpu(|| panic!("an evictor that panics"));
+    let status = |i: usize, state: State| adopted(&w, i, state);
     // The GPU is full: the ask makes the task evict, and the task dies.
     let a = admission.clone();
     let ask = tokio::spawn(async move { a.admit("m0", Box::new(|_| {})).await });
@@ -1414,19 +1420,8 @@ async fn an_ask_is_refused_once_the_admission_task_has_died() {
 /// as room.
 #[tokio::test(start_paused = true)]
 async fn a_wake_waiting_for_room_is_not_let_through_at_shutdown() {
-    let w = World::new(&config(1, &[(1, 0.45), (1, 0.45), (1, 0.45)])).unwrap();
-    let hub = crate::hub::Hub::new(w.clock, 16, 16);
-    let shutdown = CancellationToken::new();
-    let admission = started(&w, &hub, shutdown.clone());
-    for n in &w.names {
-        // Asked to make room, they never do.
-        admission.registry().insert(n, Arc::new(|_| {}));
-    }
-    let status = |i: usize, state: State| adopted(&w, i, state);
-    hub.publish_model(status(0, State::Asleep));
-    hub.publish_model(status(1, State::Awake));
-    hub.publish_model(status(2, State::Awake));
-    admission.start_planning();
+    // Asked to make room, they never do.
+    let (_w, _hub, admission, shutdown) = full_gpu(|| {});
     let a = admission.clone();
     let mut ask = tokio::spawn(async move { a.admit("m0", Box::new(|_| {})).await });
     let waiting = tokio::time::timeout(Duration::from_secs(5), &mut ask).await;

@@ -40,8 +40,13 @@ pub(super) fn owners<'a>(
             Some(group) if engines.contains_key(&group) => {
                 (Whose::Siesta, engines.get(&group).copied())
             }
-            Some(_) if procfs::carries_env(pid, STATE_ENV, marker) == Some(true) => {
-                let tag = procfs::env_value(pid, TAG_ENV).unwrap_or_default();
+            Some(_) => {
+                // One read of its environment for both keys.
+                let Some(env) = procfs::Env::of(pid).filter(|e| e.carries(STATE_ENV, marker))
+                else {
+                    return (Whose::Other, None);
+                };
+                let tag = env.get(TAG_ENV).unwrap_or_default();
                 let named = models
                     .iter()
                     .find(|m| tag_of(&tag, m))
@@ -58,7 +63,6 @@ pub(super) fn owners<'a>(
                     (Whose::Other, named)
                 }
             }
-            Some(_) => (Whose::Other, None),
         }
     };
     inventory

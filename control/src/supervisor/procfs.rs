@@ -97,19 +97,39 @@ pub fn pids_with_env(key: &str, value: &str) -> Vec<u32> {
 
 /// The value of `key` in the environment `pid` started with.
 pub fn env_value(pid: u32, key: &str) -> Option<String> {
-    let env = environ(pid)?;
-    let prefix = format!("{key}=");
-    env.split(|b| *b == 0)
-        .find_map(|kv| kv.strip_prefix(prefix.as_bytes()))
-        .map(|v| String::from_utf8_lossy(v).into_owned())
+    Env::of(pid)?.get(key)
 }
 
 /// Whether `pid`'s environment holds `key=value`; None when it cannot be
 /// read (the process is gone, or another user's).
 pub fn carries_env(pid: u32, key: &str, value: &str) -> Option<bool> {
-    let env = environ(pid)?;
-    let needle = format!("{key}={value}");
-    Some(env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+    Some(Env::of(pid)?.carries(key, value))
+}
+
+/// The environment a process started with, read once for several keys.
+pub struct Env(Vec<u8>);
+
+impl Env {
+    /// `pid`'s; None when it cannot be read (gone, another user's) or did
+    /// not answer within [`ENVIRON_WAIT`].
+    pub fn of(pid: u32) -> Option<Env> {
+        environ(pid).map(Env)
+    }
+
+    /// The value of `key`.
+    pub fn get(&self, key: &str) -> Option<String> {
+        let prefix = format!("{key}=");
+        self.0
+            .split(|b| *b == 0)
+            .find_map(|kv| kv.strip_prefix(prefix.as_bytes()))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+
+    /// Whether it holds `key=value`.
+    pub fn carries(&self, key: &str, value: &str) -> bool {
+        let needle = format!("{key}={value}");
+        self.0.split(|b| *b == 0).any(|kv| kv == needle.as_bytes())
+    }
 }
 
 /// The environment `pid` started with; None when it cannot be read (gone,
