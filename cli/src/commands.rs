@@ -24,7 +24,7 @@ use crate::args::{Cli, Command, ConfigCommand, DiagCommand, Format};
 use crate::client::Conn;
 use crate::failure::Failure;
 use crate::render;
-use crate::view::ModelView;
+use crate::view::OperationView;
 
 /// Runs one command to completion.
 pub async fn run(cli: Cli) -> Result<(), Failure> {
@@ -120,13 +120,6 @@ fn print_json_line<T: Serialize>(value: &T) -> Result<(), Failure> {
     Ok(())
 }
 
-/// What an operation (wake, sleep, start, ...) answered, for `-o json`.
-#[derive(Debug, Serialize)]
-struct OperationView {
-    message: String,
-    model: Option<ModelView>,
-}
-
 /// Prints an operation's answer: `chat: waking (state: waking)`.
 fn print_operation(
     name: &str,
@@ -134,11 +127,11 @@ fn print_operation(
     format: Format,
 ) -> Result<(), Failure> {
     match format {
-        Format::Json => print_json(&OperationView {
-            message: resp.message.clone(),
-            model: resp.model.as_ref().map(ModelView::from),
-        }),
+        Format::Json => print_json(&OperationView::from(resp)),
         Format::Text => {
+            if !resp.warning.is_empty() {
+                eprintln!("warning: {}", resp.warning);
+            }
             let name = resp.model.as_ref().map_or(name, |m| m.name.as_str());
             let state = resp.model.as_ref().map(render::state_label);
             match (resp.message.is_empty(), state) {

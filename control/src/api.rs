@@ -41,10 +41,11 @@ pub struct ControlService {
     pub reload_lock: Arc<Mutex<()>>,
 }
 
-fn op(status: crate::status::ModelStatus, message: String) -> Response<pb::OperationResponse> {
+fn op(a: crate::models::Answer) -> Response<pb::OperationResponse> {
     Response::new(pb::OperationResponse {
-        model: Some(convert::model_status(&status)),
-        message,
+        model: Some(convert::model_status(&a.status)),
+        message: a.message,
+        warning: a.warning.unwrap_or_default(),
     })
 }
 
@@ -128,8 +129,8 @@ impl pb::control_server::Control for ControlService {
     ) -> Result<Response<pb::OperationResponse>, Status> {
         let r = req.into_inner();
         let timeout = (r.timeout_ms > 0).then(|| Duration::from_millis(r.timeout_ms));
-        let (s, m) = self.models.wake(&r.name, r.wait, timeout).await?;
-        Ok(op(s, m))
+        let a = self.models.wake(&r.name, r.wait, timeout).await?;
+        Ok(op(a))
     }
 
     async fn sleep(
@@ -138,52 +139,52 @@ impl pb::control_server::Control for ControlService {
     ) -> Result<Response<pb::OperationResponse>, Status> {
         let r = req.into_inner();
         let level = convert::sleep_level(r.level)?;
-        let (s, m) = self.models.command(&r.name, Command::Sleep(level)).await?;
-        Ok(op(s, m))
+        let a = self.models.command(&r.name, Command::Sleep(level)).await?;
+        Ok(op(a))
     }
 
     async fn suspend(
         &self,
         req: Request<pb::ModelRequest>,
     ) -> Result<Response<pb::OperationResponse>, Status> {
-        let (s, m) = self
+        let a = self
             .models
             .command(&req.get_ref().name, Command::Suspend)
             .await?;
-        Ok(op(s, m))
+        Ok(op(a))
     }
 
     async fn start(
         &self,
         req: Request<pb::ModelRequest>,
     ) -> Result<Response<pb::OperationResponse>, Status> {
-        let (s, m) = self
+        let a = self
             .models
             .command(&req.get_ref().name, Command::Start)
             .await?;
-        Ok(op(s, m))
+        Ok(op(a))
     }
 
     async fn stop(
         &self,
         req: Request<pb::ModelRequest>,
     ) -> Result<Response<pb::OperationResponse>, Status> {
-        let (s, m) = self
+        let a = self
             .models
             .command(&req.get_ref().name, Command::Stop)
             .await?;
-        Ok(op(s, m))
+        Ok(op(a))
     }
 
     async fn restart(
         &self,
         req: Request<pb::ModelRequest>,
     ) -> Result<Response<pb::OperationResponse>, Status> {
-        let (s, m) = self
+        let a = self
             .models
             .command(&req.get_ref().name, Command::Restart)
             .await?;
-        Ok(op(s, m))
+        Ok(op(a))
     }
 
     async fn pin(
@@ -191,7 +192,7 @@ impl pb::control_server::Control for ControlService {
         req: Request<pb::PinRequest>,
     ) -> Result<Response<pb::OperationResponse>, Status> {
         let r = req.into_inner();
-        let (s, m) = match r.for_ms {
+        let a = match r.for_ms {
             0 => self.models.pin(&r.name, r.until_unix_ms).await?,
             ms => {
                 self.models
@@ -199,15 +200,15 @@ impl pb::control_server::Control for ControlService {
                     .await?
             }
         };
-        Ok(op(s, m))
+        Ok(op(a))
     }
 
     async fn unpin(
         &self,
         req: Request<pb::ModelRequest>,
     ) -> Result<Response<pb::OperationResponse>, Status> {
-        let (s, m) = self.models.unpin(&req.get_ref().name).await?;
-        Ok(op(s, m))
+        let a = self.models.unpin(&req.get_ref().name).await?;
+        Ok(op(a))
     }
 
     type WatchStream = Stream_<pb::WatchEvent>;

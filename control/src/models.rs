@@ -196,8 +196,15 @@ impl Models {
     /// Sends an operator's command or pin; refused if the model is leaving
     /// with a reload (its task no longer applies them: the old engine is
     /// draining, and a new one goes on from what it wanted before).
-    async fn applied(&self, h: &ModelHandle, event: Event) -> Result<ModelStatus, OpError> {
-        let after = self.send(h, event).await?;
+    async fn applied(
+        &self,
+        h: &ModelHandle,
+        event: Event,
+    ) -> Result<crate::runner::Applied, OpError> {
+        let Some(applied) = h.send_applied(event).await else {
+            return Err(self.task_ended(&h.cfg().name));
+        };
+        let after = &applied.status;
         if after.retiring {
             return Err(OpError::Refused(format!(
                 "{} is leaving with a reload (removed, or its engine is being replaced): \
@@ -206,7 +213,7 @@ impl Models {
                 after.name, after.name
             )));
         }
-        Ok(after)
+        Ok(applied)
     }
 
     /// Activity reports from a proxy (unknown models are skipped).
@@ -252,6 +259,9 @@ impl Models {
 }
 
 mod commands;
+pub use commands::Answer;
+#[cfg(test)]
+use commands::NOT_DURABLE;
 mod reload;
 
 #[cfg(test)]

@@ -90,7 +90,7 @@ fn end_bound(cfg: &ModelConfig) -> Duration {
 pub use crate::placement::Placed;
 
 pub(crate) enum Msg {
-    Event(Event, Option<oneshot::Sender<ModelStatus>>),
+    Event(Event, Option<oneshot::Sender<Applied>>),
     /// `Event::Retire`, answered with the status from just before it: the
     /// intent and pin a changed model's new engine goes on from, with no
     /// gap in which an operator's command could land unseen.
@@ -150,9 +150,26 @@ impl std::fmt::Debug for Msg {
     }
 }
 
+/// An event applied by the model's task: its status right after, and
+/// whether the intent the event changed is durable.
+#[derive(Debug, Clone)]
+pub struct Applied {
+    pub status: ModelStatus,
+    /// False when the event changed the intent and the state store could
+    /// not write it: the task goes on with it, and the store keeps trying
+    /// (every second), but a restart of siesta-control before the write
+    /// lands goes on from the intent before.
+    pub durable: bool,
+}
+
 impl ModelHandle {
     /// Sends an event; returns the status right after it was applied.
     pub async fn send(&self, event: Event) -> Option<ModelStatus> {
+        self.send_applied(event).await.map(|a| a.status)
+    }
+
+    /// [`Self::send`], saying whether the intent it changed is durable.
+    pub async fn send_applied(&self, event: Event) -> Option<Applied> {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Msg::Event(event, Some(tx))).ok()?;
         rx.await.ok()
@@ -335,6 +352,7 @@ pub fn spawn_model_adopting(
         suspend_cancel: CancellationToken::new(),
         landed: None,
         unshown: Vec::new(),
+        intent_not_durable: false,
     };
     let task = tokio::spawn(runner.run(rx, cancel));
     Ok(ModelHandle {
@@ -398,6 +416,9 @@ struct Runner {
     /// before they are durable (history, sleep level): awaited before the
     /// status goes out, so what was shown survives a `kill -9`.
     unshown: Vec<(crate::store::Committed, &'static str)>,
+    /// The intent written since the last event answered did not become
+    /// durable (the store failed it): the answer says so.
+    intent_not_durable: bool,
 }
 
 impl Runner {
@@ -472,9 +493,13 @@ impl Runner {
                 self.apply(event).await;
             }
             Msg::Event(event, reply) => {
+                self.intent_not_durable = false;
                 self.apply(event).await;
                 if let Some(reply) = reply {
-                    let _ = reply.send(self.status_tx.borrow().clone());
+                    let _ = reply.send(Applied {
+                        status: self.status_tx.borrow().clone(),
+                        durable: !self.intent_not_durable,
+                    });
                 }
             }
             Msg::Retire(reply) => {

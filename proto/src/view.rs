@@ -488,6 +488,9 @@ impl From<&pb::WatchEvent> for EventView {
 pub struct OperationView {
     pub model: Option<ModelView>,
     pub message: String,
+    /// Applied, but not durable yet (empty: nothing to warn of).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub warning: String,
 }
 
 impl From<&pb::OperationResponse> for OperationView {
@@ -495,6 +498,7 @@ impl From<&pb::OperationResponse> for OperationView {
         OperationView {
             model: r.model.as_ref().map(ModelView::from),
             message: r.message.clone(),
+            warning: r.warning.clone(),
         }
     }
 }

@@ -38,6 +38,9 @@ pub async fn run(
     let Some(timeout) = wait else {
         return print_operation(name, &resp, format);
     };
+    if !resp.warning.is_empty() && format == Format::Text {
+        eprintln!("warning: {}", resp.warning);
+    }
     let started = Instant::now();
     let mut model = resp.model.clone().unwrap_or_default();
     if model.name.is_empty() {
@@ -90,6 +93,7 @@ pub async fn run(
         Format::Json => print_json(&OperationView {
             message: message.clone(),
             model: Some(ModelView::from(&model)),
+            warning: resp.warning.clone(),
         })?,
         Format::Text if outcome.is_ok() => println!("{}: {message}", model.name),
         Format::Text => {}

@@ -9,13 +9,38 @@ use crate::runner::ModelHandle;
 use crate::status::{ModelStatus, State};
 use std::time::Duration;
 
+/// What an operator's command on one model answers.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// The model's status once the command was applied (or, for a waited
+    /// wake, when the wait ended).
+    pub status: ModelStatus,
+    /// A short account ("already awake", "waking", ...).
+    pub message: String,
+    /// What the operator must know though the command was applied: its
+    /// intent is not durable yet ([`NOT_DURABLE`]).
+    pub warning: Option<String>,
+}
+
+/// The warning of a command whose intent the state store could not write.
+pub(crate) const NOT_DURABLE: &str = "applied, but not durable yet: the state store could not \
+    write it (is state_dir full or read-only? siesta-control's log says why); it tries \
+    again every second, and a restart of siesta-control before the write lands goes on \
+    from the intent before this command";
+
+impl Answer {
+    fn new(applied: crate::runner::Applied, message: String) -> Answer {
+        Answer {
+            status: applied.status,
+            message,
+            warning: (!applied.durable).then(|| NOT_DURABLE.to_string()),
+        }
+    }
+}
+
 impl Models {
     /// Operator command; returns the status once accepted and a short account.
-    pub async fn command(
-        &self,
-        name: &str,
-        cmd: Command,
-    ) -> Result<(ModelStatus, String), OpError> {
+    pub async fn command(&self, name: &str, cmd: Command) -> Result<Answer, OpError> {
         let h = self.resolve(name)?;
         let before = h.status.borrow().clone();
         let attach = h.cfg().is_attach();
@@ -80,12 +105,14 @@ impl Models {
             }
             _ => {}
         }
-        let mut after = self.applied(&h, Event::Command(cmd)).await?;
-        if matches!(cmd, Command::Sleep(_) | Command::Suspend) && holds_for_requests(&after) {
-            after = self.fresh_in_flight(&h).await;
+        let mut applied = self.applied(&h, Event::Command(cmd)).await?;
+        if matches!(cmd, Command::Sleep(_) | Command::Suspend)
+            && holds_for_requests(&applied.status)
+        {
+            applied.status = self.fresh_in_flight(&h).await;
         }
-        let msg = account(&before, &after, cmd);
-        Ok((after, msg))
+        let msg = account(&before, &applied.status, cmd);
+        Ok(Answer::new(applied, msg))
     }
 
     /// The status once the in-flight count is fresh: proxies report every
@@ -108,10 +135,10 @@ impl Models {
         name: &str,
         wait: bool,
         timeout: Option<Duration>,
-    ) -> Result<(ModelStatus, String), OpError> {
-        let (status, msg) = self.command(name, Command::Wake).await?;
-        if !wait || status.state == State::Awake {
-            return Ok((status, msg));
+    ) -> Result<Answer, OpError> {
+        let answer = self.command(name, Command::Wake).await?;
+        if !wait || answer.status.state == State::Awake {
+            return Ok(answer);
         }
         let h = self.resolve(name)?;
         let timeout = timeout.unwrap_or(h.cfg().timeouts.start + h.cfg().timeouts.wake);
@@ -133,22 +160,22 @@ impl Models {
         // Read after the wait, whether it ran out or not: a model that got
         // there at the deadline is told as it is, not as still waking.
         let status = h.status.borrow().clone();
-        let msg = waited_wake_says(&status, timeout);
-        Ok((status, msg))
+        let message = waited_wake_says(&status, timeout);
+        Ok(Answer {
+            status,
+            message,
+            ..answer
+        })
     }
 
     /// Pins for `d` from now, on this control plane's clock.
-    pub async fn pin_for(&self, name: &str, d: Duration) -> Result<(ModelStatus, String), OpError> {
+    pub async fn pin_for(&self, name: &str, d: Duration) -> Result<Answer, OpError> {
         let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
         self.pin(name, self.shared.clock.now_ms().saturating_add(ms))
             .await
     }
 
-    pub async fn pin(
-        &self,
-        name: &str,
-        until_unix_ms: i64,
-    ) -> Result<(ModelStatus, String), OpError> {
+    pub async fn pin(&self, name: &str, until_unix_ms: i64) -> Result<Answer, OpError> {
         let h = self.resolve(name)?;
         let now = self.shared.clock.now_ms();
         let until = match until_unix_ms {
@@ -161,21 +188,19 @@ impl Models {
             }
             t => Some(self.shared.clock.instant(t)),
         };
-        let status = self.applied(&h, Event::Pin(until)).await?;
+        let applied = self.applied(&h, Event::Pin(until)).await?;
         let msg = match until {
             None => "pinned awake until unpinned".to_string(),
             Some(_) => format!("pinned awake for {}s", (until_unix_ms - now) / 1000),
         };
-        Ok((status, msg))
+        Ok(Answer::new(applied, msg))
     }
 
-    pub async fn unpin(&self, name: &str) -> Result<(ModelStatus, String), OpError> {
+    pub async fn unpin(&self, name: &str) -> Result<Answer, OpError> {
         let h = self.resolve(name)?;
-        let status = self.applied(&h, Event::Unpin).await?;
-        Ok((
-            status,
-            "unpinned; idle tiers count from the last activity".into(),
-        ))
+        let applied = self.applied(&h, Event::Unpin).await?;
+        let msg = "unpinned; idle tiers count from the last activity".to_string();
+        Ok(Answer::new(applied, msg))
     }
 
     /// A proxy's demand: (status, accepted, message).

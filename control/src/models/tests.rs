@@ -280,7 +280,7 @@ async fn waited_wake(
 ) -> (
     Arc<Models>,
     CancellationToken,
-    tokio::task::JoinHandle<Result<(ModelStatus, String), OpError>>,
+    tokio::task::JoinHandle<Result<Answer, OpError>>,
 ) {
     let (models, cancel) = boot(&sleeper("big", "none", "", "1s"), shared(dir));
     let models = Arc::new(models);
@@ -301,7 +301,11 @@ async fn a_waited_wake_ends_when_the_wake_is_called_off() {
     let dir = tempfile::tempdir().unwrap();
     let (models, cancel, waiting) = waited_wake(dir.path()).await;
     models.command("big", Command::Stop).await.unwrap();
-    let (s, msg) = tokio::time::timeout(Duration::from_secs(20), waiting)
+    let Answer {
+        status: s,
+        message: msg,
+        ..
+    } = tokio::time::timeout(Duration::from_secs(20), waiting)
         .await
         .expect("wake --wait still waiting after the wake was called off")
         .unwrap()
@@ -406,7 +410,7 @@ async fn commands_during_a_reloads_drain_are_refused_and_the_intent_is_kept() {
         );
     };
     kept("at the drain's start");
-    let refused = |r: Result<(ModelStatus, String), OpError>| match r {
+    let refused = |r: Result<Answer, OpError>| match r {
         Err(OpError::Refused(m)) => assert!(m.contains("leaving with a reload"), "{m}"),
         other => panic!("not refused: {other:?}"),
     };
@@ -465,7 +469,7 @@ async fn an_unpin_that_leaves_the_intent_as_it_was_is_recorded() {
     assert_eq!(pinned(), ("pin".to_string(), i64::MAX));
     models.command("chat", Command::Wake).await.unwrap();
     assert_eq!(pinned(), ("operator".to_string(), i64::MAX));
-    let (s, _) = models.unpin("chat").await.unwrap();
+    let s = models.unpin("chat").await.unwrap().status;
     assert_eq!(s.pin, crate::status::PinView::None, "{s:#?}");
     assert_eq!(pinned(), ("operator".to_string(), 0));
     models.resolve("chat").unwrap().shutdown(true).await;
@@ -681,4 +685,26 @@ async fn a_reload_after_the_shutdown_began_starts_nothing() {
     }
     assert!(models.resolve("x").is_err());
     assert!(models.list().is_empty());
+}
+
+/// An operator's command whose intent the state store cannot write (a full
+/// disk) is applied all the same, and its answer says it is not durable;
+/// once the disk has room again, the next command's answer warns of
+/// nothing. (The answer said nothing before: `siesta pin` read as done
+/// while a restart of siesta-control would have lost the pin.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_the_store_cannot_write_is_answered_with_a_warning() {
+    let dir = tempfile::tempdir().unwrap();
+    let shared = shared(dir.path());
+    let (models, cancel) = boot(&sleeper("chat", "none", "", "1s"), shared.clone());
+    let file = dir.path().join(crate::store::FILE_NAME);
+    crate::store::faults::disk_full(&file, true);
+    let a = models.pin("chat", 0).await.unwrap();
+    assert_eq!(a.warning.as_deref(), Some(NOT_DURABLE), "{a:#?}");
+    assert_eq!(a.status.pin, crate::status::PinView::Forever, "applied");
+    crate::store::faults::disk_full(&file, false);
+    let a = models.unpin("chat").await.unwrap();
+    assert_eq!(a.warning, None, "{a:#?}");
+    assert_eq!(a.status.pin, crate::status::PinView::None, "{a:#?}");
+    cancel.cancel();
 }

@@ -140,14 +140,16 @@ impl Runner {
     /// on from that (`Models::remove` writes the record the new engine
     /// takes over, or removes it).
     /// Durable on return (awaited: the task waits, no thread does).
-    pub(super) async fn persist(&self) {
+    pub(super) async fn persist(&mut self) {
         if self.state.retiring {
             return;
         }
         let rec = IntentRecord::from_state(&self.state, &self.shared.clock);
         if !self.shared.store.set_soon(&self.cfg.name, rec).wait().await {
-            // Logged by the store too; the operator sees it in the model's log.
+            // Logged by the store too; the operator sees it in the model's
+            // log, and in the answer to the command that changed it.
             self.logs.push("siesta", STORE_FAILED);
+            self.intent_not_durable = true;
         }
     }
 

@@ -68,8 +68,8 @@ async function op(name, what, query) {
   const out = document.getElementById("op-result");
   try {
     const r = await api("POST", `/api/models/${encodeURIComponent(name)}/${what}${query || ""}`);
-    out.textContent = `${what} ${name}: ${r.message}`;
-    out.dataset.ok = "true";
+    out.textContent = `${what} ${name}: ${r.message}` + (r.warning ? ` (warning: ${r.warning})` : "");
+    out.dataset.ok = r.warning ? "false" : "true";
   } catch (e) {
     out.textContent = `${what} ${name}: ${e.message}`;
     out.dataset.ok = "false";
