@@ -70,6 +70,9 @@ pub struct EngineClient {
 pub struct EngineMetrics {
     /// Sum of `vllm:num_requests_running` (SGLang: `sglang:num_running_reqs`).
     pub running: u32,
+    /// Sum of `vllm:num_requests_waiting` (SGLang: `sglang:num_queue_reqs`):
+    /// requests the engine has taken and not scheduled yet.
+    pub waiting: u32,
     /// From `vllm:engine_sleep_state`: 0 awake, 1 weights offloaded, 2 all
     /// discarded (the deepest when several engines report). Never enough on
     /// its own to call an engine awake: vLLM 0.24 records awake after
@@ -555,7 +558,7 @@ pub const DRAIN_STALL: Duration = Duration::from_secs(2);
 /// Reads the gauges siesta uses from Prometheus text.
 pub fn parse_metrics(text: &str) -> EngineMetrics {
     let mut m = EngineMetrics::default();
-    let mut running = 0f64;
+    let (mut running, mut waiting) = (0f64, 0f64);
     let (samples, _bad) = prom::samples(text);
     for s in samples {
         m.has_vllm_metrics |= s.name.starts_with("vllm:");
@@ -565,6 +568,7 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
         match s.name.as_str() {
             // SGLang's gauge (`--enable-metrics`), one sample per DP rank.
             "vllm:num_requests_running" | "sglang:num_running_reqs" => running += s.value,
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => waiting += s.value,
             "vllm:generation_tokens_total" if s.value >= 0.0 => {
                 m.generation_tokens += s.value as u64;
             }
@@ -584,5 +588,6 @@ pub fn parse_metrics(text: &str) -> EngineMetrics {
         }
     }
     m.running = running.max(0.0).round() as u32;
+    m.waiting = waiting.max(0.0).round() as u32;
     m
 }

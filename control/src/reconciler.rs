@@ -387,6 +387,16 @@ pub enum Event {
         epoch: u64,
         error: String,
     },
+    /// Requests reached the engine as its sleep began (its gauges, read
+    /// just before `/sleep`: forwarded before a proxy saw the sleep, or
+    /// sent to the engine directly): nothing was asked of the engine, it
+    /// serves them, and sleeps once they are done. (Asked, vLLM's
+    /// `mode=wait` drained them under the sleep's timeout, and a request
+    /// longer than that had the healthy engine killed.)
+    SleepCalledOff {
+        epoch: u64,
+        running: u32,
+    },
     /// A wake step's call (`step`), or a restore (step 0), begins now: its
     /// wait for a neighbour's sleep on its GPUs is over.
     WakeBegan {

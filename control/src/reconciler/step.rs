@@ -310,6 +310,9 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
             transitions::wake_step_done(m, step, epoch, now, fx)
         }
         Event::Admitted { epoch: e } if e == epoch => transitions::admitted(m, now),
+        Event::SleepCalledOff { epoch: e, running } if e == epoch => {
+            transitions::sleep_called_off(m, running, now, fx)
+        }
         Event::SleepFailed { epoch: e, error } if e == epoch => {
             if matches!(m.phase, Phase::Sleeping { .. }) {
                 fail(m, format!("sleep failed: {error}"), now, fx);
@@ -354,6 +357,7 @@ fn handle(m: &mut ModelState, event: Event, now: Instant, fx: &mut Vec<Effect>) 
         | Event::FreeBegan { .. }
         | Event::SleepDone { .. }
         | Event::SleepFailed { .. }
+        | Event::SleepCalledOff { .. }
         | Event::WakeBegan { .. }
         | Event::WakeStepDone { .. }
         | Event::Admitted { .. }

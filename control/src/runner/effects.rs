@@ -2,6 +2,7 @@
 //! reports back as an event tagged with the epoch (or process generation).
 
 use super::probe::{PROBE_TIMEOUT, sleep_level};
+use super::suspend::METRICS_TIMEOUT;
 use super::turns::{hold_off_sleeps, hold_off_starts, sleep_turns, to_the_end};
 use super::{Msg, Runner};
 use crate::admission::NotAdmitted;
@@ -124,6 +125,17 @@ impl Runner {
                     // would fail its start), nor while a neighbour wakes
                     // there (its allocation would fail this sleep).
                     let turns = sleep_turns(&shared, &name, &gpus, &tx).await;
+                    // A request forwarded just before the proxies saw the
+                    // sleep begin (or sent to the engine directly) would be
+                    // drained under the sleep's timeout, and one longer than
+                    // that had the engine killed: look once more.
+                    if let Ok(m) = client.metrics(METRICS_TIMEOUT).await
+                        && m.running + m.waiting > 0
+                    {
+                        let running = m.running + m.waiting;
+                        send(Event::SleepCalledOff { epoch, running });
+                        return;
+                    }
                     send(Event::FreeBegan { epoch });
                     let slept =
                         to_the_end(turns, async move { client.sleep(level, timeout).await }).await;

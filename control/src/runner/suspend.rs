@@ -11,7 +11,7 @@ use crate::fence::FENCE_TIMEOUT;
 use crate::reconciler::{Event, SUSPEND_TIMEOUT};
 use std::time::Duration;
 
-const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
+pub(super) const METRICS_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Runner {
     /// The engine's process group (its leader's pid).
@@ -107,11 +107,11 @@ impl Runner {
             // engine is not locked yet, asking is safe).
             if has_metric
                 && let Ok(m) = client.metrics(METRICS_TIMEOUT).await
-                && m.running > 0
+                && m.running + m.waiting > 0
             {
                 let error = format!(
                     "{} request(s) reached the engine as the suspend began",
-                    m.running
+                    m.running + m.waiting
                 );
                 send(Event::SuspendFailed { epoch, error });
                 return;

@@ -704,3 +704,92 @@ async fn reports_about_another_engine_or_a_healthy_one_change_nothing() {
     cancel.cancel();
     h.join().await;
 }
+
+/// A request that reached the engine as its sleep began (forwarded before
+/// a proxy saw the sleep, or sent to the engine directly; the poll has not
+/// read it yet): the engine's gauges, read just before `/sleep`, show it,
+/// and the sleep is called off, the engine serving it, counted in flight.
+/// Once the gauges read 0 the sleep, still wanted, goes ahead. (`/sleep`
+/// went out before, and vLLM's `mode=wait` drained the request under the
+/// sleep's timeout: one longer than that had the healthy engine killed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sleep_is_called_off_by_a_request_the_engine_has_and_siesta_did_not_count() {
+    use crate::engine::test_server::{Act, engine};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let busy = Arc::new(AtomicBool::new(false));
+    let slept = Arc::new(AtomicUsize::new(0));
+    let e = engine({
+        let (busy, slept) = (busy.clone(), slept.clone());
+        move |_, _, line| {
+            if line.contains("/sleep") {
+                slept.fetch_add(1, Ordering::SeqCst);
+                Act::Ok("")
+            } else if line.contains("/is_sleeping") {
+                match slept.load(Ordering::SeqCst) {
+                    0 => Act::Ok(r#"{"is_sleeping":false}"#),
+                    _ => Act::Ok(r#"{"is_sleeping":true}"#),
+                }
+            } else if line.contains("/metrics") && busy.load(Ordering::SeqCst) {
+                Act::Ok(
+                    "vllm:num_requests_running{engine=\"0\"} 0.0\n\
+                     vllm:num_requests_waiting{engine=\"0\"} 1.0\n",
+                )
+            } else {
+                Act::Ok("")
+            }
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut shared = shared(dir.path());
+    // No poll reads the gauge meanwhile: the sleep's own look must.
+    Arc::get_mut(&mut shared).unwrap().poll_every = Duration::from_secs(3600);
+    let cancel = CancellationToken::new();
+    let h = spawn_model(
+        attach("ext", &e.url),
+        Placed::default(),
+        shared,
+        cancel.clone(),
+    )
+    .unwrap();
+    let mut rx = h.status.clone();
+    rx.wait_for(|s| s.state == State::Awake).await.unwrap();
+    busy.store(true, Ordering::SeqCst);
+    let s = h
+        .send(Event::Command(crate::reconciler::Command::Sleep(1)))
+        .await
+        .unwrap();
+    assert_eq!(s.state, State::Sleeping, "{s:?}");
+    let s = tokio::time::timeout(
+        Duration::from_secs(20),
+        rx.wait_for(|s| s.state == State::Awake),
+    )
+    .await
+    .expect("the sleep was not called off")
+    .unwrap()
+    .clone();
+    assert_eq!(s.in_flight, 1, "{s:?}");
+    assert_eq!(slept.load(Ordering::SeqCst), 0, "/sleep was sent");
+    let logs = h.logs.tail(None).0;
+    assert!(
+        logs.iter().any(|l| l
+            .line
+            .contains("called off: 1 request(s) reached the engine")),
+        "{logs:?}"
+    );
+    // The request is done (what the next poll reads): the sleep goes ahead.
+    busy.store(false, Ordering::SeqCst);
+    h.notify(Event::EngineMetrics { running: 0 });
+    let s = tokio::time::timeout(
+        Duration::from_secs(20),
+        rx.wait_for(|s| s.state == State::Asleep),
+    )
+    .await
+    .expect("not asleep once the request was done")
+    .unwrap()
+    .clone();
+    assert_eq!((s.sleep_level, s.failures), (1, 0), "{s:?}");
+    assert_eq!(slept.load(Ordering::SeqCst), 1);
+    cancel.cancel();
+    h.join().await;
+}

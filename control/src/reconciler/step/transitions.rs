@@ -43,6 +43,26 @@ pub(super) fn sleep_done(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>)
     }
 }
 
+/// Requests reached the engine as its sleep began: it stays awake for
+/// them (counted in flight, from its gauge), and the sleep, still wanted,
+/// begins once they are done (the next poll that reads the gauge at 0).
+pub(super) fn sleep_called_off(
+    m: &mut ModelState,
+    running: u32,
+    now: Instant,
+    fx: &mut Vec<Effect>,
+) {
+    if let Phase::Sleeping { level, .. } = m.phase {
+        fx.push(Effect::Log(format!(
+            "sleep (level {level}) called off: {running} request(s) reached the engine as it \
+             began; it sleeps once they are done"
+        )));
+        become_awake(m, now);
+        m.engine_running = running;
+        m.last_activity = Some(now);
+    }
+}
+
 /// A wake step's call, or a restore, begins now: its deadline counts from
 /// here.
 pub(super) fn wake_began(m: &mut ModelState, step: usize, now: Instant) {
