@@ -411,6 +411,23 @@ impl StartHold {
     pub fn release(&self) {
         *self.0.lock().unwrap() = Hold::Released;
     }
+
+    /// Whether the start holds its GPUs' start locks now (taken, not
+    /// released).
+    pub fn is_held(&self) -> bool {
+        matches!(*self.0.lock().unwrap(), Hold::Held { .. })
+    }
+}
+
+/// A [`StartHold`] released when dropped: the stop of an engine still
+/// starting keeps its start's hold until the engine has exited.
+#[derive(Debug)]
+pub struct ReleasedOnDrop(pub StartHold);
+
+impl Drop for ReleasedOnDrop {
+    fn drop(&mut self) {
+        self.0.release();
+    }
 }
 
 #[cfg(test)]

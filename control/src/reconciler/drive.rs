@@ -9,7 +9,14 @@ use super::*;
 pub(super) const KILL_GRACE: Duration = Duration::from_secs(10);
 
 pub(super) fn terminate(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
-    fx.push(Effect::ReleaseStartLock);
+    // An engine still starting keeps its GPUs' start lock until it has
+    // exited (the stop takes the hold over): released now, a neighbour's
+    // start waiting for the lock began beside an engine still loading (two
+    // vLLM starts on one GPU miscount each other), and the stop's SIGTERM
+    // waited for that whole start, up to ROOM_WAIT.
+    if !matches!(m.phase, Phase::Starting { spawned: true, .. }) || m.pid.is_none() {
+        fx.push(Effect::ReleaseStartLock);
+    }
     if m.pid.is_none() {
         // Not spawned yet (waiting for the start lock): nothing to signal.
         fx.push(Effect::Log("stopped before the engine was spawned".into()));

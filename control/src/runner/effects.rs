@@ -385,6 +385,18 @@ impl Runner {
     /// is gone (the op ends with the Stopping phase).
     fn terminate(&mut self, epoch: u64) {
         let send = self.event_sender();
+        // The engine's own start, under way, holds its GPUs' start locks: no
+        // other start is under way there, so SIGTERM goes at once, and the
+        // hold is kept until the engine has exited (`ReleaseStartLock` was
+        // not asked for). A hold still waiting for the locks ends now.
+        let own_start = match self.start_hold.take() {
+            Some(hold) if hold.is_held() => Some(supervisor::ReleasedOnDrop(hold)),
+            Some(hold) => {
+                hold.release();
+                None
+            }
+            None => None,
+        };
         let Some(p) = &self.proc else {
             // Nothing to signal (as before a spawn landed): the stop grace
             // counts from now.
@@ -397,7 +409,12 @@ impl Runner {
         // SIGTERM, the grace, SIGKILL and the exit of what it killed.
         let exit_bound = self.cfg.timeouts.stop_grace + crate::reconciler::ROOM_WAIT;
         self.op(async move {
-            let guards = hold_off_starts(&shared, &name, "stop", &gpus, &tx).await;
+            let guards = match own_start {
+                Some(own) => futures::future::Either::Left(own),
+                None => futures::future::Either::Right(
+                    hold_off_starts(&shared, &name, "stop", &gpus, &tx).await,
+                ),
+            };
             if !p.has_exited() {
                 tracing::info!(model = %name, pid = p.pid, "SIGTERM to the process group");
                 p.signal(NixSignal::SIGTERM);

@@ -793,3 +793,71 @@ async fn a_sleep_is_called_off_by_a_request_the_engine_has_and_siesta_did_not_co
     cancel.cancel();
     h.join().await;
 }
+
+/// A stop of an engine still starting keeps its start's hold on its GPU
+/// until the engine has exited, and signals it at once: a neighbour's
+/// start queued for the GPU's start lock begins only once the engine is
+/// gone. (The hold was released first: the neighbour started beside an
+/// engine still loading, two vLLM starts on one GPU, and the stop's
+/// SIGTERM waited for the neighbour's whole start.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_a_start_keeps_the_start_lock_until_the_engine_has_exited() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "[[model]]\nname = \"a\"\nmodel = \"m\"\n\
+                command = [\"sh\", \"-c\", \"exec sleep 60\", \"engine\"]\n\
+                gpus = 0\npreload = \"awake\"\nstop_grace = \"20s\"\n";
+    let cfg = Config::parse(text, "t.toml").unwrap().models.remove(0);
+    let shared = shared(dir.path());
+    let placed = Placed {
+        gpus: vec![0],
+        ..Placed::default()
+    };
+    let cancel = CancellationToken::new();
+    let h = spawn_model(cfg, placed, shared.clone(), cancel.clone()).unwrap();
+    let mut rx = h.status.clone();
+    let pid = rx
+        .wait_for(|s| s.state == State::Starting && s.pid.is_some())
+        .await
+        .unwrap()
+        .pid
+        .unwrap();
+    // A neighbour's start, queued for GPU 0's start lock.
+    let neighbour = tokio::spawn({
+        let shared = shared.clone();
+        async move {
+            let _guards = shared.locks.acquire(&[0]).await;
+            supervisor_alive(pid)
+        }
+    });
+    // (Its place in the lock's queue: taken at once, the lock being held.)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!neighbour.is_finished(), "the start lock was free");
+    let stopped = Instant::now();
+    h.send(Event::Command(crate::reconciler::Command::Stop))
+        .await
+        .unwrap();
+    let alive_when_let_in = tokio::time::timeout(Duration::from_secs(30), neighbour)
+        .await
+        .expect("the neighbour's start never got the lock")
+        .unwrap();
+    assert!(
+        !alive_when_let_in,
+        "the neighbour's start began while the stopped engine still ran"
+    );
+    let s = tokio::time::timeout(
+        Duration::from_secs(30),
+        rx.wait_for(|s| s.state == State::Stopped),
+    )
+    .await
+    .expect("not stopped")
+    .unwrap()
+    .clone();
+    // SIGTERM at once (`sleep` dies of it), not after the stop grace.
+    let took = stopped.elapsed();
+    assert!(
+        took < Duration::from_secs(15),
+        "stopped after {took:?}: {s:?}"
+    );
+    cancel.cancel();
+    h.join().await;
+}
