@@ -5,8 +5,13 @@ use super::step::{demand, fail, set_intent, set_phase};
 use super::tiers::{due_tier, next_tier, tier_desired};
 use super::*;
 
-/// Grace after SIGKILL for the process to be reaped.
-pub(super) const KILL_GRACE: Duration = Duration::from_secs(10);
+/// Grace after SIGKILL for the process to be reaped: what the supervisor
+/// may take to tell the exit (the leader reaped, what is left of its group
+/// swept, the cause looked for in its log). It was 10 s, shorter than
+/// that: a tensor-parallel engine whose workers took 12 s to go was failed
+/// as "stuck in the kernel" though its leader was gone.
+pub(super) const KILL_GRACE: Duration =
+    crate::supervisor::KILL_WAIT.saturating_add(crate::supervisor::EXIT_CAUSE_WAIT);
 
 pub(super) fn terminate(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) {
     // An engine still starting keeps its GPUs' start lock until it has

@@ -34,11 +34,18 @@ fn an_engine_alive_after_sigkill_holds_its_gpus_until_it_exits() {
     s.term_sent();
     s.advance(secs(3));
     assert!(s.has(|f| matches!(f, Effect::Kill)));
-    s.advance(secs(10));
+    // Not before the supervisor may have told the exit (the group swept).
+    s.advance(secs(21));
+    assert!(
+        matches!(s.m.phase, Phase::Stopping { killed: true, .. }),
+        "{:?}",
+        s.m.phase
+    );
+    s.advance(secs(1));
     assert_eq!(failed_gone(&s.m), Some(false), "{:?}", s.m.phase);
     let said = s.m.last_error.clone().unwrap();
     assert!(
-        said.starts_with("stopping: its engine (pid 42) has not exited 10 s after SIGKILL"),
+        said.starts_with("stopping: its engine (pid 42) has not exited 22 s after SIGKILL"),
         "{said}"
     );
     // Wanted stopped: still failed (and counted) while they are there, with
@@ -68,7 +75,7 @@ fn a_retry_waits_for_the_killed_engine_to_exit() {
     s.advance(secs(3));
     s.term_sent();
     s.advance(secs(3));
-    s.advance(secs(10));
+    s.advance(drive::KILL_GRACE);
     let Phase::Failed {
         retry_at: Some(t),
         process_gone: false,
@@ -228,7 +235,7 @@ fn a_killed_engine_that_never_exits_is_named_in_last_error() {
     let said = s.m.last_error.clone().unwrap();
     assert!(said.starts_with("health check failed"), "{said}");
     assert!(
-        said.contains("(pid 42) has not exited 10 s after SIGKILL"),
+        said.contains("(pid 42) has not exited 22 s after SIGKILL"),
         "{said}"
     );
     assert!(s.has(|f| matches!(f, Effect::Log(l) if *l == said)));
