@@ -209,7 +209,7 @@ impl Models {
             return Err(OpError::Refused(format!(
                 "{} is leaving with a reload (removed, or its engine is being replaced): \
                  nothing was applied; once the reload has answered, send it again \
-                 (`siesta status {}` shows the model as it is then)",
+                 (`siesta get {}` shows the model as it is then)",
                 after.name, after.name
             )));
         }

@@ -411,7 +411,11 @@ async fn commands_during_a_reloads_drain_are_refused_and_the_intent_is_kept() {
     };
     kept("at the drain's start");
     let refused = |r: Result<Answer, OpError>| match r {
-        Err(OpError::Refused(m)) => assert!(m.contains("leaving with a reload"), "{m}"),
+        // Names a command that exists (it said `siesta status chat`).
+        Err(OpError::Refused(m)) => assert!(
+            m.contains("leaving with a reload") && m.contains("(`siesta get chat` shows"),
+            "{m}"
+        ),
         other => panic!("not refused: {other:?}"),
     };
     refused(models.command("chat", Command::Sleep(1)).await);

@@ -91,7 +91,14 @@ pub async fn read_json(body: Incoming) -> Result<Value, ApiError> {
         .await
         .map_err(|e| ApiError::bad_request(format!("reading body: {e}")))?
         .to_bytes();
-    serde_json::from_slice(&bytes)
+    parse_json(&bytes)
+}
+
+/// A body as vLLM's server reads it: Python's `json.loads` of the bytes,
+/// which takes a UTF-8 byte order mark first (it decodes as `utf-8-sig`).
+pub fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
+    let bytes = bytes.strip_prefix(b"\xef\xbb\xbf").unwrap_or(bytes);
+    serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad_request(format!("JSON decode error: {e}")))
 }
 
