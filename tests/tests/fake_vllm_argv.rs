@@ -125,16 +125,37 @@ async fn every_flag_siesta_and_the_examples_pass_is_accepted() {
     assert_eq!(fv.get("/health").await.status(), 200);
 }
 
+/// vLLM 0.33 binds without `SO_REUSEPORT` (one API server): a second
+/// engine on a taken port ends as vLLM does, on Python's `OSError` (the
+/// line siesta's `last_error` takes as the cause; the fake wrote only its
+/// own log line, and siesta said "exit status: 1" alone).
 #[tokio::test]
 async fn a_second_engine_on_a_taken_port_fails_with_address_in_use() {
-    let fv = spawn_fake_vllm(&["m"]).await;
+    let fv = spawn_fake_vllm(&["m", "--imitate-version", "0.33.0"]).await;
     let port = fv.addr.port().to_string();
-    let (code, out) = exits(&["m2", "--port", &port]).await;
+    let (code, out) = exits(&["m2", "--port", &port, "--imitate-version", "0.33.0"]).await;
     assert_ne!(code, Some(0), "{out}");
     assert!(code.is_some(), "killed by a signal: {out}");
-    assert!(out.contains("Address already in use"), "{out}");
+    assert!(
+        out.contains("OSError: [Errno 98] Address already in use"),
+        "{out}"
+    );
     // The first engine is untouched.
     assert_eq!(fv.get("/health").await.status(), 200);
+}
+
+/// vLLM 0.24 always binds with `SO_REUSEPORT`: a second 0.24 engine on the
+/// port a 0.24 engine holds binds beside it, and the kernel shares the
+/// connections between them (siesta checks a configured `port` is free
+/// before it starts an engine there: `control_lifecycle`).
+#[tokio::test]
+async fn a_second_vllm_0_24_engine_binds_beside_the_first() {
+    let first = spawn_fake_vllm(&["m", "--imitate-version", "0.24.0"]).await;
+    let port = first.addr.port().to_string();
+    let second = spawn_fake_vllm(&["m2", "--port", &port, "--imitate-version", "0.24.0"]).await;
+    assert_eq!(second.addr.port(), first.addr.port());
+    assert_eq!(second.get("/health").await.status(), 200);
+    assert_eq!(first.get("/health").await.status(), 200);
 }
 
 #[tokio::test]

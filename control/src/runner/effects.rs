@@ -273,6 +273,18 @@ impl Runner {
         // The Starting phase this spawn is for (its wait for room ends with
         // `Admitted`).
         let epoch = self.state.epoch;
+        // A configured port is checked before the start: vLLM 0.24 binds
+        // with SO_REUSEPORT, so beside another vLLM holding it (one left
+        // from an earlier run) its start succeeds and the kernel shares the
+        // port's connections between the two.
+        let fixed_port = match &self.cfg.launch {
+            Launch::Process {
+                host,
+                port: Some(p),
+                ..
+            } => Some((host.clone(), *p)),
+            _ => None,
+        };
         self.spawning.retain(|t| !t.is_finished());
         self.spawning.push(tokio::spawn(async move {
             if let Some(old) = old {
@@ -303,6 +315,18 @@ impl Runner {
                 _ = cancel.cancelled() => return,
             };
             if cancel.is_cancelled() {
+                return;
+            }
+            if let Some((host, port)) = fixed_port
+                && !supervisor::port_is_free(&host, port)
+            {
+                let error = format!(
+                    "port {port} on {host} (the model's `port`) is in use by another process \
+                     (`ss -ltnp 'sport = :{port}'` names it): not started there, as vLLM 0.24 \
+                     would bind beside it and share its connections; stop it or change `port` \
+                     (the start is tried again after the backoff)"
+                );
+                let _ = tx.send(Msg::Event(Event::SpawnFailed { proc_gen, error }, None));
                 return;
             }
             // Recorded (durably) before the spawn: a siesta killed right

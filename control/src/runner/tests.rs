@@ -861,3 +861,46 @@ async fn a_stop_during_a_start_keeps_the_start_lock_until_the_engine_has_exited(
     cancel.cancel();
     h.join().await;
 }
+
+/// A model whose configured `port` another process holds is not started
+/// there: the start fails naming the port (and is tried again after the
+/// backoff). Started, a vLLM 0.24 engine would bind beside the other
+/// process (SO_REUSEPORT) and the kernel would share the port between them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configured_port_another_process_holds_is_not_started_on() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[[model]]\nname = \"m\"\nmodel = \"m\"\n\
+         command = [\"sh\", \"-c\", \"exec sleep 60\", \"engine\"]\n\
+         host = \"127.0.0.1\"\nport = {port}\ngpus = 0\npreload = \"awake\"\n"
+    );
+    let cfg = Config::parse(&text, "t.toml").unwrap().models.remove(0);
+    let cancel = CancellationToken::new();
+    let h = spawn_model(cfg, Placed::default(), shared(dir.path()), cancel.clone()).unwrap();
+    let s = tokio::time::timeout(
+        Duration::from_secs(30),
+        h.status.clone().wait_for(|s| s.state == State::Failed),
+    )
+    .await
+    .expect("the start did not fail")
+    .unwrap()
+    .clone();
+    let error = s.last_error.clone().unwrap_or_default();
+    assert!(
+        error.contains(&format!(
+            "port {port} on 127.0.0.1 (the model's `port`) is in use"
+        )),
+        "{s:?}"
+    );
+    assert_eq!(s.pid, None, "{s:?}");
+    let logs = h.logs.tail(None).0;
+    assert!(
+        !logs.iter().any(|l| l.line.starts_with("spawning:")),
+        "{logs:?}"
+    );
+    drop(held);
+    cancel.cancel();
+    h.join().await;
+}

@@ -63,6 +63,14 @@ impl ServeError {
     /// the API server's, whose last line only points above.
     pub fn print_traceback(&self) {
         let pid = std::process::id();
+        // Python's `sock.bind` raising, as vLLM's API server ends on it.
+        if let Self::Bind { source, .. } = self {
+            let errno = source.raw_os_error().unwrap_or(0);
+            let text = source.to_string();
+            let text = text.split(" (os error").next().unwrap_or(&text);
+            eprintln!("(APIServer pid={pid}) Traceback (most recent call last):");
+            eprintln!("(APIServer pid={pid}) OSError: [Errno {errno}] {text}");
+        }
         if let Self::Gpu(cause) = self {
             eprintln!("(EngineCore_DP0 pid={pid}) Traceback (most recent call last):");
             eprintln!("(EngineCore_DP0 pid={pid}) {cause}");
@@ -186,7 +194,11 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     let keep_alive = keep_alive_from_env()?;
-    let socket = bind_socket(&args.host, args.port)
+    let imitated = crate::version::Imitated::parse(&args.sim.imitate_version)
+        .unwrap_or(crate::version::Imitated::PORT_NOT_SHARED);
+    let reuse_port =
+        imitated < crate::version::Imitated::PORT_NOT_SHARED || args.api_server_count > 1;
+    let socket = bind_socket(&args.host, args.port, reuse_port)
         .await
         .map_err(|e| ServeError::Bind {
             addr: format!("{}:{}", args.host, args.port),
@@ -321,10 +333,16 @@ async fn watch_engine_core(app: Arc<App>, died: CancellationToken, shutdown: Can
     shutdown.cancel();
 }
 
-/// Binds like vLLM's `create_server_socket`: SO_REUSEADDR but not SO_REUSEPORT (a second
-/// engine on a taken port fails with "Address already in use"), and no `listen()` yet, so
-/// connections are refused until start-up is done.
-async fn bind_socket(host: &str, port: u16) -> std::io::Result<tokio::net::TcpSocket> {
+/// Binds like vLLM's `create_server_socket`: SO_REUSEADDR, SO_REUSEPORT as the imitated
+/// version sets it (`reuse_port`: 0.24 always, 0.33 with several API servers; without it a
+/// second engine on a taken port fails with "Address already in use", with it a second
+/// engine that sets it too binds beside the first), and no `listen()` yet, so connections
+/// are refused until start-up is done.
+async fn bind_socket(
+    host: &str,
+    port: u16,
+    reuse_port: bool,
+) -> std::io::Result<tokio::net::TcpSocket> {
     let addr = tokio::net::lookup_host((host, port))
         .await?
         .next()
@@ -335,6 +353,7 @@ async fn bind_socket(host: &str, port: u16) -> std::io::Result<tokio::net::TcpSo
         tokio::net::TcpSocket::new_v6()?
     };
     socket.set_reuseaddr(true)?;
+    socket.set_reuseport(reuse_port)?;
     socket.bind(addr)?;
     Ok(socket)
 }

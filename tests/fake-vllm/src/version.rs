@@ -41,6 +41,16 @@ impl Imitated {
         patch: 0,
     };
 
+    /// The first release read (0.33.0) whose API server binds without `SO_REUSEPORT` unless
+    /// it runs several (`--api-server-count` > 1, `entrypoints/cli/serve.py`). 0.24.0 always
+    /// sets it (`entrypoints/openai/api_server.py` `create_server_socket`): a second 0.24
+    /// engine on a port a 0.24 engine holds binds, and the kernel shares the connections.
+    pub const PORT_NOT_SHARED: Imitated = Imitated {
+        major: 0,
+        minor: 33,
+        patch: 0,
+    };
+
     /// Parses `0.33.0`, `0.24` (a suffix like `0.33.0rc1` or `+cu128` is ignored).
     pub fn parse(s: &str) -> Result<Imitated, String> {
         let core = s
