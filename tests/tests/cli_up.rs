@@ -631,3 +631,70 @@ async fn up_prints_the_models_and_their_changes_once_a_slow_control_plane_serves
     assert_eq!(r.status(), 200);
     up.output().wait_for("m: starting → awake", slow).await;
 }
+
+/// `siesta up --token T` makes the control plane it runs require `T`
+/// (its own proxy and banner client send it): a client without it is
+/// refused, one with it served. (`--token` was taken only as the token to
+/// send, and the control plane required none.) One that differs from the
+/// file's `[control] token` is refused before anything starts.
+#[tokio::test]
+async fn up_with_a_token_flag_requires_it_of_clients() {
+    let tmp = tempfile::tempdir().unwrap();
+    let addr_file = tmp.path().join("up.addr");
+    let mut up = spawn_up_with(tmp.path(), &addr_file, &["--token", "t0ken"]);
+    let addrs = wait_addr_file(&mut up, &addr_file, &["http", "admin", "grpc"], DEADLINE).await;
+    let control = format!("http://{}", addrs[2]);
+    let run = |token: Option<&str>| {
+        let mut cmd = Command::new(bin_path("siesta"));
+        cmd.args(["--control", &control, "status"])
+            .env_remove("SIESTA_TOKEN");
+        if let Some(t) = token {
+            cmd.args(["--token", t]);
+        }
+        cmd.output().expect("running siesta status")
+    };
+    let without = run(None);
+    assert!(!without.status.success(), "{without:?}");
+    let said = String::from_utf8_lossy(&without.stderr);
+    assert!(said.contains("token"), "{said}");
+    let with = run(Some("t0ken"));
+    assert!(with.status.success(), "{with:?}");
+    assert!(
+        String::from_utf8_lossy(&with.stdout).contains("chat"),
+        "{with:?}"
+    );
+    // Its own proxy sends it: the banner's listing came through.
+    up.output()
+        .wait_for("Ctrl-C stops everything", DEADLINE)
+        .await;
+    assert!(
+        up.output().contains("models       chat ("),
+        "{}",
+        up.output().text()
+    );
+    up.signal(Signal::SIGINT);
+    let exit = up.wait_exit(Duration::from_secs(60)).await;
+    assert!(exit.success(), "{exit}: {}", up.output().text());
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("up.toml");
+    let text = format!(
+        "[control]\nstate_dir = {:?}\ntoken = \"s3cret\"\n",
+        dir.path().join("state")
+    );
+    std::fs::write(&config, text).unwrap();
+    let mut clash = spawn_up_with(
+        dir.path(),
+        &dir.path().join("up.addr"),
+        &["--config", config.to_str().unwrap(), "--token", "other"],
+    );
+    let exit = clash.wait_exit(DEADLINE).await;
+    assert_eq!(exit.code(), Some(2), "{}", clash.output().text());
+    assert!(
+        clash
+            .output()
+            .contains("--token (or SIESTA_TOKEN) differs from [control] token in"),
+        "{}",
+        clash.output().text()
+    );
+}

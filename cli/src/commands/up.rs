@@ -31,6 +31,32 @@ const CONTROL_MARGIN: Duration = Duration::from_secs(5);
 /// How long requests in flight may take to finish after Ctrl-C.
 const PROXY_DRAIN: Duration = Duration::from_secs(10);
 
+/// `--token` (or SIESTA_TOKEN) is the token the control plane `up` runs
+/// requires, where its configuration sets none; one that differs from the
+/// file's `[control] token` is refused (neither could be the one meant).
+/// It was taken only as the token to send: the control plane required
+/// none, whatever `--token` said.
+fn with_token(
+    mut config: Config,
+    token: Option<&str>,
+    path: Option<&std::path::Path>,
+) -> Result<Config, Failure> {
+    let Some(token) = token.filter(|t| !t.is_empty()) else {
+        return Ok(config);
+    };
+    match config.control.token.as_deref() {
+        None => config.control.token = Some(token.to_owned()),
+        Some(set) if set == token => {}
+        Some(_) => {
+            let file = path.map_or("the configuration".into(), |p| p.display().to_string());
+            return Err(Failure::Usage(format!(
+                "--token (or SIESTA_TOKEN) differs from [control] token in {file}: give one of them"
+            )));
+        }
+    }
+    Ok(config)
+}
+
 pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     // Serving does not depend on anyone reading what it prints.
     crate::out::keep_serving();
@@ -72,6 +98,7 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
             )
         }
     };
+    let config = with_token(config, token, args.config.as_deref())?;
     let state_dir = config.control.state_dir.clone();
     let opts = ServeOptions {
         listen: args.control_listen,
@@ -85,9 +112,9 @@ pub async fn run(args: &UpArgs, token: Option<&str>) -> Result<(), Failure> {
     let web = server.web_addr();
     let stop_bound = server.stop_bound();
     // The token the control plane requires (the config's `[control] token`,
-    // else SIESTA_TOKEN) is what its own proxy and clients send; --token
-    // only where it requires none.
-    let token = server.token().or(token).map(str::to_owned);
+    // else `--token`, else SIESTA_TOKEN) is what its own proxy and clients
+    // send.
+    let token = server.token().map(str::to_owned);
     let token = token.as_deref();
     let control_url = format!("http://{}", loopback_for(grpc));
     let proxy = Proxy::bind(ProxyConfig {
