@@ -182,6 +182,22 @@ pub(super) fn deadlines(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             ..
         } => {
             // No room within ROOM_WAIT: the engine stays asleep, unharmed.
+            // A tier's deeper sleep (the wake it needs first) is put off
+            // quietly: nobody asked for it, and its tier is still the
+            // model's (it was shown as an error and an eviction).
+            let tier_deepening = m.intent.reason == Reason::IdleTier
+                && matches!(m.intent.desired, Desired::Asleep(l) if l > from_level);
+            if tier_deepening {
+                fx.push(Effect::Log(format!(
+                    "deeper sleep put off: no room on its GPUs within {ROOM_WAIT:?} to wake it \
+                     first; the tier asks again after as long again as the model has been idle"
+                )));
+                m.demand_since = None;
+                m.deepen_after = Some(now + now.saturating_duration_since(m.idle_start()));
+                set_intent(m, Desired::Asleep(from_level), Reason::IdleTier, now);
+                set_phase(m, Phase::Asleep { level: from_level }, now);
+                return;
+            }
             let error = format!(
                 "{NO_ROOM} {ROOM_WAIT:?}: the models holding them stayed busy or pinned, or \
                  processes siesta does not run kept their memory (`siesta placement` shows who \
@@ -566,6 +582,23 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             drained: true,
             ..
         } if m.in_flight() == 0 => yield_sleep(m, level, now, fx),
+        // Still waiting for room, nothing asked of the engine yet: a sleep
+        // at its level wanted now (an operator's) calls the wake off, the
+        // engine left asleep and the room no longer asked for. Not with
+        // requests held for it: they are served first. (The wake went on
+        // once room came, against the operator's sleep, and one that found
+        // none gave up after 5 minutes with an error.)
+        Phase::Waking {
+            from_level,
+            admitted: false,
+            ..
+        } if matches!(desired, Desired::Asleep(l) if l <= from_level) && m.held() == 0 => {
+            fx.push(Effect::Log(format!(
+                "wake called off before it began (it waited for room): wanted asleep at level \
+                 {from_level} now"
+            )));
+            set_phase(m, Phase::Asleep { level: from_level }, now);
+        }
         Phase::Starting { .. }
         | Phase::Sleeping { .. }
         | Phase::Waking { .. }
