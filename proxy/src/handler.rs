@@ -74,13 +74,17 @@ fn health(shared: &Shared, path: &str) -> Option<Response<ProxyBody>> {
     }
 }
 
-/// The admin listener: `/metrics`, `/healthz`, `/readyz`.
+/// The admin listener: `/metrics`, `/healthz`, `/readyz`, read with `GET`
+/// or `HEAD` (as `GET`: hyper sends the head alone, its `Content-Length`
+/// the body's); another method is a 405 naming those, as on the main
+/// listener.
 pub async fn handle_admin(shared: Arc<Shared>, req: Request<Incoming>) -> Response<ProxyBody> {
-    if req.method() == Method::GET {
-        if let Some(r) = health(&shared, req.uri().path()) {
+    let path = req.uri().path();
+    if req.method() == Method::GET || req.method() == Method::HEAD {
+        if let Some(r) = health(&shared, path) {
             return r;
         }
-        if req.uri().path() == "/metrics" {
+        if path == "/metrics" {
             let mut r = Response::new(ProxyBody::full(shared.metrics.encode()));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -91,12 +95,16 @@ pub async fn handle_admin(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
             return r;
         }
     }
-    ApiError::NoRoute(crate::errors::shown(&format!(
-        "{} {}",
-        req.method(),
-        req.uri().path()
-    )))
-    .into_response()
+    let e = if matches!(path, "/healthz" | "/readyz" | "/metrics") {
+        wrong_method(req.method(), path, "GET, HEAD")
+    } else {
+        ApiError::NoRoute(crate::errors::shown(&format!("{} {path}", req.method())))
+    };
+    closing_if(
+        !req.body().is_end_stream(),
+        req.version(),
+        e.into_response(),
+    )
 }
 
 /// What the waiting room hands on with a request that waited there
@@ -173,6 +181,12 @@ fn not_served(method: &Method, path: &str) -> ApiError {
     } else {
         return ApiError::NoRoute(crate::errors::shown(&format!("{method} {path}")));
     };
+    wrong_method(method, path, allow)
+}
+
+/// A path served here asked with a method it does not take (`allow`: those
+/// it takes).
+fn wrong_method(method: &Method, path: &str, allow: &'static str) -> ApiError {
     ApiError::MethodNotAllowed {
         method: method.to_string(),
         path: crate::errors::shown(path),

@@ -528,3 +528,51 @@ async fn methods_a_path_does_not_take_are_405_and_head_is_get() {
     assert_eq!(get(&p.url("/nowhere")).await.status, 404);
     assert_eq!(e.count(), 0, "nothing reached the engine");
 }
+
+/// The admin listener answers `HEAD` as `GET` without the body (same
+/// status and headers, `Content-Length` included: load balancers probe
+/// `/healthz` and `/readyz` with it), and a method its paths do not take
+/// is a 405 with `Allow`, as on the main listener. Before, both were 404
+/// `no route for HEAD ...`: a HEAD probe saw a healthy proxy as missing.
+#[tokio::test]
+async fn the_admin_listener_answers_head_as_get_and_other_methods_405() {
+    // No control plane: /readyz is 503 until one answers.
+    let unready = start_proxy(vec!["http://127.0.0.1:1".into()], |_| {}).await;
+    let c = ScriptedControl::start(vec![]);
+    let p = ready_proxy(vec![c.url()], |_| {}).await;
+    let admin = |p: &TestProxy, path: &str, method: Method| {
+        let url = p.admin_url(path);
+        async move { reply(send(method, &url, &[], Bytes::new()).await).await }
+    };
+    for (p, path, status) in [
+        (&p, "/healthz", 200),
+        (&p, "/readyz", 200),
+        (&unready, "/readyz", 503),
+        (&p, "/metrics", 200),
+    ] {
+        let get = admin(p, path, Method::GET).await;
+        let head = admin(p, path, Method::HEAD).await;
+        assert_eq!(
+            (get.status.as_u16(), head.status.as_u16()),
+            (status, status),
+            "{path}"
+        );
+        assert!(head.body.is_empty(), "{path}: {:?}", head.body);
+        assert_eq!(head.headers["content-type"], get.headers["content-type"]);
+        let length = head.headers["content-length"].to_str().unwrap();
+        if path == "/metrics" {
+            // The metrics may move between the two requests.
+            assert!(length.parse::<usize>().unwrap() > 100, "{length}");
+        } else {
+            assert_eq!(length, get.body.len().to_string(), "{path}");
+        }
+        for method in [Method::POST, Method::DELETE] {
+            let r = admin(p, path, method.clone()).await;
+            assert_eq!(r.status, 405, "{method} {path}");
+            assert_eq!(r.headers["allow"], "GET, HEAD", "{method} {path}");
+            assert_eq!(r.json()["error"]["code"], "method_not_allowed");
+        }
+    }
+    assert_eq!(admin(&p, "/nowhere", Method::HEAD).await.status, 404);
+    assert_eq!(admin(&p, "/v1/models", Method::GET).await.status, 404);
+}
