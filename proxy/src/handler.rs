@@ -22,7 +22,7 @@ use crate::request_model::{find_request_model, refused_media, route_for};
 use crate::route_table::{ModelRoute, RouteTable, View};
 
 pub(crate) mod checks;
-mod cors;
+pub(crate) mod cors;
 mod models;
 
 use checks::{authorized, forwardable_path, read_body};

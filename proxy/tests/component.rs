@@ -18,6 +18,8 @@ mod forward_test;
 mod hold_test;
 #[path = "component/http1_test.rs"]
 mod http1_test;
+#[path = "component/slow_clients_test.rs"]
+mod slow_clients_test;
 #[path = "component/threads_test.rs"]
 mod threads_test;
 #[path = "component/upstream_conn_test.rs"]

@@ -99,13 +99,10 @@ pub async fn read_body(
     if content_length.is_some_and(|n| n > limit) {
         return Err(ApiError::BodyTooLarge { limit });
     }
-    let timeout = shared.body_timeout;
     let mut body = body;
-    let started = Instant::now();
-    // The last time data came after a wait: what the stall is timed from.
-    let mut last = started;
+    let mut clock = BodyClock::start(shared.body_timeout);
     let mut waited = false;
-    let stall = tokio::time::sleep_until(started + timeout);
+    let stall = tokio::time::sleep_until(clock.deadline());
     tokio::pin!(stall);
     let mut first: Option<Bytes> = None;
     let mut buf: Option<BytesMut> = None;
@@ -114,22 +111,14 @@ pub async fn read_body(
         let next = std::future::poll_fn(|cx| {
             if let Poll::Ready(frame) = Pin::new(&mut body).poll_frame(cx) {
                 if std::mem::take(&mut waited) {
-                    last = Instant::now();
+                    clock.came();
                 }
                 return Poll::Ready(Ok(frame));
             }
             waited = true;
             while stall.as_mut().poll(cx).is_ready() {
-                let now = Instant::now();
-                if now >= last + timeout {
-                    return Poll::Ready(Err(body_stalled(timeout, total, content_length)));
-                }
-                let elapsed = now - started;
-                let floor = elapsed.as_millis() as u64 * MIN_BODY_RATE / 1000;
-                if (total as u64) < floor {
-                    return Poll::Ready(Err(body_too_slow(timeout, total, elapsed)));
-                }
-                stall.as_mut().reset(last + timeout);
+                let next = clock.check(total, content_length)?;
+                stall.as_mut().reset(next);
             }
             Poll::Pending
         })
@@ -159,6 +148,57 @@ pub async fn read_body(
         Some(b) => b.freeze(),
         None => first.unwrap_or_default(),
     })
+}
+
+/// The body timeout's clock for one request body: how long it has stalled
+/// (since its last bytes came, or since it began) and how fast it has come
+/// on average. Shared by hyper's requests ([`read_body`]) and the proxy's
+/// own HTTP/1.1 server, which starts it at the end of the request's head.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyClock {
+    timeout: Duration,
+    started: Instant,
+    /// When the body's last bytes came (its start, before any did).
+    last: Instant,
+}
+
+impl BodyClock {
+    /// The body begins now (`--body-timeout` is `timeout`).
+    pub fn start(timeout: Duration) -> Self {
+        let now = Instant::now();
+        BodyClock {
+            timeout,
+            started: now,
+            last: now,
+        }
+    }
+
+    /// More of the body came now.
+    pub fn came(&mut self) {
+        self.last = Instant::now();
+    }
+
+    /// When the body will have stalled for the timeout, unless more comes.
+    pub fn deadline(&self) -> Instant {
+        self.last + self.timeout
+    }
+
+    /// The timer set for [`deadline`](Self::deadline) (or an earlier one)
+    /// fired, with `total` bytes of the body read: the error (408) when it
+    /// stalled for the timeout or has come too slowly, else when to look
+    /// again.
+    pub fn check(&self, total: usize, content_length: Option<usize>) -> Result<Instant, ApiError> {
+        let now = Instant::now();
+        if now >= self.deadline() {
+            return Err(body_stalled(self.timeout, total, content_length));
+        }
+        let elapsed = now - self.started;
+        let floor = elapsed.as_millis() as u64 * MIN_BODY_RATE / 1000;
+        if (total as u64) < floor {
+            return Err(body_too_slow(self.timeout, total, elapsed));
+        }
+        Ok(self.deadline())
+    }
 }
 
 fn body_stalled(timeout: Duration, total: usize, content_length: Option<usize>) -> ApiError {

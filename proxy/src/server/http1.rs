@@ -16,13 +16,14 @@
 //! bytes already read put back in front of the stream: HTTP/2, HTTP/1.0,
 //! any other method or path, a chunked or `Expect: 100-continue` request, a
 //! body over the limit, a request without a valid API key, one that is not
-//! whole within the header timeout, one that is not valid HTTP. hyper
-//! answers those exactly as it always did.
+//! valid HTTP. hyper answers those exactly as it always did.
 //!
-//! What hyper's server did for these requests, done here the same way: a
-//! keep-alive connection waits for its next request for at most the header
-//! timeout (`--header-timeout`; then it is closed); the request's whole
-//! reading has that deadline too; a client that closes its connection while
+//! What hyper's server and the handler did for these requests, done here
+//! the same way: a keep-alive connection waits for its next request for at
+//! most the header timeout (`--header-timeout`; then it is closed); the
+//! request's head has that deadline too, and its body the body timeout
+//! (`--body-timeout`, from its last bytes; then a 408 and the connection
+//! closes); a client that closes its connection while
 //! its request is with the engine (or held) ends it there; writes have the
 //! send timeout; a draining proxy closes idle connections at once, answers
 //! a request already begun (with `connection: close`), and gives a new
@@ -36,6 +37,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::errors::ApiError;
@@ -58,7 +60,7 @@ const KEEP_BUFFER: usize = 4096;
 pub struct Limits {
     /// The longest request head.
     pub max_header_bytes: usize,
-    /// How long a request may take to arrive whole (and an idle
+    /// How long a request's head may take to arrive whole (and an idle
     /// keep-alive connection may wait for its next one).
     pub header_timeout: Duration,
     /// How long a write may wait for the client to take more.
@@ -89,8 +91,19 @@ pub async fn serve(
             Read::Other => return End::Hyper(buf.freeze()),
             Read::Closed => return End::Closed,
             Read::HeadTooLarge => {
+                let error = ApiError::HeadersTooLarge {
+                    limit: limits.max_header_bytes,
+                };
                 // Boxed: its buffer is not carried by every connection.
-                Box::pin(refuse_head(shared, stream, limits)).await;
+                Box::pin(refuse(shared, stream, limits, error.into_response())).await;
+                return End::Closed;
+            }
+            Read::BodyTimeout { error, origin } => {
+                let mut resp = error.into_response();
+                if origin {
+                    handler::cors::allow_origin(&mut resp);
+                }
+                Box::pin(refuse(shared, stream, limits, resp)).await;
                 return End::Closed;
             }
         };
@@ -148,16 +161,18 @@ pub async fn serve(
     }
 }
 
-/// Answers a head over `--max-header-bytes` with an OpenAI-shaped 431 and
-/// closes: the rest of the head is read and dropped for at most
-/// [`LINGER`] first, as closing with unread bytes would reset the
-/// connection and could take the answer with it.
-async fn refuse_head(shared: &Shared, stream: &mut TcpStream, limits: &Limits) {
+/// Answers a request not read whole (a head over `--max-header-bytes`: an
+/// OpenAI-shaped 431; a body that stalled: 408) and closes: the rest of the
+/// request is read and dropped for at most [`LINGER`] first, as closing
+/// with unread bytes would reset the connection and could take the answer
+/// with it.
+async fn refuse(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    limits: &Limits,
+    resp: http::Response<crate::body::ProxyBody>,
+) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let resp = ApiError::HeadersTooLarge {
-        limit: limits.max_header_bytes,
-    }
-    .into_response();
     shared
         .metrics
         .request(&crate::metrics::no_model(), resp.status());
@@ -175,9 +190,10 @@ async fn refuse_head(shared: &Shared, stream: &mut TcpStream, limits: &Limits) {
 /// before it is closed.
 const LINGER: Duration = Duration::from_secs(1);
 
-/// The next request: within the header timeout; once the proxy drains, an
-/// idle connection closes, and a new one (or one with part of a request
-/// read) has [`FIRST_REQUEST_GRACE`] to send it whole.
+/// The next request: its head within the header timeout, its body within
+/// the body timeout between reads; once the proxy drains, an idle
+/// connection closes, and a new one (or one with part of a request read)
+/// has [`FIRST_REQUEST_GRACE`] to send it whole.
 async fn next_request(
     shared: &Shared,
     stream: &mut TcpStream,
@@ -190,39 +206,34 @@ async fn next_request(
     if draining && !first && buf.is_empty() {
         return Read::Closed;
     }
-    let limit = if draining {
-        FIRST_REQUEST_GRACE.min(limits.header_timeout)
-    } else {
-        limits.header_timeout
-    };
     let rules = request::Rules::of(shared, limits.max_header_bytes);
-    let r = {
-        let reading = tokio::time::timeout(limit, request::read(&rules, stream, buf));
-        tokio::pin!(reading);
-        tokio::select! {
-            r = &mut reading => Some(r),
-            () = stopping.cancelled(), if !draining => None,
+    if !draining {
+        {
+            let head_by = Instant::now() + limits.header_timeout;
+            let reading = request::read(&rules, stream, buf, head_by);
+            tokio::pin!(reading);
+            tokio::select! {
+                r = &mut reading => return r,
+                () = stopping.cancelled() => {}
+            }
         }
-    };
-    let r = match r {
-        Some(r) => r,
         // The drain began while this connection waited.
-        None if !first && buf.is_empty() => return Read::Closed,
-        None => {
-            tokio::time::timeout(
-                FIRST_REQUEST_GRACE.min(limits.header_timeout),
-                request::read(&rules, stream, buf),
-            )
-            .await
+        if !first && buf.is_empty() {
+            return Read::Closed;
         }
-    };
-    match r {
+    }
+    let grace = FIRST_REQUEST_GRACE.min(limits.header_timeout);
+    match tokio::time::timeout(
+        grace,
+        request::read(&rules, stream, buf, Instant::now() + grace),
+    )
+    .await
+    {
         Ok(read) => read,
-        // Nothing came in time, or part of a head: close, with no answer,
-        // as hyper's server does when its header timeout ends (handed to
-        // it, the connection waited a timeout of its own first). A whole
-        // head whose body is still on its way: hyper's, which reads it
-        // under its own rules.
+        // Not whole within the grace: part of a head is closed with no
+        // answer, as the header timeout does; a whole head whose body is
+        // still on its way goes to hyper, which reads it under its own
+        // rules (and closes the connection after its answer).
         Err(_) if !request::head_is_whole(buf) => Read::Closed,
         Err(_) => Read::Other,
     }

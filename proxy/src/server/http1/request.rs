@@ -5,6 +5,11 @@
 //! body limit, no `Transfer-Encoding`, `Expect` or `Upgrade`, a valid API
 //! key when keys are configured. Anything else is hyper's (the connection
 //! goes to it with the bytes read), which answers it exactly as before.
+//!
+//! The head has `--header-timeout` to arrive whole; from then on the body
+//! has `--body-timeout` between reads (timed from its last bytes, or from
+//! the end of the head before any came) and the minimum average rate, as
+//! hyper's requests have in the handler ([`BodyClock`]).
 
 use std::io;
 use std::mem::MaybeUninit;
@@ -14,10 +19,12 @@ use bytes::{Bytes, BytesMut};
 use http::{Method, Version};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 
+use crate::errors::ApiError;
 use crate::forward::{ClientHeaders, ClientRequest, named_in, stops_here};
 use crate::handler::Shared;
-use crate::handler::checks::{forwardable_path, key_among};
+use crate::handler::checks::{BodyClock, forwardable_path, key_among};
 
 /// A partial head shorter than this is parsed again at each read.
 const REPARSE_BELOW: usize = 8192;
@@ -36,6 +43,9 @@ pub enum Read {
     /// A head longer than the limit (whole or not): answered 431 here, in
     /// the OpenAI shape (hyper's 431 has no body).
     HeadTooLarge,
+    /// A plain request's body stalled for the body timeout, or came too
+    /// slowly (`error`, a 408); `origin`: the request has an `Origin`.
+    BodyTimeout { error: ApiError, origin: bool },
     /// The client closed the connection (or it failed).
     Closed,
 }
@@ -76,8 +86,15 @@ impl Request {
 enum Parsed {
     /// A whole plain request, taken out of it.
     Whole(Request),
-    /// Not whole yet: this many bytes are needed in all.
+    /// The head is not whole yet: this many bytes are needed in all.
     Need(usize),
+    /// A plain request's head (`head` bytes) is whole, its body
+    /// (`length` bytes) not yet; `origin`: it has an `Origin`.
+    Body {
+        head: usize,
+        length: usize,
+        origin: bool,
+    },
     /// Not a plain request (or not valid HTTP/1).
     Other,
     /// A head over the limit.
@@ -103,6 +120,8 @@ pub struct Rules<'a> {
     pub max_header_bytes: usize,
     pub max_body_bytes: usize,
     pub api_keys: &'a [Vec<u8>],
+    /// `--body-timeout`.
+    pub body_timeout: std::time::Duration,
 }
 
 impl<'a> Rules<'a> {
@@ -111,6 +130,7 @@ impl<'a> Rules<'a> {
             max_header_bytes,
             max_body_bytes: shared.max_body_bytes,
             api_keys: &shared.api_keys,
+            body_timeout: shared.body_timeout,
         }
     }
 }
@@ -196,7 +216,11 @@ fn take(rules: &Rules<'_>, buf: &mut BytesMut) -> Parsed {
         return Parsed::Other;
     }
     if buf.len() < len + content_length {
-        return Parsed::Need(len + content_length);
+        return Parsed::Body {
+            head: len,
+            length: content_length,
+            origin,
+        };
     }
     // The headers the engine gets, as hyper's path filters them.
     let strip_authorization = !rules.api_keys.is_empty();
@@ -238,9 +262,26 @@ pub fn head_is_whole(buf: &[u8]) -> bool {
     buf.windows(2).any(|w| w == b"\n\n") || buf.windows(3).any(|w| w == b"\n\r\n")
 }
 
+/// A plain request's body on its way: the body timeout's clock, started
+/// at the end of its head.
+struct Coming {
+    clock: BodyClock,
+    head: usize,
+    length: usize,
+    origin: bool,
+}
+
 /// Reads the next request into `buf` and takes it out when it is plain and
-/// whole. Safe to cancel and call again: what was read stays in `buf`.
-pub async fn read(rules: &Rules<'_>, stream: &mut TcpStream, buf: &mut BytesMut) -> Read {
+/// whole: its head by `head_by` (else the connection is closed, or, a head
+/// whole but not taken, goes to hyper), then its body within the body
+/// timeout between reads. Safe to cancel and call again: what was read
+/// stays in `buf` (a body's clock starts again).
+pub async fn read(
+    rules: &Rules<'_>,
+    stream: &mut TcpStream,
+    buf: &mut BytesMut,
+    head_by: Instant,
+) -> Read {
     // A long head arriving in small pieces is parsed again only when its
     // end may have come (an empty line in the new bytes) or at the limit,
     // and a body only once it is whole: each piece costs a scan of itself,
@@ -248,8 +289,12 @@ pub async fn read(rules: &Rules<'_>, stream: &mut TcpStream, buf: &mut BytesMut)
     // (what is not HTTP is refused at once).
     let mut want = rules.max_header_bytes;
     let mut scanned = 0usize;
+    let mut body: Option<Coming> = None;
+    // The head's deadline, then the body's (moved on lazily when it fires).
+    let timer = tokio::time::sleep_until(head_by);
+    tokio::pin!(timer);
     loop {
-        let parse = if want != rules.max_header_bytes {
+        let parse = if body.is_some() {
             buf.len() >= want
         } else if buf.len() < REPARSE_BELOW || buf.len() >= want {
             !buf.is_empty()
@@ -264,10 +309,53 @@ pub async fn read(rules: &Rules<'_>, stream: &mut TcpStream, buf: &mut BytesMut)
                 Parsed::Other => return Read::Other,
                 Parsed::TooLarge => return Read::HeadTooLarge,
                 Parsed::Need(n) => want = n,
+                Parsed::Body {
+                    head,
+                    length,
+                    origin,
+                } => {
+                    want = head + length;
+                    // The head is whole: the body's clock starts now.
+                    let clock = BodyClock::start(rules.body_timeout);
+                    timer.as_mut().reset(clock.deadline());
+                    body = Some(Coming {
+                        clock,
+                        head,
+                        length,
+                        origin,
+                    });
+                }
             }
         }
-        match read_more(stream, buf, want).await {
-            Ok(true) => {}
+        let more = tokio::select! {
+            biased;
+            more = read_more(stream, buf, want) => more,
+            () = &mut timer => match &body {
+                // Nothing came in time, or part of a head: close, with no
+                // answer, as hyper's server does when its header timeout
+                // ends. (A whole head not taken: hyper's, to say why.)
+                None if !head_is_whole(buf) => return Read::Closed,
+                None => return Read::Other,
+                Some(b) => match b.clock.check(buf.len() - b.head, Some(b.length)) {
+                    Ok(next) => {
+                        timer.as_mut().reset(next);
+                        continue;
+                    }
+                    Err(error) => {
+                        return Read::BodyTimeout {
+                            error,
+                            origin: b.origin,
+                        };
+                    }
+                },
+            },
+        };
+        match more {
+            Ok(true) => {
+                if let Some(b) = &mut body {
+                    b.clock.came();
+                }
+            }
             // Closed: with nothing of a request read, nothing to answer;
             // with part of one, hyper says what is wrong with it.
             Ok(false) | Err(_) if buf.is_empty() => return Read::Closed,

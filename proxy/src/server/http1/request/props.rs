@@ -25,6 +25,7 @@ fn rules() -> Rules<'static> {
         max_header_bytes: 512,
         max_body_bytes: 64,
         api_keys: &[],
+        body_timeout: std::time::Duration::from_secs(1),
     }
 }
 
@@ -122,7 +123,7 @@ fn check(bytes: &[u8], extra: &[u8], exact: bool) -> Result<(), TestCaseError> {
     all.extend_from_slice(extra);
     let mut buf = BytesMut::from(&all[..]);
     match take(&r, &mut buf) {
-        Parsed::Other | Parsed::TooLarge | Parsed::Need(_) => {
+        Parsed::Other | Parsed::TooLarge | Parsed::Need(_) | Parsed::Body { .. } => {
             prop_assert_eq!(&buf[..], &all[..], "a request not taken changed the buffer");
         }
         Parsed::Whole(req) => {
@@ -168,7 +169,14 @@ fn check(bytes: &[u8], extra: &[u8], exact: bool) -> Result<(), TestCaseError> {
                 prop_assert_eq!(head_is_whole(&all[..k]), k >= req.head.len(), "at {}", k);
                 let mut part = BytesMut::from(&all[..k]);
                 match take(&r, &mut part) {
-                    Parsed::Need(n) => prop_assert!(n > k, "needs {n} with {k} of {taken}"),
+                    Parsed::Need(n) => {
+                        prop_assert!(k < req.head.len(), "head whole at {k}: needs {n}");
+                        prop_assert!(n > k, "needs {n} with {k} of {taken}");
+                    }
+                    Parsed::Body { head, length, .. } => {
+                        prop_assert_eq!(head, req.head.len(), "at {}", k);
+                        prop_assert!(head + length > k, "needs {head} + {length} with {k}");
+                    }
                     Parsed::Whole(_) => prop_assert!(false, "taken from {k} of {taken} bytes"),
                     Parsed::Other | Parsed::TooLarge => {
                         prop_assert!(false, "given up at {k} of {taken} bytes")

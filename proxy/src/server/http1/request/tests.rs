@@ -7,6 +7,7 @@ fn rules(keys: &[Vec<u8>]) -> Rules<'_> {
         max_header_bytes: 1024,
         max_body_bytes: 100,
         api_keys: keys,
+        body_timeout: std::time::Duration::from_secs(1),
     }
 }
 
@@ -22,6 +23,9 @@ fn whole(r: &Rules<'_>, buf: &mut BytesMut) -> Request {
     match take(r, buf) {
         Parsed::Whole(req) => req,
         Parsed::Need(n) => panic!("needs {n} bytes, has {}", buf.len()),
+        Parsed::Body { head, length, .. } => {
+            panic!("needs {} bytes, has {}", head + length, buf.len())
+        }
         Parsed::Other | Parsed::TooLarge => {
             panic!("not plain: {:?}", String::from_utf8_lossy(buf))
         }
@@ -92,7 +96,9 @@ fn a_request_arriving_byte_by_byte_is_taken_once_whole_and_the_same() {
     for (i, b) in bytes.iter().enumerate() {
         match take(&r, &mut buf) {
             Parsed::Need(n) if i < head_len => assert_eq!(n, r.max_header_bytes),
-            Parsed::Need(n) => assert_eq!(n, bytes.len()),
+            Parsed::Body { head, length, .. } if i >= head_len => {
+                assert_eq!((head, head + length), (head_len, bytes.len()))
+            }
             other => panic!("at byte {i}: {}", matches!(other, Parsed::Other)),
         }
         buf.extend_from_slice(&[*b]);
