@@ -565,7 +565,19 @@ impl GpuView {
         let st = self.state.lock().unwrap();
         let mut machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
         machine.foreign = foreign;
-        let runtime = runtime(models);
+        let mut runtime = runtime(models);
+        // A start or wake still waiting for room holds what its engine
+        // holds now, as admission counts it (it read as awake: an 80 GiB
+        // GPU showed 96 GiB awake with a model waiting beside a pinned one).
+        for m in models.iter().filter(|m| m.awaiting_room) {
+            if let Some(r) = runtime.get_mut(&m.name) {
+                r.state = match r.state {
+                    RunState::Starting => RunState::Stopped,
+                    RunState::Waking => RunState::Asleep,
+                    state => state,
+                };
+            }
+        }
         let mut placements: Vec<ModelPlacement> = st
             .placements
             .iter()

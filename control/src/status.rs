@@ -167,6 +167,10 @@ pub struct ModelStatus {
     /// (SIGKILLed) are not yet seen gone, or it is attached (siesta can
     /// neither stop it nor see it end). Placement counts its share.
     pub failed_holds_gpus: bool,
+    /// Its start, wake or restore waits for room on its GPUs (not admitted
+    /// yet): its engine holds what it held before, nothing or what it
+    /// keeps asleep (the placement report counts that, not its full share).
+    pub awaiting_room: bool,
     pub restarts: u32,
     pub p2p_disabled: bool,
     pub control_id: String,
@@ -317,6 +321,19 @@ pub fn model_status(
             m.phase,
             Phase::Failed {
                 process_gone: false,
+                ..
+            }
+        ),
+        awaiting_room: matches!(
+            m.phase,
+            Phase::Starting {
+                admitted: false,
+                ..
+            } | Phase::Waking {
+                admitted: false,
+                ..
+            } | Phase::Resuming {
+                admitted: false,
                 ..
             }
         ),

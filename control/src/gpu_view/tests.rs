@@ -867,3 +867,35 @@ fn an_nvml_that_stops_answering_holds_up_no_caller() {
     assert!(l.gpus[0].processes.is_empty(), "{l:?}");
     assert_eq!(l.note, None);
 }
+
+/// The placement report counts a model whose start or wake waits for room
+/// as holding what its engine holds now (nothing, or its asleep residual),
+/// as admission does, not its full share: an 80 GiB GPU read 96 GiB awake
+/// with `b` (0.6, never admitted) waiting beside a pinned `a` (0.6).
+#[test]
+fn a_model_waiting_for_room_is_not_counted_awake_in_the_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = two_gpus(
+        dir.path(),
+        "[[model]]\nname = \"a\"\nmodel = \"m\"\ngpu_memory = 0.6\ngpu_ids = [0]\n\
+         [[model]]\nname = \"b\"\nmodel = \"m\"\ngpu_memory = 0.6\ngpu_ids = [0]\n",
+    );
+    let view = GpuView::detect(&cfg, &Default::default());
+    let mut a = crate::status::test_status("a", 1);
+    a.state = State::Awake;
+    let mut b = crate::status::test_status("b", 1);
+    b.state = State::Starting;
+    b.awaiting_room = true;
+    let awake = |models: &[ModelStatus]| view.placement_of(models).gpus[0].awake_bytes;
+    let a_alone = awake(std::slice::from_ref(&a));
+    assert!(a_alone > 0 && a_alone <= 80 << 30, "{a_alone}");
+    assert_eq!(awake(&[a.clone(), b.clone()]), a_alone, "b is not admitted");
+    // Waking from asleep, not admitted: what it keeps asleep, not awake.
+    b.state = State::Waking;
+    let report = view.placement_of(&[a.clone(), b.clone()]);
+    assert_eq!(report.gpus[0].awake_bytes, a_alone);
+    assert!(report.gpus[0].asleep_bytes > 0, "{:?}", report.gpus[0]);
+    // Admitted: its full share.
+    b.awaiting_room = false;
+    assert!(awake(&[a, b]) > a_alone);
+}
