@@ -85,6 +85,17 @@ impl Desired {
 }
 
 impl Desired {
+    /// In words, for logs: `awake`, `asleep at level 1`, `suspended`,
+    /// `stopped` (the Rust form, `Asleep(1)`, was logged before).
+    pub fn describe(self) -> String {
+        match self {
+            Desired::Awake => "awake".into(),
+            Desired::Asleep(l) => format!("asleep at level {l}"),
+            Desired::Suspended => "suspended".into(),
+            Desired::Stopped => "stopped".into(),
+        }
+    }
+
     /// How far from serving: awake 0, asleep 1 or 2, suspended 3, stopped 4.
     pub fn depth(self) -> u8 {
         match self {

@@ -160,7 +160,14 @@ fn first_line(initial: &pb::ModelStatus) -> String {
         0 => "no calibrated estimate yet".to_owned(),
         e => format!("usually takes ~{}", render::duration(e)),
     };
-    format!("{}: waking from {state} ({estimate})", initial.name)
+    // The status answered is the wake's own (`waking`, `starting`): said
+    // as it is ("waking from waking" before).
+    match initial.state() {
+        pb::ModelState::Waking | pb::ModelState::Starting => {
+            format!("{}: {state} ({estimate})", initial.name)
+        }
+        _ => format!("{}: waking from {state} ({estimate})", initial.name),
+    }
 }
 
 /// How progress is shown on stderr.
@@ -310,7 +317,9 @@ mod tests {
         assert_eq!(
             first_line(&m),
             "chat: waking from asleep(l1) (usually takes ~1.5s)"
-        );
+        ); // The wake's own status: said as it is (it read "waking from waking").
+        m.state = pb::ModelState::Waking as i32;
+        assert_eq!(first_line(&m), "chat: waking (usually takes ~1.5s)");
     }
 
     #[test]

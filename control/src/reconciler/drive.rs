@@ -468,8 +468,9 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
         && let Some(desired) = tier_desired(&tier, &m.settings)
     {
         fx.push(Effect::Log(format!(
-            "idle tier fired after {:?}: {desired:?}",
-            tier.after
+            "idle tier fired after {:?}: {}",
+            tier.after,
+            desired.describe()
         )));
         set_intent(m, desired, Reason::IdleTier, now);
     }

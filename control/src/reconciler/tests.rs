@@ -289,6 +289,14 @@ fn tiers_fire_in_order() {
     s.advance(secs(10));
     assert!(s.has(|f| matches!(f, Effect::Sleep { level: 1, .. })));
     assert_eq!(s.m.intent.reason, Reason::IdleTier);
+    // Said in words in the model's log (it read `Asleep(1)`).
+    assert!(
+        s.has(
+            |f| matches!(f, Effect::Log(l) if l == "idle tier fired after 10s: asleep at level 1")
+        ),
+        "{:?}",
+        s.fx
+    );
     s.ev(Event::SleepDone { epoch: s.m.epoch });
     assert_eq!(s.timer(), Some(s.m.idle_floor + secs(20)));
     s.advance(secs(10));
