@@ -191,7 +191,14 @@ impl Models {
         let applied = self.applied(&h, Event::Pin(until)).await?;
         let msg = match until {
             None => "pinned awake until unpinned".to_string(),
-            Some(_) => format!("pinned awake for {}s", (until_unix_ms - now) / 1000),
+            // In whole seconds, as a person reads it: `2h`, not `7200s`.
+            Some(_) => format!(
+                "pinned awake for {}",
+                humantime::format_duration(Duration::from_secs(
+                    // Rounded up: `--for 2h` read a millisecond later is 2h.
+                    u64::try_from((until_unix_ms - now + 999) / 1000).unwrap_or(0)
+                ))
+            ),
         };
         Ok(Answer::new(applied, msg))
     }

@@ -712,3 +712,22 @@ async fn a_command_the_store_cannot_write_is_answered_with_a_warning() {
     assert_eq!(a.status.pin, crate::status::PinView::None, "{a:#?}");
     cancel.cancel();
 }
+
+/// A pin for a while says how long as a person reads it: `2h`, not
+/// `7200s` (nor `3155760000s` for `--for 100y`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pin_for_a_while_says_how_long_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let (models, cancel) = boot(&sleeper("chat", "none", "", "1s"), shared(dir.path()));
+    let a = models
+        .pin_for("chat", Duration::from_secs(7200))
+        .await
+        .unwrap();
+    assert_eq!(a.message, "pinned awake for 2h");
+    let a = models
+        .pin_for("chat", Duration::from_secs(90))
+        .await
+        .unwrap();
+    assert_eq!(a.message, "pinned awake for 1m 30s");
+    cancel.cancel();
+}
