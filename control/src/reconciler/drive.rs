@@ -583,6 +583,23 @@ pub(super) fn reconcile(m: &mut ModelState, now: Instant, fx: &mut Vec<Effect>) 
             drained: true,
             ..
         } if m.in_flight() == 0 => yield_sleep(m, level, now, fx),
+        // A tier's or an eviction's stop still draining (no SIGTERM yet)
+        // is called off by a request's demand: the engine still serves,
+        // and the requests held under the proxies' fence are released at
+        // the awake, not made to wait for a cold start. (Not a restart, a
+        // reload's retirement or an operator's stop: demand does not turn
+        // those.)
+        Phase::Draining { .. }
+            if desired == Desired::Awake
+                && m.intent.reason == Reason::Demand
+                && m.restart_asked.is_none()
+                && !m.retiring =>
+        {
+            fx.push(Effect::Log(
+                "stop called off before its SIGTERM: a request came; serving again".into(),
+            ));
+            super::step::become_awake(m, now);
+        }
         // Still waiting for room, nothing asked of the engine yet: a sleep
         // at its level wanted now (an operator's) calls the wake off, the
         // engine left asleep and the room no longer asked for. Not with

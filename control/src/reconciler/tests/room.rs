@@ -65,3 +65,73 @@ fn a_deeper_sleeps_wake_is_not_called_off_by_it() {
     s.advance(secs(1));
     assert!(s.waiting_for_room(), "{:?}", s.m.phase);
 }
+
+/// A stop tier's drain, before its SIGTERM, is called off by a request's
+/// demand: the engine serves again at once, no cold start. (The drain went
+/// on to the SIGTERM, and the held request waited for a whole new start:
+/// minutes on a real engine.) An operator's stop, or a restart, is not.
+#[test]
+fn a_stop_tiers_drain_is_called_off_by_a_request() {
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers = vec![IdleTier {
+        after: secs(10),
+        action: IdleAction::Stop,
+    }];
+    s.boot();
+    s.advance(secs(10));
+    assert!(
+        matches!(s.m.phase, Phase::Draining { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    s.report(0, 1);
+    s.ev(Event::Demand);
+    assert_eq!(s.m.phase, Phase::Awake);
+    assert!(!s.has(|f| matches!(f, Effect::Terminate { .. } | Effect::Kill)));
+    assert!(
+        s.has(
+            |f| matches!(f, Effect::Log(l) if l.starts_with("stop called off before its SIGTERM"))
+        ),
+        "{:?}",
+        s.fx
+    );
+    // The Drained of the old epoch changes nothing.
+    s.ev(Event::Drained {
+        epoch: s.m.epoch - 1,
+        error: None,
+    });
+    assert_eq!(s.m.phase, Phase::Awake);
+
+    // An operator's stop drains on: demand does not turn it.
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    s.boot();
+    s.ev(Event::Command(Command::Stop));
+    assert!(
+        matches!(s.m.phase, Phase::Draining { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    s.ev(Event::Demand);
+    assert!(
+        matches!(s.m.phase, Phase::Draining { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    // Nor a restart's.
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    s.boot();
+    s.ev(Event::Command(Command::Restart));
+    assert!(
+        matches!(s.m.phase, Phase::Draining { .. }),
+        "{:?}",
+        s.m.phase
+    );
+    s.ev(Event::Demand);
+    assert!(
+        matches!(s.m.phase, Phase::Draining { .. }),
+        "{:?}",
+        s.m.phase
+    );
+}
