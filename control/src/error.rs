@@ -9,10 +9,22 @@ use std::net::SocketAddr;
 pub enum Error {
     #[error("{0}")]
     Config(#[from] crate::config::ConfigError),
-    #[error("cannot listen on {addr}: {source}")]
+    /// `key`: the setting that named the address. The cause is in the
+    /// message, not a `source` (it was printed twice: "Caused by: Address
+    /// already in use").
+    #[error(
+        "cannot listen on {addr} ({key}): {error}{}",
+        if error.kind() == std::io::ErrorKind::AddrInUse {
+            " (another siesta-control, or another program, holds it; pick another address, \
+             port 0 for any free one)"
+        } else {
+            ""
+        }
+    )]
     Bind {
         addr: SocketAddr,
-        source: std::io::Error,
+        key: &'static str,
+        error: std::io::Error,
     },
     #[error(
         "refusing to listen on non-loopback address {0} without a token: set [control] token or SIESTA_TOKEN"
@@ -77,5 +89,29 @@ impl OpError {
             what: what.into(),
             source,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listen address in use names the setting and what to do, once:
+    /// the cause is not a `source` as well (printed twice before, as
+    /// "Caused by: Address already in use", naming no setting).
+    #[test]
+    fn an_address_in_use_names_the_setting_once() {
+        let e = Error::Bind {
+            addr: "127.0.0.1:50051".parse().unwrap(),
+            key: "[control] listen, or --listen",
+            error: std::io::Error::from(std::io::ErrorKind::AddrInUse),
+        };
+        let said = e.to_string();
+        assert!(
+            said.starts_with("cannot listen on 127.0.0.1:50051 ([control] listen, or --listen): "),
+            "{said}"
+        );
+        assert!(said.contains("another siesta-control"), "{said}");
+        assert!(std::error::Error::source(&e).is_none());
     }
 }

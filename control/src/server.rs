@@ -27,6 +27,9 @@ mod grpc;
 mod liveness;
 use grpc::WatchRuntime;
 
+/// What names the gRPC address, for a bind that fails.
+const LISTEN_KEY: &str = "[control] listen, or --listen";
+
 /// How to serve, besides the configuration.
 #[derive(Debug, Clone, Default)]
 pub struct ServeOptions {
@@ -84,12 +87,13 @@ impl Server {
                 path: config.control.state_dir.clone(),
                 source: std::io::Error::other(e),
             })??;
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|source| Error::Bind { addr, source })?;
-        let local_addr = listener
-            .local_addr()
-            .map_err(|source| Error::Bind { addr, source })?;
+        let bind_error = |error| Error::Bind {
+            addr,
+            key: LISTEN_KEY,
+            error,
+        };
+        let listener = TcpListener::bind(addr).await.map_err(bind_error)?;
+        let local_addr = listener.local_addr().map_err(bind_error)?;
         let web = match config.control.web_listen {
             Some(a) => Some(crate::web::bind(a, token.as_deref()).await?),
             None => None,

@@ -63,7 +63,7 @@ const CALIBRATION: TableDefinition<&str, &[u8]> = TableDefinition::new("calibrat
 /// Why the store cannot be opened or written.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("state directory {}: {source}", path.display())]
+    #[error("state directory {} ([control] state_dir): {source}", path.display())]
     Io {
         path: PathBuf,
         source: std::io::Error,

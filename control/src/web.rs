@@ -48,7 +48,11 @@ pub async fn bind(addr: SocketAddr, token: Option<&str>) -> Result<TcpListener, 
     }
     TcpListener::bind(addr)
         .await
-        .map_err(|source| crate::Error::Bind { addr, source })
+        .map_err(|error| crate::Error::Bind {
+            addr,
+            key: "[control] web_listen",
+            error,
+        })
 }
 
 /// Serves the web listener in the background until `cancel`.
