@@ -534,8 +534,16 @@ fn hold_timeout(shared: &Shared, route: &ModelRoute) -> ApiError {
         reason: ShedReason::HoldTimeout,
         retry_after_s: Some(hold::retry_after_s(est.ms, depth)),
         message: format!(
-            "model `{}` did not become ready within {} ms",
-            route.name, route.max_hold_ms
+            "model `{}` did not become ready within {} ms{}",
+            route.name,
+            route.max_hold_ms,
+            // What its control plane says it waits for (room held by
+            // pinned or busy models, a neighbour's start): the 503 said
+            // nothing of why.
+            match route.status.waiting_for.as_str() {
+                "" => String::new(),
+                w => format!("; it waits for {w}"),
+            }
         ),
     }
 }

@@ -118,9 +118,13 @@ async fn queue_overflow_sheds_with_retry_after_growing_with_depth() {
     }
 }
 
+/// Past its `max_hold`, a 503 `hold_timeout` that says what the model
+/// waits for, as its control plane says (it said nothing of why).
 #[tokio::test]
 async fn held_past_max_hold_gets_503() {
-    let c = ScriptedControl::start(vec![held("m", 8, 300)]);
+    let mut m = held("m", 8, 300);
+    m.waiting_for = "room on GPU 0: held by a (pinned)".into();
+    let c = ScriptedControl::start(vec![m]);
     let p = ready_proxy(vec![c.url()], |_| {}).await;
     let t0 = Instant::now();
     let r = post(&p.url("/v1/chat/completions"), &chat("m")).await;
@@ -128,6 +132,11 @@ async fn held_past_max_hold_gets_503() {
     assert_eq!(r.status, 503);
     assert_eq!(r.json()["error"]["code"], "hold_timeout");
     assert!(r.retry_after().unwrap() >= 1);
+    let said = r.json()["error"]["message"].as_str().unwrap().to_string();
+    assert_eq!(
+        said,
+        "model `m` did not become ready within 300 ms; it waits for room on GPU 0: held by a (pinned)"
+    );
 }
 
 /// A request held on a fresh connection waits in the waiting room; past
