@@ -220,6 +220,26 @@ async fn a_non_loopback_listener_refuses_a_page_without_the_token() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200, "GET /api/models with the token");
+    // A call that exists, by another method: 405 naming the one it takes
+    // (a GET of an operation read as "no such API call", 404).
+    for (get, path, allow) in [
+        (true, "/api/models/gamma/wake", "POST"),
+        (false, "/api/models", "GET"),
+        (false, "/api/history", "GET"),
+    ] {
+        let url = format!("{}{path}", s.web);
+        let req = if get { http.get(url) } else { http.post(url) };
+        let r = req.bearer_auth("t0ken").send().await.unwrap();
+        assert_eq!(r.status(), 405, "{path}");
+        assert_eq!(r.headers()["allow"], allow, "{path}");
+    }
+    let r = http
+        .get(format!("{}/api/nothing", s.web))
+        .bearer_auth("t0ken")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
 
     let Some(mut b) = Browser::launch(&format!("{}/", s.web)).await else {
         return;

@@ -88,10 +88,39 @@ pub async fn handle<B>(web: &Web, req: Request<B>) -> Response<Body> {
             let name = super::percent_decode(name);
             operation(web, &req, name, op).await
         }
-        (m, p) => error(
-            StatusCode::NOT_FOUND,
-            &format!("no such API call: {m} {p} (see the README's web listener section)"),
-        ),
+        (m, p) => match allowed(p) {
+            // A call that exists, by another method: 405 with `Allow` (a
+            // GET of an operation read as "no such API call").
+            Some(allow) => {
+                let mut r = error(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    &format!("{p} takes {allow}, not {m}"),
+                );
+                r.headers_mut().insert(
+                    hyper::header::ALLOW,
+                    hyper::header::HeaderValue::from_static(allow),
+                );
+                r
+            }
+            None => error(
+                StatusCode::NOT_FOUND,
+                &format!("no such API call: {m} {p} (see the README's web listener section)"),
+            ),
+        },
+    }
+}
+
+/// The method the API call at `path` takes, if there is one there.
+fn allowed(path: &str) -> Option<&'static str> {
+    match path {
+        "/api/models" | "/api/gpus" | "/api/history" => Some("GET"),
+        p if p
+            .strip_prefix("/api/models/")
+            .is_some_and(|rest| rest.contains('/')) =>
+        {
+            Some("POST")
+        }
+        _ => None,
     }
 }
 
