@@ -581,13 +581,14 @@ fn operator_stop_and_restart_let_requests_in_flight_finish() {
         cause: None,
     });
     assert!(s.has(|f| matches!(f, Effect::Spawn { .. })));
-    // The engine exiting on its own while draining: stopped, not failed.
+    // The engine exiting on its own and cleanly while draining: stopped,
+    // not failed (as the supervisor words it).
     let mut s = Sim::new(Preload::Awake);
     s.boot();
     s.ev(Event::Command(Command::Stop));
     s.ev(Event::ChildExited {
         proc_gen: s.m.proc_gen,
-        status: "exit 0".into(),
+        status: "exit status: 0".into(),
         cause: None,
     });
     assert_eq!(s.m.phase, Phase::Stopped);

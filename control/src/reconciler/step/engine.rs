@@ -71,6 +71,20 @@ pub(super) fn child_exited(
     m.engine_running = 0;
     m.stable_at = None;
     match m.phase {
+        // Draining, nothing is signalled yet: an engine that ends then with
+        // an error (a non-zero status, a signal other than a SIGTERM)
+        // crashed, and is failed as one (counted, backed off, its last
+        // words in `last_error`). It was taken for stopped: a crashing
+        // engine drained by the refused-probe path restarted at once,
+        // leaving no trace. A clean end (status 0, or the SIGTERM someone
+        // sent it) is a stop, as before.
+        Phase::Draining { .. } if !exited_cleanly(&status) => {
+            let error = match &cause {
+                Some(cause) => format!("engine exited while draining ({status}): {cause}"),
+                None => format!("engine exited while draining ({status})"),
+            };
+            fail(m, error, now, fx);
+        }
         Phase::Stopping { .. } | Phase::Draining { .. } => {
             fx.push(Effect::Log(format!("engine stopped ({status})")));
             set_phase(m, Phase::Stopped, now);
@@ -113,6 +127,13 @@ pub(super) fn child_exited(
             }
         }
     }
+}
+
+/// An exit as the supervisor words it (`exit status: 0`, `signal: 15
+/// (SIGTERM)`) that is an engine's own clean shutdown: status 0, or the
+/// SIGTERM someone sent it (vLLM ends on it).
+fn exited_cleanly(status: &str) -> bool {
+    status == "exit status: 0" || status.starts_with("signal: 15")
 }
 
 /// `/health` answered: a start is done (serving, or found asleep).

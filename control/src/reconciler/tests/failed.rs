@@ -419,6 +419,41 @@ fn a_refused_probe_with_answers_under_way_drains_and_restarts_the_engine() {
     assert!(s.has(|f| matches!(f, Effect::Spawn { .. })), "{:?}", s.fx);
     assert_eq!(s.m.failures, 0);
 
+    // One that crashes while drained (a non-zero status): failed as a
+    // crash, counted and backed off, its last words shown (it was taken
+    // for stopped and restarted at once, leaving no trace).
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    s.boot();
+    let proc_gen = s.m.proc_gen;
+    s.report(2, 0);
+    refused(&mut s);
+    s.ev(Event::ChildExited {
+        proc_gen,
+        status: "exit status: 1".into(),
+        cause: Some("RuntimeError: boom".into()),
+    });
+    assert!(matches!(s.m.phase, Phase::Failed { .. }), "{:?}", s.m.phase);
+    assert_eq!(s.m.failures, 1);
+    assert_eq!(
+        s.m.last_error.as_deref(),
+        Some("engine exited while draining (exit status: 1): RuntimeError: boom")
+    );
+    // Ended by the SIGTERM someone sent it: a stop, as before.
+    let mut s = Sim::new(Preload::Awake);
+    s.m.settings.tiers.clear();
+    s.boot();
+    let proc_gen = s.m.proc_gen;
+    s.report(2, 0);
+    refused(&mut s);
+    s.ev(Event::ChildExited {
+        proc_gen,
+        status: "signal: 15 (SIGTERM)".into(),
+        cause: None,
+    });
+    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })), "{:?}", s.fx);
+    assert_eq!(s.m.failures, 0);
+
     // Nothing under way: the strikes fail it as before.
     let mut s = Sim::new(Preload::Awake);
     s.m.settings.tiers.clear();
