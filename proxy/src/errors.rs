@@ -66,6 +66,13 @@ pub enum ApiError {
         "no route for {0}: this proxy serves POST /v1/... requests with a `model` field and GET /v1/models"
     )]
     NoRoute(String),
+    /// The admin listener's: its own paths, and where model requests go
+    /// (it said "this proxy serves POST /v1/...", which 404 there).
+    #[error(
+        "no route for {0} on the admin listener: it serves GET or HEAD /healthz, /readyz and \
+         /metrics; model requests go to the main listener (--listen)"
+    )]
+    NoAdminRoute(String),
     /// A path served here, asked with a method it does not take.
     #[error("{method} is not allowed on {path}: it takes {allow}")]
     MethodNotAllowed {
@@ -124,7 +131,9 @@ pub enum ApiError {
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::NoRoute(_) | ApiError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            ApiError::NoRoute(_) | ApiError::NoAdminRoute(_) | ApiError::UnknownModel(_) => {
+                StatusCode::NOT_FOUND
+            }
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::MissingModel
             | ApiError::ModelRequired(_)
@@ -145,7 +154,9 @@ impl ApiError {
 
     fn kind_and_code(&self) -> (&'static str, &'static str) {
         match self {
-            ApiError::NoRoute(_) => ("invalid_request_error", "not_found"),
+            ApiError::NoRoute(_) | ApiError::NoAdminRoute(_) => {
+                ("invalid_request_error", "not_found")
+            }
             ApiError::MethodNotAllowed { .. } => ("invalid_request_error", "method_not_allowed"),
             ApiError::UnknownModel(_) => ("invalid_request_error", "model_not_found"),
             ApiError::MissingModel | ApiError::ModelRequired(_) => {

@@ -98,7 +98,7 @@ pub async fn handle_admin(shared: Arc<Shared>, req: Request<Incoming>) -> Respon
     let e = if matches!(path, "/healthz" | "/readyz" | "/metrics") {
         wrong_method(req.method(), path, "GET, HEAD")
     } else {
-        ApiError::NoRoute(crate::errors::shown(&format!("{} {path}", req.method())))
+        ApiError::NoAdminRoute(crate::errors::shown(&format!("{} {path}", req.method())))
     };
     closing_if(
         !req.body().is_end_stream(),
