@@ -121,6 +121,13 @@ pub fn check(config: &Config) -> Result<Planned, ConfigError> {
 
 fn run_state(m: &ModelStatus) -> RunState {
     match m.state {
+        // A start or wake still waiting for room holds what its engine
+        // holds now, nothing or its asleep residual (it was counted awake
+        // in the placement report: an 80 GiB GPU read 96 GiB awake with a
+        // model waiting beside a pinned one; admission also maps its own
+        // queued asks so, before their status says it).
+        State::Starting if m.awaiting_room => RunState::Stopped,
+        State::Waking if m.awaiting_room => RunState::Asleep,
         State::Stopped => RunState::Stopped,
         State::Starting => RunState::Starting,
         State::Awake => RunState::Awake,
@@ -565,19 +572,7 @@ impl GpuView {
         let st = self.state.lock().unwrap();
         let mut machine = Machine::from_inventory(&st.inventory, st.p2p.clone());
         machine.foreign = foreign;
-        let mut runtime = runtime(models);
-        // A start or wake still waiting for room holds what its engine
-        // holds now, as admission counts it (it read as awake: an 80 GiB
-        // GPU showed 96 GiB awake with a model waiting beside a pinned one).
-        for m in models.iter().filter(|m| m.awaiting_room) {
-            if let Some(r) = runtime.get_mut(&m.name) {
-                r.state = match r.state {
-                    RunState::Starting => RunState::Stopped,
-                    RunState::Waking => RunState::Asleep,
-                    state => state,
-                };
-            }
-        }
+        let runtime = runtime(models);
         let mut placements: Vec<ModelPlacement> = st
             .placements
             .iter()

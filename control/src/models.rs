@@ -260,8 +260,6 @@ impl Models {
 
 mod commands;
 pub use commands::Answer;
-#[cfg(test)]
-use commands::NOT_DURABLE;
 mod reload;
 
 #[cfg(test)]

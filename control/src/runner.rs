@@ -581,7 +581,11 @@ impl Runner {
                             }
                             return;
                         }
-                        if let Some(running) = metrics.map(|m| m.running)
+                        // Taken and not scheduled yet counts too, as the
+                        // look before a sleep counts it (else a request
+                        // waiting a step had each poll begin a sleep that
+                        // look then called off).
+                        if let Some(running) = metrics.map(|m| m.running + m.waiting)
                             && (running > 0 || running != self.state.engine_running)
                         {
                             self.apply(Event::EngineMetrics { running }).await;

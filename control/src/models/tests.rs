@@ -2,7 +2,7 @@
 //! model's new engine goes on from its old one's intent, pin and history;
 //! the stop bound `siesta up` waits for follows the stop grace.
 
-use super::commands::{account, still_waking, waited_wake_says};
+use super::commands::{NOT_DURABLE, account, still_waking, waited_wake_says};
 use super::*;
 use crate::reconciler::{Command, Desired, Reason};
 use crate::runner::tests::shared;

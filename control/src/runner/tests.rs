@@ -904,3 +904,44 @@ async fn a_configured_port_another_process_holds_is_not_started_on() {
     cancel.cancel();
     h.join().await;
 }
+
+/// The periodic poll counts a request the engine has taken and not
+/// scheduled yet (`vllm:num_requests_waiting`) in flight, as the look
+/// before a sleep does: counted by the look alone, each poll began a sleep
+/// that the look called off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_poll_counts_requests_the_engine_has_not_scheduled_yet() {
+    use crate::engine::test_server::{Act, engine};
+    let e = engine(|_, _, line| {
+        if line.contains("/is_sleeping") {
+            Act::Ok(r#"{"is_sleeping":false}"#)
+        } else if line.contains("/metrics") {
+            Act::Ok("vllm:num_requests_waiting{engine=\"0\"} 2.0\n")
+        } else {
+            Act::Ok("")
+        }
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let cancel = CancellationToken::new();
+    let h = spawn_model(
+        attach("ext", &e.url),
+        Placed::default(),
+        shared(dir.path()),
+        cancel.clone(),
+    )
+    .unwrap();
+    let s = tokio::time::timeout(
+        Duration::from_secs(30),
+        h.status
+            .clone()
+            .wait_for(|s| s.state == State::Awake && s.in_flight == 2),
+    )
+    .await
+    .expect("the waiting requests were never counted in flight")
+    .unwrap()
+    .clone();
+    assert_eq!(s.in_flight, 2, "{s:?}");
+    cancel.cancel();
+    h.join().await;
+}

@@ -78,7 +78,7 @@ pub(super) fn child_exited(
         // engine drained by the refused-probe path restarted at once,
         // leaving no trace. A clean end (status 0, or the SIGTERM someone
         // sent it) is a stop, as before.
-        Phase::Draining { .. } if !exited_cleanly(&status) => {
+        Phase::Draining { .. } if exited_with_error(&status) => {
             let error = match &cause {
                 Some(cause) => format!("engine exited while draining ({status}): {cause}"),
                 None => format!("engine exited while draining ({status})"),
@@ -129,11 +129,17 @@ pub(super) fn child_exited(
     }
 }
 
-/// An exit as the supervisor words it (`exit status: 0`, `signal: 15
-/// (SIGTERM)`) that is an engine's own clean shutdown: status 0, or the
-/// SIGTERM someone sent it (vLLM ends on it).
-fn exited_cleanly(status: &str) -> bool {
-    status == "exit status: 0" || status.starts_with("signal: 15")
+/// An exit as the supervisor words it (std's `ExitStatus`: `exit status:
+/// 1`, `signal: 9 (SIGKILL)`) that says the engine failed: a status other
+/// than 0, or a signal other than the SIGTERM someone sent it (vLLM ends
+/// on it). An exit not known (an adopted engine's) says nothing.
+fn exited_with_error(status: &str) -> bool {
+    if let Some(code) = status.strip_prefix("exit status: ") {
+        return code != "0";
+    }
+    status
+        .strip_prefix("signal: ")
+        .is_some_and(|sig| sig.split(' ').next() != Some("15"))
 }
 
 /// `/health` answered: a start is done (serving, or found asleep).

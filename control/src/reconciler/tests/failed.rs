@@ -439,20 +439,31 @@ fn a_refused_probe_with_answers_under_way_drains_and_restarts_the_engine() {
         s.m.last_error.as_deref(),
         Some("engine exited while draining (exit status: 1): RuntimeError: boom")
     );
-    // Ended by the SIGTERM someone sent it: a stop, as before.
-    let mut s = Sim::new(Preload::Awake);
-    s.m.settings.tiers.clear();
-    s.boot();
-    let proc_gen = s.m.proc_gen;
-    s.report(2, 0);
-    refused(&mut s);
-    s.ev(Event::ChildExited {
-        proc_gen,
-        status: "signal: 15 (SIGTERM)".into(),
-        cause: None,
-    });
-    assert!(s.has(|f| matches!(f, Effect::Spawn { .. })), "{:?}", s.fx);
-    assert_eq!(s.m.failures, 0);
+    // Ended by the SIGTERM someone sent it, or an adopted engine's exit
+    // whose status is not known: a stop, as before. A SIGKILL: a crash.
+    for (status, crash) in [
+        ("signal: 15 (SIGTERM)", false),
+        ("exited (adopted engine: exit status unknown)", false),
+        ("signal: 9 (SIGKILL)", true),
+    ] {
+        let mut s = Sim::new(Preload::Awake);
+        s.m.settings.tiers.clear();
+        s.boot();
+        let proc_gen = s.m.proc_gen;
+        s.report(2, 0);
+        refused(&mut s);
+        s.ev(Event::ChildExited {
+            proc_gen,
+            status: status.into(),
+            cause: None,
+        });
+        assert_eq!(s.m.failures, u32::from(crash), "{status}: {:?}", s.m.phase);
+        assert_eq!(
+            s.has(|f| matches!(f, Effect::Spawn { .. })),
+            !crash,
+            "{status}"
+        );
+    }
 
     // Nothing under way: the strikes fail it as before.
     let mut s = Sim::new(Preload::Awake);
